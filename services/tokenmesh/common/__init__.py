@@ -1,0 +1,1 @@
+"""The shared service runtime: settings, logging, server bootstrap, health, errors, metrics."""

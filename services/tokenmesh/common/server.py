@@ -1,0 +1,96 @@
+"""gRPC server bootstrap: channel options, health, reflection, signals and the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+import uvloop
+from grpc import aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from tokenmesh.common.settings import ServiceSettings
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def server_options(settings: ServiceSettings) -> list[tuple[str, Any]]:
+    """Channel arguments from the production playbook; each is explained in ServiceSettings."""
+    return [
+        ("grpc.max_send_message_length", settings.max_message_bytes),
+        ("grpc.max_receive_message_length", settings.max_message_bytes),
+        ("grpc.max_concurrent_streams", settings.max_concurrent_streams),
+        ("grpc.keepalive_time_ms", settings.keepalive_time_ms),
+        ("grpc.keepalive_timeout_ms", settings.keepalive_timeout_ms),
+        ("grpc.keepalive_permit_without_calls", int(settings.keepalive_permit_without_calls)),
+        ("grpc.http2.min_ping_interval_without_data_ms", settings.min_ping_interval_ms),
+        # With a minimum interval enforced, a few early pings are tolerated before GOAWAY.
+        ("grpc.http2.max_ping_strikes", 2),
+        ("grpc.max_connection_idle_ms", settings.max_connection_idle_ms),
+        ("grpc.max_connection_age_ms", settings.max_connection_age_ms),
+        ("grpc.max_connection_age_grace_ms", settings.max_connection_age_grace_ms),
+        # A server that cannot bind its port must fail, not share it with a stale copy.
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def build_server(
+    settings: ServiceSettings, interceptors: Sequence[aio.ServerInterceptor]
+) -> aio.Server:
+    return aio.server(interceptors=list(interceptors), options=server_options(settings))
+
+
+def bind(server: aio.Server, settings: ServiceSettings) -> int:
+    """Listen on settings.host:port (plaintext; Envoy terminates TLS); returns the bound port."""
+    return int(server.add_insecure_port(f"{settings.host}:{settings.port}"))
+
+
+class Health:
+    """grpc.health.v1 for the overall server ("") and each named service, switched together."""
+
+    def __init__(self, service_names: Sequence[str]) -> None:
+        self.servicer = HealthServicer()
+        self._names = ("", *service_names)
+
+    def register(self, server: aio.Server) -> None:
+        health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
+
+    async def set_serving(self) -> None:
+        await self._set_all(SERVING)
+
+    async def set_not_serving(self) -> None:
+        await self._set_all(NOT_SERVING)
+
+    async def _set_all(self, status: int) -> None:
+        for name in self._names:
+            await self.servicer.set(name, status)
+
+
+def enable_reflection(server: aio.Server, service_names: Sequence[str]) -> None:
+    """Server reflection, so `grpcurl -plaintext HOST:PORT list` works without proto files."""
+    names = (*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
+    reflection.enable_server_reflection((*names, reflection.SERVICE_NAME), server)
+
+
+async def wait_for_shutdown_signal(stop: asyncio.Event | None = None) -> None:
+    """Return on SIGTERM or SIGINT (or when stop is set, for fatal conditions)."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+def run(main: Coroutine[Any, Any, int | None]) -> int:
+    """Run a service's serve() coroutine on uvloop; returns its exit status."""
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main) or 0

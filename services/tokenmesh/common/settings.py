@@ -1,0 +1,49 @@
+"""Typed settings every service shares; each service subclasses with its own env prefix."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+MIB = 1024 * 1024
+
+
+class ServiceSettings(BaseSettings):
+    """Server, metrics and logging settings; a subclass sets env_prefix (TOKENMESH_<SERVICE>_)."""
+
+    model_config = SettingsConfigDict(frozen=True, extra="ignore")
+
+    # Address the gRPC server binds; 0.0.0.0 in containers.
+    host: str = "127.0.0.1"
+    # gRPC port; 0 picks a free port (tests read the bound port back).
+    port: int = Field(default=50051, ge=0, le=65535)
+    # Prometheus metrics over HTTP; 0 picks a free port, -1 turns the endpoint off.
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = Field(default=9090, ge=-1, le=65535)
+    # On SIGTERM: seconds in-flight RPCs get to finish before they are cancelled.
+    grace_seconds: float = Field(default=10.0, ge=0)
+    log_level: str = "INFO"
+    # json: one object per line for log shippers; text: for humans at a terminal.
+    log_format: Literal["json", "text"] = "json"
+
+    # Largest protobuf message accepted or sent; bigger ones fail with RESOURCE_EXHAUSTED.
+    max_message_bytes: int = Field(default=4 * MIB, ge=1024)
+    # HTTP/2 streams one connection may carry at once (Envoy multiplexes many on one).
+    max_concurrent_streams: int = Field(default=2048, ge=1)
+    # Server pings an idle connection this often to detect dead peers behind NATs/LBs.
+    keepalive_time_ms: int = Field(default=5_000, ge=1)
+    # A ping unanswered this long closes the connection.
+    keepalive_timeout_ms: int = Field(default=1_000, ge=1)
+    # Allow client pings even with no RPC in flight (clients keep idle channels warm).
+    keepalive_permit_without_calls: bool = True
+    # Client pings closer together than this are abuse (GOAWAY too_many_pings); below clients'
+    # 5 s keepalive so well-behaved clients are never cut off.
+    min_ping_interval_ms: int = Field(default=4_000, ge=0)
+    # Close connections idle this long, so stale client connections do not pile up.
+    max_connection_idle_ms: int = Field(default=300_000, ge=1)
+    # Ask clients to reconnect after this long, so load re-balances across replicas.
+    max_connection_age_ms: int = Field(default=1_800_000, ge=1)
+    # After max_connection_age, in-flight streams get this long to finish before the close.
+    max_connection_age_grace_ms: int = Field(default=300_000, ge=0)

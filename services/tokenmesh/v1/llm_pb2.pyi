@@ -1,0 +1,120 @@
+from tokenmesh.v1 import token_pb2 as _token_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("prompt", "max_tokens", "temperature", "documents", "top_k_documents", "top_p", "seed", "stop", "ignore_eos")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    max_tokens: int
+    temperature: float
+    documents: _containers.RepeatedScalarFieldContainer[str]
+    top_k_documents: int
+    top_p: float
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    ignore_eos: bool
+    def __init__(self, prompt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., documents: _Optional[_Iterable[str]] = ..., top_k_documents: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class Query(_message.Message):
+    __slots__ = ("prompt", "max_tokens", "temperature", "documents", "top_k_documents", "top_p", "seed", "stop", "ignore_eos")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    max_tokens: int
+    temperature: float
+    documents: _containers.RepeatedScalarFieldContainer[str]
+    top_k_documents: int
+    top_p: float
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    ignore_eos: bool
+    def __init__(self, prompt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., documents: _Optional[_Iterable[str]] = ..., top_k_documents: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class Answer(_message.Message):
+    __slots__ = ("text", "finish_reason", "usage", "warnings", "used_document_indices")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    WARNINGS_FIELD_NUMBER: _ClassVar[int]
+    USED_DOCUMENT_INDICES_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    finish_reason: _token_pb2.FinishReason
+    usage: _token_pb2.Usage
+    warnings: _containers.RepeatedScalarFieldContainer[str]
+    used_document_indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, text: _Optional[str] = ..., finish_reason: _Optional[_Union[_token_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_token_pb2.Usage, _Mapping]] = ..., warnings: _Optional[_Iterable[str]] = ..., used_document_indices: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DocumentChunk(_message.Message):
+    __slots__ = ("text", "instruction", "max_tokens", "temperature")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    INSTRUCTION_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    instruction: str
+    max_tokens: int
+    temperature: float
+    def __init__(self, text: _Optional[str] = ..., instruction: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("user", "cancel")
+    USER_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    user: UserTurn
+    cancel: CancelGeneration
+    def __init__(self, user: _Optional[_Union[UserTurn, _Mapping]] = ..., cancel: _Optional[_Union[CancelGeneration, _Mapping]] = ...) -> None: ...
+
+class UserTurn(_message.Message):
+    __slots__ = ("content", "max_tokens", "temperature")
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    content: str
+    max_tokens: int
+    temperature: float
+    def __init__(self, content: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ...) -> None: ...
+
+class CancelGeneration(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ChatEvent(_message.Message):
+    __slots__ = ("turn", "token", "turn_end")
+    TURN_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TURN_END_FIELD_NUMBER: _ClassVar[int]
+    turn: int
+    token: _token_pb2.Token
+    turn_end: TurnEnd
+    def __init__(self, turn: _Optional[int] = ..., token: _Optional[_Union[_token_pb2.Token, _Mapping]] = ..., turn_end: _Optional[_Union[TurnEnd, _Mapping]] = ...) -> None: ...
+
+class TurnEnd(_message.Message):
+    __slots__ = ("finish_reason", "usage", "dropped_turns")
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_TURNS_FIELD_NUMBER: _ClassVar[int]
+    finish_reason: _token_pb2.FinishReason
+    usage: _token_pb2.Usage
+    dropped_turns: int
+    def __init__(self, finish_reason: _Optional[_Union[_token_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_token_pb2.Usage, _Mapping]] = ..., dropped_turns: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,1 @@
+"""The inference worker: a gRPC InferenceService over one vLLM AsyncLLM engine."""

@@ -1,0 +1,131 @@
+"""The worker's composition root: builds the engine, server, health and metrics, runs, stops."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from prometheus_client import REGISTRY, CollectorRegistry, Gauge
+from prometheus_client.registry import Collector
+
+from tokenmesh.common.interceptors import ErrorMappingInterceptor, GrpcMetricsInterceptor
+from tokenmesh.common.metrics import GrpcServerMetrics, MetricsEndpoint, StreamMetrics
+from tokenmesh.common.server import (
+    Health,
+    bind,
+    build_server,
+    enable_reflection,
+    wait_for_shutdown_signal,
+)
+from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
+from tokenmesh.worker.config import WorkerSettings
+from tokenmesh.worker.engine import EngineLoad, EngineSlot, VllmEngine
+from tokenmesh.worker.servicer import InferenceServicer
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAMES = (inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name,)
+
+
+class VllmMetricsCollector(Collector):
+    """Re-exports vLLM's own metrics (vllm:*), which vLLM registers in the global registry."""
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        for family in REGISTRY.collect():
+            if family.name.startswith("vllm:"):
+                yield family
+
+
+def register_engine_gauges(registry: CollectorRegistry, load: EngineLoad) -> None:
+    """Gauges read from the scheduler's latest report at scrape time."""
+    Gauge(
+        "tokenmesh_worker_running_requests",
+        "Requests in the engine's running batch (vLLM scheduler).",
+        registry=registry,
+    ).set_function(lambda: load.running)
+    Gauge(
+        "tokenmesh_worker_waiting_requests",
+        "Requests waiting in the engine's queue (vLLM scheduler).",
+        registry=registry,
+    ).set_function(lambda: load.waiting)
+    Gauge(
+        "tokenmesh_worker_kv_cache_usage_ratio",
+        "Fraction of the KV cache in use, 0..1 (vLLM scheduler).",
+        registry=registry,
+    ).set_function(lambda: load.kv_cache_usage)
+
+
+async def watch_engine(engine: VllmEngine, interval: float, stop: asyncio.Event) -> None:
+    """Stop the worker when the engine process dies, so its supervisor restarts it."""
+    # vLLM exposes no event for engine death, only the errored flag, so it is polled.
+    while not engine.errored:  # noqa: ASYNC110
+        await asyncio.sleep(interval)
+    log.error("inference engine died; shutting the worker down")
+    stop.set()
+
+
+async def serve(settings: WorkerSettings) -> int:
+    """Run the worker until SIGTERM/SIGINT (exit 0) or until its engine dies (exit 1)."""
+    registry = CollectorRegistry()
+    registry.register(VllmMetricsCollector())
+    stream_metrics = StreamMetrics(registry)
+    slot = EngineSlot()
+    health = Health(SERVICE_NAMES)
+    server = build_server(
+        settings,
+        interceptors=[
+            GrpcMetricsInterceptor(GrpcServerMetrics(registry)),
+            ErrorMappingInterceptor(),
+        ],
+    )
+    inference_pb2_grpc.add_InferenceServiceServicer_to_server(
+        InferenceServicer(slot, settings, stream_metrics), server
+    )
+    health.register(server)
+    enable_reflection(server, SERVICE_NAMES)
+    port = bind(server, settings)
+    await health.set_not_serving()
+    await server.start()
+    metrics = MetricsEndpoint(registry, settings.metrics_host, settings.metrics_port)
+    metrics_port = metrics.start()
+    log.info(
+        "worker listening; loading model",
+        extra={"port": port, "metrics_port": metrics_port, "model": settings.model},
+    )
+
+    stop = asyncio.Event()
+    signals = asyncio.create_task(wait_for_shutdown_signal(stop))
+    loading = asyncio.create_task(VllmEngine.start(settings))
+    await asyncio.wait({signals, loading}, return_when=asyncio.FIRST_COMPLETED)
+    engine: VllmEngine | None = None
+    watchdog: asyncio.Task[None] | None = None
+    exit_code = 0
+    if loading.done():
+        engine = loading.result()
+        slot.set(engine)
+        register_engine_gauges(registry, engine.load)
+        watchdog = asyncio.create_task(
+            watch_engine(engine, settings.engine_check_interval_seconds, stop)
+        )
+        await health.set_serving()
+        log.info("worker serving", extra={"port": port, "model": engine.model_name})
+        await signals
+        exit_code = 1 if engine.errored else 0
+    else:
+        loading.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await loading
+
+    log.info("worker stopping", extra={"grace_seconds": settings.grace_seconds})
+    await health.set_not_serving()
+    # New RPCs are refused; in-flight streams get the grace period, then are cancelled, which
+    # aborts their engine requests.
+    await server.stop(settings.grace_seconds)
+    if watchdog is not None:
+        watchdog.cancel()
+    if engine is not None:
+        await asyncio.to_thread(engine.close)
+    metrics.stop()
+    log.info("worker stopped", extra={"exit_code": exit_code})
+    return exit_code

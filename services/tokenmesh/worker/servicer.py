@@ -1,0 +1,72 @@
+"""InferenceService RPC handlers: validate, stream the engine's tokens, abort on cancel."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from grpc import aio
+
+from tokenmesh.common.metrics import StreamMetrics
+from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
+from tokenmesh.worker.config import WorkerSettings
+from tokenmesh.worker.engine import EngineSlot
+from tokenmesh.worker.requests import validate
+
+
+class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
+    def __init__(
+        self, engines: EngineSlot, limits: WorkerSettings, stream_metrics: StreamMetrics
+    ) -> None:
+        self._engines = engines
+        self._limits = limits
+        self._stream_metrics = stream_metrics
+
+    async def Generate(
+        self,
+        request: inference_pb2.InferenceRequest,
+        context: aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[token_pb2.Token]:
+        timer = self._stream_metrics.timer()
+        spec = validate(request, self._limits)
+        engine = self._engines.get()
+        deltas = engine.stream(spec)
+        try:
+            async for delta in deltas:
+                token = token_pb2.Token(
+                    text=delta.text,
+                    index=delta.index,
+                    token_id=delta.token_id,
+                    finish_reason=delta.finish_reason,  # type: ignore[arg-type]
+                    emitted_unix_nanos=time.time_ns(),
+                )
+                if delta.finish_reason:
+                    token.usage.prompt_tokens = delta.prompt_tokens
+                    token.usage.completion_tokens = delta.index + (delta.token_id >= 0)
+                if delta.token_id >= 0:
+                    timer.token_sent()
+                yield token
+        except asyncio.CancelledError:
+            # The caller cancelled, went away or ran out of deadline: free the engine now.
+            await engine.abort(spec.request_id)
+            raise
+        finally:
+            await deltas.aclose()
+
+    async def GetEngineStats(
+        self,
+        request: inference_pb2.EngineStatsRequest,
+        context: aio.ServicerContext[Any, Any],
+    ) -> inference_pb2.EngineStats:
+        engine = self._engines.get()
+        load = engine.load
+        return inference_pb2.EngineStats(
+            running_requests=load.running,
+            waiting_requests=load.waiting,
+            kv_cache_usage=load.kv_cache_usage,
+            reported_unix_nanos=load.reported_unix_nanos,
+            model=engine.model_name,
+            max_model_len=engine.max_model_len,
+        )

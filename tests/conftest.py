@@ -1,0 +1,49 @@
+"""Shared fixtures: the real worker (real vLLM on the tiny model) starts once per session."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from grpc import aio
+
+from tests.support import TINY_MODEL, ServiceProcess, worker_process
+from tokenmesh.v1 import inference_pb2_grpc
+
+LOG_DIR = Path(__file__).resolve().parent.parent / ".run" / "test-logs"
+# Loading vLLM takes ~40 s on 2 cores; a loaded CI machine may take several times that.
+WORKER_START_TIMEOUT = 300.0
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that stop the shared worker run after all others, in their file order."""
+    items.sort(key=lambda item: item.get_closest_marker("stops_worker") is not None)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "stops_worker: ends the session's shared worker process")
+
+
+@pytest.fixture(scope="session")
+def worker() -> Iterator[ServiceProcess]:
+    if not (TINY_MODEL / "config.json").exists():
+        pytest.fail(f"no tiny model at {TINY_MODEL}: run `make setup` first")
+    process = worker_process(LOG_DIR)
+    process.start()
+    try:
+        process.wait_serving(WORKER_START_TIMEOUT)
+        yield process
+    finally:
+        process.stop()
+
+
+@pytest.fixture(scope="session")
+async def worker_channel(worker: ServiceProcess) -> AsyncIterator[aio.Channel]:
+    async with aio.insecure_channel(worker.address) as channel:
+        yield channel
+
+
+@pytest.fixture(scope="session")
+def inference(worker_channel: aio.Channel) -> inference_pb2_grpc.InferenceServiceStub:
+    return inference_pb2_grpc.InferenceServiceStub(worker_channel)

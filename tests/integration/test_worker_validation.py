@@ -1,0 +1,56 @@
+"""Bad requests get INVALID_ARGUMENT naming the field and the limit, and never reach the engine."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from tokenmesh.v1 import inference_pb2
+
+pytestmark = pytest.mark.integration
+
+CASES = {
+    "empty prompt": (dict(prompt=""), {}, "prompt: must not be empty"),
+    "max_tokens zero": (dict(), dict(max_tokens=0), "sampling.max_tokens: must be in [1, 4096]"),
+    "max_tokens over cap": (dict(), dict(max_tokens=5000), "got 5000"),
+    "negative temperature": (dict(), dict(temperature=-0.5), "sampling.temperature"),
+    "temperature over 2": (dict(), dict(temperature=2.5), "must be in [0, 2]"),
+    "temperature NaN": (dict(), dict(temperature=float("nan")), "sampling.temperature"),
+    "top_p zero": (dict(), dict(top_p=0.0), "sampling.top_p: must be in (0, 1]"),
+    "top_k zero": (dict(), dict(top_k=0), "sampling.top_k"),
+    "too many stops": (dict(), dict(stop=["a"] * 9), "over the limit of 8"),
+    "empty stop": (dict(), dict(stop=[""]), "sampling.stop[0]"),
+    "prompt over byte limit": (dict(prompt="x" * (256 * 1024 + 1)), {}, "over the limit of 262144"),
+    "request id too long": (dict(request_id="r" * 129), {}, "request_id"),
+    # ~3000 tokens of text: longer than the 2048-token model context.
+    "prompt longer than context": (
+        dict(prompt=" ".join(f"w{i}" for i in range(3000))),
+        {},
+        "the model context is 2048 tokens",
+    ),
+    "prompt plus max_tokens over context": (
+        dict(prompt=" ".join(f"w{i}" for i in range(400))),
+        dict(max_tokens=2000),
+        "exceeds the model context of 2048 tokens",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+async def test_invalid_request_is_rejected_with_field_and_limit(inference, case: str) -> None:
+    request_fields, sampling_fields, expected = CASES[case]
+    sampling = {"max_tokens": 8, **sampling_fields}
+    request = inference_pb2.InferenceRequest(
+        **{"prompt": "hello", **request_fields},
+        sampling=inference_pb2.SamplingParams(**sampling),
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        async for _ in inference.Generate(request, timeout=30):
+            pass
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert expected in error.value.details()
+
+
+async def test_rejected_requests_leave_the_engine_empty(inference) -> None:
+    report = await inference.GetEngineStats(inference_pb2.EngineStatsRequest(), timeout=5)
+    assert report.running_requests == 0 and report.waiting_requests == 0
