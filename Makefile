@@ -28,7 +28,7 @@ ifeq ($(VLLM_TARGET),cpu)
 	$(BIN)/python -m pip install --quiet --no-deps -r requirements/lock-cpu.txt
 	$(BIN)/python -m pip install --quiet --no-deps -e .
 else
-	$(BIN)/python -m pip install --quiet -e '.[worker-gpu,dev]'
+	$(BIN)/python -m pip install --quiet -e '.[worker-gpu,reranker,localstack,dev]'
 endif
 	touch $@
 
@@ -42,9 +42,9 @@ proto-check: $(SETUP_STAMP)
 	$(BIN)/python scripts/gen_protos.py --check
 
 lint: setup
-	$(BIN)/ruff check services scripts tests
-	$(BIN)/ruff format --check services scripts tests
-	$(BIN)/mypy services/tokenmesh/common services/tokenmesh/worker
+	$(BIN)/ruff check services scripts tests loadtests
+	$(BIN)/ruff format --check services scripts tests loadtests
+	$(BIN)/mypy services/tokenmesh
 
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
@@ -65,7 +65,7 @@ logs: setup
 	$(BIN)/python -m tokenmesh.localstack logs
 
 lock: $(SETUP_STAMP)
-	$(BIN)/python -m pip freeze --exclude-editable | grep -v '^tokenmesh' > requirements/lock-cpu.body
+	$(BIN)/python -m pip freeze --all --exclude-editable | grep -v -e '^tokenmesh' -e '^pip==' > requirements/lock-cpu.body
 	sed -n '/^#/p' requirements/lock-cpu.txt | cat - requirements/lock-cpu.body > requirements/lock-cpu.txt
 	rm requirements/lock-cpu.body
 

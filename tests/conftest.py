@@ -8,12 +8,14 @@ from pathlib import Path
 import pytest
 from grpc import aio
 
-from tests.support import TINY_MODEL, ServiceProcess, worker_process
+from tests.support import TINY_MODEL, ServiceProcess, reranker_process, worker_process
 from tokenmesh.v1 import inference_pb2_grpc
 
 LOG_DIR = Path(__file__).resolve().parent.parent / ".run" / "test-logs"
 # Loading vLLM takes ~40 s on 2 cores; a loaded CI machine may take several times that.
 WORKER_START_TIMEOUT = 300.0
+# Importing torch and loading MiniLM takes ~5 s on 2 cores; a loaded machine may take far longer.
+RERANKER_START_TIMEOUT = 120.0
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -47,3 +49,14 @@ async def worker_channel(worker: ServiceProcess) -> AsyncIterator[aio.Channel]:
 @pytest.fixture(scope="session")
 def inference(worker_channel: aio.Channel) -> inference_pb2_grpc.InferenceServiceStub:
     return inference_pb2_grpc.InferenceServiceStub(worker_channel)
+
+
+@pytest.fixture(scope="session")
+def reranker() -> Iterator[ServiceProcess]:
+    process = reranker_process(LOG_DIR)
+    process.start()
+    try:
+        process.wait_serving(RERANKER_START_TIMEOUT)
+        yield process
+    finally:
+        process.stop()

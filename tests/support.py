@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -9,8 +10,10 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -105,30 +108,110 @@ class ServiceProcess:
         return self.process.returncode
 
 
-def worker_process(log_dir: Path, name: str = "worker", **overrides: str) -> ServiceProcess:
-    """A worker on the tiny model with free ports; overrides are TOKENMESH_WORKER_* values."""
-    port, metrics_port = free_port(), free_port()
-    env = {
-        "TOKENMESH_WORKER_PORT": str(port),
-        "TOKENMESH_WORKER_METRICS_PORT": str(metrics_port),
-        "TOKENMESH_WORKER_MODEL": str(TINY_MODEL),
-        "TOKENMESH_WORKER_LOG_FORMAT": "text",
-        "TOKENMESH_WORKER_GRACE_SECONDS": "5",
-        "TOKENMESH_WORKER_KV_CACHE_SPACE_GIB": "1",
-    }
-    env.update({f"TOKENMESH_WORKER_{key.upper()}": value for key, value in overrides.items()})
-    return ServiceProcess(
-        module="tokenmesh.worker",
-        env=env,
-        log_path=log_dir / f"{name}.log",
-        port=port,
-        metrics_port=metrics_port,
-    )
-
-
 async def read_rest(call: grpc.aio.UnaryStreamCall) -> list:  # type: ignore[type-arg]
     """Read a stream to its end with read() (a call read once with read() cannot be iterated)."""
     messages = []
     while (message := await call.read()) is not grpc.aio.EOF:
         messages.append(message)
     return messages
+
+
+def scrape_metrics(metrics_port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
+        return str(reply.read().decode())
+
+
+def metric_value(metrics: str, name: str, default: float | None = None, **labels: str) -> float:
+    """The value of series name{labels...} in a Prometheus text page (labels may be a subset);
+    default when there is no such series (an error if default is None)."""
+    for line in metrics.splitlines():
+        if line.startswith("#"):
+            continue
+        series, _, value = line.rpartition(" ")
+        if series.split("{")[0] != name:
+            continue
+        if all(f'{key}="{val}"' in series for key, val in labels.items()):
+            return float(value)
+    if default is None:
+        raise AssertionError(f"no series {name}{labels}")
+    return default
+
+
+def service_process(
+    service: str, log_dir: Path, name: str, settings: dict[str, str], overrides: dict[str, str]
+) -> ServiceProcess:
+    """`python -m tokenmesh.<service>` on free ports with TOKENMESH_<SERVICE>_* settings;
+    overrides win (nested settings with __, e.g. breaker__open_seconds)."""
+    port, metrics_port = free_port(), free_port()
+    values = {
+        "port": str(port),
+        "metrics_port": str(metrics_port),
+        "log_format": "text",
+        "grace_seconds": "5",
+        **settings,
+        **overrides,
+    }
+    prefix = f"TOKENMESH_{service.upper()}_"
+    return ServiceProcess(
+        module=f"tokenmesh.{service}",
+        env={prefix + key.upper(): value for key, value in values.items()},
+        log_path=log_dir / f"{name}.log",
+        port=port,
+        metrics_port=metrics_port,
+    )
+
+
+def worker_process(log_dir: Path, name: str = "worker", **overrides: str) -> ServiceProcess:
+    """A worker on the tiny model."""
+    settings = {"model": str(TINY_MODEL), "kv_cache_space_gib": "1"}
+    return service_process("worker", log_dir, name, settings, overrides)
+
+
+def reranker_process(log_dir: Path, name: str = "reranker", **overrides: str) -> ServiceProcess:
+    """A reranker on the packaged MiniLM."""
+    return service_process("reranker", log_dir, name, {}, overrides)
+
+
+def gateway_process(
+    log_dir: Path,
+    worker_address: str,
+    reranker_address: str,
+    name: str = "gateway",
+    **overrides: str,
+) -> ServiceProcess:
+    """A gateway in front of the given worker and reranker."""
+    settings = {"worker_address": worker_address, "reranker_address": reranker_address}
+    return service_process("gateway", log_dir, name, settings, overrides)
+
+
+async def engine_empty_at(inference: Any, after_ns: int, within: float = 10.0) -> int:
+    """When vLLM's scheduler first reported nothing running or waiting in a report made after
+    after_ns (ns since the epoch), polling the worker's GetEngineStats."""
+    from tokenmesh.v1 import inference_pb2
+
+    deadline = time.monotonic() + within
+    reports = []
+    while time.monotonic() < deadline:
+        report = await inference.GetEngineStats(inference_pb2.EngineStatsRequest(), timeout=5)
+        if report.reported_unix_nanos >= after_ns and not (
+            report.running_requests or report.waiting_requests
+        ):
+            return int(report.reported_unix_nanos)
+        reports.append(
+            (
+                report.running_requests,
+                report.waiting_requests,
+                (report.reported_unix_nanos - after_ns) / 1e9,
+            )
+        )
+        await asyncio.sleep(0.002)
+    raise AssertionError(
+        f"engine not empty {within}s after; (running, waiting, report age) first/last: "
+        f"{reports[:3]} ... {reports[-3:]}"
+    )
+
+
+def aborted_total(worker: ServiceProcess, reason: str) -> float:
+    """How many engine requests the worker aborted for reason (cancelled/deadline_exceeded)."""
+    text = scrape_metrics(worker.metrics_port)
+    return metric_value(text, "tokenmesh_worker_aborted_requests_total", 0.0, reason=reason)

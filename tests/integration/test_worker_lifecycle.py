@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -18,7 +17,15 @@ import psutil
 import pytest
 from grpc import aio
 
-from tests.support import ROOT, ServiceProcess, health_status, read_rest, worker_process
+from tests.support import (
+    ROOT,
+    ServiceProcess,
+    health_status,
+    metric_value,
+    read_rest,
+    scrape_metrics,
+    worker_process,
+)
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
 
 pytestmark = pytest.mark.integration
@@ -70,34 +77,12 @@ def test_grpcurl_streams_16_tokens(worker: ServiceProcess) -> None:
     assert tokens[-1]["finish_reason"] == "FINISH_REASON_LENGTH"
 
 
-def scrape(worker: ServiceProcess) -> str:
-    url = f"http://127.0.0.1:{worker.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as response:
-        return response.read().decode()
-
-
-def sample(metrics: str, name: str, **labels: str) -> float:
-    """The value of the series name{labels...} (labels may be a subset)."""
-    for line in metrics.splitlines():
-        if line.startswith("#") or not line.startswith(name):
-            continue
-        series, _, value = line.rpartition(" ")
-        if series.split("{")[0] != name:
-            continue
-        if all(f'{key}="{val}"' in series for key, val in labels.items()):
-            return float(value)
-    raise AssertionError(f"no series {name}{labels}")
-
-
 async def test_metrics_count_rpcs_messages_and_tokens(inference, worker: ServiceProcess) -> None:
-    before = scrape(worker)
+    before = scrape_metrics(worker.metrics_port)
     method = dict(grpc_service="tokenmesh.v1.InferenceService", grpc_method="Generate")
 
     def value(text: str, name: str, **labels: str) -> float:
-        try:
-            return sample(text, name, **method, **labels)
-        except AssertionError:
-            return 0.0
+        return metric_value(text, name, 0.0, **method, **labels)
 
     request = inference_pb2.InferenceRequest(
         prompt="count me", sampling=inference_pb2.SamplingParams(max_tokens=10, ignore_eos=True)
@@ -107,7 +92,7 @@ async def test_metrics_count_rpcs_messages_and_tokens(inference, worker: Service
         bad = inference_pb2.InferenceRequest(prompt="", sampling=request.sampling)
         async for _ in inference.Generate(bad):
             pass
-    after = scrape(worker)
+    after = scrape_metrics(worker.metrics_port)
 
     def delta(name: str, **labels: str) -> float:
         return value(after, name, **labels) - value(before, name, **labels)
@@ -119,15 +104,15 @@ async def test_metrics_count_rpcs_messages_and_tokens(inference, worker: Service
     assert delta("grpc_server_stream_msg_received_total") == 2
     assert delta("grpc_server_handling_seconds_count") == 2
     assert (
-        sample(after, "tokenmesh_tokens_generated_total")
-        - sample(before, "tokenmesh_tokens_generated_total")
+        metric_value(after, "tokenmesh_tokens_generated_total")
+        - metric_value(before, "tokenmesh_tokens_generated_total")
         == 10
     )
-    assert sample(after, "tokenmesh_ttft_seconds_count") > 0
-    assert sample(after, "tokenmesh_inter_token_latency_seconds_count") > 0
-    assert sample(after, "tokenmesh_worker_running_requests") == 0
-    assert sample(after, "tokenmesh_worker_waiting_requests") == 0
-    assert 0 <= sample(after, "tokenmesh_worker_kv_cache_usage_ratio") <= 1
+    assert metric_value(after, "tokenmesh_ttft_seconds_count") > 0
+    assert metric_value(after, "tokenmesh_inter_token_latency_seconds_count") > 0
+    assert metric_value(after, "tokenmesh_worker_running_requests") == 0
+    assert metric_value(after, "tokenmesh_worker_waiting_requests") == 0
+    assert 0 <= metric_value(after, "tokenmesh_worker_kv_cache_usage_ratio") <= 1
     # vLLM's own metrics are re-exported.
     assert "vllm:num_requests_running" in after
 

@@ -9,7 +9,7 @@ import time
 import grpc
 import pytest
 
-from tests.support import ServiceProcess, read_rest
+from tests.support import ServiceProcess, aborted_total, engine_empty_at, read_rest
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
 
 pytestmark = pytest.mark.integration
@@ -28,24 +28,6 @@ def generate_request(prompt: str = "hello", max_tokens: int = 16, **sampling: ob
 
 async def stats(stub: inference_pb2_grpc.InferenceServiceStub) -> inference_pb2.EngineStats:
     return await stub.GetEngineStats(inference_pb2.EngineStatsRequest(), timeout=5)
-
-
-async def wait_engine_empty(
-    stub: inference_pb2_grpc.InferenceServiceStub, after_ns: int, within: float = 10.0
-) -> int:
-    """Poll vLLM's scheduler report until it says nothing runs or waits, in a report made
-    after after_ns; return that report's time (ns since the epoch)."""
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        report = await stats(stub)
-        if (
-            report.reported_unix_nanos >= after_ns
-            and report.running_requests == 0
-            and report.waiting_requests == 0
-        ):
-            return report.reported_unix_nanos
-        await asyncio.sleep(0.002)
-    raise AssertionError(f"engine not empty after {within}s: {report}")
 
 
 async def test_stream_has_exactly_max_tokens_with_contiguous_indexes(inference) -> None:
@@ -123,8 +105,10 @@ async def test_32_concurrent_streams_complete_and_run_batched(inference) -> None
 
 async def _start_streams(
     inference, count: int, deadline: float | None = None
-) -> list[grpc.aio.UnaryStreamCall]:
-    """Start count long streams and wait until each has produced its first token."""
+) -> tuple[list[grpc.aio.UnaryStreamCall], int]:
+    """Start count long streams and wait until each has produced its first token; returns
+    the calls and when the last first token was sent (the engine was busy then, so any
+    later scheduler report saying "empty" is about these streams)."""
     calls = [
         inference.Generate(
             generate_request(
@@ -134,26 +118,32 @@ async def _start_streams(
         )
         for i in range(count)
     ]
-    for call in calls:
-        await call.read()
-    return calls
+    try:
+        firsts = [await call.read() for call in calls]
+    except BaseException:
+        for call in calls:
+            call.cancel()
+        raise
+    return calls, max(token.emitted_unix_nanos for token in firsts)
 
 
-async def test_cancel_frees_engine_within_100ms(inference) -> None:
-    calls = await _start_streams(inference, 8)
-    assert (await stats(inference)).running_requests == 8
+async def test_cancel_frees_engine_within_100ms(inference, worker: ServiceProcess) -> None:
+    aborted_before = aborted_total(worker, "cancelled")
+    calls, busy_ns = await _start_streams(inference, 8)
     cancelled_at = time.time_ns()
     for call in calls:
         call.cancel()
-    empty_at = await wait_engine_empty(inference, cancelled_at)
+    empty_at = await engine_empty_at(inference, busy_ns)
     assert all(call.cancelled() for call in calls)
     assert (empty_at - cancelled_at) / 1e9 <= CANCEL_BUDGET_SECONDS
+    assert aborted_total(worker, "cancelled") - aborted_before == 8
 
 
-async def test_deadline_frees_engine_within_100ms(inference) -> None:
+async def test_deadline_frees_engine_within_100ms(inference, worker: ServiceProcess) -> None:
+    aborted_before = aborted_total(worker, "deadline_exceeded")
     timeout = 1.0
     started_ns = time.time_ns()
-    calls = await _start_streams(inference, 4, deadline=timeout)
+    calls, busy_ns = await _start_streams(inference, 4, deadline=timeout)
     codes = []
     for call in calls:
         with pytest.raises(grpc.aio.AioRpcError) as error:
@@ -163,8 +153,9 @@ async def test_deadline_frees_engine_within_100ms(inference) -> None:
     # Every deadline passed at or after started + timeout, so measuring from there can only
     # overstate the time the engine took to empty.
     expired_ns = started_ns + int(timeout * 1e9)
-    empty_at = await wait_engine_empty(inference, expired_ns)
+    empty_at = await engine_empty_at(inference, busy_ns)
     assert (empty_at - expired_ns) / 1e9 <= CANCEL_BUDGET_SECONDS
+    assert aborted_total(worker, "deadline_exceeded") - aborted_before == 4
 
 
 async def test_engine_stats_report_model_and_context(inference, worker: ServiceProcess) -> None:

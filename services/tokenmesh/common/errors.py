@@ -39,3 +39,11 @@ class FailedPrecondition(ServiceError):
 
 class Internal(ServiceError):
     code = grpc.StatusCode.INTERNAL
+
+
+class DependencyError(ServiceError):
+    """A call to another service failed; carries that call's status code on to the caller."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code

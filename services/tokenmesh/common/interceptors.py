@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 from grpc import aio
+from prometheus_client import CollectorRegistry
 
 from tokenmesh.common.errors import ServiceError
 from tokenmesh.common.metrics import GrpcServerMetrics, MethodMetrics
@@ -194,3 +195,9 @@ class GrpcMetricsInterceptor(aio.ServerInterceptor):
             return stream
 
         return rewrap(handler, wrap_unary, wrap_stream)
+
+
+def standard_interceptors(registry: CollectorRegistry) -> list[aio.ServerInterceptor]:
+    """Every service's interceptors, outermost first: metrics see the final status code that
+    error mapping produced."""
+    return [GrpcMetricsInterceptor(GrpcServerMetrics(registry)), ErrorMappingInterceptor()]

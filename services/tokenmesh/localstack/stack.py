@@ -24,8 +24,12 @@ class StackSettings(BaseSettings):
     # Where supervisord keeps its socket, pid file and the services' logs.
     run_dir: Path = Path(".run")
     model: str = "models/tiny-llama"
+    gateway_port: int = Field(default=50050, ge=1, le=65535)
+    gateway_metrics_port: int = Field(default=9450, ge=1, le=65535)
     worker_port: int = Field(default=50061, ge=1, le=65535)
     worker_metrics_port: int = Field(default=9461, ge=1, le=65535)
+    reranker_port: int = Field(default=50071, ge=1, le=65535)
+    reranker_metrics_port: int = Field(default=9471, ge=1, le=65535)
     # CPU KV cache per worker, GiB.
     worker_kv_cache_space_gib: int = Field(default=1, ge=1)
     # How long `up` waits for every service to report SERVING (model loads included).
@@ -34,31 +38,50 @@ class StackSettings(BaseSettings):
 
 @dataclass(frozen=True)
 class Program:
-    """One supervised process: a tokenmesh service run as `python -m <module>`."""
+    """One supervised process: the tokenmesh service `name`, run as `python -m tokenmesh.<name>`
+    with its TOKENMESH_<NAME>_* settings."""
 
     name: str
-    module: str
     port: int
     metrics_port: int
-    env: dict[str, str] = field(default_factory=dict)
+    # Settings beyond the ports, by name without the prefix (e.g. MODEL).
+    settings: dict[str, str] = field(default_factory=dict)
     # Seconds supervisord waits after SIGTERM before SIGKILL: the grace period plus shutdown.
     stop_wait_seconds: int = 30
 
+    @property
+    def module(self) -> str:
+        return f"tokenmesh.{self.name}"
+
+    @property
+    def env(self) -> dict[str, str]:
+        prefix = f"TOKENMESH_{self.name.upper()}_"
+        values = {"PORT": str(self.port), "METRICS_PORT": str(self.metrics_port), **self.settings}
+        return {prefix + key: value for key, value in values.items()}
+
 
 def programs(settings: StackSettings) -> list[Program]:
+    """Dependencies first: `up` waits for each in this order."""
     return [
         Program(
-            name="worker",
-            module="tokenmesh.worker",
-            port=settings.worker_port,
-            metrics_port=settings.worker_metrics_port,
-            env={
-                "TOKENMESH_WORKER_PORT": str(settings.worker_port),
-                "TOKENMESH_WORKER_METRICS_PORT": str(settings.worker_metrics_port),
-                "TOKENMESH_WORKER_MODEL": settings.model,
-                "TOKENMESH_WORKER_KV_CACHE_SPACE_GIB": str(settings.worker_kv_cache_space_gib),
+            "worker",
+            settings.worker_port,
+            settings.worker_metrics_port,
+            {
+                "MODEL": settings.model,
+                "KV_CACHE_SPACE_GIB": str(settings.worker_kv_cache_space_gib),
             },
-        )
+        ),
+        Program("reranker", settings.reranker_port, settings.reranker_metrics_port),
+        Program(
+            "gateway",
+            settings.gateway_port,
+            settings.gateway_metrics_port,
+            {
+                "WORKER_ADDRESS": f"127.0.0.1:{settings.worker_port}",
+                "RERANKER_ADDRESS": f"127.0.0.1:{settings.reranker_port}",
+            },
+        ),
     ]
 
 
@@ -173,21 +196,19 @@ stdout_logfile_backups=2
                 f"  {program.name:10} grpc 127.0.0.1:{program.port}   "
                 f"metrics http://127.0.0.1:{program.metrics_port}/metrics"
             )
-        worker = self.programs[0]
-        body = '{"prompt":"hello","sampling":{"max_tokens":16}}'
-        print(
-            "\nTry it:\n  "
-            + shlex.join(
-                [
-                    "grpcurl",
-                    "-plaintext",
-                    "-d",
-                    body,
-                    f"127.0.0.1:{worker.port}",
-                    "tokenmesh.v1.InferenceService/Generate",
-                ]
-            )
-        )
+        gateway = f"127.0.0.1:{self.settings.gateway_port}"
+        calls = [
+            ('{"prompt":"hello","max_tokens":16}', "Generate"),
+            (
+                '{"prompt":"What is the capital of France?","max_tokens":16,'
+                '"documents":["Bananas are yellow.","Paris is the capital of France."]}',
+                "GetAnswer",
+            ),
+        ]
+        print("\nTry it:")
+        for body, method in calls:
+            command = ["grpcurl", "-plaintext", "-d", body, gateway]
+            print("  " + shlex.join([*command, f"tokenmesh.v1.LLMService/{method}"]))
         print(f"  (grpcurl is in {self._bin}; `source .venv/bin/activate` puts it on PATH)")
 
     def down(self) -> int:

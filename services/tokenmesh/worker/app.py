@@ -6,11 +6,11 @@ import asyncio
 import contextlib
 import logging
 
-from prometheus_client import REGISTRY, CollectorRegistry, Gauge
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 from prometheus_client.registry import Collector
 
-from tokenmesh.common.interceptors import ErrorMappingInterceptor, GrpcMetricsInterceptor
-from tokenmesh.common.metrics import GrpcServerMetrics, MetricsEndpoint, StreamMetrics
+from tokenmesh.common.interceptors import standard_interceptors
+from tokenmesh.common.metrics import MetricsEndpoint, StreamMetrics
 from tokenmesh.common.server import (
     Health,
     bind,
@@ -56,6 +56,15 @@ def register_engine_gauges(registry: CollectorRegistry, load: EngineLoad) -> Non
     ).set_function(lambda: load.kv_cache_usage)
 
 
+def aborted_counter(registry: CollectorRegistry) -> Counter:
+    return Counter(
+        "tokenmesh_worker_aborted_requests",
+        "Engine requests aborted because the caller cancelled or its deadline passed.",
+        ["reason"],
+        registry=registry,
+    )
+
+
 async def watch_engine(engine: VllmEngine, interval: float, stop: asyncio.Event) -> None:
     """Stop the worker when the engine process dies, so its supervisor restarts it."""
     # vLLM exposes no event for engine death, only the errored flag, so it is polled.
@@ -72,15 +81,9 @@ async def serve(settings: WorkerSettings) -> int:
     stream_metrics = StreamMetrics(registry)
     slot = EngineSlot()
     health = Health(SERVICE_NAMES)
-    server = build_server(
-        settings,
-        interceptors=[
-            GrpcMetricsInterceptor(GrpcServerMetrics(registry)),
-            ErrorMappingInterceptor(),
-        ],
-    )
+    server = build_server(settings, standard_interceptors(registry))
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(
-        InferenceServicer(slot, settings, stream_metrics), server
+        InferenceServicer(slot, settings, stream_metrics, aborted_counter(registry)), server
     )
     health.register(server)
     enable_reflection(server, SERVICE_NAMES)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import math
 import uuid
 from dataclasses import dataclass
 
 from tokenmesh.common.errors import InvalidArgument
+from tokenmesh.common.validation import check_count, check_range, check_text
 from tokenmesh.v1 import inference_pb2
 from tokenmesh.worker.config import WorkerSettings
 
@@ -28,22 +28,9 @@ class GenerationSpec:
     ignore_eos: bool
 
 
-def _check_range(field: str, value: float, low: float, high: float, low_open: bool) -> None:
-    below = value <= low if low_open else value < low
-    if not math.isfinite(value) or below or value > high:
-        bracket = "(" if low_open else "["
-        raise InvalidArgument(field, f"must be in {bracket}{low:g}, {high:g}], got {value}")
-
-
 def validate(request: inference_pb2.InferenceRequest, limits: WorkerSettings) -> GenerationSpec:
     """Check every field against the worker's limits; raise InvalidArgument naming the field."""
-    if not request.prompt:
-        raise InvalidArgument("prompt", "must not be empty")
-    prompt_bytes = len(request.prompt.encode())
-    if prompt_bytes > limits.max_prompt_bytes:
-        raise InvalidArgument(
-            "prompt", f"is {prompt_bytes} bytes, over the limit of {limits.max_prompt_bytes}"
-        )
+    check_text("prompt", request.prompt, limits.max_prompt_bytes)
     sampling = request.sampling
     if not 1 <= sampling.max_tokens <= limits.max_tokens_cap:
         raise InvalidArgument(
@@ -53,21 +40,17 @@ def validate(request: inference_pb2.InferenceRequest, limits: WorkerSettings) ->
     temperature = limits.default_temperature
     if sampling.HasField("temperature"):
         temperature = sampling.temperature
-        _check_range("sampling.temperature", temperature, 0.0, MAX_TEMPERATURE, low_open=False)
+        check_range("sampling.temperature", temperature, 0.0, MAX_TEMPERATURE)
     top_p = 1.0
     if sampling.HasField("top_p"):
         top_p = sampling.top_p
-        _check_range("sampling.top_p", top_p, 0.0, 1.0, low_open=True)
+        check_range("sampling.top_p", top_p, 0.0, 1.0, low_open=True)
     top_k = -1
     if sampling.HasField("top_k"):
         top_k = sampling.top_k
         if top_k == 0 or top_k < -1:
             raise InvalidArgument("sampling.top_k", f"must be -1 (off) or >= 1, got {top_k}")
-    if len(sampling.stop) > limits.max_stop_sequences:
-        raise InvalidArgument(
-            "sampling.stop",
-            f"has {len(sampling.stop)} sequences, over the limit of {limits.max_stop_sequences}",
-        )
+    check_count("sampling.stop", len(sampling.stop), limits.max_stop_sequences, "sequences")
     for position, stop in enumerate(sampling.stop):
         size = len(stop.encode())
         if not stop or size > limits.max_stop_sequence_bytes:

@@ -9,6 +9,8 @@ from typing import Any
 
 from grpc import aio
 
+from prometheus_client import Counter
+
 from tokenmesh.common.metrics import StreamMetrics
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
 from tokenmesh.worker.config import WorkerSettings
@@ -18,11 +20,17 @@ from tokenmesh.worker.requests import validate
 
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     def __init__(
-        self, engines: EngineSlot, limits: WorkerSettings, stream_metrics: StreamMetrics
+        self,
+        engines: EngineSlot,
+        limits: WorkerSettings,
+        stream_metrics: StreamMetrics,
+        aborted: Counter,
     ) -> None:
         self._engines = engines
         self._limits = limits
         self._stream_metrics = stream_metrics
+        # Engine requests aborted because their caller went away, by reason.
+        self._aborted = aborted
 
     async def Generate(
         self,
@@ -51,6 +59,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         except asyncio.CancelledError:
             # The caller cancelled, went away or ran out of deadline: free the engine now.
             await engine.abort(spec.request_id)
+            remaining = context.time_remaining()
+            expired = remaining is not None and remaining <= 0
+            self._aborted.labels(reason="deadline_exceeded" if expired else "cancelled").inc()
             raise
         finally:
             await deltas.aclose()

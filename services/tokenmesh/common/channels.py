@@ -1,0 +1,66 @@
+"""Client channels to other services: options from the production playbook and connect checks."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+from grpc import aio
+
+from tokenmesh.common.errors import DependencyError, Unavailable
+
+# Status codes that say the caller's request itself was wrong: passed on unchanged.
+CALLER_FAULTS = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.OUT_OF_RANGE,
+    }
+)
+
+
+def client_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        # Ping every 5 s and give up after 1 s without an answer: a dead peer (or a silently
+        # dropped connection) is noticed in seconds, not at the TCP timeout.
+        ("grpc.keepalive_time_ms", 5_000),
+        ("grpc.keepalive_timeout_ms", 1_000),
+        # Keep pinging idle connections too, so the first request after a lull finds them live.
+        ("grpc.keepalive_permit_without_calls", 1),
+        # Reconnect quickly after a dependency restarts (the default backoff reaches 120 s).
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 2_000),
+    ]
+
+
+class Dependency:
+    """A named channel to another service (or to the Envoy listener in front of it)."""
+
+    def __init__(self, name: str, address: str, max_message_bytes: int) -> None:
+        self.name = name
+        self.address = address
+        self.channel = aio.insecure_channel(address, options=client_options(max_message_bytes))
+
+    async def ensure_connected(self, within: float) -> None:
+        """Wait up to `within` seconds for a connection; else UNAVAILABLE naming the dependency."""
+        if self.channel.get_state(try_to_connect=True) is grpc.ChannelConnectivity.READY:
+            return
+        try:
+            await asyncio.wait_for(self.channel.channel_ready(), within)
+        except TimeoutError:
+            raise Unavailable(
+                f"{self.name}: cannot connect to {self.address} within {within:g}s"
+            ) from None
+
+    def error(self, err: aio.AioRpcError) -> DependencyError:
+        """The error the caller sees when a call to this dependency failed with err."""
+        if err.code() in CALLER_FAULTS:
+            return DependencyError(err.code(), err.details() or err.code().name)
+        return DependencyError(err.code(), f"{self.name}: {err.details() or err.code().name}")
+
+    async def close(self) -> None:
+        await self.channel.close()

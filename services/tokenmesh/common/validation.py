@@ -1,0 +1,29 @@
+"""Field checks shared by every service's request validation; failures name field and limit."""
+
+from __future__ import annotations
+
+import math
+
+from tokenmesh.common.errors import InvalidArgument
+
+
+def check_range(field: str, value: float, low: float, high: float, low_open: bool = False) -> None:
+    """value must be finite and in [low, high] (or (low, high] when low_open)."""
+    below = value <= low if low_open else value < low
+    if not math.isfinite(value) or below or value > high:
+        bracket = "(" if low_open else "["
+        raise InvalidArgument(field, f"must be in {bracket}{low:g}, {high:g}], got {value}")
+
+
+def check_text(field: str, value: str, max_bytes: int, required: bool = True) -> None:
+    """value must be non-empty (when required) and at most max_bytes of UTF-8."""
+    if required and not value:
+        raise InvalidArgument(field, "must not be empty")
+    size = len(value.encode())
+    if size > max_bytes:
+        raise InvalidArgument(field, f"is {size} bytes, over the limit of {max_bytes}")
+
+
+def check_count(field: str, count: int, limit: int, what: str) -> None:
+    if count > limit:
+        raise InvalidArgument(field, f"has {count} {what}, over the limit of {limit}")

@@ -1,0 +1,1 @@
+"""The gateway: the public LLMService, reranking documents and streaming tokens from workers."""

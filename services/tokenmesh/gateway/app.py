@@ -1,0 +1,71 @@
+"""The gateway's composition root: clients, breaker, pipeline, server, health and metrics."""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import CollectorRegistry
+
+from tokenmesh.common.channels import Dependency
+from tokenmesh.common.interceptors import standard_interceptors
+from tokenmesh.common.metrics import MetricsEndpoint, StreamMetrics
+from tokenmesh.common.server import (
+    Health,
+    bind,
+    build_server,
+    enable_reflection,
+    wait_for_shutdown_signal,
+)
+from tokenmesh.gateway.breaker import CircuitBreaker
+from tokenmesh.gateway.config import GatewaySettings
+from tokenmesh.gateway.pipeline import DocumentSelector, GatewayMetrics, Pipeline, WorkerClient
+from tokenmesh.gateway.servicer import LLMServicer
+from tokenmesh.v1 import llm_pb2, llm_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAMES = (llm_pb2.DESCRIPTOR.services_by_name["LLMService"].full_name,)
+
+
+async def serve(settings: GatewaySettings) -> int:
+    """Run the gateway until SIGTERM/SIGINT. It is SERVING as soon as it listens: a missing
+    worker fails calls with UNAVAILABLE, and a missing reranker only degrades answers."""
+    registry = CollectorRegistry()
+    metrics = GatewayMetrics(registry)
+    worker = Dependency("worker", settings.worker_address, settings.max_message_bytes)
+    reranker = Dependency("reranker", settings.reranker_address, settings.max_message_bytes)
+    breaker = CircuitBreaker(settings.breaker, on_transition=metrics.on_transition)
+    pipeline = Pipeline(
+        DocumentSelector(reranker, breaker, metrics, settings),
+        WorkerClient(worker, settings.connect_timeout_seconds),
+        settings,
+    )
+    health = Health(SERVICE_NAMES)
+    server = build_server(settings, standard_interceptors(registry))
+    llm_pb2_grpc.add_LLMServiceServicer_to_server(
+        LLMServicer(pipeline, settings, StreamMetrics(registry)), server
+    )
+    health.register(server)
+    enable_reflection(server, SERVICE_NAMES)
+    port = bind(server, settings)
+    await server.start()
+    endpoint = MetricsEndpoint(registry, settings.metrics_host, settings.metrics_port)
+    metrics_port = endpoint.start()
+    await health.set_serving()
+    log.info(
+        "gateway serving",
+        extra={
+            "port": port,
+            "metrics_port": metrics_port,
+            "worker": settings.worker_address,
+            "reranker": settings.reranker_address,
+        },
+    )
+    await wait_for_shutdown_signal()
+    log.info("gateway stopping", extra={"grace_seconds": settings.grace_seconds})
+    await health.set_not_serving()
+    await server.stop(settings.grace_seconds)
+    await worker.close()
+    await reranker.close()
+    endpoint.stop()
+    return 0

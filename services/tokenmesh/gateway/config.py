@@ -1,0 +1,65 @@
+"""Gateway settings, from TOKENMESH_GATEWAY_* environment variables."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+from pydantic_settings import SettingsConfigDict
+
+from tokenmesh.common.settings import ServiceSettings
+
+
+class BreakerSettings(BaseModel):
+    """When the reranker's circuit opens, and how it recovers."""
+
+    model_config = {"frozen": True}
+
+    # Consecutive failed calls that open the circuit.
+    consecutive_failures: int = Field(default=5, ge=1)
+    # Or: this fraction of failed calls within the rolling window ...
+    failure_rate: float = Field(default=0.5, gt=0, le=1)
+    # ... once the window holds at least this many calls (so 1 failure of 1 does not trip it).
+    min_calls_in_window: int = Field(default=10, ge=1)
+    window_seconds: float = Field(default=10.0, gt=0)
+    # How long an open circuit refuses calls (no network wait) before letting probes through.
+    open_seconds: float = Field(default=5.0, gt=0)
+    # Probe calls let through at once while half-open; their success closes the circuit.
+    half_open_max_calls: int = Field(default=1, ge=1)
+
+
+class GatewaySettings(ServiceSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="TOKENMESH_GATEWAY_", env_nested_delimiter="__", frozen=True, extra="ignore"
+    )
+
+    port: int = Field(default=50050, ge=0, le=65535)
+    metrics_port: int = Field(default=9450, ge=-1, le=65535)
+
+    # Where the workers and the reranker are reached (an Envoy listener in the full mesh).
+    worker_address: str = "127.0.0.1:50061"
+    reranker_address: str = "127.0.0.1:50071"
+    # A dependency that cannot be connected to within this long fails the call UNAVAILABLE.
+    connect_timeout_seconds: float = Field(default=2.0, gt=0)
+    # Subtracted from the caller's remaining deadline for calls to dependencies, so the
+    # gateway still has time to answer when they run out of time.
+    deadline_margin_seconds: float = Field(default=0.05, ge=0)
+    # Longest a rerank may take even when the caller allows more; then the answer degrades.
+    reranker_timeout_seconds: float = Field(default=1.0, gt=0)
+    breaker: BreakerSettings = BreakerSettings()
+
+    # Request limits; anything past them is rejected with INVALID_ARGUMENT naming the limit.
+    max_prompt_bytes: int = Field(default=32 * 1024, ge=1)
+    max_tokens_cap: int = Field(default=4096, ge=1)
+    max_documents: int = Field(default=32, ge=0)
+    max_document_bytes: int = Field(default=8 * 1024, ge=1)
+    max_top_k_documents: int = Field(default=8, ge=1)
+    # Documents used as context when a request does not say.
+    default_top_k_documents: int = Field(default=3, ge=1)
+    max_stop_sequences: int = Field(default=8, ge=0)
+    # Summarize: the whole text sent in chunks, and how many chunks.
+    max_summarize_bytes: int = Field(default=64 * 1024, ge=1)
+    max_summarize_chunks: int = Field(default=4096, ge=1)
+    summarize_instruction: str = "Summarize the following text."
+    # Chat: history kept per stream, oldest turns dropped first past either bound.
+    max_chat_turns: int = Field(default=16, ge=1)
+    max_chat_history_tokens: int = Field(default=1024, ge=1)
+    max_chat_message_bytes: int = Field(default=8 * 1024, ge=1)

@@ -1,0 +1,214 @@
+"""The gateway's core: choose context documents (degrading when the reranker fails), build the
+prompt, stream tokens from a worker. Transport-agnostic apart from the gRPC clients it holds."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from grpc import aio
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from tokenmesh.common.channels import Dependency
+from tokenmesh.common.metrics import RPC_BUCKETS
+from tokenmesh.gateway.breaker import CircuitBreaker, CircuitOpenError, CircuitState
+from tokenmesh.gateway.config import GatewaySettings
+from tokenmesh.gateway.prompts import with_context
+from tokenmesh.gateway.requests import GenerationJob
+from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, rerank_pb2, rerank_pb2_grpc, token_pb2
+
+log = logging.getLogger(__name__)
+
+# Reranker outcomes that count against its circuit: it is down, slow or broken. A rejected
+# request (INVALID_ARGUMENT) or a caller who went away says nothing about its health.
+BREAKER_FAILURES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    }
+)
+DEGRADED_HEADER = "x-tokenmesh-degraded"
+
+
+class GatewayMetrics:
+    """The reranker circuit and degraded-answer metrics of the gateway."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.circuit_state = Gauge(
+            "tokenmesh_reranker_circuit_state",
+            "Reranker circuit: 0 closed, 1 half-open, 2 open.",
+            registry=registry,
+        )
+        self.circuit_transitions = Counter(
+            "tokenmesh_reranker_circuit_transitions",
+            "Reranker circuit state changes, by the state entered.",
+            ["to"],
+            registry=registry,
+        )
+        self.degraded = Counter(
+            "tokenmesh_degraded_responses",
+            "Responses served without a dependency, by reason.",
+            ["reason"],
+            registry=registry,
+        )
+        self.rerank_seconds = Histogram(
+            "tokenmesh_gateway_rerank_seconds",
+            "Time the gateway spent choosing context documents (reranker call or fallback).",
+            buckets=RPC_BUCKETS,
+            registry=registry,
+        )
+
+    def on_transition(self, old: CircuitState, new: CircuitState) -> None:
+        self.circuit_state.set(int(new))
+        self.circuit_transitions.labels(to=new.name.lower()).inc()
+        log.warning("reranker circuit %s -> %s", old.name, new.name)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The documents chosen as context (indexes into the request's documents, best first)."""
+
+    indices: tuple[int, ...]
+    warnings: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    prompt: str
+    used_document_indices: tuple[int, ...]
+    warnings: tuple[str, ...] = field(default=())
+
+    @property
+    def degraded(self) -> bool:
+        return bool(self.warnings)
+
+
+def remaining_after_margin(remaining: float | None, margin: float) -> float | None:
+    """The time a dependency call may take, given the caller's remaining deadline."""
+    if remaining is None:
+        return None
+    return max(remaining - margin, 0.001)
+
+
+class DocumentSelector:
+    """Ranks documents with the reranker behind a circuit breaker; on failure or an open
+    circuit, falls back to the documents' given order and says so in a warning."""
+
+    def __init__(
+        self,
+        reranker: Dependency,
+        breaker: CircuitBreaker,
+        metrics: GatewayMetrics,
+        settings: GatewaySettings,
+    ) -> None:
+        self._reranker = reranker
+        self._stub = rerank_pb2_grpc.RerankServiceStub(reranker.channel)
+        self._breaker = breaker
+        self._metrics = metrics
+        self._settings = settings
+
+    async def select(
+        self, query: str, documents: Sequence[str], top_k: int, remaining: float | None
+    ) -> Selection:
+        if not documents:
+            return Selection(())
+        top_k = min(top_k, len(documents))
+        with self._metrics.rerank_seconds.time():
+            try:
+                self._breaker.acquire()
+            except CircuitOpenError as refused:
+                return self._fallback(top_k, "reranker_circuit_open", str(refused))
+            timeout = self._settings.reranker_timeout_seconds
+            budget = remaining_after_margin(remaining, self._settings.deadline_margin_seconds)
+            if budget is not None:
+                timeout = min(timeout, budget)
+            try:
+                reply = await self._stub.Rerank(
+                    rerank_pb2.RerankRequest(query=query, documents=documents, top_k=top_k),
+                    timeout=timeout,
+                )
+            except asyncio.CancelledError:
+                self._breaker.release()
+                raise
+            except aio.AioRpcError as err:
+                if err.code() in BREAKER_FAILURES:
+                    self._breaker.record_failure()
+                else:
+                    self._breaker.release()
+                if err.code() is grpc.StatusCode.INVALID_ARGUMENT:
+                    raise self._reranker.error(err) from err
+                reason = (
+                    "reranker_timeout"
+                    if err.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+                    else "reranker_error"
+                )
+                return self._fallback(top_k, reason, f"{err.code().name}: {err.details()}")
+            self._breaker.record_success()
+        return Selection(tuple(result.index for result in reply.results))
+
+    def _fallback(self, top_k: int, reason: str, detail: str) -> Selection:
+        self._metrics.degraded.labels(reason=reason).inc()
+        return Selection(tuple(range(top_k)), (f"reranker_unavailable: {detail}",))
+
+
+class WorkerClient:
+    """Streams tokens from a worker; cancelling the stream cancels the worker call, which
+    aborts the engine request."""
+
+    def __init__(self, worker: Dependency, connect_timeout: float) -> None:
+        self._worker = worker
+        self._stub = inference_pb2_grpc.InferenceServiceStub(worker.channel)
+        self._connect_timeout = connect_timeout
+
+    async def stream(
+        self, request: inference_pb2.InferenceRequest, time_limit: float | None
+    ) -> AsyncGenerator[token_pb2.Token, None]:
+        connect_within = self._connect_timeout
+        if time_limit is not None:
+            connect_within = min(connect_within, time_limit)
+        await self._worker.ensure_connected(connect_within)
+        call = self._stub.Generate(request, timeout=time_limit)
+        try:
+            async for token in call:
+                yield token
+        except aio.AioRpcError as err:
+            raise self._worker.error(err) from err
+        finally:
+            call.cancel()
+
+
+class Pipeline:
+    """Question (+ documents) in, tokens out."""
+
+    def __init__(
+        self, selector: DocumentSelector, worker: WorkerClient, settings: GatewaySettings
+    ) -> None:
+        self._selector = selector
+        self._worker = worker
+        self._margin = settings.deadline_margin_seconds
+
+    async def prepare(self, job: GenerationJob, remaining: float | None) -> PreparedPrompt:
+        selection = await self._selector.select(
+            job.prompt, job.documents, job.top_k_documents, remaining
+        )
+        chosen = [job.documents[index] for index in selection.indices]
+        return PreparedPrompt(
+            prompt=with_context(job.prompt, chosen),
+            used_document_indices=selection.indices,
+            warnings=selection.warnings,
+        )
+
+    def stream(
+        self, prompt: str, sampling: inference_pb2.SamplingParams, remaining: float | None
+    ) -> AsyncGenerator[token_pb2.Token, None]:
+        request = inference_pb2.InferenceRequest(
+            request_id=uuid.uuid4().hex[:16], prompt=prompt, sampling=sampling
+        )
+        return self._worker.stream(request, remaining_after_margin(remaining, self._margin))

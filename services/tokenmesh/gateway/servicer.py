@@ -1,0 +1,242 @@
+"""LLMService RPC handlers: validate, prepare the prompt, stream or collect the worker's tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any, TypeAlias
+
+from grpc import aio
+
+from tokenmesh.common.errors import InvalidArgument
+from tokenmesh.common.metrics import StreamMetrics
+from tokenmesh.common.validation import check_text
+from tokenmesh.gateway.config import GatewaySettings
+from tokenmesh.gateway.pipeline import DEGRADED_HEADER, Pipeline, PreparedPrompt
+from tokenmesh.gateway.prompts import ChatHistory, ChatTurn, summary_request
+from tokenmesh.gateway.requests import generation_job, sampling_params
+from tokenmesh.v1 import llm_pb2, llm_pb2_grpc, token_pb2
+
+Context: TypeAlias = aio.ServicerContext[Any, Any]
+
+
+def flag_degraded(context: Context, prepared: PreparedPrompt) -> None:
+    if prepared.degraded:
+        context.set_trailing_metadata(((DEGRADED_HEADER, "reranker"),))
+
+
+async def collect(
+    tokens: AsyncIterator[token_pb2.Token], warnings: tuple[str, ...] = ()
+) -> llm_pb2.Answer:
+    """A whole answer from a token stream."""
+    parts: list[str] = []
+    answer = llm_pb2.Answer(warnings=warnings)
+    async for token in tokens:
+        parts.append(token.text)
+        if token.finish_reason:
+            answer.finish_reason = token.finish_reason
+            answer.usage.CopyFrom(token.usage)
+    answer.text = "".join(parts)
+    return answer
+
+
+class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
+    def __init__(
+        self, pipeline: Pipeline, limits: GatewaySettings, stream_metrics: StreamMetrics
+    ) -> None:
+        self._pipeline = pipeline
+        self._limits = limits
+        self._stream_metrics = stream_metrics
+
+    async def Generate(
+        self, request: llm_pb2.GenerateRequest, context: Context
+    ) -> AsyncIterator[token_pb2.Token]:
+        timer = self._stream_metrics.timer()
+        job = generation_job(request, self._limits)
+        prepared = await self._pipeline.prepare(job, context.time_remaining())
+        flag_degraded(context, prepared)
+        first = True
+        async for token in self._pipeline.stream(
+            prepared.prompt, job.sampling, context.time_remaining()
+        ):
+            if first:
+                token.warnings.extend(prepared.warnings)
+                first = False
+            if token.token_id >= 0:
+                timer.token_sent()
+            yield token
+
+    async def GetAnswer(self, request: llm_pb2.Query, context: Context) -> llm_pb2.Answer:
+        job = generation_job(request, self._limits)
+        prepared = await self._pipeline.prepare(job, context.time_remaining())
+        flag_degraded(context, prepared)
+        tokens = self._pipeline.stream(prepared.prompt, job.sampling, context.time_remaining())
+        answer = await collect(tokens, prepared.warnings)
+        answer.used_document_indices.extend(prepared.used_document_indices)
+        return answer
+
+    async def Summarize(
+        self, request_iterator: AsyncIterator[llm_pb2.DocumentChunk], context: Context
+    ) -> llm_pb2.Answer:
+        limits = self._limits
+        first: llm_pb2.DocumentChunk | None = None
+        parts: list[str] = []
+        size = 0
+        async for chunk in request_iterator:
+            first = first or chunk
+            if len(parts) >= limits.max_summarize_chunks:
+                raise InvalidArgument(
+                    "chunks", f"more than the limit of {limits.max_summarize_chunks} chunks"
+                )
+            size += len(chunk.text.encode())
+            if size > limits.max_summarize_bytes:
+                raise InvalidArgument(
+                    "text",
+                    f"the chunks add up to more than the limit of {limits.max_summarize_bytes} "
+                    "bytes",
+                )
+            parts.append(chunk.text)
+        if first is None or not size:
+            raise InvalidArgument("text", "no text received before the stream was closed")
+        sampling = sampling_params(first, limits)
+        instruction = first.instruction or limits.summarize_instruction
+        check_text("instruction", instruction, limits.max_prompt_bytes)
+        prompt = summary_request(instruction, "".join(parts))
+        return await collect(self._pipeline.stream(prompt, sampling, context.time_remaining()))
+
+    async def Chat(
+        self, request_iterator: AsyncIterator[llm_pb2.ChatMessage], context: Context
+    ) -> AsyncIterator[llm_pb2.ChatEvent]:
+        session = ChatSession(self._pipeline, self._limits, context)
+        async for event in session.run(request_iterator):
+            yield event
+
+
+class ChatSession:
+    """One Chat stream: user turns run one at a time, each streaming its tokens back; a cancel
+    message stops the running turn at once; half-close ends the stream after the running turn."""
+
+    def __init__(self, pipeline: Pipeline, limits: GatewaySettings, context: Context) -> None:
+        self._pipeline = pipeline
+        self._limits = limits
+        self._context = context
+        self._history = ChatHistory(limits.max_chat_turns, limits.max_chat_history_tokens)
+        # Messages read from the client; None marks its half-close.
+        self._inbox: asyncio.Queue[llm_pb2.ChatMessage | None] = asyncio.Queue()
+        # User turns that arrived while another turn was running.
+        self._backlog: deque[llm_pb2.UserTurn] = deque()
+        self._half_closed = False
+
+    async def run(
+        self, requests: AsyncIterator[llm_pb2.ChatMessage]
+    ) -> AsyncGenerator[llm_pb2.ChatEvent, None]:
+        reader = asyncio.create_task(self._read(requests))
+        try:
+            turn = 0
+            while True:
+                user = await self._next_user_turn()
+                if user is None:
+                    return
+                async for event in self._run_turn(turn, user):
+                    yield event
+                turn += 1
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+
+    async def _read(self, requests: AsyncIterator[llm_pb2.ChatMessage]) -> None:
+        async for message in requests:
+            await self._inbox.put(message)
+        await self._inbox.put(None)
+
+    async def _next_user_turn(self) -> llm_pb2.UserTurn | None:
+        """The next user turn to answer, or None once the client has half-closed."""
+        while not self._backlog:
+            if self._half_closed:
+                return None
+            message = await self._inbox.get()
+            if message is None:
+                self._half_closed = True
+            elif message.HasField("user"):
+                self._backlog.append(message.user)
+            # A cancel with no turn running has nothing to stop.
+        return self._backlog.popleft()
+
+    def _keep_unread(self, pending: asyncio.Future[llm_pb2.ChatMessage | None]) -> None:
+        """A message read while a turn was ending still counts; otherwise stop the read."""
+        if not pending.done():
+            pending.cancel()
+            return
+        if pending.cancelled():
+            return
+        message = pending.result()
+        if message is None:
+            self._half_closed = True
+        elif message.HasField("user"):
+            self._backlog.append(message.user)
+
+    async def _run_turn(
+        self, turn: int, user: llm_pb2.UserTurn
+    ) -> AsyncGenerator[llm_pb2.ChatEvent, None]:
+        check_text("user.content", user.content, self._limits.max_chat_message_bytes)
+        sampling = sampling_params(user, self._limits)
+        tokens = self._pipeline.stream(
+            self._history.prompt(user.content), sampling, self._context.time_remaining()
+        )
+        answer: list[str] = []
+        end = llm_pb2.TurnEnd()
+        next_token = asyncio.ensure_future(anext(tokens))
+        next_message = None if self._half_closed else asyncio.ensure_future(self._inbox.get())
+        try:
+            while True:
+                waiting = {next_token} | ({next_message} if next_message else set())
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                if next_message in done:
+                    message = next_message.result()
+                    next_message = None
+                    if message is None:
+                        self._half_closed = True
+                    elif message.HasField("cancel"):
+                        next_token.cancel()
+                        end.finish_reason = token_pb2.FINISH_REASON_CANCELLED
+                        end.usage.completion_tokens = len(answer)
+                        break
+                    else:
+                        self._backlog.append(message.user)
+                    if not self._half_closed:
+                        next_message = asyncio.ensure_future(self._inbox.get())
+                if next_token in done:
+                    try:
+                        token = next_token.result()
+                    except StopAsyncIteration:
+                        break
+                    answer.append(token.text)
+                    yield llm_pb2.ChatEvent(turn=turn, token=token)
+                    if token.finish_reason:
+                        end.finish_reason = token.finish_reason
+                        end.usage.CopyFrom(token.usage)
+                        break
+                    next_token = asyncio.ensure_future(anext(tokens))
+        finally:
+            if next_message is not None:
+                self._keep_unread(next_message)
+            # Stop the generation (a cancel, an error, or the client leaving): cancelling the
+            # pending read cancels the worker call, which aborts the engine request.
+            next_token.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await next_token
+            await tokens.aclose()
+        # The history measures this turn by what the worker counted: the prompt tokens it
+        # added beyond the history, plus what was generated.
+        added_prompt_tokens = max(end.usage.prompt_tokens - self._history.tokens, 0)
+        end.dropped_turns = self._history.add(
+            ChatTurn(
+                user=user.content,
+                assistant="".join(answer),
+                tokens=added_prompt_tokens + end.usage.completion_tokens,
+            )
+        )
+        yield llm_pb2.ChatEvent(turn=turn, turn_end=end)

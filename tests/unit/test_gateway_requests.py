@@ -1,0 +1,75 @@
+"""Public request validation and prompt assembly at the gateway (pure logic)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenmesh.common.errors import InvalidArgument
+from tokenmesh.gateway.config import GatewaySettings
+from tokenmesh.gateway.prompts import ChatHistory, ChatTurn, with_context
+from tokenmesh.gateway.requests import generation_job
+from tokenmesh.v1 import llm_pb2
+
+LIMITS = GatewaySettings(
+    max_documents=4, max_document_bytes=10, max_top_k_documents=3, default_top_k_documents=2
+)
+
+
+def job(**fields: object):
+    return generation_job(
+        llm_pb2.GenerateRequest(**{"prompt": "q", "max_tokens": 4, **fields}), LIMITS
+    )
+
+
+def test_defaults_and_sampling_pass_through() -> None:
+    result = job(documents=["a", "b"], temperature=0.0, seed=7, stop=["x"])
+    assert result.top_k_documents == 2
+    assert result.sampling.max_tokens == 4
+    assert result.sampling.HasField("temperature") and result.sampling.temperature == 0.0
+    assert result.sampling.seed == 7 and list(result.sampling.stop) == ["x"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "field", "limit"),
+    [
+        ({"prompt": ""}, "prompt", "must not be empty"),
+        ({"max_tokens": 0}, "max_tokens", "[1, 4096]"),
+        ({"temperature": 3.0}, "temperature", "[0, 2]"),
+        ({"documents": ["a"] * 5}, "documents", "over the limit of 4"),
+        ({"documents": ["ok", "x" * 11]}, "documents[1]", "over the limit of 10"),
+        ({"documents": ["ok", ""]}, "documents[1]", "must not be empty"),
+        ({"top_k_documents": 4}, "top_k_documents", "[0, 3]"),
+        ({"top_k_documents": -1}, "top_k_documents", "[0, 3]"),
+    ],
+)
+def test_invalid_fields_name_field_and_limit(
+    fields: dict[str, object], field: str, limit: str
+) -> None:
+    with pytest.raises(InvalidArgument) as error:
+        job(**fields)
+    assert error.value.field == field
+    assert limit in error.value.message
+
+
+def test_context_lists_documents_in_order() -> None:
+    prompt = with_context("Why?", ["first doc", "second doc"])
+    assert prompt.index("[1] first doc") < prompt.index("[2] second doc") < prompt.index("Why?")
+    assert with_context("plain", []) == "plain"
+
+
+def test_chat_history_drops_oldest_turns_past_the_turn_bound() -> None:
+    history = ChatHistory(max_turns=2, max_tokens=1000)
+    assert history.add(ChatTurn("u1", "a1", 10)) == 0
+    assert history.add(ChatTurn("u2", "a2", 10)) == 0
+    assert history.add(ChatTurn("u3", "a3", 10)) == 1
+    prompt = history.prompt("u4")
+    assert "u1" not in prompt and prompt.index("u2") < prompt.index("u3") < prompt.index("u4")
+    assert prompt.endswith("User: u4\nAssistant:")
+
+
+def test_chat_history_drops_oldest_turns_past_the_token_bound() -> None:
+    history = ChatHistory(max_turns=10, max_tokens=25)
+    history.add(ChatTurn("u1", "a1", 10))
+    history.add(ChatTurn("u2", "a2", 10))
+    assert history.add(ChatTurn("u3", "a3", 10)) == 1
+    assert history.tokens == 20 and len(history) == 2
