@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from grpc import aio
-
 from prometheus_client import Counter
 
 from tokenmesh.common.metrics import StreamMetrics
