@@ -215,3 +215,16 @@ def aborted_total(worker: ServiceProcess, reason: str) -> float:
     """How many engine requests the worker aborted for reason (cancelled/deadline_exceeded)."""
     text = scrape_metrics(worker.metrics_port)
     return metric_value(text, "tokenmesh_worker_aborted_requests_total", 0.0, reason=reason)
+
+
+async def aborted_since(
+    worker: ServiceProcess, reason: str, before: float, expected: int, within: float = 5.0
+) -> float:
+    """Aborts counted since `before`, polled until `expected` (the worker counts an abort just
+    after vLLM has it, so a scrape right after the engine empties may not show it yet)."""
+    deadline = time.monotonic() + within
+    while True:
+        count = aborted_total(worker, reason) - before
+        if count >= expected or time.monotonic() > deadline:
+            return count
+        await asyncio.sleep(0.02)

@@ -43,6 +43,7 @@ def sampling_params(
             sampling.seed = request.seed
         check_count("stop", len(request.stop), limits.max_stop_sequences, "sequences")
         sampling.stop.extend(request.stop)
+    if isinstance(request, llm_pb2.GenerateRequest | llm_pb2.Query | llm_pb2.UserTurn):
         sampling.ignore_eos = request.ignore_eos
     return sampling
 

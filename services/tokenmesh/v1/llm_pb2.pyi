@@ -86,14 +86,16 @@ class ChatMessage(_message.Message):
     def __init__(self, user: _Optional[_Union[UserTurn, _Mapping]] = ..., cancel: _Optional[_Union[CancelGeneration, _Mapping]] = ...) -> None: ...
 
 class UserTurn(_message.Message):
-    __slots__ = ("content", "max_tokens", "temperature")
+    __slots__ = ("content", "max_tokens", "temperature", "ignore_eos")
     CONTENT_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     content: str
     max_tokens: int
     temperature: float
-    def __init__(self, content: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ...) -> None: ...
+    ignore_eos: bool
+    def __init__(self, content: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class CancelGeneration(_message.Message):
     __slots__ = ()
