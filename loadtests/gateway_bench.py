@@ -110,7 +110,7 @@ async def degradation(args: argparse.Namespace) -> dict[str, object]:
                 started = time.perf_counter()
                 first = await call.read()
                 elapsed = time.perf_counter() - started
-                async for _ in call:
+                while await call.read() is not aio.EOF:
                     pass
                 warning = first.warnings[0] if first.warnings else ""
                 (while_open if "circuit open" in warning else before_open).record(elapsed)

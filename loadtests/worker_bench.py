@@ -46,17 +46,17 @@ async def cancel_latency(stub, streams: int, trials: int) -> Latencies:
     latencies = Latencies()
     for trial in range(trials):
         calls = [stub.Generate(request(trial * 100 + i, 2000)) for i in range(streams)]
-        for call in calls:
-            await call.read()
+        # The engine is busy from the last first token on: later "empty" reports are ours.
+        busy_since = max([(await call.read()).emitted_unix_nanos for call in calls])
         cancelled_at = time.time_ns()
         for call in calls:
             call.cancel()
         for _ in range(5000):
             stats = await stub.GetEngineStats(inference_pb2.EngineStatsRequest())
-            if stats.reported_unix_nanos >= cancelled_at and not (
+            if stats.reported_unix_nanos > busy_since and not (
                 stats.running_requests or stats.waiting_requests
             ):
-                latencies.record((stats.reported_unix_nanos - cancelled_at) / 1e9)
+                latencies.record(max(stats.reported_unix_nanos - cancelled_at, 0) / 1e9)
                 break
             await asyncio.sleep(0.001)
     return latencies
