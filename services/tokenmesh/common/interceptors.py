@@ -106,12 +106,21 @@ class ErrorMappingInterceptor(aio.ServerInterceptor):
         return rewrap(handler, wrap_unary, wrap_stream)
 
 
+# A caller whose deadline passes resets the stream itself, usually a moment before the server's
+# own deadline timer fires; a cancel this close to the deadline is the deadline passing.
+DEADLINE_SLACK_SECONDS = 0.1
+
+
+def deadline_passed(context: aio.ServicerContext[Any, Any]) -> bool:
+    """Whether the RPC's deadline has (all but) passed, telling a deadline from a cancel."""
+    remaining = context.time_remaining()
+    return remaining is not None and remaining <= DEADLINE_SLACK_SECONDS
+
+
 def _final_code(context: aio.ServicerContext[Any, Any], exc: BaseException | None) -> str:
     """The status code an RPC ended with, as the grpc_code label value."""
     if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
-        remaining = context.time_remaining()
-        expired = remaining is not None and remaining <= 0
-        return "DEADLINE_EXCEEDED" if expired else "CANCELLED"
+        return "DEADLINE_EXCEEDED" if deadline_passed(context) else "CANCELLED"
     code = context.code()
     if isinstance(code, grpc.StatusCode):
         return str(code.name)

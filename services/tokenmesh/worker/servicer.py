@@ -10,6 +10,7 @@ from typing import Any
 from grpc import aio
 from prometheus_client import Counter
 
+from tokenmesh.common.interceptors import deadline_passed
 from tokenmesh.common.metrics import StreamMetrics
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
 from tokenmesh.worker.config import WorkerSettings
@@ -58,9 +59,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         except asyncio.CancelledError:
             # The caller cancelled, went away or ran out of deadline: free the engine now.
             await engine.abort(spec.request_id)
-            remaining = context.time_remaining()
-            expired = remaining is not None and remaining <= 0
-            self._aborted.labels(reason="deadline_exceeded" if expired else "cancelled").inc()
+            reason = "deadline_exceeded" if deadline_passed(context) else "cancelled"
+            self._aborted.labels(reason=reason).inc()
             raise
         finally:
             await deltas.aclose()
