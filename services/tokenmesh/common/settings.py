@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 from pydantic import Field
@@ -27,6 +28,15 @@ class ServiceSettings(BaseSettings):
     log_level: str = "INFO"
     # json: one object per line for log shippers; text: for humans at a terminal.
     log_format: Literal["json", "text"] = "json"
+    # Consul agent HTTP address ("127.0.0.1:8500" or "http[s]://host:port"). When set, the
+    # service registers itself there with a gRPC health check while SERVING, and deregisters on
+    # shutdown. Defaults to the standard CONSUL_HTTP_ADDR variable; unset means no Consul.
+    consul_http_addr: str | None = Field(
+        default_factory=lambda: os.environ.get("CONSUL_HTTP_ADDR") or None
+    )
+    # IP registered in Consul (so Envoy's endpoint); defaults to host, or to this machine's
+    # address when host is a wildcard such as 0.0.0.0.
+    advertise_host: str | None = None
 
     # Largest protobuf message accepted or sent; bigger ones fail with RESOURCE_EXHAUSTED.
     max_message_bytes: int = Field(default=4 * MIB, ge=1024)

@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry
 from tokenmesh.common.channels import Dependency
 from tokenmesh.common.interceptors import standard_interceptors
 from tokenmesh.common.metrics import MetricsEndpoint, StreamMetrics
+from tokenmesh.common.registration import ConsulRegistration
 from tokenmesh.common.server import (
     Health,
     bind,
@@ -52,6 +53,8 @@ async def serve(settings: GatewaySettings) -> int:
     endpoint = MetricsEndpoint(registry, settings.metrics_host, settings.metrics_port)
     metrics_port = endpoint.start()
     await health.set_serving()
+    registration = ConsulRegistration.for_service(settings, "gateway", port, metrics_port)
+    registration.start()  # no-op without a Consul address
     log.info(
         "gateway serving",
         extra={
@@ -64,6 +67,7 @@ async def serve(settings: GatewaySettings) -> int:
     await wait_for_shutdown_signal()
     log.info("gateway stopping", extra={"grace_seconds": settings.grace_seconds})
     await health.set_not_serving()
+    await registration.stop()
     await server.stop(settings.grace_seconds)
     await worker.close()
     await reranker.close()

@@ -1,92 +1,127 @@
-"""What the local stack runs, the supervisord config for it, and the up/down/status commands."""
+"""What the local mesh runs, the supervisord config for it, and the up/down/status commands."""
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import grpc
+import psutil
+import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from tokenmesh.meshconfig.bootstrap import render
+from tokenmesh.meshconfig.config import MeshSettings
+
+GIB = 1024**3
+# A tiny-model worker (vLLM, torch, 1 GiB KV cache) takes about 3 GiB; a second one is only
+# started when there is room for it with margin.
+MEMORY_PER_WORKER = 4 * GIB
+
 
 class StackSettings(BaseSettings):
-    """Ports and model of the local stack, from TOKENMESH_STACK_* variables."""
+    """Ports, replicas and model of the local mesh, from TOKENMESH_STACK_* variables."""
 
     model_config = SettingsConfigDict(env_prefix="TOKENMESH_STACK_", frozen=True, extra="ignore")
 
-    # Where supervisord keeps its socket, pid file and the services' logs.
+    # Where supervisord keeps its socket, pid file, generated configs and the services' logs.
     run_dir: Path = Path(".run")
     model: str = "models/tiny-llama"
-    gateway_port: int = Field(default=50050, ge=1, le=65535)
-    gateway_metrics_port: int = Field(default=9450, ge=1, le=65535)
+    gateways: int = Field(default=2, ge=1, le=16)
+    # 0 means: 2, or 1 when the machine has too little free memory for two.
+    workers: int = Field(default=0, ge=0, le=16)
+    # Replica i of a service listens on base + i (gRPC) and metrics base + i.
+    gateway_port: int = Field(default=50051, ge=1, le=65535)
+    gateway_metrics_port: int = Field(default=9451, ge=1, le=65535)
     worker_port: int = Field(default=50061, ge=1, le=65535)
     worker_metrics_port: int = Field(default=9461, ge=1, le=65535)
     reranker_port: int = Field(default=50071, ge=1, le=65535)
     reranker_metrics_port: int = Field(default=9471, ge=1, le=65535)
+    controlplane_port: int = Field(default=18000, ge=1, le=65535)
+    controlplane_metrics_port: int = Field(default=9480, ge=1, le=65535)
+    # Envoy: the edge, its admin, and the internal listeners gateways call through.
+    edge_port: int = Field(default=8080, ge=1, le=65535)
+    envoy_admin_port: int = Field(default=9901, ge=1, le=65535)
+    worker_listener_port: int = Field(default=50060, ge=1, le=65535)
+    reranker_listener_port: int = Field(default=50070, ge=1, le=65535)
+    # Envoy's shared-memory id; distinct values let several stacks (tests) run side by side.
+    envoy_base_id: int = Field(default=7100, ge=0)
+    # Consul's HTTP port when a `consul` binary is on PATH (a dev agent is started).
+    consul_http_port: int = Field(default=8500, ge=1, le=65535)
     # CPU KV cache per worker, GiB.
     worker_kv_cache_space_gib: int = Field(default=1, ge=1)
-    # How long `up` waits for every service to report SERVING (model loads included).
+    # How long `up` waits for every service to be SERVING and every Envoy host healthy.
     ready_timeout_seconds: float = Field(default=600.0, gt=0)
+
+    def worker_count(self) -> int:
+        if self.workers:
+            return self.workers
+        return 2 if psutil.virtual_memory().available >= 2 * MEMORY_PER_WORKER else 1
+
+    def mesh(self) -> MeshSettings:
+        return MeshSettings(
+            edge_port=self.edge_port,
+            admin_port=self.envoy_admin_port,
+            worker_listener_port=self.worker_listener_port,
+            reranker_listener_port=self.reranker_listener_port,
+            controlplane_port=self.controlplane_port,
+        )
 
 
 @dataclass(frozen=True)
 class Program:
-    """One supervised process: the tokenmesh service `name`, run as `python -m tokenmesh.<name>`
-    with its TOKENMESH_<NAME>_* settings."""
+    """One supervised process; `service` is the Envoy cluster it belongs to, if any."""
 
     name: str
-    port: int
-    metrics_port: int
-    # Settings beyond the ports, by name without the prefix (e.g. MODEL).
-    settings: dict[str, str] = field(default_factory=dict)
+    command: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    # The gRPC port whose grpc.health.v1 says when the process is ready (None: see `ready`).
+    port: int | None = None
+    metrics_port: int | None = None
+    service: str | None = None
     # Seconds supervisord waits after SIGTERM before SIGKILL: the grace period plus shutdown.
     stop_wait_seconds: int = 30
 
     @property
-    def module(self) -> str:
-        return f"tokenmesh.{self.name}"
-
-    @property
-    def env(self) -> dict[str, str]:
-        prefix = f"TOKENMESH_{self.name.upper()}_"
-        values = {"PORT": str(self.port), "METRICS_PORT": str(self.metrics_port), **self.settings}
-        return {prefix + key: value for key, value in values.items()}
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
 
 
-def programs(settings: StackSettings) -> list[Program]:
-    """Dependencies first: `up` waits for each in this order."""
-    return [
-        Program(
-            "worker",
-            settings.worker_port,
-            settings.worker_metrics_port,
-            {
-                "MODEL": settings.model,
-                "KV_CACHE_SPACE_GIB": str(settings.worker_kv_cache_space_gib),
-            },
-        ),
-        Program("reranker", settings.reranker_port, settings.reranker_metrics_port),
-        Program(
-            "gateway",
-            settings.gateway_port,
-            settings.gateway_metrics_port,
-            {
-                "WORKER_ADDRESS": f"127.0.0.1:{settings.worker_port}",
-                "RERANKER_ADDRESS": f"127.0.0.1:{settings.reranker_port}",
-            },
-        ),
-    ]
+def tokenmesh_service(
+    service: str,
+    replica: int | None,
+    port: int,
+    metrics_port: int,
+    settings: dict[str, str] | None = None,
+) -> Program:
+    """`python -m tokenmesh.<service>` with its TOKENMESH_<SERVICE>_* settings."""
+    prefix = f"TOKENMESH_{service.upper()}_"
+    values = {"PORT": str(port), "METRICS_PORT": str(metrics_port), **(settings or {})}
+    return Program(
+        name=service if replica is None else f"{service}-{replica}",
+        command=[sys.executable, "-m", f"tokenmesh.{service}"],
+        env={prefix + key: value for key, value in values.items()},
+        port=port,
+        metrics_port=metrics_port,
+        service=service,
+    )
 
 
 class Stack:
-    """The supervisord-managed local stack rooted at the repository."""
+    """The supervisord-managed local mesh rooted at the repository."""
 
     def __init__(self, settings: StackSettings, root: Path) -> None:
         self.settings = settings
@@ -95,8 +130,95 @@ class Stack:
         self.log_dir = self.run_dir / "logs"
         self.config_path = self.run_dir / "supervisord.conf"
         self.pid_path = self.run_dir / "supervisord.pid"
-        self.programs = programs(settings)
+        self.envoy_config_path = self.run_dir / "envoy.yaml"
+        self.endpoints_path = self.run_dir / "endpoints.yaml"
+        self.consul = shutil.which("consul")
         self._bin = Path(sys.executable).parent
+        self.programs = self._programs()
+
+    @property
+    def consul_address(self) -> str:
+        return f"127.0.0.1:{self.settings.consul_http_port}"
+
+    def _programs(self) -> list[Program]:
+        """Dependencies first: `up` waits for each in this order."""
+        s = self.settings
+        workers = s.worker_count()
+        cores = os.cpu_count() or 1
+        registration = {"CONSUL_HTTP_ADDR": self.consul_address} if self.consul else {}
+        programs: list[Program] = []
+        if self.consul:
+            programs.append(
+                Program(
+                    "consul",
+                    [self.consul, "agent", "-dev", "-bind", "127.0.0.1", "-client", "127.0.0.1",
+                     "-http-port", str(s.consul_http_port)],
+                )
+            )  # fmt: skip
+        source = {"SOURCE": "consul", "CONSUL_HTTP_ADDR": self.consul_address}
+        programs.append(
+            tokenmesh_service(
+                "controlplane",
+                None,
+                s.controlplane_port,
+                s.controlplane_metrics_port,
+                source
+                if self.consul
+                else {"SOURCE": "static", "STATIC_FILE": str(self.endpoints_path)},
+            )
+        )
+        programs.append(
+            Program(
+                "envoy",
+                [str(self._bin / "envoy"), "-c", str(self.envoy_config_path),
+                 "--base-id", str(s.envoy_base_id), "--log-level", "warn"],
+            )
+        )  # fmt: skip
+        for i in range(workers):
+            programs.append(
+                tokenmesh_service(
+                    "worker",
+                    i,
+                    s.worker_port + i,
+                    s.worker_metrics_port + i,
+                    {
+                        "MODEL": s.model,
+                        "KV_CACHE_SPACE_GIB": str(s.worker_kv_cache_space_gib),
+                        # vLLM pins its OpenMP threads: engines on one machine get their own
+                        # cores, or they fight over the same ones.
+                        "CPU_THREADS_BIND": str(i % cores) if workers <= cores else "auto",
+                        **registration,
+                    },
+                )
+            )
+        programs.append(
+            tokenmesh_service(
+                "reranker", None, s.reranker_port, s.reranker_metrics_port, dict(registration)
+            )
+        )
+        for i in range(s.gateways):
+            programs.append(
+                tokenmesh_service(
+                    "gateway",
+                    i,
+                    s.gateway_port + i,
+                    s.gateway_metrics_port + i,
+                    {
+                        "WORKER_ADDRESS": f"127.0.0.1:{s.worker_listener_port}",
+                        "RERANKER_ADDRESS": f"127.0.0.1:{s.reranker_listener_port}",
+                        **registration,
+                    },
+                )
+            )
+        return programs
+
+    def endpoints(self) -> dict[str, dict[str, list[str]]]:
+        """The static discovery file: every service replica's address, by cluster."""
+        clusters: dict[str, list[str]] = {"gateway": [], "worker": [], "reranker": []}
+        for program in self.programs:
+            if program.service in clusters:
+                clusters[program.service].append(program.address)
+        return {"clusters": clusters}
 
     def supervisord_config(self) -> str:
         sections = [
@@ -120,10 +242,10 @@ serverurl=unix://{self.run_dir}/supervisor.sock
             env = ",".join(f'{key}="{value}"' for key, value in program.env.items())
             sections.append(
                 f"""[program:{program.name}]
-command={self._bin / "python"} -m {program.module}
-environment={env}
+command={shlex.join(program.command)}
+environment={env or 'TOKENMESH_STACK="1"'}
 autorestart=true
-startsecs=5
+startsecs=2
 stopsignal=TERM
 stopwaitsecs={program.stop_wait_seconds}
 stopasgroup=true
@@ -135,6 +257,14 @@ stdout_logfile_backups=2
 """
             )
         return "\n".join(sections)
+
+    def write_configs(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(self.supervisord_config())
+        self.envoy_config_path.write_text(
+            yaml.safe_dump(render(self.settings.mesh()), sort_keys=False)
+        )
+        self.endpoints_path.write_text(yaml.safe_dump(self.endpoints(), sort_keys=False))
 
     def supervisord_pid(self) -> int | None:
         """The pid of our running supervisord, or None."""
@@ -155,35 +285,75 @@ stdout_logfile_backups=2
 
     def up(self) -> int:
         if self.supervisord_pid() is not None:
-            print("the local stack is already running (make status / make down)")
+            print("the local mesh is already running (make status / make down)")
             return self.status()
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.config_path.write_text(self.supervisord_config())
+        if self.consul:
+            print(f"consul found at {self.consul}: dev agent on {self.consul_address}")
+        else:
+            print("no consul binary on PATH: discovery is static (.run/endpoints.yaml)")
+        self.write_configs()
         subprocess.run(
             [str(self._bin / "supervisord"), "-c", str(self.config_path)], check=True, cwd=self.root
         )
         print(f"started under supervisord; logs in {self.log_dir} (make logs)")
         started = time.monotonic()
+        deadline = started + self.settings.ready_timeout_seconds
         for program in self.programs:
-            if not self._wait_serving(program, started + self.settings.ready_timeout_seconds):
+            if program.port is not None and not self._wait(
+                program, deadline, partial(serving, program.address)
+            ):
                 return 1
+        envoy = next(program for program in self.programs if program.name == "envoy")
+        if not self._wait(envoy, deadline, self.envoy_ready):
+            return 1
         print(f"ready in {time.monotonic() - started:.0f}s\n")
         self._print_endpoints()
         return 0
 
-    def _wait_serving(self, program: Program, deadline: float) -> bool:
-        print(f"waiting for {program.name} on 127.0.0.1:{program.port} ...", flush=True)
+    def _wait(self, program: Program, deadline: float, ready: Callable[[], bool]) -> bool:
+        print(f"waiting for {program.name} ...", flush=True)
         while time.monotonic() < deadline:
             state = self.ctl("status", program.name).stdout.split()
             if len(state) > 1 and state[1] in ("FATAL", "EXITED", "BACKOFF"):
                 print(f"{program.name} is {state[1]}; last log lines:\n{self._tail(program)}")
                 return False
-            if health(f"127.0.0.1:{program.port}") == "SERVING":
-                print(f"{program.name} is SERVING")
+            if ready():
+                print(f"{program.name} is ready")
                 return True
             time.sleep(1)
-        print(f"{program.name} not SERVING in time; last log lines:\n{self._tail(program)}")
+        print(f"{program.name} not ready in time; last log lines:\n{self._tail(program)}")
         return False
+
+    def envoy_hosts(self) -> dict[str, list[tuple[str, bool]]]:
+        """Envoy's view: (address, healthy) of each host, by cluster."""
+        url = f"http://127.0.0.1:{self.settings.envoy_admin_port}/clusters?format=json"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as reply:
+                statuses = json.load(reply).get("cluster_statuses", [])
+        except (urllib.error.URLError, OSError, ValueError):
+            return {}
+        hosts: dict[str, list[tuple[str, bool]]] = {}
+        for cluster in statuses:
+            for host in cluster.get("host_statuses", []):
+                address = host["address"]["socket_address"]
+                flags = host.get("health_status", {})
+                healthy = flags.get("eds_health_status") == "HEALTHY" and not any(
+                    value is True for key, value in flags.items() if key.startswith("failed")
+                )
+                hosts.setdefault(cluster["name"], []).append(
+                    (f"{address['address']}:{address['port_value']}", healthy)
+                )
+        return hosts
+
+    def envoy_ready(self) -> bool:
+        """Every service replica is known to Envoy and passes its health checks."""
+        hosts = self.envoy_hosts()
+        expected = self.endpoints()["clusters"]
+        return all(
+            sorted(address for address, healthy in hosts.get(cluster, []) if healthy)
+            == sorted(addresses)
+            for cluster, addresses in expected.items()
+        )
 
     def _tail(self, program: Program, lines: int = 30) -> str:
         log = self.log_dir / f"{program.name}.log"
@@ -191,30 +361,34 @@ stdout_logfile_backups=2
         return "\n".join(text.splitlines()[-lines:])
 
     def _print_endpoints(self) -> None:
+        s = self.settings
+        print(f"  edge (Envoy)  grpc, gRPC-Web, REST  127.0.0.1:{s.edge_port}")
+        print(f"  Envoy admin   http://127.0.0.1:{s.envoy_admin_port}/clusters")
         for program in self.programs:
-            print(
-                f"  {program.name:10} grpc 127.0.0.1:{program.port}   "
-                f"metrics http://127.0.0.1:{program.metrics_port}/metrics"
-            )
-        gateway = f"127.0.0.1:{self.settings.gateway_port}"
-        calls = [
-            ('{"prompt":"hello","max_tokens":16}', "Generate"),
-            (
-                '{"prompt":"What is the capital of France?","max_tokens":16,'
-                '"documents":["Bananas are yellow.","Paris is the capital of France."]}',
-                "GetAnswer",
-            ),
-        ]
+            if program.port is not None:
+                print(
+                    f"  {program.name:13} grpc {program.address}   "
+                    f"metrics http://127.0.0.1:{program.metrics_port}/metrics"
+                )
+        edge = f"127.0.0.1:{s.edge_port}"
         print("\nTry it:")
-        for body, method in calls:
-            command = ["grpcurl", "-plaintext", "-d", body, gateway]
-            print("  " + shlex.join([*command, f"tokenmesh.v1.LLMService/{method}"]))
+        print(
+            "  "
+            + shlex.join(
+                ["grpcurl", "-plaintext", "-d", '{"prompt":"hello","max_tokens":16}', edge,
+                 "tokenmesh.v1.LLMService/Generate"]
+            )
+        )  # fmt: skip
+        print(
+            f'  curl -N -d \'{{"prompt":"hello","max_tokens":16}}\' '
+            f"http://{edge}/tokenmesh.v1.LLMService/Generate"
+        )
         print(f"  (grpcurl is in {self._bin}; `source .venv/bin/activate` puts it on PATH)")
 
     def down(self) -> int:
         pid = self.supervisord_pid()
         if pid is None:
-            print("the local stack is not running")
+            print("the local mesh is not running")
             return 0
         result = self.ctl("shutdown")
         print(result.stdout.strip() or result.stderr.strip())
@@ -229,11 +403,15 @@ stdout_logfile_backups=2
 
     def status(self) -> int:
         if self.supervisord_pid() is None:
-            print("the local stack is not running (make up)")
+            print("the local mesh is not running (make up)")
             return 0
         print(self.ctl("status").stdout.rstrip())
         for program in self.programs:
-            print(f"  {program.name:10} health: {health(f'127.0.0.1:{program.port}')}")
+            if program.port is not None:
+                print(f"  {program.name:13} health: {health(program.address)}")
+        for cluster, hosts in sorted(self.envoy_hosts().items()):
+            listed = ", ".join(f"{a} {'healthy' if ok else 'UNHEALTHY'}" for a, ok in hosts)
+            print(f"  envoy cluster {cluster:10} {listed or 'no hosts'}")
         return 0
 
     def logs(self) -> int:
@@ -242,6 +420,10 @@ stdout_logfile_backups=2
             print("no logs yet (make up)")
             return 0
         os.execvp("tail", ["tail", "-n", "50", "-F", *files])
+
+
+def serving(address: str) -> bool:
+    return health(address) == "SERVING"
 
 
 def health(address: str) -> str:

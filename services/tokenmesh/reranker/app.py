@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry
 
 from tokenmesh.common.interceptors import standard_interceptors
 from tokenmesh.common.metrics import MetricsEndpoint
+from tokenmesh.common.registration import ConsulRegistration
 from tokenmesh.common.server import (
     Health,
     bind,
@@ -63,6 +64,7 @@ async def serve(settings: RerankerSettings) -> int:
         extra={"port": port, "metrics_port": metrics_port, "model": settings.model or "default"},
     )
 
+    registration = ConsulRegistration.for_service(settings, "reranker", port, metrics_port)
     stop = asyncio.Event()
     signals = asyncio.create_task(wait_for_shutdown_signal(stop))
     loading = asyncio.create_task(asyncio.to_thread(load_model, settings))
@@ -86,11 +88,13 @@ async def serve(settings: RerankerSettings) -> int:
         batcher.start()
         slot.set(batcher)
         await health.set_serving()
+        registration.start()  # no-op without a Consul address
         log.info("reranker serving", extra={"port": port})
         await signals
 
     log.info("reranker stopping", extra={"grace_seconds": settings.grace_seconds})
     await health.set_not_serving()
+    await registration.stop()
     # New RPCs are refused; in-flight reranks get the grace period to finish (the batcher
     # keeps running meanwhile), then are cancelled.
     await server.stop(settings.grace_seconds)

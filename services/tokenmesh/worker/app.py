@@ -11,6 +11,7 @@ from prometheus_client.registry import Collector
 
 from tokenmesh.common.interceptors import standard_interceptors
 from tokenmesh.common.metrics import MetricsEndpoint, StreamMetrics
+from tokenmesh.common.registration import ConsulRegistration
 from tokenmesh.common.server import (
     Health,
     bind,
@@ -97,6 +98,9 @@ async def serve(settings: WorkerSettings) -> int:
         extra={"port": port, "metrics_port": metrics_port, "model": settings.model},
     )
 
+    registration = ConsulRegistration.for_service(
+        settings, "worker", port, metrics_port, extra={"model": settings.model_name}
+    )
     stop = asyncio.Event()
     signals = asyncio.create_task(wait_for_shutdown_signal(stop))
     loading = asyncio.create_task(VllmEngine.start(settings))
@@ -112,6 +116,7 @@ async def serve(settings: WorkerSettings) -> int:
             watch_engine(engine, settings.engine_check_interval_seconds, stop)
         )
         await health.set_serving()
+        registration.start()  # no-op without a Consul address
         log.info("worker serving", extra={"port": port, "model": engine.model_name})
         await signals
         exit_code = 1 if engine.errored else 0
@@ -122,6 +127,7 @@ async def serve(settings: WorkerSettings) -> int:
 
     log.info("worker stopping", extra={"grace_seconds": settings.grace_seconds})
     await health.set_not_serving()
+    await registration.stop()
     # New RPCs are refused; in-flight streams get the grace period, then are cancelled, which
     # aborts their engine requests.
     await server.stop(settings.grace_seconds)

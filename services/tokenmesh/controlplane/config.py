@@ -1,0 +1,60 @@
+"""Control plane settings, from TOKENMESH_CONTROLPLANE_* environment variables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Self
+
+from pydantic import Field, model_validator
+from pydantic_settings import SettingsConfigDict
+
+from tokenmesh.common.settings import ServiceSettings
+
+
+class ControlPlaneSettings(ServiceSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="TOKENMESH_CONTROLPLANE_", frozen=True, extra="ignore"
+    )
+
+    # Envoy's bootstrap points its xds_cluster here.
+    port: int = Field(default=18000, ge=0, le=65535)
+    metrics_port: int = Field(default=9480, ge=-1, le=65535)
+    # xDS streams never end on their own: shutdown closes them at once (Envoy keeps its
+    # endpoints and reconnects), so only other RPCs ever use this.
+    grace_seconds: float = Field(default=2.0, ge=0)
+
+    # Where endpoints come from: "static" (static_file) or "consul" (consul_http_addr).
+    source: Literal["static", "consul"] = "static"
+
+    # JSON or YAML (by suffix .yaml/.yml): {"clusters": {"worker": ["127.0.0.1:50061",
+    # {"address": "127.0.0.1:50062", "healthy": false}], ...}}. Addresses must be IPs (EDS does
+    # no DNS). Re-read when it changes; a malformed edit is logged and the last good one kept.
+    static_file: Path | None = None
+    # How often the file's mtime/size/inode is checked; an edit reaches Envoy within about this.
+    static_poll_seconds: float = Field(default=0.25, gt=0)
+
+    # Consul service names watched; each is the Envoy cluster of the same name.
+    consul_services: list[str] = Field(default=["gateway", "worker", "reranker"], min_length=1)
+    # True: only instances whose checks all pass are sent. False: every instance is sent, with
+    # health_status UNHEALTHY when a check is not passing, so Envoy's /clusters shows why it is
+    # skipped. (Envoy's panic threshold may route to UNHEALTHY hosts when most are unhealthy;
+    # choose True to rule that out.)
+    consul_passing_only: bool = False
+    # Longest a Consul blocking query is held when nothing changes; changes return at once.
+    consul_wait_seconds: float = Field(default=15.0, gt=0, le=600)
+    # Retry delays after Consul errors: doubling from initial up to max, jittered. Until Consul
+    # answers again the last known endpoints keep being served.
+    consul_backoff_initial_seconds: float = Field(default=0.2, gt=0)
+    consul_backoff_max_seconds: float = Field(default=10.0, gt=0)
+    # Register the control plane itself in Consul (when consul_http_addr is set).
+    register_self: bool = True
+
+    @model_validator(mode="after")
+    def _source_is_configured(self) -> Self:
+        if self.source == "static" and self.static_file is None:
+            raise ValueError("source=static needs static_file")
+        if self.source == "consul" and not self.consul_http_addr:
+            raise ValueError("source=consul needs consul_http_addr (or CONSUL_HTTP_ADDR)")
+        if self.consul_backoff_initial_seconds > self.consul_backoff_max_seconds:
+            raise ValueError("consul_backoff_initial_seconds exceeds consul_backoff_max_seconds")
+        return self

@@ -1,0 +1,317 @@
+"""Renders Envoy's bootstrap (static listeners and clusters, endpoints over ADS) from MeshSettings.
+
+One function per concept (listener, route, cluster), each used for every service: the edge and
+the internal hops share them, so a setting changes everywhere at once.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+from google.protobuf import descriptor_pb2
+from google.protobuf.descriptor import FileDescriptor
+
+from tokenmesh.meshconfig.config import MeshSettings
+from tokenmesh.v1 import inference_pb2, llm_pb2, ops_pb2, rerank_pb2, token_pb2
+
+Config = dict[str, Any]
+
+TYPE = "type.googleapis.com/"
+HCM = TYPE + "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+ROUTER = TYPE + "envoy.extensions.filters.http.router.v3.Router"
+HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+
+# The services behind each cluster, and the gRPC service each one's health check asks about.
+HEALTH_SERVICES = {
+    "gateway": "tokenmesh.v1.LLMService",
+    "worker": "tokenmesh.v1.InferenceService",
+    "reranker": "tokenmesh.v1.RerankService",
+}
+RETRY_ON = "unavailable,reset,connect-failure,refused-stream"
+ACCESS_LOG_FIELDS = {
+    "time": "%START_TIME%",
+    "path": "%REQ(:PATH)%",
+    "protocol": "%PROTOCOL%",
+    "response_code": "%RESPONSE_CODE%",
+    "grpc_status": "%GRPC_STATUS%",
+    "flags": "%RESPONSE_FLAGS%",
+    "upstream_cluster": "%UPSTREAM_CLUSTER%",
+    "upstream_host": "%UPSTREAM_HOST%",
+    "duration_ms": "%DURATION%",
+    "bytes_sent": "%BYTES_SENT%",
+    "request_id": "%REQ(X-REQUEST-ID)%",
+}
+
+
+def seconds(value: float) -> str:
+    return f"{value:g}s"
+
+
+def descriptor_set() -> bytes:
+    """The public API's FileDescriptorSet, for the gRPC-JSON transcoder (dependencies first)."""
+    files: list[FileDescriptor] = []
+
+    def add(file: FileDescriptor) -> None:
+        for dependency in file.dependencies:
+            add(dependency)
+        if file not in files:
+            files.append(file)
+
+    for module in (token_pb2, llm_pb2, inference_pb2, rerank_pb2, ops_pb2):
+        add(module.DESCRIPTOR)
+    descriptors = descriptor_pb2.FileDescriptorSet()
+    for file in files:
+        file.CopyToProto(descriptors.file.add())
+    return bytes(descriptors.SerializeToString())
+
+
+def http2_options(mesh: MeshSettings) -> Config:
+    return {
+        "initial_stream_window_size": mesh.stream_window_bytes,
+        "initial_connection_window_size": mesh.connection_window_bytes,
+        "max_concurrent_streams": mesh.max_concurrent_streams,
+    }
+
+
+def route_to(cluster: str, mesh: MeshSettings) -> Config:
+    """A catch-all route to cluster, safe for long streams."""
+    return {
+        "match": {"prefix": "/"},
+        "route": {
+            "cluster": cluster,
+            # The 15 s default route timeout would cut long generations: no overall timeout,
+            # the caller's grpc-timeout is honoured instead (0s: no cap on it).
+            "timeout": "0s",
+            "max_stream_duration": {"grpc_timeout_header_max": "0s"},
+            "retry_policy": {
+                "retry_on": RETRY_ON,
+                "num_retries": mesh.retry_attempts,
+                "retry_back_off": {"base_interval": "0.025s", "max_interval": "0.25s"},
+            },
+        },
+    }
+
+
+def access_log(listener: str) -> list[Config]:
+    return [
+        {
+            "name": "envoy.access_loggers.stdout",
+            "typed_config": {
+                "@type": TYPE + "envoy.extensions.access_loggers.stream.v3.StdoutAccessLog",
+                "log_format": {"json_format": {"listener": listener, **ACCESS_LOG_FIELDS}},
+            },
+        }
+    ]
+
+
+def edge_filters(mesh: MeshSettings) -> list[Config]:
+    """gRPC-Web and CORS for browsers, REST/JSON transcoding, then routing."""
+    return [
+        {
+            "name": "envoy.filters.http.grpc_web",
+            "typed_config": {"@type": TYPE + "envoy.extensions.filters.http.grpc_web.v3.GrpcWeb"},
+        },
+        {
+            "name": "envoy.filters.http.cors",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.cors.v3.Cors"
+            },
+        },
+        {
+            "name": "envoy.filters.http.grpc_json_transcoder",
+            "typed_config": {
+                "@type": TYPE
+                + "envoy.extensions.filters.http.grpc_json_transcoder.v3.GrpcJsonTranscoder",
+                "proto_descriptor_bin": base64.b64encode(descriptor_set()).decode(),
+                "services": [llm_pb2.DESCRIPTOR.services_by_name["LLMService"].full_name],
+                # POST /tokenmesh.v1.LLMService/Generate with a JSON body.
+                "auto_mapping": True,
+                "convert_grpc_status": True,
+                "print_options": {
+                    "always_print_primitive_fields": True,
+                    "preserve_proto_field_names": True,
+                    # A server stream arrives as one JSON object per line, as it is generated.
+                    "stream_newline_delimited": True,
+                },
+            },
+        },
+        {"name": "envoy.filters.http.router", "typed_config": {"@type": ROUTER}},
+    ]
+
+
+def cors_policy(mesh: MeshSettings) -> Config:
+    return {
+        "envoy.filters.http.cors": {
+            "@type": TYPE + "envoy.extensions.filters.http.cors.v3.CorsPolicy",
+            "allow_origin_string_match": [
+                {"safe_regex": {"regex": origin}} for origin in mesh.cors_allowed_origins
+            ],
+            "allow_methods": "POST, GET, OPTIONS",
+            "allow_headers": (
+                "content-type,x-grpc-web,x-user-agent,grpc-timeout,authorization,x-api-key"
+            ),
+            "expose_headers": "grpc-status,grpc-message,x-tokenmesh-degraded",
+            "max_age": "86400",
+        }
+    }
+
+
+def listener(name: str, host: str, port: int, cluster: str, mesh: MeshSettings) -> Config:
+    edge = name == "edge"
+    virtual_host: Config = {"name": cluster, "domains": ["*"], "routes": [route_to(cluster, mesh)]}
+    if edge:
+        virtual_host["typed_per_filter_config"] = cors_policy(mesh)
+    manager: Config = {
+        "@type": HCM,
+        "stat_prefix": name,
+        # The edge speaks HTTP/1.1 too (REST, gRPC-Web); internal hops are gRPC only.
+        "codec_type": "AUTO" if edge else "HTTP2",
+        "http2_protocol_options": http2_options(mesh),
+        "stream_idle_timeout": seconds(mesh.stream_idle_timeout_seconds),
+        "access_log": access_log(name),
+        "route_config": {"name": name, "virtual_hosts": [virtual_host]},
+        "http_filters": edge_filters(mesh)
+        if edge
+        else [{"name": "envoy.filters.http.router", "typed_config": {"@type": ROUTER}}],
+    }
+    return {
+        "name": name,
+        "address": {"socket_address": {"address": host, "port_value": port}},
+        "filter_chains": [
+            {
+                "filters": [
+                    {
+                        "name": "envoy.filters.network.http_connection_manager",
+                        "typed_config": manager,
+                    }
+                ]
+            }
+        ],
+    }
+
+
+def grpc_upstream(mesh: MeshSettings) -> Config:
+    return {
+        HTTP_OPTIONS: {
+            "@type": TYPE + HTTP_OPTIONS,
+            "explicit_http_config": {"http2_protocol_options": http2_options(mesh)},
+        }
+    }
+
+
+def service_cluster(name: str, mesh: MeshSettings) -> Config:
+    """A cluster named after its service, endpoints over ADS, actively health-checked."""
+    interval = seconds(mesh.health_check_interval_seconds)
+    cluster: Config = {
+        "name": name,
+        "type": "EDS",
+        "eds_cluster_config": {"eds_config": {"ads": {}, "resource_api_version": "V3"}},
+        "connect_timeout": "1s",
+        # Least outstanding requests, per stream: long and short generations even out.
+        "lb_policy": "LEAST_REQUEST",
+        "typed_extension_protocol_options": grpc_upstream(mesh),
+        "health_checks": [
+            {
+                "timeout": seconds(mesh.health_check_timeout_seconds),
+                "interval": interval,
+                "no_traffic_interval": interval,
+                "unhealthy_threshold": 2,
+                "healthy_threshold": 1,
+                "grpc_health_check": {"service_name": HEALTH_SERVICES[name]},
+            }
+        ],
+        # With the default 50 %, Envoy sends to unhealthy hosts when most are down.
+        "common_lb_config": {"healthy_panic_threshold": {"value": 0}},
+        # A host removed by discovery stops getting streams even while it still passes checks.
+        "ignore_health_on_host_removal": True,
+        "circuit_breakers": {
+            "thresholds": [
+                {
+                    "max_connections": 1024,
+                    "max_pending_requests": 1024,
+                    "max_requests": 4096,
+                    "retry_budget": {
+                        "budget_percent": {"value": mesh.retry_budget_percent},
+                        "min_retry_concurrency": 3,
+                    },
+                }
+            ]
+        },
+    }
+    if name == "reranker":
+        # Eject a failing reranker host quickly, before the gateway's own breaker opens, and
+        # bound what may pile up in front of a slow one.
+        cluster["outlier_detection"] = {
+            "consecutive_5xx": 3,
+            "consecutive_gateway_failure": 3,
+            "interval": "1s",
+            "base_ejection_time": "5s",
+            "max_ejection_percent": 100,
+        }
+        cluster["circuit_breakers"]["thresholds"][0].update(
+            {"max_pending_requests": 64, "max_requests": 256}
+        )
+    return cluster
+
+
+def controlplane_cluster(mesh: MeshSettings) -> Config:
+    return {
+        "name": "xds_cluster",
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "typed_extension_protocol_options": grpc_upstream(mesh),
+        "load_assignment": {
+            "cluster_name": "xds_cluster",
+            "endpoints": [
+                {
+                    "lb_endpoints": [
+                        {
+                            "endpoint": {
+                                "address": {
+                                    "socket_address": {
+                                        "address": mesh.controlplane_host,
+                                        "port_value": mesh.controlplane_port,
+                                    }
+                                }
+                            }
+                        }
+                    ]
+                }
+            ],
+        },
+    }
+
+
+def render(mesh: MeshSettings) -> Config:
+    """Envoy's bootstrap: the edge and internal listeners, one cluster per service."""
+    return {
+        "node": {"id": mesh.node_id, "cluster": "tokenmesh"},
+        "admin": {
+            "address": {
+                "socket_address": {"address": mesh.admin_host, "port_value": mesh.admin_port}
+            }
+        },
+        "dynamic_resources": {
+            "ads_config": {
+                "api_type": "GRPC",
+                "transport_api_version": "V3",
+                "grpc_services": [{"envoy_grpc": {"cluster_name": "xds_cluster"}}],
+            }
+        },
+        "static_resources": {
+            "listeners": [
+                listener("edge", mesh.edge_host, mesh.edge_port, "gateway", mesh),
+                listener("worker", mesh.internal_host, mesh.worker_listener_port, "worker", mesh),
+                listener(
+                    "reranker", mesh.internal_host, mesh.reranker_listener_port, "reranker", mesh
+                ),
+            ],
+            "clusters": [
+                service_cluster("gateway", mesh),
+                service_cluster("worker", mesh),
+                service_cluster("reranker", mesh),
+                controlplane_cluster(mesh),
+            ],
+        },
+    }

@@ -1,0 +1,51 @@
+"""The mesh description Envoy's configuration is rendered from (TOKENMESH_MESH_* variables)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+MIB = 1024 * 1024
+
+
+class MeshSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TOKENMESH_MESH_", frozen=True, extra="ignore")
+
+    # The public listener: gRPC (h2c), gRPC-Web and REST/JSON on one port.
+    edge_host: str = "127.0.0.1"
+    edge_port: int = Field(default=8080, ge=1, le=65535)
+    admin_host: str = "127.0.0.1"
+    admin_port: int = Field(default=9901, ge=1, le=65535)
+    # Listeners the gateways use to reach workers and the reranker, so every hop is balanced
+    # and observed by Envoy. 0.0.0.0 when gateways run on other hosts (Kubernetes).
+    internal_host: str = "127.0.0.1"
+    worker_listener_port: int = Field(default=50060, ge=1, le=65535)
+    reranker_listener_port: int = Field(default=50070, ge=1, le=65535)
+    # Where the xDS control plane serves the clusters' endpoints (ADS).
+    controlplane_host: str = "127.0.0.1"
+    controlplane_port: int = Field(default=18000, ge=1, le=65535)
+    # Envoy's node identity towards the control plane.
+    node_id: str = "tokenmesh-envoy"
+
+    # HTTP/2 flow-control windows on listeners and clusters. Small windows make a slow reader
+    # push back to the worker instead of Envoy buffering its stream (Envoy's default 256 MiB
+    # windows let one slow stream grow Envoy's memory by tens of MiB).
+    stream_window_bytes: int = Field(default=1 * MIB, ge=65535)
+    connection_window_bytes: int = Field(default=4 * MIB, ge=65535)
+    # Streams one downstream connection may carry (one client channel multiplexes many).
+    max_concurrent_streams: int = Field(default=2048, ge=1)
+    # A stream with no bytes in either direction for this long is cut (a stalled client).
+    # Generation streams send a token every few ms, so only dead streams go this long.
+    stream_idle_timeout_seconds: float = Field(default=60.0, gt=0)
+    # Retries happen only before response headers, i.e. before the first token: safe.
+    retry_attempts: int = Field(default=2, ge=0)
+    # Retries may add at most this share of active requests (a retry budget, not a count).
+    retry_budget_percent: float = Field(default=20.0, gt=0, le=100)
+    # Active gRPC health checks: how often, and how fast an idle cluster is still checked
+    # (Envoy's default no_traffic_interval of 60 s leaves idle clusters unchecked).
+    health_check_interval_seconds: float = Field(default=0.5, gt=0)
+    # A check unanswered this long fails; two failures in a row take a host out (a host that
+    # says NOT_SERVING is out after two intervals, one that hangs after about 2-3 s).
+    health_check_timeout_seconds: float = Field(default=1.0, gt=0)
+    # CORS origins allowed to call the edge with gRPC-Web (regular expressions).
+    cors_allowed_origins: list[str] = [r"https?://(localhost|127\.0\.0\.1)(:[0-9]+)?"]

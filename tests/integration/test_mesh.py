@@ -1,0 +1,257 @@
+"""The whole local mesh as `make up` runs it (supervisord, control plane, real Envoy, 2 gateways,
+2 workers, reranker): per-stream balancing, health-driven routing, discovery changes,
+cancellation through every hop, and gRPC, gRPC-Web and REST at the edge."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import random
+import signal
+import struct
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import grpc
+import psutil
+import pytest
+import yaml
+from grpc import aio
+
+from tests.support import engine_empty_at, free_port, grpcurl, metric_value, scrape_metrics
+from tokenmesh.localstack.stack import Program, Stack, StackSettings
+from tokenmesh.v1 import inference_pb2_grpc, llm_pb2, llm_pb2_grpc, token_pb2
+
+pytestmark = pytest.mark.integration
+
+GENERATE = {"grpc_service": "tokenmesh.v1.LLMService", "grpc_method": "Generate"}
+INFERENCE = {"grpc_service": "tokenmesh.v1.InferenceService", "grpc_method": "Generate"}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    ports = {
+        name: free_port()
+        for name in (
+            "gateway_metrics_port", "worker_metrics_port", "reranker_port",
+            "reranker_metrics_port", "controlplane_port", "controlplane_metrics_port",
+            "edge_port", "envoy_admin_port", "worker_listener_port", "reranker_listener_port",
+        )
+    }  # fmt: skip
+    # Replicas take consecutive ports from these bases.
+    ports["gateway_port"], ports["worker_port"] = free_port(), free_port()
+    settings = StackSettings(
+        run_dir=tmp_path_factory.mktemp("mesh"),
+        gateways=2,
+        workers=2,
+        envoy_base_id=random.randint(10_000, 60_000),
+        ready_timeout_seconds=600,
+        **ports,
+    )
+    mesh = Stack(settings, root=Path(__file__).resolve().parents[2])
+    try:
+        assert mesh.up() == 0, "the mesh did not come up (see the logs above)"
+        yield mesh
+    finally:
+        mesh.down()
+
+
+def replicas(stack: Stack, service: str) -> list[Program]:
+    return [program for program in stack.programs if program.service == service]
+
+
+def started_on(program: Program, method: dict[str, str]) -> float:
+    """grpc_server_started_total for method on one replica."""
+    text = scrape_metrics(program.metrics_port or 0)
+    return metric_value(text, "grpc_server_started_total", 0.0, **method)
+
+
+def started(stack: Stack, service: str, method: dict[str, str]) -> list[float]:
+    return [started_on(program, method) for program in replicas(stack, service)]
+
+
+@pytest.fixture(scope="module")
+async def edge(stack: Stack) -> AsyncIterator[llm_pb2_grpc.LLMServiceStub]:
+    async with aio.insecure_channel(f"127.0.0.1:{stack.settings.edge_port}") as channel:
+        yield llm_pb2_grpc.LLMServiceStub(channel)
+
+
+async def generate(edge: llm_pb2_grpc.LLMServiceStub, i: int, tokens: int = 16) -> list[int]:
+    request = llm_pb2.GenerateRequest(prompt=f"mesh {i}", max_tokens=tokens, ignore_eos=True)
+    return [token.index async for token in edge.Generate(request, timeout=120)]
+
+
+def wait_until(condition: Callable[[], bool], within: float, every: float = 0.1) -> float:
+    """Seconds until condition() held; fails after `within`."""
+    started_at = time.monotonic()
+    while not condition():
+        assert time.monotonic() - started_at < within, f"not true within {within}s"
+        time.sleep(every)
+    return time.monotonic() - started_at
+
+
+def healthy_hosts(stack: Stack, cluster: str) -> set[str]:
+    return {address for address, ok in stack.envoy_hosts().get(cluster, []) if ok}
+
+
+async def test_40_streams_from_one_channel_spread_over_gateways_and_workers(
+    stack: Stack, edge
+) -> None:
+    gateways_before = started(stack, "gateway", GENERATE)
+    workers_before = started(stack, "worker", INFERENCE)
+    # Long enough that all 40 are in flight together: least-request balancing then has to
+    # spread them, rather than favouring whichever replica happens to finish short ones first.
+    results = await asyncio.gather(*(generate(edge, i, tokens=256) for i in range(40)))
+    assert all(indexes == list(range(256)) for indexes in results)
+    per_gateway = [
+        a - b for a, b in zip(started(stack, "gateway", GENERATE), gateways_before, strict=True)
+    ]
+    per_worker = [
+        a - b for a, b in zip(started(stack, "worker", INFERENCE), workers_before, strict=True)
+    ]
+    print(f"streams per gateway {per_gateway}, per worker {per_worker}")
+    assert sum(per_gateway) == 40 and sum(per_worker) == 40
+    # One client connection, yet every replica took a real share: balancing is per stream.
+    assert min(per_gateway) >= 10 and min(per_worker) >= 10
+
+
+def test_grpcurl_through_the_edge_lists_describes_and_streams(stack: Stack) -> None:
+    edge = f"127.0.0.1:{stack.settings.edge_port}"
+    listed = grpcurl(edge, "list")
+    assert "tokenmesh.v1.LLMService" in listed.stdout.split(), listed.stderr
+    described = grpcurl(edge, "describe", "tokenmesh.v1.LLMService")
+    assert (
+        "rpc Generate ( .tokenmesh.v1.GenerateRequest ) returns ( stream .tokenmesh.v1.Token )"
+        in (described.stdout)
+    )
+    body = '{"prompt":"hello","max_tokens":16,"ignore_eos":true}'
+    streamed = grpcurl("-d", body, edge, "tokenmesh.v1.LLMService/Generate")
+    assert streamed.returncode == 0, streamed.stderr
+    assert streamed.stdout.count('"token_id"') + streamed.stdout.count('"tokenId"') >= 15
+
+
+def test_rest_json_generate_streams_one_json_object_per_token(stack: Stack) -> None:
+    connection = http.client.HTTPConnection("127.0.0.1", stack.settings.edge_port, timeout=60)
+    body = json.dumps({"prompt": "hello", "max_tokens": 8, "ignore_eos": True})
+    connection.request(
+        "POST", "/tokenmesh.v1.LLMService/Generate", body, {"content-type": "application/json"}
+    )
+    response = connection.getresponse()
+    assert response.status == 200
+    lines = [line for line in response.read().decode().splitlines() if line.strip()]
+    tokens = [json.loads(line.strip().lstrip("[").rstrip(",]")) for line in lines]
+    assert [token["index"] for token in tokens] == list(range(8))
+    assert tokens[-1]["finish_reason"] == "FINISH_REASON_LENGTH"
+
+
+def test_grpc_web_generate_streams_tokens(stack: Stack) -> None:
+    message = llm_pb2.GenerateRequest(prompt="hello", max_tokens=8, ignore_eos=True)
+    payload = message.SerializeToString()
+    frame = struct.pack(">BI", 0, len(payload)) + payload
+    connection = http.client.HTTPConnection("127.0.0.1", stack.settings.edge_port, timeout=60)
+    headers = {
+        "content-type": "application/grpc-web+proto",
+        "x-grpc-web": "1",
+        "origin": "http://localhost:3000",
+    }
+    connection.request("POST", "/tokenmesh.v1.LLMService/Generate", frame, headers)
+    response = connection.getresponse()
+    assert response.status == 200
+    assert response.getheader("access-control-allow-origin") == "http://localhost:3000"
+    data, tokens, trailers = response.read(), [], ""
+    while data:
+        flags, length = struct.unpack(">BI", data[:5])
+        chunk, data = data[5 : 5 + length], data[5 + length :]
+        if flags & 0x80:
+            trailers = chunk.decode()
+        else:
+            tokens.append(token_pb2.Token.FromString(chunk))
+    assert [token.index for token in tokens] == list(range(8))
+    assert "grpc-status:0" in trailers.replace(" ", "")
+
+
+async def test_client_cancel_through_the_edge_frees_every_engine(stack: Stack, edge) -> None:
+    calls = [
+        edge.Generate(
+            llm_pb2.GenerateRequest(prompt=f"cancel {i}", max_tokens=2000, ignore_eos=True)
+        )
+        for i in range(8)
+    ]
+    firsts = [await call.read() for call in calls]
+    busy_since = max(token.emitted_unix_nanos for token in firsts)
+    cancelled_at = time.time_ns()
+    for call in calls:
+        call.cancel()
+    empty_at = []
+    for worker in replicas(stack, "worker"):
+        async with aio.insecure_channel(worker.address) as channel:
+            stub = inference_pb2_grpc.InferenceServiceStub(channel)
+            empty_at.append(await engine_empty_at(stub, busy_since))
+    assert (max(empty_at) - cancelled_at) / 1e9 <= 0.100
+
+
+async def test_stopped_worker_gets_no_new_streams_and_rejoins(stack: Stack, edge) -> None:
+    first, second = replicas(stack, "worker")
+    pid = int(stack.ctl("pid", second.name).stdout.strip())
+    psutil.Process(pid).suspend()  # SIGSTOP: health checks time out, like a wedged host
+    try:
+        took = wait_until(lambda: second.address not in healthy_hosts(stack, "worker"), 10)
+        print(f"stopped worker left the healthy set in {took:.1f}s")
+        assert took <= 3.5
+        before = started_on(first, INFERENCE)  # the paused one cannot answer a scrape
+        await asyncio.gather(*(generate(edge, i, tokens=4) for i in range(10)))
+        assert started_on(first, INFERENCE) - before == 10
+    finally:
+        psutil.Process(pid).resume()
+    took = wait_until(lambda: second.address in healthy_hosts(stack, "worker"), 10)
+    print(f"resumed worker rejoined in {took:.1f}s")
+    assert first.address in healthy_hosts(stack, "worker")
+
+
+async def test_discovery_change_reaches_envoy(stack: Stack, edge) -> None:
+    endpoints = yaml.safe_load(stack.endpoints_path.read_text())
+    removed = endpoints["clusters"]["worker"].pop()
+    stack.endpoints_path.write_text(yaml.safe_dump(endpoints))
+    try:
+        took = wait_until(
+            lambda: removed not in {a for a, _ in stack.envoy_hosts().get("worker", [])}, 10
+        )
+        print(f"worker removed from discovery left Envoy in {took:.2f}s")
+        assert took <= 2.5
+    finally:
+        stack.write_configs()  # the full endpoint list again
+    took = wait_until(lambda: removed in healthy_hosts(stack, "worker"), 10)
+    print(f"worker added back to discovery was healthy in Envoy in {took:.2f}s")
+    assert took <= 3.5
+    results = await asyncio.gather(*(generate(edge, i, tokens=4) for i in range(4)))
+    assert all(indexes == list(range(4)) for indexes in results)
+
+
+def test_sigterm_drains_a_worker_while_its_stream_finishes(stack: Stack) -> None:
+    """Rolling update of one worker: NOT_SERVING, no new streams, the in-flight one completes."""
+    worker = replicas(stack, "worker")[0]
+    with grpc.insecure_channel(f"127.0.0.1:{stack.settings.edge_port}") as channel:
+        stub = llm_pb2_grpc.LLMServiceStub(channel)
+        # Aim a long stream at this worker: ask until one lands there (bounded).
+        for attempt in range(20):
+            before = started_on(worker, INFERENCE)
+            stream = stub.Generate(
+                llm_pb2.GenerateRequest(prompt=f"drain {attempt}", max_tokens=600, ignore_eos=True)
+            )
+            first = next(stream)
+            if started_on(worker, INFERENCE) > before:
+                break
+            stream.cancel()
+        else:
+            pytest.fail("no stream landed on the first worker in 20 tries")
+        pid = int(stack.ctl("pid", worker.name).stdout.strip())
+        psutil.Process(pid).send_signal(signal.SIGTERM)
+        took = wait_until(lambda: worker.address not in healthy_hosts(stack, "worker"), 10)
+        print(f"draining (NOT_SERVING) worker left the healthy set in {took:.1f}s")
+        assert took <= 2.0
+        rest = list(stream)
+        assert [first.index] + [token.index for token in rest] == list(range(600))
+    # supervisord restarts it; it rejoins once its model has loaded again.
+    wait_until(lambda: worker.address in healthy_hosts(stack, "worker"), 300, every=1)

