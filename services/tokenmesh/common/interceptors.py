@@ -36,6 +36,15 @@ def rpc_type(handler: grpc.RpcMethodHandler) -> str:
     return "unary"
 
 
+async def close(responses: AsyncIterator[Any]) -> None:
+    """Close a handler's response generator now. When gRPC closes a wrapper (the caller went
+    away while it was paused at a yield), `async for` would leave the inner generator open
+    until garbage collection; its cleanup, such as aborting engine work, must run at once."""
+    aclose = getattr(responses, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
 def rewrap(
     handler: grpc.RpcMethodHandler,
     wrap_unary: Callable[[UnaryBehaviour], UnaryBehaviour],
@@ -93,13 +102,16 @@ class ErrorMappingInterceptor(aio.ServerInterceptor):
 
         def wrap_stream(behaviour: StreamBehaviour) -> StreamBehaviour:
             async def stream(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
+                responses = behaviour(request, context)
                 try:
-                    async for response in behaviour(request, context):
+                    async for response in responses:
                         yield response
                 except aio.AbortError:
                     raise
                 except Exception as exc:
                     await _abort_for(exc, context, method)
+                finally:
+                    await close(responses)
 
             return stream
 
@@ -111,16 +123,27 @@ class ErrorMappingInterceptor(aio.ServerInterceptor):
 DEADLINE_SLACK_SECONDS = 0.1
 
 
-def deadline_passed(context: aio.ServicerContext[Any, Any]) -> bool:
-    """Whether the RPC's deadline has (all but) passed, telling a deadline from a cancel."""
-    remaining = context.time_remaining()
-    return remaining is not None and remaining <= DEADLINE_SLACK_SECONDS
+class Deadline:
+    """An RPC's deadline, read when the RPC starts (the context's view of it is not reliable
+    once the RPC has been cancelled), to tell later whether a cancel was the deadline."""
+
+    __slots__ = ("_at",)
+
+    def __init__(self, context: aio.ServicerContext[Any, Any]) -> None:
+        remaining = context.time_remaining()
+        self._at = None if remaining is None else time.monotonic() + remaining
+
+    def passed(self) -> bool:
+        """Whether the deadline has (all but) passed."""
+        return self._at is not None and time.monotonic() >= self._at - DEADLINE_SLACK_SECONDS
 
 
-def _final_code(context: aio.ServicerContext[Any, Any], exc: BaseException | None) -> str:
+def _final_code(
+    context: aio.ServicerContext[Any, Any], deadline: Deadline, exc: BaseException | None
+) -> str:
     """The status code an RPC ended with, as the grpc_code label value."""
     if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
-        return "DEADLINE_EXCEEDED" if deadline_passed(context) else "CANCELLED"
+        return "DEADLINE_EXCEEDED" if deadline.passed() else "CANCELLED"
     code = context.code()
     if isinstance(code, grpc.StatusCode):
         return str(code.name)
@@ -173,6 +196,7 @@ class GrpcMetricsInterceptor(aio.ServerInterceptor):
             async def unary(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
                 metrics.started.inc()
                 start = time.perf_counter()
+                deadline = Deadline(context)
                 error: BaseException | None = None
                 try:
                     response = await behaviour(counted(request), context)
@@ -182,7 +206,8 @@ class GrpcMetricsInterceptor(aio.ServerInterceptor):
                     error = exc
                     raise
                 finally:
-                    metrics.finish(_final_code(context, error), time.perf_counter() - start)
+                    code = _final_code(context, deadline, error)
+                    metrics.finish(code, time.perf_counter() - start)
 
             return unary
 
@@ -190,16 +215,20 @@ class GrpcMetricsInterceptor(aio.ServerInterceptor):
             async def stream(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
                 metrics.started.inc()
                 start = time.perf_counter()
+                deadline = Deadline(context)
                 error: BaseException | None = None
+                responses = behaviour(counted(request), context)
                 try:
-                    async for response in behaviour(counted(request), context):
+                    async for response in responses:
                         metrics.sent.inc()
                         yield response
                 except BaseException as exc:
                     error = exc
                     raise
                 finally:
-                    metrics.finish(_final_code(context, error), time.perf_counter() - start)
+                    await close(responses)
+                    code = _final_code(context, deadline, error)
+                    metrics.finish(code, time.perf_counter() - start)
 
             return stream
 

@@ -181,7 +181,10 @@ class WorkerClient:
         except aio.AioRpcError as err:
             raise self._worker.error(err) from err
         finally:
-            call.cancel()
+            # The caller went away (or stopped reading) before the worker's end: cancel the
+            # call, which aborts the engine request. A finished call is left as it is.
+            if not call.done():
+                call.cancel()
 
 
 class Pipeline:

@@ -199,13 +199,14 @@ class ChatSession:
                     next_message = None
                     if message is None:
                         self._half_closed = True
-                    elif message.HasField("cancel"):
+                    elif message.HasField("cancel") and not end.finish_reason:
                         next_token.cancel()
                         end.finish_reason = token_pb2.FINISH_REASON_CANCELLED
                         end.usage.completion_tokens = len(answer)
                         break
-                    else:
+                    elif message.HasField("user"):
                         self._backlog.append(message.user)
+                    # A cancel after the last token has nothing left to stop.
                     if not self._half_closed:
                         next_message = asyncio.ensure_future(self._inbox.get())
                 if next_token in done:
@@ -218,7 +219,8 @@ class ChatSession:
                     if token.finish_reason:
                         end.finish_reason = token.finish_reason
                         end.usage.CopyFrom(token.usage)
-                        break
+                    # Read on to the stream's end (right after the last token), so the worker
+                    # call completes instead of being cancelled.
                     next_token = asyncio.ensure_future(anext(tokens))
         finally:
             if next_message is not None:

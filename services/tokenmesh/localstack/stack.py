@@ -337,8 +337,10 @@ stdout_logfile_backups=2
             for host in cluster.get("host_statuses", []):
                 address = host["address"]["socket_address"]
                 flags = host.get("health_status", {})
+                # Any true flag (failed_active_health_check, pending_active_hc, ...) keeps
+                # Envoy from routing to the host.
                 healthy = flags.get("eds_health_status") == "HEALTHY" and not any(
-                    value is True for key, value in flags.items() if key.startswith("failed")
+                    value is True for value in flags.values()
                 )
                 hosts.setdefault(cluster["name"], []).append(
                     (f"{address['address']}:{address['port_value']}", healthy)

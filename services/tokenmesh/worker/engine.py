@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -186,9 +186,11 @@ class VllmEngine:
             output_kind=RequestOutputKind.DELTA,
         )
 
-    async def stream(self, spec: GenerationSpec) -> AsyncGenerator[TokenDelta, None]:
+    async def stream(
+        self, spec: GenerationSpec, on_abort: Callable[[], None] | None = None
+    ) -> AsyncGenerator[TokenDelta, None]:
         """Yield each token the moment vLLM produces it. Closing or cancelling the iterator
-        aborts the engine request."""
+        before the last token aborts the engine request, and calls on_abort once."""
         engine_input = await self._tokenize(spec)
         prompt_tokens = len(engine_input["prompt_token_ids"])
         index = 0
@@ -223,6 +225,8 @@ class VllmEngine:
                     )
         except (asyncio.CancelledError, GeneratorExit):
             await self.abort(spec.request_id)
+            if on_abort is not None:
+                on_abort()
             raise
         except EngineDeadError as exc:
             raise Unavailable(f"inference engine is down: {exc}") from exc

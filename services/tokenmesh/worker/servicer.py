@@ -10,7 +10,7 @@ from typing import Any
 from grpc import aio
 from prometheus_client import Counter
 
-from tokenmesh.common.interceptors import deadline_passed
+from tokenmesh.common.interceptors import Deadline
 from tokenmesh.common.metrics import StreamMetrics
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
 from tokenmesh.worker.config import WorkerSettings
@@ -38,9 +38,20 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         context: aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[token_pb2.Token]:
         timer = self._stream_metrics.timer()
+        deadline = Deadline(context)
         spec = validate(request, self._limits)
         engine = self._engines.get()
-        deltas = engine.stream(spec)
+        counted = False
+
+        def count_abort() -> None:
+            # Called from here or from the engine stream, whichever sees the abort first.
+            nonlocal counted
+            if not counted:
+                counted = True
+                reason = "deadline_exceeded" if deadline.passed() else "cancelled"
+                self._aborted.labels(reason=reason).inc()
+
+        deltas = engine.stream(spec, on_abort=count_abort)
         try:
             async for delta in deltas:
                 token = token_pb2.Token(
@@ -57,10 +68,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                     timer.token_sent()
                 yield token
         except asyncio.CancelledError:
-            # The caller cancelled, went away or ran out of deadline: free the engine now.
+            # The caller cancelled, went away or ran out of deadline: free the engine now
+            # (closing the stream below does too).
             await engine.abort(spec.request_id)
-            reason = "deadline_exceeded" if deadline_passed(context) else "cancelled"
-            self._aborted.labels(reason=reason).inc()
+            count_abort()
             raise
         finally:
             await deltas.aclose()
