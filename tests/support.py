@@ -215,9 +215,15 @@ async def engine_empty_at(inference: Any, after_ns: int, within: float = 10.0) -
 
 
 def aborted_total(worker: ServiceProcess, reason: str) -> float:
-    """How many engine requests the worker aborted for reason (cancelled/deadline_exceeded)."""
+    """How many engine requests the worker aborted for reason: cancelled, deadline_exceeded,
+    or any (both). Telling a deadline from a cancel is best effort (the caller's own timer
+    usually resets the stream first), so tests about deadlines count any abort."""
     text = scrape_metrics(worker.metrics_port)
-    return metric_value(text, "tokenmesh_worker_aborted_requests_total", 0.0, reason=reason)
+    reasons = ("cancelled", "deadline_exceeded") if reason == "any" else (reason,)
+    return sum(
+        metric_value(text, "tokenmesh_worker_aborted_requests_total", 0.0, reason=name)
+        for name in reasons
+    )
 
 
 async def aborted_since(

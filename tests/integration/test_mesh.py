@@ -99,6 +99,13 @@ def healthy_hosts(stack: Stack, cluster: str) -> set[str]:
 async def test_40_streams_from_one_channel_spread_over_gateways_and_workers(
     stack: Stack, edge
 ) -> None:
+    # Envoy may take a moment to put a just-ready replica in rotation: wait (bounded) until a
+    # request has landed on every worker and every gateway before measuring the spread.
+    for attempt in range(60):
+        if min(started(stack, "worker", INFERENCE)) and min(started(stack, "gateway", GENERATE)):
+            break
+        await generate(edge, attempt, tokens=1)
+        await asyncio.sleep(0.1)
     gateways_before = started(stack, "gateway", GENERATE)
     workers_before = started(stack, "worker", INFERENCE)
     # Long enough that all 40 are in flight together: least-request balancing then has to
