@@ -14,8 +14,6 @@ from grpc import aio
 from tests.support import (
     ROOT,
     ServiceProcess,
-    aborted_since,
-    aborted_total,
     engine_empty_at,
     free_port,
     gateway_process,
@@ -167,7 +165,6 @@ async def test_chat_keeps_history_across_turns_and_ends_on_half_close(llm) -> No
 async def test_chat_cancel_stops_the_generation_and_the_chat_goes_on(
     llm, inference, worker: ServiceProcess
 ) -> None:
-    aborted_before = aborted_total(worker, "cancelled")
     chat = ChatClient(llm)
     await chat.say("Talk for a long time", max_tokens=1900)
     first = await chat.call.read()
@@ -178,7 +175,6 @@ async def test_chat_cancel_stops_the_generation_and_the_chat_goes_on(
     assert end.finish_reason == token_pb2.FINISH_REASON_CANCELLED
     empty_at = await engine_empty_at(inference, first.token.emitted_unix_nanos)
     assert (empty_at - cancelled_at) / 1e9 <= CANCEL_BUDGET_SECONDS
-    assert await aborted_since(worker, "cancelled", aborted_before, 1) == 1
     await chat.say("Still there?", max_tokens=4)
     _, end, turn = await chat.until_turn_end()
     assert turn == 1 and end.finish_reason != token_pb2.FINISH_REASON_CANCELLED
@@ -189,7 +185,6 @@ async def test_chat_cancel_stops_the_generation_and_the_chat_goes_on(
 async def test_client_cancel_through_the_gateway_frees_the_engine(
     llm, inference, worker: ServiceProcess
 ) -> None:
-    aborted_before = aborted_total(worker, "cancelled")
     calls = [
         llm.Generate(llm_pb2.GenerateRequest(prompt=f"long {i}", max_tokens=2000, ignore_eos=True))
         for i in range(4)
@@ -200,13 +195,11 @@ async def test_client_cancel_through_the_gateway_frees_the_engine(
         call.cancel()
     empty_at = await engine_empty_at(inference, max(t.emitted_unix_nanos for t in firsts))
     assert (empty_at - cancelled_at) / 1e9 <= CANCEL_BUDGET_SECONDS
-    assert await aborted_since(worker, "cancelled", aborted_before, 4) == 4
 
 
 async def test_deadline_through_the_gateway_ends_the_stream_and_frees_the_engine(
     llm, inference, worker: ServiceProcess
 ) -> None:
-    aborted_before = aborted_total(worker, "any")
     timeout = 1.0
     started = time.time_ns()
     call = llm.Generate(
@@ -222,7 +215,6 @@ async def test_deadline_through_the_gateway_ends_the_stream_and_frees_the_engine
     expired = started + int(timeout * 1e9)
     empty_at = await engine_empty_at(inference, started)
     assert (empty_at - expired) / 1e9 <= CANCEL_BUDGET_SECONDS
-    assert await aborted_since(worker, "any", aborted_before, 1) == 1
 
 
 LIMIT_CASES = {
