@@ -60,6 +60,15 @@ async def test_generate_streams_tokens_through_the_gateway(llm) -> None:
     assert dict(await call.trailing_metadata()).get("x-tokenmesh-degraded") is None
 
 
+async def test_generate_passes_logprobs_through(llm) -> None:
+    request = llm_pb2.GenerateRequest(
+        prompt="hello", max_tokens=8, ignore_eos=True, logprobs=True, top_logprobs=3
+    )
+    tokens = [token async for token in llm.Generate(request)]
+    assert len(tokens) == 8
+    assert all(token.HasField("logprob") and len(token.top_logprobs) == 3 for token in tokens)
+
+
 async def test_reranking_puts_the_relevant_document_first(llm) -> None:
     answer = await llm.GetAnswer(
         llm_pb2.Query(

@@ -88,6 +88,25 @@ async def test_greedy_generation_is_deterministic(inference) -> None:
     assert first == second
 
 
+async def test_logprobs_rank_the_alternatives_and_include_the_sampled_token(inference) -> None:
+    request = generate_request(
+        max_tokens=24, ignore_eos=True, temperature=0.0, logprobs=True, top_logprobs=5
+    )
+    tokens = [token async for token in inference.Generate(request)]
+    assert len(tokens) == 24
+    for token in tokens:
+        assert token.HasField("logprob") and token.logprob <= 0.0
+        alternatives = [candidate.logprob for candidate in token.top_logprobs]
+        assert len(alternatives) == 5 and alternatives == sorted(alternatives, reverse=True)
+        assert len({candidate.token_id for candidate in token.top_logprobs}) == 5
+        # Greedy: the sampled token is the most likely one (a random model has exact ties).
+        best = token.top_logprobs[0].logprob
+        assert token.logprob == pytest.approx(best)
+        assert token.token_id in {c.token_id for c in token.top_logprobs if c.logprob == best}
+    plain = [t async for t in inference.Generate(generate_request(max_tokens=4))]
+    assert not any(t.HasField("logprob") or t.top_logprobs for t in plain)
+
+
 def iterations_over_8_tokens(worker: ServiceProcess) -> float:
     """Engine steps that processed more than 8 tokens, from vLLM's own histogram."""
     text = scrape_metrics(worker.metrics_port)

@@ -27,6 +27,9 @@ def test_defaults_and_sampling_pass_through() -> None:
     assert result.sampling.max_tokens == 4
     assert result.sampling.HasField("temperature") and result.sampling.temperature == 0.0
     assert result.sampling.seed == 7 and list(result.sampling.stop) == ["x"]
+    assert not result.sampling.logprobs
+    asked = job(logprobs=True, top_logprobs=5).sampling
+    assert asked.logprobs and asked.top_logprobs == 5
 
 
 @pytest.mark.parametrize(
@@ -40,6 +43,8 @@ def test_defaults_and_sampling_pass_through() -> None:
         ({"documents": ["ok", ""]}, "documents[1]", "must not be empty"),
         ({"top_k_documents": 4}, "top_k_documents", "[0, 3]"),
         ({"top_k_documents": -1}, "top_k_documents", "[0, 3]"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "[0, 20]"),
+        ({"top_logprobs": 2}, "top_logprobs", "needs logprobs set to true"),
     ],
 )
 def test_invalid_fields_name_field_and_limit(

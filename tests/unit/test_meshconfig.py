@@ -119,3 +119,15 @@ def test_transcoder_descriptor_holds_the_public_api() -> None:
     assert names.index("tokenmesh/v1/token.proto") < names.index("tokenmesh/v1/llm.proto")
     services = {service.name for file in files for service in file.service}
     assert "LLMService" in services
+
+
+def test_flow_control_limits_reach_every_listener_and_cluster() -> None:
+    config = render(MeshSettings(stream_window_bytes=65536, buffer_limit_bytes=32768))
+    resources = config["static_resources"]
+    clusters = [c for c in resources["clusters"] if c["name"] != "xds_cluster"]
+    for item in resources["listeners"] + clusters:
+        assert item["per_connection_buffer_limit_bytes"] == 32768, item["name"]
+    for cluster in clusters:
+        options = next(iter(cluster["typed_extension_protocol_options"].values()))
+        http2 = options["explicit_http_config"]["http2_protocol_options"]
+        assert http2["initial_stream_window_size"] == 65536, cluster["name"]

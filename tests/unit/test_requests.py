@@ -43,6 +43,9 @@ def test_request_ids_are_unique_and_keep_the_callers_prefix() -> None:
         ({"temperature": float("inf")}, "sampling.temperature"),
         ({"top_p": 1.5}, "sampling.top_p"),
         ({"top_k": -2}, "sampling.top_k"),
+        ({"logprobs": True, "top_logprobs": 21}, "sampling.top_logprobs"),
+        ({"logprobs": True, "top_logprobs": -1}, "sampling.top_logprobs"),
+        ({"top_logprobs": 3}, "sampling.top_logprobs"),
     ],
 )
 def test_out_of_range_fields_name_the_field(sampling: dict[str, object], field: str) -> None:
@@ -50,3 +53,9 @@ def test_out_of_range_fields_name_the_field(sampling: dict[str, object], field: 
         validate(request(**sampling), LIMITS)
     assert error.value.field == field
     assert error.value.message.startswith(f"{field}: ")
+
+
+def test_logprobs_pass_through_within_the_cap() -> None:
+    spec = validate(request(logprobs=True, top_logprobs=20), LIMITS)
+    assert spec.logprobs and spec.top_logprobs == 20
+    assert not validate(request(), LIMITS).logprobs

@@ -21,6 +21,10 @@ CALLER_FAULTS = frozenset(
 )
 
 
+# Receive window per stream on channels to other services (see client_options).
+STREAM_WINDOW_BYTES = 64 * 1024
+
+
 def client_options(max_message_bytes: int) -> list[tuple[str, Any]]:
     return [
         ("grpc.max_send_message_length", max_message_bytes),
@@ -34,6 +38,11 @@ def client_options(max_message_bytes: int) -> list[tuple[str, Any]]:
         # Reconnect quickly after a dependency restarts (the default backoff reaches 120 s).
         ("grpc.initial_reconnect_backoff_ms", 200),
         ("grpc.max_reconnect_backoff_ms", 2_000),
+        # A fixed receive window per stream instead of BDP probing, which grows it to
+        # megabytes: what a slow caller's stream piles up in this process stays small, and
+        # the sender waits instead (HTTP/2 flow control). Token streams need little bandwidth.
+        ("grpc.http2.bdp_probe", 0),
+        ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
     ]
 
 

@@ -27,3 +27,13 @@ def check_text(field: str, value: str, max_bytes: int, required: bool = True) ->
 def check_count(field: str, count: int, limit: int, what: str) -> None:
     if count > limit:
         raise InvalidArgument(field, f"has {count} {what}, over the limit of {limit}")
+
+
+def check_logprobs(prefix: str, logprobs: bool, top_logprobs: int, cap: int) -> None:
+    """top_logprobs must be in [0, cap] and needs logprobs; prefix names the message."""
+    if top_logprobs == 0:
+        return
+    if not 0 <= top_logprobs <= cap:
+        raise InvalidArgument(f"{prefix}top_logprobs", f"must be in [0, {cap}], got {top_logprobs}")
+    if not logprobs:
+        raise InvalidArgument(f"{prefix}top_logprobs", f"needs {prefix}logprobs set to true")

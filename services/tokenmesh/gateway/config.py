@@ -55,6 +55,8 @@ class GatewaySettings(ServiceSettings):
     # Documents used as context when a request does not say.
     default_top_k_documents: int = Field(default=3, ge=1)
     max_stop_sequences: int = Field(default=8, ge=0)
+    # Alternatives per token a request may ask for (top_logprobs); at most the workers' cap.
+    max_top_logprobs: int = Field(default=20, ge=0)
     # Summarize: the whole text sent in chunks, and how many chunks.
     max_summarize_bytes: int = Field(default=64 * 1024, ge=1)
     max_summarize_chunks: int = Field(default=4096, ge=1)

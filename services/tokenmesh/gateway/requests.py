@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tokenmesh.common.errors import InvalidArgument
-from tokenmesh.common.validation import check_count, check_range, check_text
+from tokenmesh.common.validation import check_count, check_logprobs, check_range, check_text
 from tokenmesh.gateway.config import GatewaySettings
 from tokenmesh.v1 import inference_pb2, llm_pb2
 
@@ -43,6 +43,10 @@ def sampling_params(
             sampling.seed = request.seed
         check_count("stop", len(request.stop), limits.max_stop_sequences, "sequences")
         sampling.stop.extend(request.stop)
+    if isinstance(request, llm_pb2.GenerateRequest):
+        check_logprobs("", request.logprobs, request.top_logprobs, limits.max_top_logprobs)
+        sampling.logprobs = request.logprobs
+        sampling.top_logprobs = request.top_logprobs
     if isinstance(request, llm_pb2.GenerateRequest | llm_pb2.Query | llm_pb2.UserTurn):
         sampling.ignore_eos = request.ignore_eos
     return sampling

@@ -178,6 +178,7 @@ def listener(name: str, host: str, port: int, cluster: str, mesh: MeshSettings) 
     return {
         "name": name,
         "address": {"socket_address": {"address": host, "port_value": port}},
+        "per_connection_buffer_limit_bytes": mesh.buffer_limit_bytes,
         "filter_chains": [
             {
                 "filters": [
@@ -208,6 +209,7 @@ def service_cluster(name: str, mesh: MeshSettings) -> Config:
         "type": "EDS",
         "eds_cluster_config": {"eds_config": {"ads": {}, "resource_api_version": "V3"}},
         "connect_timeout": "1s",
+        "per_connection_buffer_limit_bytes": mesh.buffer_limit_bytes,
         # Least outstanding requests, per stream: long and short generations even out.
         "lb_policy": "LEAST_REQUEST",
         "typed_extension_protocol_options": grpc_upstream(mesh),

@@ -32,6 +32,10 @@ class MeshSettings(BaseSettings):
     # windows let one slow stream grow Envoy's memory by tens of MiB).
     stream_window_bytes: int = Field(default=1 * MIB, ge=65535)
     connection_window_bytes: int = Field(default=4 * MIB, ge=65535)
+    # What Envoy buffers per connection (and per stream) before it stops reading from the other
+    # side: with the windows above, this bounds what one slow reader costs Envoy. It must hold
+    # the largest REST/JSON request body, which the transcoder buffers whole.
+    buffer_limit_bytes: int = Field(default=1 * MIB, ge=16 * 1024)
     # Streams one downstream connection may carry (one client channel multiplexes many).
     max_concurrent_streams: int = Field(default=2048, ge=1)
     # A stream with no bytes in either direction for this long is cut (a stalled client).

@@ -45,6 +45,8 @@ class WorkerSettings(ServiceSettings):
     max_stop_sequences: int = Field(default=8, ge=0)
     max_stop_sequence_bytes: int = Field(default=256, ge=1)
     max_request_id_chars: int = Field(default=128, ge=1)
+    # Alternatives per token a request may ask for (top_logprobs); also vLLM's max_logprobs.
+    max_top_logprobs: int = Field(default=20, ge=0)
     # Temperature when a request leaves it unset.
     default_temperature: float = Field(default=1.0, ge=0, le=2)
 

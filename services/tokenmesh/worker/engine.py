@@ -74,6 +74,15 @@ class _LoadStatLogger(StatLoggerBase):
 
 
 @dataclass(frozen=True)
+class Candidate:
+    """A token the model considered at one position, with its log probability."""
+
+    token_id: int
+    text: str
+    logprob: float
+
+
+@dataclass(frozen=True)
 class TokenDelta:
     """One generated token as the engine produced it."""
 
@@ -83,6 +92,28 @@ class TokenDelta:
     # Set on the last token only.
     finish_reason: int = token_pb2.FINISH_REASON_UNSPECIFIED
     prompt_tokens: int = 0
+    # Set when the request asked for logprobs: this token's, and the most likely alternatives.
+    logprob: float | None = None
+    top_logprobs: tuple[Candidate, ...] = ()
+
+
+def token_logprobs(
+    position_logprobs: Any, token_id: int, top: int
+) -> tuple[float | None, tuple[Candidate, ...]]:
+    """This token's logprob and the `top` best candidates from vLLM's {token_id: Logprob} of
+    one position (which holds the sampled token, ranked, plus the top alternatives)."""
+    if not position_logprobs:
+        return None, ()
+    sampled = position_logprobs.get(token_id)
+    ranked = sorted(
+        (entry.rank or 0, candidate, entry) for candidate, entry in position_logprobs.items()
+    )
+    candidates = tuple(
+        Candidate(candidate, entry.decoded_token or "", entry.logprob)
+        for rank, candidate, entry in ranked
+        if 0 < rank <= top
+    )
+    return (sampled.logprob if sampled is not None else None), candidates
 
 
 def engine_args(settings: WorkerSettings) -> AsyncEngineArgs:
@@ -95,6 +126,7 @@ def engine_args(settings: WorkerSettings) -> AsyncEngineArgs:
         gpu_memory_utilization=settings.gpu_memory_utilization,
         tensor_parallel_size=settings.tensor_parallel_size,
         trust_remote_code=settings.trust_remote_code,
+        max_logprobs=settings.max_top_logprobs,
     )
 
 
@@ -182,6 +214,8 @@ class VllmEngine:
             seed=spec.seed,
             stop=list(spec.stop) or None,
             ignore_eos=spec.ignore_eos,
+            # vLLM returns the sampled token's logprob plus this many alternatives.
+            logprobs=spec.top_logprobs if spec.logprobs else None,
             # Each output carries only what is new since the last one: the token stream.
             output_kind=RequestOutputKind.DELTA,
         )
@@ -203,6 +237,11 @@ class VllmEngine:
                 finish = FINISH_REASONS.get(completion.finish_reason or "", 0)
                 last = len(token_ids) - 1
                 for position, token_id in enumerate(token_ids):
+                    logprob, top = (
+                        token_logprobs(completion.logprobs[position], token_id, spec.top_logprobs)
+                        if completion.logprobs
+                        else (None, ())
+                    )
                     # A step normally yields one token; if it yields several, the new text
                     # cannot be split between them and rides on the last one.
                     yield TokenDelta(
@@ -211,6 +250,8 @@ class VllmEngine:
                         text=completion.text if position == last else "",
                         finish_reason=finish if position == last and output.finished else 0,
                         prompt_tokens=prompt_tokens,
+                        logprob=logprob,
+                        top_logprobs=top,
                     )
                     index += 1
                 if output.finished and not token_ids:

@@ -6,7 +6,7 @@ import uuid
 from dataclasses import dataclass
 
 from tokenmesh.common.errors import InvalidArgument
-from tokenmesh.common.validation import check_count, check_range, check_text
+from tokenmesh.common.validation import check_count, check_logprobs, check_range, check_text
 from tokenmesh.v1 import inference_pb2
 from tokenmesh.worker.config import WorkerSettings
 
@@ -26,6 +26,8 @@ class GenerationSpec:
     seed: int | None
     stop: tuple[str, ...]
     ignore_eos: bool
+    logprobs: bool = False
+    top_logprobs: int = 0
 
 
 def validate(request: inference_pb2.InferenceRequest, limits: WorkerSettings) -> GenerationSpec:
@@ -58,6 +60,7 @@ def validate(request: inference_pb2.InferenceRequest, limits: WorkerSettings) ->
                 f"sampling.stop[{position}]",
                 f"must be 1..{limits.max_stop_sequence_bytes} bytes, got {size}",
             )
+    check_logprobs("sampling.", sampling.logprobs, sampling.top_logprobs, limits.max_top_logprobs)
     if len(request.request_id) > limits.max_request_id_chars:
         raise InvalidArgument(
             "request_id",
@@ -78,4 +81,6 @@ def validate(request: inference_pb2.InferenceRequest, limits: WorkerSettings) ->
         seed=sampling.seed if sampling.HasField("seed") else None,
         stop=tuple(sampling.stop),
         ignore_eos=sampling.ignore_eos,
+        logprobs=sampling.logprobs,
+        top_logprobs=sampling.top_logprobs,
     )

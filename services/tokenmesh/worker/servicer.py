@@ -61,6 +61,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                     finish_reason=delta.finish_reason,  # type: ignore[arg-type]
                     emitted_unix_nanos=time.time_ns(),
                 )
+                if delta.logprob is not None:
+                    token.logprob = delta.logprob
+                for candidate in delta.top_logprobs:
+                    token.top_logprobs.add(
+                        token_id=candidate.token_id, text=candidate.text, logprob=candidate.logprob
+                    )
                 if delta.finish_reason:
                     token.usage.prompt_tokens = delta.prompt_tokens
                     token.usage.completion_tokens = delta.index + (delta.token_id >= 0)

@@ -1,0 +1,237 @@
+"""Slow-consumer benchmark: a client that stops reading N token streams, against Envoy flow-control
+windows of different sizes, each on a fresh local mesh (1 gateway, 1 worker) in the same run.
+
+For each window it reports how much Envoy (its allocator's own count) and the gateway (RSS)
+grew while nothing was read, what share of the tokens the gateway and the worker managed to
+send before HTTP/2 flow control stopped them, and that every stream still arrived whole once
+the client read it. The streams ask for 20 logprobs per token so each carries ~650 KB.
+
+    python -m loadtests.slow_consumer_bench [--streams 16 --windows 65536,1048576,268435456]
+
+All traffic goes to 127.0.0.1; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+from grpc import aio
+from prometheus_client.parser import text_string_to_metric_families
+
+from tokenmesh.localstack.stack import Program, Stack, StackSettings
+from tokenmesh.v1 import llm_pb2, llm_pb2_grpc
+
+MIB = 1024 * 1024
+ROOT = Path(__file__).resolve().parent.parent
+# Envoy's own default HTTP/2 windows (256 MiB), the baseline the mesh's windows are set against.
+ENVOY_DEFAULT_WINDOW = 256 * MIB
+# A reader that never reads: a fixed 64 KiB window per stream (gRPC's BDP probing off).
+SLOW_CLIENT_OPTIONS = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 65536)]
+
+
+@dataclass(frozen=True)
+class SlowConsumerResult:
+    streams: int
+    tokens_per_stream: int
+    # What the streams carried in all, measured once the client finally read them.
+    output_bytes: int
+    # Share of all tokens each service had sent while the client read nothing.
+    gateway_sent_fraction: float
+    worker_sent_fraction: float
+    envoy_growth_bytes: int
+    gateway_rss_growth_bytes: int
+    # Every stream arrived whole, in order, once read.
+    complete: bool
+    seconds_to_stall: float
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def stack_settings(run_dir: Path, gateways: int = 1, workers: int = 1) -> StackSettings:
+    """A local mesh on free ports (replicas take consecutive ports from their base)."""
+    names = (
+        "gateway_port", "gateway_metrics_port", "worker_port", "worker_metrics_port",
+        "reranker_port", "reranker_metrics_port", "controlplane_port",
+        "controlplane_metrics_port", "edge_port", "envoy_admin_port", "worker_listener_port",
+        "reranker_listener_port",
+    )  # fmt: skip
+    return StackSettings(
+        run_dir=run_dir,
+        gateways=gateways,
+        workers=workers,
+        envoy_base_id=random.randint(10_000, 60_000),
+        **{name: free_port() for name in names},
+    )
+
+
+@contextmanager
+def flow_control_env(window: int, buffer_limit: int) -> Iterator[None]:
+    """Envoy's windows for the mesh rendered inside this block (TOKENMESH_MESH_* settings)."""
+    values = {
+        "TOKENMESH_MESH_STREAM_WINDOW_BYTES": str(window),
+        "TOKENMESH_MESH_CONNECTION_WINDOW_BYTES": str(4 * window),
+        "TOKENMESH_MESH_BUFFER_LIMIT_BYTES": str(buffer_limit),
+    }
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def messages_sent(metrics_port: int, service: str) -> float:
+    """grpc_server_stream_msg_sent_total of service's Generate on one process."""
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        text = reply.read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if (
+                sample.name == "grpc_server_stream_msg_sent_total"
+                and sample.labels.get("grpc_service") == service
+                and sample.labels.get("grpc_method") == "Generate"
+            ):
+                return float(sample.value)
+    return 0.0
+
+
+class SlowConsumerProbe:
+    """Opens streams through the mesh's edge, reads nothing until the mesh stops sending, then
+    reads everything; samples Envoy, gateway and worker along the way."""
+
+    def __init__(self, stack: Stack) -> None:
+        self._stack = stack
+        self._gateway = self._single("gateway")
+        self._worker = self._single("worker")
+
+    def _single(self, service: str) -> Program:
+        (program,) = [p for p in self._stack.programs if p.service == service]
+        return program
+
+    def _pid(self, name: str) -> int:
+        return int(self._stack.ctl("pid", name).stdout.strip())
+
+    def envoy_allocated(self) -> int:
+        """Bytes Envoy's allocator holds (admin /memory), steadier than RSS."""
+        url = f"http://127.0.0.1:{self._stack.settings.envoy_admin_port}/memory"
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            return int(json.loads(reply.read())["allocated"])
+
+    def sent(self) -> tuple[float, float]:
+        return (
+            messages_sent(self._gateway.metrics_port or 0, "tokenmesh.v1.LLMService"),
+            messages_sent(self._worker.metrics_port or 0, "tokenmesh.v1.InferenceService"),
+        )
+
+    async def run(
+        self, streams: int, max_tokens: int, settle_seconds: float = 2.0, limit: float = 120.0
+    ) -> SlowConsumerResult:
+        gateway = psutil.Process(self._pid(self._gateway.name))
+        envoy_before, rss_before = self.envoy_allocated(), gateway.memory_info().rss
+        gateway_before, worker_before = self.sent()
+        edge = f"127.0.0.1:{self._stack.settings.edge_port}"
+        async with aio.insecure_channel(edge, options=SLOW_CLIENT_OPTIONS) as channel:
+            stub = llm_pb2_grpc.LLMServiceStub(channel)
+            calls = [
+                stub.Generate(
+                    llm_pb2.GenerateRequest(
+                        prompt=f"slow reader {i}",
+                        max_tokens=max_tokens,
+                        ignore_eos=True,
+                        logprobs=True,
+                        top_logprobs=20,
+                    ),
+                    timeout=limit * 2,
+                )
+                for i in range(streams)
+            ]
+            started = time.monotonic()
+            # Every stream has begun (its response headers came) before the watch starts.
+            await asyncio.wait_for(
+                asyncio.gather(*(call.initial_metadata() for call in calls)), limit
+            )
+            stalled_at, last, envoy_peak, rss_peak = started, (-1.0, -1.0), 0, 0
+            # Until neither service has sent anything for settle_seconds (or all was sent).
+            while time.monotonic() - stalled_at < settle_seconds:
+                assert time.monotonic() - started < limit, "the mesh never stopped sending"
+                await asyncio.sleep(0.25)
+                envoy_peak = max(envoy_peak, self.envoy_allocated())
+                rss_peak = max(rss_peak, gateway.memory_info().rss)
+                now = self.sent()
+                if now != last:
+                    last, stalled_at = now, time.monotonic()
+            total = streams * max_tokens
+
+            async def read_all(call: aio.UnaryStreamCall) -> tuple[list[int], int]:
+                tokens = [token async for token in call]
+                return [token.index for token in tokens], sum(t.ByteSize() for t in tokens)
+
+            read = await asyncio.gather(*(read_all(call) for call in calls))
+        return SlowConsumerResult(
+            streams=streams,
+            tokens_per_stream=max_tokens,
+            output_bytes=sum(size for _, size in read),
+            gateway_sent_fraction=round((last[0] - gateway_before) / total, 3),
+            worker_sent_fraction=round((last[1] - worker_before) / total, 3),
+            envoy_growth_bytes=envoy_peak - envoy_before,
+            gateway_rss_growth_bytes=rss_peak - rss_before,
+            complete=all(indexes == list(range(max_tokens)) for indexes, _ in read),
+            seconds_to_stall=round(stalled_at - started, 2),
+        )
+
+
+def measure(window: int, buffer_limit: int, streams: int, max_tokens: int) -> SlowConsumerResult:
+    with (
+        tempfile.TemporaryDirectory(prefix="slow-consumer-") as run_dir,
+        flow_control_env(window, buffer_limit),
+    ):
+        stack = Stack(stack_settings(Path(run_dir)), root=ROOT)
+        try:
+            if stack.up() != 0:
+                raise SystemExit("the mesh did not come up")
+            return asyncio.run(SlowConsumerProbe(stack).run(streams, max_tokens))
+        finally:
+            stack.down()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--streams", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=1900)
+    windows = f"65536,{MIB},{ENVOY_DEFAULT_WINDOW}"
+    parser.add_argument("--windows", default=windows, help="stream windows, bytes")
+    parser.add_argument("--buffer-limit", type=int, default=MIB)
+    args = parser.parse_args()
+    report = {}
+    for window in (int(value) for value in args.windows.split(",")):
+        result = measure(window, min(args.buffer_limit, window), args.streams, args.max_tokens)
+        report[str(window)] = asdict(result)
+        print(json.dumps({"stream_window_bytes": window, **asdict(result)}), file=sys.stderr)
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
