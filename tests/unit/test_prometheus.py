@@ -52,6 +52,7 @@ def test_scrape_config_lists_every_replica_with_its_service_and_envoy(tmp_path: 
         (["127.0.0.1:7003"], {"service": "gateway", "replica": "gateway-2"}),
     ]
     assert len(jobs["worker"]["static_configs"]) == 2
+    assert jobs["worker"]["metric_relabel_configs"][0]["replacement"] == "vllm:$1"
     assert jobs["envoy"]["metrics_path"] == "/stats/prometheus"
     assert jobs["envoy"]["static_configs"][0]["targets"] == ["127.0.0.1:7901"]
     assert config["global"]["scrape_interval"] == "2s"

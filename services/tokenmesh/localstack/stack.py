@@ -34,6 +34,14 @@ MEMORY_PER_WORKER = 4 * GIB
 # The alert rules Prometheus evaluates, relative to the repository (the Helm chart ships the
 # same file).
 ALERT_RULES = Path("prometheus") / "alerts.yml"
+# prometheus_client (0.26) writes vLLM's `vllm:*` sample names as `vllm_*` when Prometheus asks
+# for OpenMetrics (as 2.x does); this puts back the names vLLM documents and the dashboards use.
+VLLM_METRIC_NAMES = {
+    "source_labels": ["__name__"],
+    "regex": "vllm_(.+)",
+    "target_label": "__name__",
+    "replacement": "vllm:$1",
+}
 
 
 class StackSettings(BaseSettings):
@@ -269,6 +277,9 @@ class Stack:
         scrape_configs: list[dict[str, Any]] = [
             {"job_name": service, "static_configs": targets} for service, targets in jobs.items()
         ]
+        for job in scrape_configs:
+            if job["job_name"] == "worker":
+                job["metric_relabel_configs"] = [VLLM_METRIC_NAMES]
         scrape_configs.append(
             {
                 "job_name": "envoy",
