@@ -10,7 +10,7 @@ TINY_MODEL := models/tiny-llama
 SETUP_STAMP := $(VENV)/.setup-$(VLLM_TARGET)
 PYTEST_ARGS ?=
 
-.PHONY: help setup prometheus proto proto-check lint test test-unit up down status logs lock clean envoy-config
+.PHONY: help setup prometheus proto proto-check dashboards lint test test-unit up down status logs lock clean envoy-config
 
 help:
 	@echo "make setup   create .venv (VLLM_TARGET=$(VLLM_TARGET)), generate the tiny model"
@@ -86,6 +86,9 @@ lock: $(SETUP_STAMP)
 
 clean: down
 	rm -rf $(VENV) $(TINY_MODEL) .run build
+
+dashboards: $(SETUP_STAMP)
+	$(BIN)/python scripts/gen_dashboards.py
 
 envoy-config: $(SETUP_STAMP)
 	$(BIN)/python -m tokenmesh.meshconfig --out envoy/envoy.yaml
