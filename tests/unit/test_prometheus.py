@@ -96,3 +96,18 @@ def test_alert_rules_pass_their_promtool_unit_tests() -> None:
     result = promtool("test", "rules", str(RULE_TESTS))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS" in result.stdout
+
+
+@pytest.mark.skipif(
+    shutil.which("prometheus") is None,
+    reason="no prometheus on PATH: `make setup` installs the Debian prometheus package as root",
+)
+def test_stack_runs_prometheus_on_its_port_with_storage_in_the_run_dir(tmp_path: Path) -> None:
+    settings = StackSettings(run_dir=tmp_path, workers=1, prometheus_port=7090)
+    mesh = Stack(settings, root=ROOT)
+    program = next(program for program in mesh.programs if program.name == "prometheus")
+    assert f"--config.file={tmp_path / 'prometheus.yml'}" in program.command
+    assert f"--storage.tsdb.path={tmp_path / 'prometheus'}" in program.command
+    assert "--web.listen-address=127.0.0.1:7090" in program.command
+    assert program.ready_url == "http://127.0.0.1:7090/-/ready"
+    assert "[program:prometheus]" in mesh.supervisord_config()
