@@ -10,7 +10,7 @@ TINY_MODEL := models/tiny-llama
 SETUP_STAMP := $(VENV)/.setup-$(VLLM_TARGET)
 PYTEST_ARGS ?=
 
-.PHONY: help setup proto proto-check lint test test-unit up down status logs lock clean envoy-config
+.PHONY: help setup prometheus proto proto-check dashboards lint test test-unit up down status logs lock clean envoy-config
 
 help:
 	@echo "make setup   create .venv (VLLM_TARGET=$(VLLM_TARGET)), generate the tiny model"
@@ -19,7 +19,22 @@ help:
 	@echo "make test    the whole test suite (unit + integration against real vLLM)"
 	@echo "make lint    ruff and mypy; make proto regenerates protobuf code"
 
-setup: $(SETUP_STAMP) $(TINY_MODEL)/tokenmesh-tiny.json
+setup: $(SETUP_STAMP) $(TINY_MODEL)/tokenmesh-tiny.json prometheus
+
+# Prometheus (Debian package; `make up` runs it when it is on PATH). Installed only when missing
+# and apt-get can be used as root; otherwise setup goes on and says how to get it.
+prometheus:
+	@if command -v prometheus >/dev/null 2>&1; then \
+	  :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "installing prometheus (Debian package)"; \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	    apt-get install -y -qq --no-install-recommends prometheus; } \
+	  || echo "could not install prometheus: make up runs without it (no metrics storage, alerts)"; \
+	else \
+	  echo "no prometheus on PATH: make up runs without it;" \
+	    "install it with: sudo apt-get install --no-install-recommends prometheus"; \
+	fi
 
 $(SETUP_STAMP): pyproject.toml requirements/lock-cpu.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -71,6 +86,9 @@ lock: $(SETUP_STAMP)
 
 clean: down
 	rm -rf $(VENV) $(TINY_MODEL) .run build
+
+dashboards: $(SETUP_STAMP)
+	$(BIN)/python scripts/gen_dashboards.py
 
 envoy-config: $(SETUP_STAMP)
 	$(BIN)/python -m tokenmesh.meshconfig --out envoy/envoy.yaml

@@ -7,12 +7,10 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-import random
 import signal
 import struct
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import psutil
@@ -20,8 +18,8 @@ import pytest
 import yaml
 from grpc import aio
 
-from tests.support import engine_empty_at, free_port, grpcurl, metric_value, scrape_metrics
-from tokenmesh.localstack.stack import Program, Stack, StackSettings
+from tests.support import engine_empty_at, grpcurl, metric_value, scrape_metrics
+from tokenmesh.localstack.stack import Program, Stack
 from tokenmesh.v1 import inference_pb2_grpc, llm_pb2, llm_pb2_grpc, token_pb2
 
 pytestmark = pytest.mark.integration
@@ -31,31 +29,9 @@ INFERENCE = {"grpc_service": "tokenmesh.v1.InferenceService", "grpc_method": "Ge
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    ports = {
-        name: free_port()
-        for name in (
-            "gateway_metrics_port", "worker_metrics_port", "reranker_port",
-            "reranker_metrics_port", "controlplane_port", "controlplane_metrics_port",
-            "edge_port", "envoy_admin_port", "worker_listener_port", "reranker_listener_port",
-        )
-    }  # fmt: skip
-    # Replicas take consecutive ports from these bases.
-    ports["gateway_port"], ports["worker_port"] = free_port(), free_port()
-    settings = StackSettings(
-        run_dir=tmp_path_factory.mktemp("mesh"),
-        gateways=2,
-        workers=2,
-        envoy_base_id=random.randint(10_000, 60_000),
-        ready_timeout_seconds=600,
-        **ports,
-    )
-    mesh = Stack(settings, root=Path(__file__).resolve().parents[2])
-    try:
-        assert mesh.up() == 0, "the mesh did not come up (see the logs above)"
-        yield mesh
-    finally:
-        mesh.down()
+def stack(mesh: Stack) -> Stack:
+    """The session's shared mesh (tests/integration/conftest.py)."""
+    return mesh
 
 
 def replicas(stack: Stack, service: str) -> list[Program]:

@@ -82,6 +82,8 @@ def test_service_clusters_are_health_checked_eds_clusters_named_after_services()
         assert check["no_traffic_interval"] == check["interval"] == "0.5s"
         assert cluster["common_lb_config"]["healthy_panic_threshold"]["value"] == 0
         assert cluster["ignore_health_on_host_removal"] is True
+        # The mesh dashboard's per-replica panels read envoy_cluster_endpoint_* stats.
+        assert cluster["track_cluster_stats"]["per_endpoint_stats"] is True
         options = cluster["typed_extension_protocol_options"]
         http2 = next(iter(options.values()))["explicit_http_config"]["http2_protocol_options"]
         assert http2["initial_stream_window_size"] == 1024 * 1024

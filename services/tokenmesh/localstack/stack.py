@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import grpc
 import psutil
@@ -30,6 +31,17 @@ GIB = 1024**3
 # A tiny-model worker (vLLM, torch, 1 GiB KV cache) takes about 3 GiB; a second one is only
 # started when there is room for it with margin.
 MEMORY_PER_WORKER = 4 * GIB
+# The alert rules Prometheus evaluates, relative to the repository (the Helm chart ships the
+# same file).
+ALERT_RULES = Path("prometheus") / "alerts.yml"
+# prometheus_client (0.26) writes vLLM's `vllm:*` sample names as `vllm_*` when Prometheus asks
+# for OpenMetrics (as 2.x does); this puts back the names vLLM documents and the dashboards use.
+VLLM_METRIC_NAMES = {
+    "source_labels": ["__name__"],
+    "regex": "vllm_(.+)",
+    "target_label": "__name__",
+    "replacement": "vllm:$1",
+}
 
 
 class StackSettings(BaseSettings):
@@ -61,6 +73,15 @@ class StackSettings(BaseSettings):
     envoy_base_id: int = Field(default=7100, ge=0)
     # Consul's HTTP port when a `consul` binary is on PATH (a dev agent is started).
     consul_http_port: int = Field(default=8500, ge=1, le=65535)
+    # Prometheus, started when a `prometheus` binary is on PATH: scrapes every service replica
+    # and Envoy, evaluates the alert rules; its data lives in run_dir/prometheus.
+    prometheus_port: int = Field(default=9090, ge=1, le=65535)
+    # Seconds between scrapes and rule evaluations. Far below Prometheus' 1 min default so that
+    # dashboards on a laptop, and the tests, see traffic within seconds (rate() needs two
+    # scrapes inside its window); the local stack's handful of targets makes this cheap.
+    prometheus_scrape_interval_seconds: int = Field(default=2, ge=1, le=60)
+    # How long the local Prometheus keeps data.
+    prometheus_retention: str = "2d"
     # CPU KV cache per worker, GiB.
     worker_kv_cache_space_gib: int = Field(default=1, ge=1)
     # How long `up` waits for every service to be SERVING and every Envoy host healthy.
@@ -94,6 +115,8 @@ class Program:
     service: str | None = None
     # Seconds supervisord waits after SIGTERM before SIGKILL: the grace period plus shutdown.
     stop_wait_seconds: int = 30
+    # For processes without gRPC health: an HTTP URL that answers 200 once ready.
+    ready_url: str | None = None
 
     @property
     def address(self) -> str:
@@ -132,13 +155,20 @@ class Stack:
         self.pid_path = self.run_dir / "supervisord.pid"
         self.envoy_config_path = self.run_dir / "envoy.yaml"
         self.endpoints_path = self.run_dir / "endpoints.yaml"
+        self.prometheus_config_path = self.run_dir / "prometheus.yml"
+        self.alert_rules_path = (root / ALERT_RULES).resolve()
         self.consul = shutil.which("consul")
+        self.prometheus = shutil.which("prometheus")
         self._bin = Path(sys.executable).parent
         self.programs = self._programs()
 
     @property
     def consul_address(self) -> str:
         return f"127.0.0.1:{self.settings.consul_http_port}"
+
+    @property
+    def prometheus_url(self) -> str:
+        return f"http://127.0.0.1:{self.settings.prometheus_port}"
 
     def _programs(self) -> list[Program]:
         """Dependencies first: `up` waits for each in this order."""
@@ -210,6 +240,17 @@ class Stack:
                     },
                 )
             )
+        if self.prometheus:
+            programs.append(
+                Program(
+                    "prometheus",
+                    [self.prometheus, f"--config.file={self.prometheus_config_path}",
+                     f"--storage.tsdb.path={self.run_dir / 'prometheus'}",
+                     f"--storage.tsdb.retention.time={s.prometheus_retention}",
+                     f"--web.listen-address=127.0.0.1:{s.prometheus_port}"],
+                    ready_url=f"{self.prometheus_url}/-/ready",
+                )
+            )  # fmt: skip
         return programs
 
     def endpoints(self) -> dict[str, dict[str, list[str]]]:
@@ -219,6 +260,48 @@ class Stack:
             if program.service in clusters:
                 clusters[program.service].append(program.address)
         return {"clusters": clusters}
+
+    def prometheus_config(self) -> dict[str, Any]:
+        """Scrape every service replica (job and `service` label: its service; `replica`: its
+        program name) and Envoy's admin stats; evaluate the alert rules."""
+        interval = f"{self.settings.prometheus_scrape_interval_seconds}s"
+        jobs: dict[str, list[dict[str, Any]]] = {}
+        for program in self.programs:
+            if program.service is not None and program.metrics_port is not None:
+                jobs.setdefault(program.service, []).append(
+                    {
+                        "targets": [f"127.0.0.1:{program.metrics_port}"],
+                        "labels": {"service": program.service, "replica": program.name},
+                    }
+                )
+        scrape_configs: list[dict[str, Any]] = [
+            {"job_name": service, "static_configs": targets} for service, targets in jobs.items()
+        ]
+        for job in scrape_configs:
+            if job["job_name"] == "worker":
+                job["metric_relabel_configs"] = [VLLM_METRIC_NAMES]
+        scrape_configs.append(
+            {
+                "job_name": "envoy",
+                "metrics_path": "/stats/prometheus",
+                "static_configs": [
+                    {
+                        "targets": [f"127.0.0.1:{self.settings.envoy_admin_port}"],
+                        "labels": {"service": "envoy", "replica": "envoy"},
+                    }
+                ],
+            }
+        )
+        return {
+            # The timeout may not exceed the interval (Prometheus' default timeout is 10 s).
+            "global": {
+                "scrape_interval": interval,
+                "scrape_timeout": interval,
+                "evaluation_interval": interval,
+            },
+            "rule_files": [str(self.alert_rules_path)],
+            "scrape_configs": scrape_configs,
+        }
 
     def supervisord_config(self) -> str:
         sections = [
@@ -265,6 +348,9 @@ stdout_logfile_backups=2
             yaml.safe_dump(render(self.settings.mesh()), sort_keys=False)
         )
         self.endpoints_path.write_text(yaml.safe_dump(self.endpoints(), sort_keys=False))
+        self.prometheus_config_path.write_text(
+            yaml.safe_dump(self.prometheus_config(), sort_keys=False)
+        )
 
     def supervisord_pid(self) -> int | None:
         """The pid of our running supervisord, or None."""
@@ -291,6 +377,8 @@ stdout_logfile_backups=2
             print(f"consul found at {self.consul}: dev agent on {self.consul_address}")
         else:
             print("no consul binary on PATH: discovery is static (.run/endpoints.yaml)")
+        if not self.prometheus:
+            print("no prometheus binary on PATH: no metrics storage or alerts (make setup)")
         self.write_configs()
         subprocess.run(
             [str(self._bin / "supervisord"), "-c", str(self.config_path)], check=True, cwd=self.root
@@ -299,9 +387,13 @@ stdout_logfile_backups=2
         started = time.monotonic()
         deadline = started + self.settings.ready_timeout_seconds
         for program in self.programs:
-            if program.port is not None and not self._wait(
-                program, deadline, partial(serving, program.address)
-            ):
+            if program.port is not None:
+                ready = partial(serving, program.address)
+            elif program.ready_url is not None:
+                ready = partial(http_ok, program.ready_url)
+            else:
+                continue
+            if not self._wait(program, deadline, ready):
                 return 1
         envoy = next(program for program in self.programs if program.name == "envoy")
         if not self._wait(envoy, deadline, self.envoy_ready):
@@ -366,6 +458,9 @@ stdout_logfile_backups=2
         s = self.settings
         print(f"  edge (Envoy)  grpc, gRPC-Web, REST  127.0.0.1:{s.edge_port}")
         print(f"  Envoy admin   http://127.0.0.1:{s.envoy_admin_port}/clusters")
+        print(f"  Envoy stats   http://127.0.0.1:{s.envoy_admin_port}/stats/prometheus")
+        if self.prometheus:
+            print(f"  Prometheus    {self.prometheus_url} (alerts: {self.prometheus_url}/alerts)")
         for program in self.programs:
             if program.port is not None:
                 print(
@@ -411,6 +506,9 @@ stdout_logfile_backups=2
         for program in self.programs:
             if program.port is not None:
                 print(f"  {program.name:13} health: {health(program.address)}")
+            elif program.ready_url is not None:
+                state = "ready" if http_ok(program.ready_url) else "NOT READY"
+                print(f"  {program.name:13} {state} ({program.ready_url})")
         for cluster, hosts in sorted(self.envoy_hosts().items()):
             listed = ", ".join(f"{a} {'healthy' if ok else 'UNHEALTHY'}" for a, ok in hosts)
             print(f"  envoy cluster {cluster:10} {listed or 'no hosts'}")
@@ -422,6 +520,15 @@ stdout_logfile_backups=2
             print("no logs yet (make up)")
             return 0
         os.execvp("tail", ["tail", "-n", "50", "-F", *files])
+
+
+def http_ok(url: str) -> bool:
+    """url answers 200 (Prometheus' /-/ready does once its storage is open)."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as reply:
+            return int(reply.status) == 200
+    except (urllib.error.URLError, OSError):
+        return False
 
 
 def serving(address: str) -> bool:

@@ -227,6 +227,9 @@ def service_cluster(name: str, mesh: MeshSettings) -> Config:
         "common_lb_config": {"healthy_panic_threshold": {"value": 0}},
         # A host removed by discovery stops getting streams even while it still passes checks.
         "ignore_health_on_host_removal": True,
+        # Per-host request, error and active-request stats (envoy_cluster_endpoint_* at
+        # /stats/prometheus, labelled envoy_endpoint_address): how streams spread over replicas.
+        "track_cluster_stats": {"per_endpoint_stats": True},
         "circuit_breakers": {
             "thresholds": [
                 {
