@@ -17,8 +17,6 @@ import argparse
 import asyncio
 import json
 import os
-import random
-import socket
 import sys
 import tempfile
 import time
@@ -57,29 +55,6 @@ class SlowConsumerResult:
     # Every stream arrived whole, in order, once read.
     complete: bool
     seconds_to_stall: float
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def stack_settings(run_dir: Path, gateways: int = 1, workers: int = 1) -> StackSettings:
-    """A local mesh on free ports (replicas take consecutive ports from their base)."""
-    names = (
-        "gateway_port", "gateway_metrics_port", "worker_port", "worker_metrics_port",
-        "reranker_port", "reranker_metrics_port", "controlplane_port",
-        "controlplane_metrics_port", "edge_port", "envoy_admin_port", "worker_listener_port",
-        "reranker_listener_port",
-    )  # fmt: skip
-    return StackSettings(
-        run_dir=run_dir,
-        gateways=gateways,
-        workers=workers,
-        envoy_base_id=random.randint(10_000, 60_000),
-        **{name: free_port() for name in names},
-    )
 
 
 @contextmanager
@@ -147,7 +122,7 @@ class SlowConsumerProbe:
         )
 
     async def run(
-        self, streams: int, max_tokens: int, settle_seconds: float = 2.0, limit: float = 120.0
+        self, streams: int, max_tokens: int, settle_seconds: float = 3.0, limit: float = 120.0
     ) -> SlowConsumerResult:
         gateway = psutil.Process(self._pid(self._gateway.name))
         envoy_before, rss_before = self.envoy_allocated(), gateway.memory_info().rss
@@ -173,7 +148,8 @@ class SlowConsumerProbe:
             await asyncio.wait_for(
                 asyncio.gather(*(call.initial_metadata() for call in calls)), limit
             )
-            stalled_at, last, envoy_peak, rss_peak = started, (-1.0, -1.0), 0, 0
+            stalled_at, last = time.monotonic(), (-1.0, -1.0)
+            envoy_peak, rss_peak = envoy_before, rss_before
             # Until neither service has sent anything for settle_seconds (or all was sent).
             while time.monotonic() - stalled_at < settle_seconds:
                 assert time.monotonic() - started < limit, "the mesh never stopped sending"
@@ -208,7 +184,7 @@ def measure(window: int, buffer_limit: int, streams: int, max_tokens: int) -> Sl
         tempfile.TemporaryDirectory(prefix="slow-consumer-") as run_dir,
         flow_control_env(window, buffer_limit),
     ):
-        stack = Stack(stack_settings(Path(run_dir)), root=ROOT)
+        stack = Stack(StackSettings.on_free_ports(Path(run_dir), gateways=1, workers=1), root=ROOT)
         try:
             if stack.up() != 0:
                 raise SystemExit("the mesh did not come up")

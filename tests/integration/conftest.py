@@ -3,13 +3,11 @@ takes about a minute), and stopped as soon as the last test using it is done."""
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.support import free_port
 from tokenmesh.localstack.stack import Stack, StackSettings
 
 MESH_KEY = pytest.StashKey[Stack]()
@@ -21,24 +19,8 @@ def mesh(
 ) -> Iterator[Stack]:
     """supervisord, control plane, Envoy, 2 gateways, 2 workers, the reranker, and Prometheus
     when its binary is on PATH, on free ports with their own run directory."""
-    ports = {
-        name: free_port()
-        for name in (
-            "gateway_metrics_port", "worker_metrics_port", "reranker_port",
-            "reranker_metrics_port", "controlplane_port", "controlplane_metrics_port",
-            "edge_port", "envoy_admin_port", "worker_listener_port", "reranker_listener_port",
-            "prometheus_port",
-        )
-    }  # fmt: skip
-    # Replicas take consecutive ports from these bases.
-    ports["gateway_port"], ports["worker_port"] = free_port(), free_port()
-    settings = StackSettings(
-        run_dir=tmp_path_factory.mktemp("mesh"),
-        gateways=2,
-        workers=2,
-        envoy_base_id=random.randint(10_000, 60_000),
-        ready_timeout_seconds=600,
-        **ports,
+    settings = StackSettings.on_free_ports(
+        tmp_path_factory.mktemp("mesh"), gateways=2, workers=2, ready_timeout_seconds=600
     )
     stack = Stack(settings, root=Path(__file__).resolve().parents[2])
     request.config.stash[MESH_KEY] = stack

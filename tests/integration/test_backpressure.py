@@ -12,9 +12,8 @@ from loadtests.slow_consumer_bench import (
     ROOT,
     SlowConsumerProbe,
     flow_control_env,
-    stack_settings,
 )
-from tokenmesh.localstack.stack import Stack
+from tokenmesh.localstack.stack import Stack, StackSettings
 
 pytestmark = pytest.mark.integration
 
@@ -30,7 +29,10 @@ HOPS = 2  # edge -> gateway, and gateway -> worker listener -> worker
 @pytest.fixture(scope="module")
 def slow_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     with flow_control_env(WINDOW, buffer_limit=WINDOW):
-        stack = Stack(stack_settings(tmp_path_factory.mktemp("slow")), root=ROOT)
+        stack = Stack(
+            StackSettings.on_free_ports(tmp_path_factory.mktemp("slow"), gateways=1, workers=1),
+            root=ROOT,
+        )
         try:
             assert stack.up() == 0, "the mesh did not come up (see the logs above)"
             yield stack

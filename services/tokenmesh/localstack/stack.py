@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -42,6 +44,12 @@ VLLM_METRIC_NAMES = {
     "target_label": "__name__",
     "replacement": "vllm:$1",
 }
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 class StackSettings(BaseSettings):
@@ -86,6 +94,19 @@ class StackSettings(BaseSettings):
     worker_kv_cache_space_gib: int = Field(default=1, ge=1)
     # How long `up` waits for every service to be SERVING and every Envoy host healthy.
     ready_timeout_seconds: float = Field(default=600.0, gt=0)
+
+    @classmethod
+    def on_free_ports(cls, run_dir: Path, **overrides: Any) -> StackSettings:
+        """A stack that can run beside `make up` and other such stacks (tests, benchmarks):
+        every port free now (replicas take consecutive ports from their base), its own
+        run directory and Envoy shared-memory id."""
+        ports = {name: free_port() for name in cls.model_fields if name.endswith("_port")}
+        settings: dict[str, Any] = {
+            "run_dir": run_dir,
+            "envoy_base_id": random.randint(10_000, 60_000),
+            **ports,
+        }
+        return cls(**{**settings, **overrides})
 
     def worker_count(self) -> int:
         if self.workers:
