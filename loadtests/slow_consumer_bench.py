@@ -31,7 +31,7 @@ from grpc import aio
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokenmesh.localstack.stack import Program, Stack, StackSettings
-from tokenmesh.v1 import llm_pb2, llm_pb2_grpc
+from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, llm_pb2, llm_pb2_grpc
 
 MIB = 1024 * 1024
 ROOT = Path(__file__).resolve().parent.parent
@@ -115,6 +115,14 @@ class SlowConsumerProbe:
         with urllib.request.urlopen(url, timeout=10) as reply:
             return int(json.loads(reply.read())["allocated"])
 
+    async def engine_done(self) -> bool:
+        """vLLM has made every token asked of it (it does not wait for slow readers)."""
+        async with aio.insecure_channel(self._worker.address) as channel:
+            stats = await inference_pb2_grpc.InferenceServiceStub(channel).GetEngineStats(
+                inference_pb2.EngineStatsRequest(), timeout=10
+            )
+        return stats.running_requests + stats.waiting_requests == 0
+
     def sent(self) -> tuple[float, float]:
         return (
             messages_sent(self._gateway.metrics_port or 0, "tokenmesh.v1.LLMService"),
@@ -150,8 +158,11 @@ class SlowConsumerProbe:
             )
             stalled_at, last = time.monotonic(), (-1.0, -1.0)
             envoy_peak, rss_peak = envoy_before, rss_before
-            # Until neither service has sent anything for settle_seconds (or all was sent).
-            while time.monotonic() - stalled_at < settle_seconds:
+            # Until the engine has made every token and, after that, neither service has sent
+            # anything for settle_seconds: what is unsent then is held back by flow control,
+            # not by a busy machine.
+            done = False
+            while not done or time.monotonic() - stalled_at < settle_seconds:
                 assert time.monotonic() - started < limit, "the mesh never stopped sending"
                 await asyncio.sleep(0.25)
                 envoy_peak = max(envoy_peak, self.envoy_allocated())
@@ -159,6 +170,7 @@ class SlowConsumerProbe:
                 now = self.sent()
                 if now != last:
                     last, stalled_at = now, time.monotonic()
+                done = done or await self.engine_done()
             total = streams * max_tokens
 
             async def read_all(call: aio.UnaryStreamCall) -> tuple[list[int], int]:
