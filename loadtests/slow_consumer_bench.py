@@ -54,6 +54,9 @@ class SlowConsumerResult:
     gateway_rss_growth_bytes: int
     # Every stream arrived whole, in order, once read.
     complete: bool
+    # Tokens another client streamed meanwhile (on its own connection, same gateway and worker):
+    # the slow reader must not stall anyone else.
+    bystander_tokens: int
     seconds_to_stall: float
 
 
@@ -123,6 +126,15 @@ class SlowConsumerProbe:
             )
         return stats.running_requests + stats.waiting_requests == 0
 
+    @staticmethod
+    async def bystander(edge: str, tokens: int, limit: float) -> int:
+        async with aio.insecure_channel(edge) as channel:
+            request = llm_pb2.GenerateRequest(
+                prompt="bystander", max_tokens=tokens, ignore_eos=True
+            )
+            stream = llm_pb2_grpc.LLMServiceStub(channel).Generate(request, timeout=limit)
+            return len([token async for token in stream])
+
     def sent(self) -> tuple[float, float]:
         return (
             messages_sent(self._gateway.metrics_port or 0, "tokenmesh.v1.LLMService"),
@@ -172,6 +184,7 @@ class SlowConsumerProbe:
                     last, stalled_at = now, time.monotonic()
                 done = done or await self.engine_done()
             total = streams * max_tokens
+            bystander = await self.bystander(edge, tokens=64, limit=limit / 2)
 
             async def read_all(call: aio.UnaryStreamCall) -> tuple[list[int], int]:
                 tokens = [token async for token in call]
@@ -187,6 +200,7 @@ class SlowConsumerProbe:
             envoy_growth_bytes=envoy_peak - envoy_before,
             gateway_rss_growth_bytes=rss_peak - rss_before,
             complete=all(indexes == list(range(max_tokens)) for indexes, _ in read),
+            bystander_tokens=bystander,
             seconds_to_stall=round(stalled_at - started, 2),
         )
 

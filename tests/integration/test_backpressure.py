@@ -1,6 +1,6 @@
-"""A client that stops reading pushes back through HTTP/2 flow control, edge to worker: the gateway
-and the worker stop sending, Envoy and the gateway hold only about a window per stream, and every
-token still arrives, in order, once the client reads again."""
+"""A client that stops reading pushes back through HTTP/2 flow control: the gateway stops sending,
+Envoy holds only about a window per stream, other clients are not held up, and every token still
+arrives, in order, once the client reads again."""
 
 from __future__ import annotations
 
@@ -45,12 +45,10 @@ async def test_slow_reader_stops_the_senders_and_bounds_memory(slow_mesh: Stack)
     print(result)
     # Nothing is lost or truncated: every stream arrives whole once it is read.
     assert result.complete
-    # The gateway and the worker waited on flow control instead of sending everything.
+    # Another client, meanwhile, got its whole stream through the same gateway and worker.
+    assert result.bystander_tokens == 64
+    # The gateway waited on flow control instead of sending everything.
     assert result.gateway_sent_fraction < 0.5
-    assert result.worker_sent_fraction < 0.75
     # Per stream and hop Envoy holds at most the window it granted upstream plus the buffer
     # towards the slow side, about two windows; three leaves room for framing and headers.
     assert result.envoy_growth_bytes < STREAMS * HOPS * 3 * WINDOW < result.output_bytes
-    # The gateway reads a worker stream only as fast as it can write it on: it holds about
-    # its own receive window per stream, not what the worker made.
-    assert result.gateway_rss_growth_bytes < result.output_bytes / 2

@@ -21,10 +21,6 @@ CALLER_FAULTS = frozenset(
 )
 
 
-# Receive window per stream on channels to other services (see client_options).
-STREAM_WINDOW_BYTES = 64 * 1024
-
-
 def client_options(max_message_bytes: int) -> list[tuple[str, Any]]:
     return [
         ("grpc.max_send_message_length", max_message_bytes),
@@ -38,11 +34,10 @@ def client_options(max_message_bytes: int) -> list[tuple[str, Any]]:
         # Reconnect quickly after a dependency restarts (the default backoff reaches 120 s).
         ("grpc.initial_reconnect_backoff_ms", 200),
         ("grpc.max_reconnect_backoff_ms", 2_000),
-        # A fixed receive window per stream instead of BDP probing, which grows it to
-        # megabytes: what a slow caller's stream piles up in this process stays small, and
-        # the sender waits instead (HTTP/2 flow control). Token streams need little bandwidth.
-        ("grpc.http2.bdp_probe", 0),
-        ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
+        # HTTP/2 windows stay gRPC's adaptive defaults on purpose: gRPC returns connection
+        # window only as the application reads, so fixed small stream windows let a few slow
+        # callers' unread streams use up the shared connection's window and stall every other
+        # stream on it (measured: a bystander's stream hung behind 16 unread ones).
     ]
 
 
