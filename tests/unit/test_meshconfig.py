@@ -72,7 +72,7 @@ def listeners(config: dict) -> dict[str, dict]:
 
 def test_service_clusters_are_health_checked_eds_clusters_named_after_services() -> None:
     found = clusters(render(MeshSettings(health_check_interval_seconds=0.5)))
-    assert set(found) == {"gateway", "worker", "reranker", "xds_cluster"}
+    assert set(found) == {"gateway", "worker", "reranker", "xds_cluster", "ops", "ops_page"}
     for name in ("gateway", "worker", "reranker"):
         cluster = found[name]
         assert cluster["type"] == "EDS"
@@ -126,7 +126,7 @@ def test_transcoder_descriptor_holds_the_public_api() -> None:
 def test_flow_control_limits_reach_every_listener_and_cluster() -> None:
     config = render(MeshSettings(stream_window_bytes=65536, buffer_limit_bytes=32768))
     resources = config["static_resources"]
-    clusters = [c for c in resources["clusters"] if c["name"] != "xds_cluster"]
+    clusters = [c for c in resources["clusters"] if c["type"] != "STATIC"]
     for item in resources["listeners"] + clusters:
         assert item["per_connection_buffer_limit_bytes"] == 32768, item["name"]
     for cluster in clusters:
