@@ -131,7 +131,8 @@ function render(snapshot: DashboardSnapshot): void {
     const bar = document.createElement("span");
     bar.className = "bar";
     bar.style.setProperty("--fill", `${Math.min(100, worker.kvCacheUsage * 100)}%`);
-    kv.append(bar, ` ${(worker.kvCacheUsage * 100).toFixed(1)} %`);
+    const percent = worker.kvCacheUsage * 100;
+    kv.append(bar, ` ${percent.toFixed(percent > 0 && percent < 1 ? 2 : 1)} %`);
     cell(row, fixed(worker.tokensPerSecond, 1), "tokens", String(worker.tokensPerSecond));
     cell(row, worker.error, "error");
   }
