@@ -9,15 +9,14 @@ import asyncio
 import contextlib
 import os
 import shutil
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
 from grpc import aio
 
-from tests.integration.test_mesh_dashboards import CIRCUIT_OPEN, answer, circuit_states, wait_until
+from tests.integration.test_mesh_dashboards import answer, circuit_states, wait_until
 from tests.support import ROOT
 from tokenmesh.localstack.stack import Stack, serving
 from tokenmesh.v1 import llm_pb2, llm_pb2_grpc, ops_pb2, ops_pb2_grpc
@@ -29,6 +28,9 @@ UPDATE_SCREENSHOT = os.environ.get("TOKENMESH_UPDATE_SCREENSHOT") == "1"
 SCREENSHOT = ROOT / "docs" / "ops-page.png"
 # What the page shows for a figure it does not have (an en dash).
 NO_VALUE = "\u2013"
+# Bound on stopping the reranker -> the page's indicator open: the gateways' breakers need a few
+# failed reranks (a handful of answers), then a scrape (2 s) and a snapshot (1 s).
+OPEN_WITHIN_SECONDS = 60
 
 try:
     from playwright.async_api import Page, async_playwright, expect
@@ -78,7 +80,7 @@ async def load(edge: llm_pb2_grpc.LLMServiceStub, streams: int) -> AsyncIterator
         done = await asyncio.gather(*tasks, return_exceptions=True)
         errors = [result for result in done if isinstance(result, BaseException)]
         assert not errors, errors
-        assert sum(int(tokens) for tokens in done) > 0  # type: ignore[call-overload]
+        assert sum(int(tokens) for tokens in done) > 0
 
 
 async def number(page: Page, selector: str) -> float:
@@ -92,7 +94,7 @@ async def running_requests(page: Page) -> list[int]:
     ]
 
 
-async def poll(condition: Any, within: float, what: str) -> None:
+async def poll(condition: Callable[[], Awaitable[bool]], within: float, what: str) -> None:
     """Await condition() until true, at most `within` seconds."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + within
@@ -171,39 +173,46 @@ async def test_ops_page_follows_load_and_shows_the_circuit_opening(
 
             # Idle first (earlier tests' traffic leaves the rate window), then under load.
             await poll(lambda: idle(page), 90, "tokens/s and running requests back to 0 when idle")
-            async with load(edge, streams=6):
-                await poll(
-                    lambda: positive(page, "#tokens-per-second"), 45, "tokens/s above 0 under load"
-                )
-                await poll(lambda: any_running(page), 30, "running requests on a worker under load")
-                await expect(page.locator("#ttft-p50")).not_to_have_text(NO_VALUE)
-                await page.screenshot(path=tmp_path / "ops-page-load.png", full_page=True)
+            reranker_stopped = False
+            try:
+                async with load(edge, streams=6):
+                    await poll(
+                        lambda: positive(page, "#tokens-per-second"), 45, "tokens/s > 0 under load"
+                    )
+                    await poll(lambda: any_running(page), 30, "running requests on a worker")
+                    await expect(page.locator("#ttft-p50")).not_to_have_text(NO_VALUE)
+                    await page.screenshot(path=tmp_path / "ops-page-load.png", full_page=True)
 
-                # The reranker stopped: reranked answers fail over to degraded ones until the
-                # gateways' breakers open, and the page shows it.
-                stopped = mesh.ctl("stop", "reranker")
-                assert "stopped" in stopped.stdout, stopped.stdout + stopped.stderr
-                try:
-                    for attempt in range(60):
-                        if await circuit_shown(page) == "open":
-                            break
+                    # The reranker stopped: reranked answers fail over to degraded ones until
+                    # the gateways' breakers open, and the page shows it.
+                    stopped = mesh.ctl("stop", "reranker")
+                    assert "stopped" in stopped.stdout, stopped.stdout + stopped.stderr
+                    reranker_stopped = True
+                    loop = asyncio.get_running_loop()
+                    since = loop.time()
+                    attempt = 0
+                    while await circuit_shown(page) != "open":
+                        assert loop.time() - since < OPEN_WITHIN_SECONDS, (
+                            f"circuit indicator not open within {OPEN_WITHIN_SECONDS}s of "
+                            f"stopping the reranker; gateways say {circuit_states(mesh)}"
+                        )
+                        attempt += 1
                         answers = await asyncio.gather(
                             *(answer(edge, 1000 + attempt * 10 + n) for n in range(4))
                         )
                         assert all(reply.text for reply in answers), "degraded answers answer"
-                    assert min(circuit_states(mesh)) == CIRCUIT_OPEN, circuit_states(mesh)
-                    await expect(page.locator("#circuit")).to_have_attribute(
-                        "data-state", "open", timeout=15_000
-                    )
+                    print(f"circuit shown open {loop.time() - since:.1f}s after the stop")
+                    gateways = [p for p in mesh.programs if p.service == "gateway"]
                     await expect(
                         page.locator('#gateway-circuits li[data-state="open"]')
-                    ).to_have_count(len([p for p in mesh.programs if p.service == "gateway"]))
+                    ).to_have_count(len(gateways), timeout=15_000)
                     await poll(lambda: positive(page, "#degraded"), 15, "degraded answers counted")
                     await page.screenshot(path=tmp_path / "ops-page-open.png", full_page=True)
                     if UPDATE_SCREENSHOT:
                         SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
                         shutil.copyfile(tmp_path / "ops-page-open.png", SCREENSHOT)
-                finally:
+            finally:
+                if reranker_stopped:  # with the load stopped: the reranker starts faster
                     await restore_reranker(mesh, edge)
             await expect(page.locator("#circuit")).to_have_attribute(
                 "data-state", "closed", timeout=20_000
@@ -211,7 +220,7 @@ async def test_ops_page_follows_load_and_shows_the_circuit_opening(
         finally:
             print(f"screenshots in {tmp_path}; browser console: {console}")
             await browser.close()
-    assert not [line for line in console if line.startswith("page error")], console
+    assert not [line for line in console if line.startswith(("page error", "error"))], console
 
 
 async def idle(page: Page) -> bool:
