@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -17,8 +16,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tokenmesh.common.channels import client_options
 from tokenmesh.common.errors import InvalidArgument
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, ops_pb2, ops_pb2_grpc
-
-log = logging.getLogger(__name__)
 
 DEFAULT_INTERVAL_MS = 1000
 MIN_INTERVAL_MS = 100
