@@ -307,11 +307,10 @@ class Dashboard:
     async def snapshot(self) -> ops_pb2.DashboardSnapshot:
         addresses = sorted(self._workers())
         await self._probe.retain(addresses)
-        fleet, *figures = await asyncio.gather(
+        fleet, figures = await asyncio.gather(
             query_fleet(self._prometheus, self._queries, self._prometheus_url),
-            *(self._probe.probe(address) for address in addresses),
+            asyncio.gather(*(self._probe.probe(address) for address in addresses)),
         )
-        assert isinstance(fleet, Fleet)
         warnings = list(fleet.warnings)
         if not addresses:
             warnings.append("no workers known to the control plane's endpoint source")
@@ -333,7 +332,6 @@ class Dashboard:
                     error=worker.error,
                 )
                 for worker in figures
-                if isinstance(worker, WorkerFigures)
             ],
             reranker_circuit=circuit,
             requests_per_second=fleet.requests_per_second,
