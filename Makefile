@@ -10,7 +10,7 @@ TINY_MODEL := models/tiny-llama
 SETUP_STAMP := $(VENV)/.setup-$(VLLM_TARGET)
 PYTEST_ARGS ?=
 
-.PHONY: help setup prometheus proto proto-check dashboards lint test test-unit up down status logs lock clean envoy-config
+.PHONY: help setup prometheus ops-page proto proto-check dashboards lint test test-unit up down status logs lock clean envoy-config
 
 help:
 	@echo "make setup   create .venv (VLLM_TARGET=$(VLLM_TARGET)), generate the tiny model"
@@ -18,8 +18,33 @@ help:
 	@echo "make status  processes and health; make logs tails them"
 	@echo "make test    the whole test suite (unit + integration against real vLLM)"
 	@echo "make lint    ruff and mypy; make proto regenerates protobuf code"
+	@echo "make ops-page  build the live ops page (ops/dist, served at /ops/ by make up)"
 
-setup: $(SETUP_STAMP) $(TINY_MODEL)/tokenmesh-tiny.json prometheus
+setup: $(SETUP_STAMP) $(TINY_MODEL)/tokenmesh-tiny.json prometheus ops-page
+
+# The live ops page (ops/): TypeScript, its gRPC-Web client generated from ops.proto by
+# protoc-gen-es (npm) through grpc_tools' protoc, bundled by esbuild into ops/dist, which the
+# control plane serves and Envoy's edge routes at /ops/. Needs Node.js and npm; rebuilt when
+# a source changes. Without npm, setup goes on and the page at /ops/ says how to build it.
+OPS_PAGE := ops/dist/index.html
+OPS_SOURCES := ops/package.json ops/package-lock.json ops/build.mjs ops/tsconfig.json \
+  ops/index.html $(wildcard ops/src/*.ts ops/src/*.css) protos/tokenmesh/v1/ops.proto
+ops-page: $(OPS_PAGE)
+
+$(OPS_PAGE): $(OPS_SOURCES) | $(SETUP_STAMP)
+	@if ! command -v npm >/dev/null 2>&1; then \
+	  echo "no npm on PATH: the ops page is not built (/ops/ says so); install Node.js 20+"; \
+	  exit 0; \
+	fi; \
+	$(MAKE) --no-print-directory build-ops-page
+
+.PHONY: build-ops-page
+build-ops-page:
+	cd ops && npm ci --no-audit --no-fund --loglevel=error
+	rm -rf ops/src/gen && mkdir -p ops/src/gen
+	$(BIN)/python -m grpc_tools.protoc -Iprotos --plugin=protoc-gen-es=ops/node_modules/.bin/protoc-gen-es \
+	  --es_out=ops/src/gen --es_opt=target=ts protos/tokenmesh/v1/ops.proto
+	cd ops && npx --no-install tsc --noEmit && node build.mjs
 
 # Prometheus (Debian package; `make up` runs it when it is on PATH). Installed only when missing
 # and apt-get can be used as root; otherwise setup goes on and says how to get it.
@@ -85,7 +110,7 @@ lock: $(SETUP_STAMP)
 	rm requirements/lock-cpu.body
 
 clean: down
-	rm -rf $(VENV) $(TINY_MODEL) .run build
+	rm -rf $(VENV) $(TINY_MODEL) .run build ops/dist ops/node_modules ops/src/gen
 
 dashboards: $(SETUP_STAMP)
 	$(BIN)/python scripts/gen_dashboards.py

@@ -243,7 +243,8 @@ def controlplane_process(
     log_dir: Path, static_file: Path, name: str = "controlplane", **overrides: str
 ) -> ServiceProcess:
     """An xDS control plane serving the endpoints listed in static_file (re-read on change)."""
-    settings = {"source": "static", "static_file": str(static_file)}
+    # The ops page's HTTP port on a free port too (its default, 9481, may be `make up`'s).
+    settings = {"source": "static", "static_file": str(static_file), "ops_page_port": "0"}
     return service_process("controlplane", log_dir, name, settings, overrides)
 
 

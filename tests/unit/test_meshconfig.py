@@ -72,7 +72,7 @@ def listeners(config: dict) -> dict[str, dict]:
 
 def test_service_clusters_are_health_checked_eds_clusters_named_after_services() -> None:
     found = clusters(render(MeshSettings(health_check_interval_seconds=0.5)))
-    assert set(found) == {"gateway", "worker", "reranker", "xds_cluster"}
+    assert set(found) == {"gateway", "worker", "reranker", "xds_cluster", "ops", "ops_page"}
     for name in ("gateway", "worker", "reranker"):
         cluster = found[name]
         assert cluster["type"] == "EDS"
@@ -126,10 +126,32 @@ def test_transcoder_descriptor_holds_the_public_api() -> None:
 def test_flow_control_limits_reach_every_listener_and_cluster() -> None:
     config = render(MeshSettings(stream_window_bytes=65536, buffer_limit_bytes=32768))
     resources = config["static_resources"]
-    clusters = [c for c in resources["clusters"] if c["name"] != "xds_cluster"]
+    clusters = [c for c in resources["clusters"] if c["type"] != "STATIC"]
     for item in resources["listeners"] + clusters:
         assert item["per_connection_buffer_limit_bytes"] == 32768, item["name"]
     for cluster in clusters:
         options = next(iter(cluster["typed_extension_protocol_options"].values()))
         http2 = options["explicit_http_config"]["http2_protocol_options"]
         assert http2["initial_stream_window_size"] == 65536, cluster["name"]
+
+
+def test_edge_routes_the_ops_feed_and_page_to_the_control_plane() -> None:
+    mesh = MeshSettings(controlplane_port=18111, ops_page_port=19222)
+    config = render(mesh)
+    routes = listeners(config)["edge"]["route_config"]["virtual_hosts"][0]["routes"]
+    ops_feed, redirect, page, rest = routes
+    assert ops_feed["match"] == {"prefix": "/tokenmesh.v1.OpsService/"}
+    assert ops_feed["route"]["cluster"] == "ops"
+    assert ops_feed["route"]["timeout"] == "0s"  # a subscription lasts as long as the page
+    assert redirect == {"match": {"path": "/ops"}, "redirect": {"path_redirect": "/ops/"}}
+    assert page["match"] == {"prefix": "/ops/"} and page["route"]["cluster"] == "ops_page"
+    assert rest["match"] == {"prefix": "/"} and rest["route"]["cluster"] == "gateway"
+    found = clusters(config)
+
+    def port_of(name: str) -> int:
+        endpoint = found[name]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+        return int(endpoint["address"]["socket_address"]["port_value"])
+
+    assert (port_of("ops"), port_of("xds_cluster"), port_of("ops_page")) == (18111, 18111, 19222)
+    assert "typed_extension_protocol_options" in found["ops"]  # gRPC: HTTP/2 upstream
+    assert "typed_extension_protocol_options" not in found["ops_page"]  # plain HTTP/1.1

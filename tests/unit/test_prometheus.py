@@ -41,15 +41,20 @@ def stack(tmp_path: Path) -> Stack:
     return Stack(settings, root=ROOT)
 
 
+def at(port: int) -> dict[str, str]:
+    """The `address` label: the replica's gRPC address (the ops feed matches workers by it)."""
+    return {"address": f"127.0.0.1:{port}"}
+
+
 def test_scrape_config_lists_every_replica_with_its_service_and_envoy(tmp_path: Path) -> None:
     config = stack(tmp_path).prometheus_config()
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
     assert set(jobs) == {"controlplane", "worker", "reranker", "gateway", "envoy"}
     gateways = jobs["gateway"]["static_configs"]
     assert [(group["targets"], group["labels"]) for group in gateways] == [
-        (["127.0.0.1:7001"], {"service": "gateway", "replica": "gateway-0"}),
-        (["127.0.0.1:7002"], {"service": "gateway", "replica": "gateway-1"}),
-        (["127.0.0.1:7003"], {"service": "gateway", "replica": "gateway-2"}),
+        (["127.0.0.1:7001"], {"service": "gateway", "replica": "gateway-0", **at(50051)}),
+        (["127.0.0.1:7002"], {"service": "gateway", "replica": "gateway-1", **at(50052)}),
+        (["127.0.0.1:7003"], {"service": "gateway", "replica": "gateway-2", **at(50053)}),
     ]
     assert len(jobs["worker"]["static_configs"]) == 2
     assert jobs["worker"]["metric_relabel_configs"][0]["replacement"] == "vllm:$1"

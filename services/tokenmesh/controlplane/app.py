@@ -7,6 +7,7 @@ import contextlib
 import logging
 from typing import Any
 
+import aiohttp
 from envoy.service.discovery.v3 import ads_pb2, ads_pb2_grpc
 from envoy.service.endpoint.v3 import eds_pb2, eds_pb2_grpc
 from prometheus_client import CollectorRegistry
@@ -27,15 +28,25 @@ from tokenmesh.controlplane.config import ControlPlaneSettings
 from tokenmesh.controlplane.consul_source import ConsulSource
 from tokenmesh.controlplane.endpoints import EndpointSource
 from tokenmesh.controlplane.metrics import ControlPlaneMetrics
+from tokenmesh.controlplane.ops import (
+    Dashboard,
+    FleetQueries,
+    GrpcWorkerProbe,
+    OpsServicer,
+    PrometheusHttp,
+)
+from tokenmesh.controlplane.page import PageServer
 from tokenmesh.controlplane.servicer import AggregatedDiscoveryServicer, EndpointDiscoveryServicer
 from tokenmesh.controlplane.snapshots import SnapshotCache
 from tokenmesh.controlplane.static_source import StaticFileSource
+from tokenmesh.v1 import ops_pb2, ops_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAMES = (
     ads_pb2.DESCRIPTOR.services_by_name["AggregatedDiscoveryService"].full_name,
     eds_pb2.DESCRIPTOR.services_by_name["EndpointDiscoveryService"].full_name,
+    ops_pb2.DESCRIPTOR.services_by_name["OpsService"].full_name,
 )
 # Consul answers a blocking query after wait plus up to wait/16 of jitter; a request gets
 # that and this much more before it counts as failed.
@@ -81,6 +92,12 @@ async def feed(
             log.info("control plane serving", extra={"clusters": sorted(snapshot)})
 
 
+def worker_addresses(cache: SnapshotCache) -> list[str]:
+    """The worker cluster's addresses in the current endpoint snapshot (none before it)."""
+    current = cache.current
+    return [str(endpoint) for endpoint in current.clusters.get("worker", ())] if current else []
+
+
 async def serve(settings: ControlPlaneSettings) -> int:
     """Run until SIGTERM/SIGINT (exit 0); exit 1 if the endpoint source fails for good."""
     registry = CollectorRegistry()
@@ -94,6 +111,20 @@ async def serve(settings: ControlPlaneSettings) -> int:
     eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server(
         EndpointDiscoveryServicer(cache, metrics), server
     )
+    http = aiohttp.ClientSession()
+    probe = GrpcWorkerProbe(settings.worker_probe_timeout_seconds, settings.max_message_bytes)
+    dashboard = Dashboard(
+        workers=lambda: worker_addresses(cache),
+        probe=probe,
+        prometheus=PrometheusHttp(
+            http, settings.prometheus_url, settings.prometheus_timeout_seconds
+        )
+        if settings.prometheus_url
+        else None,
+        queries=FleetQueries(rate_window=settings.ops_rate_window),
+        prometheus_url=settings.prometheus_url or "",
+    )
+    ops_pb2_grpc.add_OpsServiceServicer_to_server(OpsServicer(dashboard), server)
     health.register(server)
     enable_reflection(server, SERVICE_NAMES)
     port = bind(server, settings)
@@ -101,6 +132,8 @@ async def serve(settings: ControlPlaneSettings) -> int:
     await server.start()
     endpoint = MetricsEndpoint(registry, settings.metrics_host, settings.metrics_port)
     metrics_port = endpoint.start()
+    page = PageServer(settings.ops_page_dir, settings.host, settings.ops_page_port)
+    page_port = await page.start()
     consul = None
     if settings.source == "consul":
         assert settings.consul_http_addr is not None  # checked by the settings
@@ -114,7 +147,12 @@ async def serve(settings: ControlPlaneSettings) -> int:
     )
     log.info(
         "control plane listening; loading endpoints",
-        extra={"port": port, "metrics_port": metrics_port, "source": settings.source},
+        extra={
+            "port": port,
+            "metrics_port": metrics_port,
+            "ops_page_port": page_port,
+            "source": settings.source,
+        },
     )
 
     stop = asyncio.Event()
@@ -141,6 +179,9 @@ async def serve(settings: ControlPlaneSettings) -> int:
     # Ends every xDS stream now; Envoy keeps the endpoints it has and reconnects with backoff.
     cache.close()
     await server.stop(settings.grace_seconds)
+    await page.stop()
+    await probe.close()
+    await http.close()
     if consul is not None:
         await consul.close()
     endpoint.stop()

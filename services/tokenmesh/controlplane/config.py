@@ -49,6 +49,25 @@ class ControlPlaneSettings(ServiceSettings):
     # Register the control plane itself in Consul (when consul_http_addr is set).
     register_self: bool = True
 
+    # The ops feed (tokenmesh.v1.OpsService on the gRPC port). Fleet figures (rates, TTFT,
+    # circuits, errors) come from this Prometheus, e.g. http://127.0.0.1:9090; unset, the feed
+    # carries worker figures only and says so in each snapshot's warnings.
+    prometheus_url: str | None = Field(default=None, pattern=r"^https?://")
+    # Longest a Prometheus query may take before the snapshot goes out without it.
+    prometheus_timeout_seconds: float = Field(default=2.0, gt=0, le=30)
+    # Window of requests/s and tokens/s: at least two scrape intervals (the stack scrapes every
+    # 2 s); shorter follows changes faster, longer is smoother. A PromQL duration.
+    ops_rate_window: str = Field(default="30s", pattern=r"^[0-9]+[smh]$")
+    # Longest a worker's health check and GetEngineStats may take; a slower worker is shown
+    # with an error instead of holding up the snapshot.
+    worker_probe_timeout_seconds: float = Field(default=1.0, gt=0, le=30)
+    # The ops page's static files over HTTP (Envoy's edge routes /ops/ here); 0 picks a free
+    # port, -1 turns it off.
+    ops_page_port: int = Field(default=9481, ge=-1, le=65535)
+    # The built page (ops/dist after `make ops-page`); unset or unbuilt, /ops/ answers 404
+    # saying how to build it.
+    ops_page_dir: Path | None = None
+
     @model_validator(mode="after")
     def _source_is_configured(self) -> Self:
         if self.source == "static" and self.static_file is None:

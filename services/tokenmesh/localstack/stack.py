@@ -36,6 +36,8 @@ MEMORY_PER_WORKER = 4 * GIB
 # The alert rules Prometheus evaluates, relative to the repository (the Helm chart ships the
 # same file).
 ALERT_RULES = Path("prometheus") / "alerts.yml"
+# The built ops page (`make ops-page`), relative to the repository; the control plane serves it.
+OPS_PAGE_DIR = Path("ops") / "dist"
 # prometheus_client (0.26) writes vLLM's `vllm:*` sample names as `vllm_*` when Prometheus asks
 # for OpenMetrics (as 2.x does); this puts back the names vLLM documents and the dashboards use.
 VLLM_METRIC_NAMES = {
@@ -72,6 +74,8 @@ class StackSettings(BaseSettings):
     reranker_metrics_port: int = Field(default=9471, ge=1, le=65535)
     controlplane_port: int = Field(default=18000, ge=1, le=65535)
     controlplane_metrics_port: int = Field(default=9480, ge=1, le=65535)
+    # The ops page's files (the edge serves them at /ops/ from here).
+    controlplane_ops_page_port: int = Field(default=9481, ge=1, le=65535)
     # Envoy: the edge, its admin, and the internal listeners gateways call through.
     edge_port: int = Field(default=8080, ge=1, le=65535)
     envoy_admin_port: int = Field(default=9901, ge=1, le=65535)
@@ -120,6 +124,7 @@ class StackSettings(BaseSettings):
             worker_listener_port=self.worker_listener_port,
             reranker_listener_port=self.reranker_listener_port,
             controlplane_port=self.controlplane_port,
+            ops_page_port=self.controlplane_ops_page_port,
         )
 
 
@@ -206,18 +211,22 @@ class Stack:
                      "-http-port", str(s.consul_http_port)],
                 )
             )  # fmt: skip
-        source = {"SOURCE": "consul", "CONSUL_HTTP_ADDR": self.consul_address}
+        source = (
+            {"SOURCE": "consul", "CONSUL_HTTP_ADDR": self.consul_address}
+            if self.consul
+            else {"SOURCE": "static", "STATIC_FILE": str(self.endpoints_path)}
+        )
+        ops = {
+            "OPS_PAGE_PORT": str(s.controlplane_ops_page_port),
+            "OPS_PAGE_DIR": str((self.root / OPS_PAGE_DIR).resolve()),
+            **({"PROMETHEUS_URL": self.prometheus_url} if self.prometheus else {}),
+        }
         programs.append(
             tokenmesh_service(
-                "controlplane",
-                None,
-                s.controlplane_port,
-                s.controlplane_metrics_port,
-                source
-                if self.consul
-                else {"SOURCE": "static", "STATIC_FILE": str(self.endpoints_path)},
+                "controlplane", None, s.controlplane_port, s.controlplane_metrics_port,
+                {**source, **ops},
             )
-        )
+        )  # fmt: skip
         programs.append(
             Program(
                 "envoy",
@@ -292,7 +301,12 @@ class Stack:
                 jobs.setdefault(program.service, []).append(
                     {
                         "targets": [f"127.0.0.1:{program.metrics_port}"],
-                        "labels": {"service": program.service, "replica": program.name},
+                        # address: the gRPC address, which the ops feed knows replicas by.
+                        "labels": {
+                            "service": program.service,
+                            "replica": program.name,
+                            "address": program.address,
+                        },
                     }
                 )
         scrape_configs: list[dict[str, Any]] = [
@@ -478,6 +492,7 @@ stdout_logfile_backups=2
     def _print_endpoints(self) -> None:
         s = self.settings
         print(f"  edge (Envoy)  grpc, gRPC-Web, REST  127.0.0.1:{s.edge_port}")
+        print(f"  ops page      http://127.0.0.1:{s.edge_port}/ops/")
         print(f"  Envoy admin   http://127.0.0.1:{s.envoy_admin_port}/clusters")
         print(f"  Envoy stats   http://127.0.0.1:{s.envoy_admin_port}/stats/prometheus")
         if self.prometheus:

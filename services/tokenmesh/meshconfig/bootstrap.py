@@ -28,6 +28,8 @@ HEALTH_SERVICES = {
     "worker": "tokenmesh.v1.InferenceService",
     "reranker": "tokenmesh.v1.RerankService",
 }
+# Where the edge serves the ops page (from the control plane's page port).
+OPS_PAGE = "/ops/"
 RETRY_ON = "unavailable,reset,connect-failure,refused-stream"
 ACCESS_LOG_FIELDS = {
     "time": "%START_TIME%",
@@ -74,10 +76,10 @@ def http2_options(mesh: MeshSettings) -> Config:
     }
 
 
-def route_to(cluster: str, mesh: MeshSettings) -> Config:
-    """A catch-all route to cluster, safe for long streams."""
+def route_to(cluster: str, mesh: MeshSettings, prefix: str = "/") -> Config:
+    """A route to cluster (by default catch-all), safe for long streams."""
     return {
-        "match": {"prefix": "/"},
+        "match": {"prefix": prefix},
         "route": {
             "cluster": cluster,
             # The 15 s default route timeout would cut long generations: no overall timeout,
@@ -157,9 +159,24 @@ def cors_policy(mesh: MeshSettings) -> Config:
     }
 
 
+def edge_routes(mesh: MeshSettings) -> list[Config]:
+    """The ops feed (gRPC and gRPC-Web) and page to the control plane, the rest to gateways."""
+    return [
+        route_to(
+            "ops",
+            mesh,
+            prefix="/" + ops_pb2.DESCRIPTOR.services_by_name["OpsService"].full_name + "/",
+        ),
+        {"match": {"path": OPS_PAGE.rstrip("/")}, "redirect": {"path_redirect": OPS_PAGE}},
+        {"match": {"prefix": OPS_PAGE}, "route": {"cluster": "ops_page", "timeout": "10s"}},
+        route_to("gateway", mesh),
+    ]
+
+
 def listener(name: str, host: str, port: int, cluster: str, mesh: MeshSettings) -> Config:
     edge = name == "edge"
-    virtual_host: Config = {"name": cluster, "domains": ["*"], "routes": [route_to(cluster, mesh)]}
+    routes = edge_routes(mesh) if edge else [route_to(cluster, mesh)]
+    virtual_host: Config = {"name": cluster, "domains": ["*"], "routes": routes}
     if edge:
         virtual_host["typed_per_filter_config"] = cors_policy(mesh)
     manager: Config = {
@@ -260,25 +277,20 @@ def service_cluster(name: str, mesh: MeshSettings) -> Config:
     return cluster
 
 
-def controlplane_cluster(mesh: MeshSettings) -> Config:
-    return {
-        "name": "xds_cluster",
+def static_cluster(name: str, host: str, port: int, mesh: MeshSettings, grpc: bool) -> Config:
+    """A cluster of one fixed address (the control plane's): gRPC over HTTP/2, or HTTP/1.1."""
+    cluster: Config = {
+        "name": name,
         "type": "STATIC",
         "connect_timeout": "1s",
-        "typed_extension_protocol_options": grpc_upstream(mesh),
         "load_assignment": {
-            "cluster_name": "xds_cluster",
+            "cluster_name": name,
             "endpoints": [
                 {
                     "lb_endpoints": [
                         {
                             "endpoint": {
-                                "address": {
-                                    "socket_address": {
-                                        "address": mesh.controlplane_host,
-                                        "port_value": mesh.controlplane_port,
-                                    }
-                                }
+                                "address": {"socket_address": {"address": host, "port_value": port}}
                             }
                         }
                     ]
@@ -286,6 +298,9 @@ def controlplane_cluster(mesh: MeshSettings) -> Config:
             ],
         },
     }
+    if grpc:
+        cluster["typed_extension_protocol_options"] = grpc_upstream(mesh)
+    return cluster
 
 
 def render(mesh: MeshSettings) -> Config:
@@ -316,7 +331,16 @@ def render(mesh: MeshSettings) -> Config:
                 service_cluster("gateway", mesh),
                 service_cluster("worker", mesh),
                 service_cluster("reranker", mesh),
-                controlplane_cluster(mesh),
+                # The control plane: xDS for Envoy itself, the ops feed and page for the edge.
+                static_cluster(
+                    "xds_cluster", mesh.controlplane_host, mesh.controlplane_port, mesh, grpc=True
+                ),
+                static_cluster(
+                    "ops", mesh.controlplane_host, mesh.controlplane_port, mesh, grpc=True
+                ),
+                static_cluster(
+                    "ops_page", mesh.controlplane_host, mesh.ops_page_port, mesh, grpc=False
+                ),
             ],
         },
     }

@@ -24,6 +24,9 @@ class MeshSettings(BaseSettings):
     # Where the xDS control plane serves the clusters' endpoints (ADS).
     controlplane_host: str = "127.0.0.1"
     controlplane_port: int = Field(default=18000, ge=1, le=65535)
+    # The control plane also serves the ops feed (tokenmesh.v1.OpsService, on controlplane_port)
+    # and the ops page's files over HTTP on this port; the edge routes both.
+    ops_page_port: int = Field(default=9481, ge=1, le=65535)
     # Envoy's node identity towards the control plane.
     node_id: str = "tokenmesh-envoy"
 

@@ -25,21 +25,45 @@ class DashboardRequest(_message.Message):
     def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
 
 class WorkerSnapshot(_message.Message):
-    __slots__ = ("address", "serving", "running_requests", "waiting_requests", "kv_cache_usage")
+    __slots__ = ("address", "serving", "running_requests", "waiting_requests", "kv_cache_usage", "tokens_per_second", "error")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     address: str
     serving: bool
     running_requests: int
     waiting_requests: int
     kv_cache_usage: float
-    def __init__(self, address: _Optional[str] = ..., serving: _Optional[bool] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ...) -> None: ...
+    tokens_per_second: float
+    error: str
+    def __init__(self, address: _Optional[str] = ..., serving: _Optional[bool] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
+
+class GatewayCircuit(_message.Message):
+    __slots__ = ("gateway", "state")
+    GATEWAY_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    gateway: str
+    state: CircuitState
+    def __init__(self, gateway: _Optional[str] = ..., state: _Optional[_Union[CircuitState, str]] = ...) -> None: ...
+
+class ErrorCount(_message.Message):
+    __slots__ = ("service", "method", "code", "count")
+    SERVICE_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    service: str
+    method: str
+    code: str
+    count: int
+    def __init__(self, service: _Optional[str] = ..., method: _Optional[str] = ..., code: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
 
 class DashboardSnapshot(_message.Message):
-    __slots__ = ("taken_unix_millis", "workers", "reranker_circuit", "requests_per_second", "tokens_per_second", "ttft_p50_seconds", "ttft_p99_seconds", "degraded_responses_total")
+    __slots__ = ("taken_unix_millis", "workers", "reranker_circuit", "requests_per_second", "tokens_per_second", "ttft_p50_seconds", "ttft_p99_seconds", "degraded_responses_total", "gateway_circuits", "recent_errors", "warnings")
     TAKEN_UNIX_MILLIS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     RERANKER_CIRCUIT_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +72,9 @@ class DashboardSnapshot(_message.Message):
     TTFT_P50_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TTFT_P99_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DEGRADED_RESPONSES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    GATEWAY_CIRCUITS_FIELD_NUMBER: _ClassVar[int]
+    RECENT_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    WARNINGS_FIELD_NUMBER: _ClassVar[int]
     taken_unix_millis: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerSnapshot]
     reranker_circuit: CircuitState
@@ -56,4 +83,7 @@ class DashboardSnapshot(_message.Message):
     ttft_p50_seconds: float
     ttft_p99_seconds: float
     degraded_responses_total: int
-    def __init__(self, taken_unix_millis: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerSnapshot, _Mapping]]] = ..., reranker_circuit: _Optional[_Union[CircuitState, str]] = ..., requests_per_second: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., ttft_p50_seconds: _Optional[float] = ..., ttft_p99_seconds: _Optional[float] = ..., degraded_responses_total: _Optional[int] = ...) -> None: ...
+    gateway_circuits: _containers.RepeatedCompositeFieldContainer[GatewayCircuit]
+    recent_errors: _containers.RepeatedCompositeFieldContainer[ErrorCount]
+    warnings: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, taken_unix_millis: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerSnapshot, _Mapping]]] = ..., reranker_circuit: _Optional[_Union[CircuitState, str]] = ..., requests_per_second: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., ttft_p50_seconds: _Optional[float] = ..., ttft_p99_seconds: _Optional[float] = ..., degraded_responses_total: _Optional[int] = ..., gateway_circuits: _Optional[_Iterable[_Union[GatewayCircuit, _Mapping]]] = ..., recent_errors: _Optional[_Iterable[_Union[ErrorCount, _Mapping]]] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...

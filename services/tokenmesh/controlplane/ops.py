@@ -1,0 +1,369 @@
+"""The live ops feed: DashboardSnapshots from the workers themselves and the mesh's Prometheus."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import aiohttp
+from grpc import aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tokenmesh.common.channels import client_options
+from tokenmesh.common.errors import InvalidArgument
+from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, ops_pb2, ops_pb2_grpc
+
+DEFAULT_INTERVAL_MS = 1000
+MIN_INTERVAL_MS = 100
+# Well under Envoy's 60 s stream idle timeout, which would cut a quieter stream at the edge.
+MAX_INTERVAL_MS = 30_000
+WORKER_HEALTH_SERVICE = "tokenmesh.v1.InferenceService"
+PUBLIC_API = 'service="gateway",grpc_service="tokenmesh.v1.LLMService"'
+# Health checks are Envoy's, and the ops feed's own subscriptions end CANCELLED whenever a page
+# closes: neither is an error worth showing.
+NOT_OURS = 'grpc_service!~"grpc.health.v1.Health|tokenmesh.v1.OpsService"'
+# tokenmesh_reranker_circuit_state gauge values (gateway/breaker.py) -> the API's enum.
+CIRCUIT_STATES = {
+    0: ops_pb2.CIRCUIT_STATE_CLOSED,
+    1: ops_pb2.CIRCUIT_STATE_HALF_OPEN,
+    2: ops_pb2.CIRCUIT_STATE_OPEN,
+}
+
+
+def interval_seconds(request: ops_pb2.DashboardRequest) -> float:
+    """The request's interval (0: the default); INVALID_ARGUMENT outside the limits."""
+    interval_ms = request.interval_ms or DEFAULT_INTERVAL_MS
+    if not MIN_INTERVAL_MS <= interval_ms <= MAX_INTERVAL_MS:
+        raise InvalidArgument(
+            "interval_ms",
+            f"must be 0 (default {DEFAULT_INTERVAL_MS}) or {MIN_INTERVAL_MS}..{MAX_INTERVAL_MS}, "
+            f"got {request.interval_ms}",
+        )
+    return interval_ms / 1000
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One series of an instant query: its labels and value."""
+
+    labels: Mapping[str, str]
+    value: float
+
+
+class PrometheusError(Exception):
+    """A query that did not answer: Prometheus unreachable, slow, or the query rejected."""
+
+
+class Prometheus(Protocol):
+    async def query(self, expr: str) -> list[Sample]: ...
+
+
+class PrometheusHttp:
+    """Instant queries against Prometheus' HTTP API (/api/v1/query), each bounded by timeout."""
+
+    def __init__(self, session: aiohttp.ClientSession, url: str, timeout_seconds: float) -> None:
+        self._session = session
+        self._url = url.rstrip("/") + "/api/v1/query"
+        self._timeout = aiohttp.ClientTimeout(total=timeout_seconds)
+
+    async def query(self, expr: str) -> list[Sample]:
+        try:
+            async with self._session.get(
+                self._url, params={"query": expr}, timeout=self._timeout
+            ) as reply:
+                answer: Any = await reply.json(content_type=None)
+        except TimeoutError:
+            raise PrometheusError(f"no answer within {self._timeout.total:g}s") from None
+        except (aiohttp.ClientError, ValueError) as exc:
+            raise PrometheusError(f"{type(exc).__name__}: {exc}") from None
+        if not isinstance(answer, dict) or answer.get("status") != "success":
+            error = answer.get("error") if isinstance(answer, dict) else answer
+            raise PrometheusError(f"query failed: {error}")
+        return [
+            Sample(dict(series.get("metric", {})), float(series["value"][1]))
+            for series in answer["data"]["result"]
+        ]
+
+
+@dataclass(frozen=True)
+class FleetQueries:
+    """The PromQL behind the fleet figures (the same as the dashboards'). Rates use
+    rate_window; TTFT quantiles and errors the last minute."""
+
+    rate_window: str = "30s"
+    window: str = "1m"
+
+    def requests_per_second(self) -> str:
+        return f"sum(rate(grpc_server_handled_total{{{PUBLIC_API}}}[{self.rate_window}]))"
+
+    def tokens_per_second(self) -> str:
+        selector = 'service="gateway"'
+        return f"sum(rate(tokenmesh_tokens_generated_total{{{selector}}}[{self.rate_window}]))"
+
+    def worker_tokens_per_second(self) -> str:
+        # `address` is the worker's gRPC address, a target label the scrape config sets.
+        selector = 'service="worker"'
+        return (
+            "sum by (address) "
+            f"(rate(tokenmesh_tokens_generated_total{{{selector}}}[{self.rate_window}]))"
+        )
+
+    def ttft(self, quantile: float) -> str:
+        buckets = f'tokenmesh_ttft_seconds_bucket{{service="gateway"}}[{self.window}]'
+        return f"histogram_quantile({quantile}, sum by (le) (rate({buckets})))"
+
+    def circuits(self) -> str:
+        return "max by (replica) (tokenmesh_reranker_circuit_state)"
+
+    def degraded_total(self) -> str:
+        return "sum(tokenmesh_degraded_responses_total)"
+
+    def recent_errors(self) -> str:
+        selector = f'grpc_code!="OK",{NOT_OURS}'
+        return (
+            "sum by (service, grpc_service, grpc_method, grpc_code) "
+            f"(increase(grpc_server_handled_total{{{selector}}}[{self.window}])) > 0"
+        )
+
+
+@dataclass
+class Fleet:
+    """The fleet figures from Prometheus, and why any are missing."""
+
+    requests_per_second: float = 0.0
+    tokens_per_second: float = 0.0
+    worker_tokens_per_second: dict[str, float] = field(default_factory=dict)
+    ttft_p50_seconds: float = math.nan
+    ttft_p99_seconds: float = math.nan
+    circuits: dict[str, int] = field(default_factory=dict)
+    degraded_responses_total: int = 0
+    errors: list[ops_pb2.ErrorCount] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+def single(samples: list[Sample], default: float) -> float:
+    """The value of a query that sums to one series (none when nothing matched yet)."""
+    return samples[0].value if samples else default
+
+
+async def query_fleet(prometheus: Prometheus | None, queries: FleetQueries, url: str) -> Fleet:
+    """Every fleet figure, queried concurrently; what fails becomes a warning."""
+    fleet = Fleet()
+    if prometheus is None:
+        fleet.warnings.append(
+            "no Prometheus configured (prometheus_url): only worker figures are shown"
+        )
+        return fleet
+    exprs = {
+        "requests": queries.requests_per_second(),
+        "tokens": queries.tokens_per_second(),
+        "worker_tokens": queries.worker_tokens_per_second(),
+        "p50": queries.ttft(0.5),
+        "p99": queries.ttft(0.99),
+        "circuits": queries.circuits(),
+        "degraded": queries.degraded_total(),
+        "errors": queries.recent_errors(),
+    }
+    answers = await asyncio.gather(
+        *(prometheus.query(expr) for expr in exprs.values()), return_exceptions=True
+    )
+    results: dict[str, list[Sample]] = {}
+    failures: dict[str, BaseException] = {}
+    for name, answer in zip(exprs, answers, strict=True):
+        if isinstance(answer, PrometheusError):
+            failures[name] = answer
+        elif isinstance(answer, BaseException):
+            raise answer
+        else:
+            results[name] = answer
+    if failures and not results:
+        first = next(iter(failures.values()))
+        fleet.warnings.append(f"Prometheus at {url} unavailable ({first}): fleet figures missing")
+        return fleet
+    for name, failure in failures.items():
+        fleet.warnings.append(f"Prometheus query {name} failed: {failure}")
+    fleet.requests_per_second = single(results.get("requests", []), 0.0)
+    fleet.tokens_per_second = single(results.get("tokens", []), 0.0)
+    fleet.worker_tokens_per_second = {
+        s.labels.get("address", ""): s.value for s in results.get("worker_tokens", [])
+    }
+    fleet.ttft_p50_seconds = single(results.get("p50", []), math.nan)
+    fleet.ttft_p99_seconds = single(results.get("p99", []), math.nan)
+    fleet.circuits = {
+        s.labels.get("replica", "?"): int(s.value)
+        for s in results.get("circuits", [])
+        if not math.isnan(s.value)
+    }
+    fleet.degraded_responses_total = round(single(results.get("degraded", []), 0.0))
+    errors = [
+        ops_pb2.ErrorCount(
+            service=s.labels.get("service", ""),
+            method=f"{s.labels.get('grpc_service', '')}/{s.labels.get('grpc_method', '')}",
+            code=s.labels.get("grpc_code", ""),
+            # increase() extrapolates to the window's edges: 0.7 means "about one".
+            count=max(1, round(s.value)),
+        )
+        for s in results.get("errors", [])
+    ]
+    fleet.errors = sorted(errors, key=lambda e: (-e.count, e.service, e.method, e.code))
+    return fleet
+
+
+@dataclass(frozen=True)
+class WorkerFigures:
+    """What one worker says about itself; error says why the figures are missing."""
+
+    address: str
+    serving: bool = False
+    running_requests: int = 0
+    waiting_requests: int = 0
+    kv_cache_usage: float = 0.0
+    error: str = ""
+
+
+class WorkerProbe(Protocol):
+    async def probe(self, address: str) -> WorkerFigures: ...
+
+    async def retain(self, addresses: Sequence[str]) -> None:
+        """Forget workers no longer in the fleet."""
+
+
+class GrpcWorkerProbe:
+    """Asks a worker directly: grpc.health.v1 Check and InferenceService.GetEngineStats, over
+    one channel per address (kept while the address is in the fleet)."""
+
+    def __init__(self, timeout_seconds: float, max_message_bytes: int) -> None:
+        self._timeout = timeout_seconds
+        self._max_message_bytes = max_message_bytes
+        self._channels: dict[str, aio.Channel] = {}
+
+    def _channel(self, address: str) -> aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = aio.insecure_channel(address, options=client_options(self._max_message_bytes))
+            self._channels[address] = channel
+        return channel
+
+    async def probe(self, address: str) -> WorkerFigures:
+        channel = self._channel(address)
+        health = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=WORKER_HEALTH_SERVICE), timeout=self._timeout
+        )
+        stats = inference_pb2_grpc.InferenceServiceStub(channel).GetEngineStats(
+            inference_pb2.EngineStatsRequest(), timeout=self._timeout
+        )
+        replies: tuple[Any, Any] = await asyncio.gather(health, stats, return_exceptions=True)
+        health_reply, stats_reply = replies
+        serving = (
+            isinstance(health_reply, health_pb2.HealthCheckResponse)
+            and health_reply.status == health_pb2.HealthCheckResponse.SERVING
+        )
+        if isinstance(stats_reply, aio.AioRpcError):
+            return WorkerFigures(
+                address, serving, error=f"{stats_reply.code().name}: {stats_reply.details()}"
+            )
+        if isinstance(stats_reply, BaseException):
+            raise stats_reply
+        return WorkerFigures(
+            address,
+            serving,
+            running_requests=stats_reply.running_requests,
+            waiting_requests=stats_reply.waiting_requests,
+            kv_cache_usage=stats_reply.kv_cache_usage,
+        )
+
+    async def retain(self, addresses: Sequence[str]) -> None:
+        """Close the channels of workers no longer in the fleet."""
+        for address in set(self._channels) - set(addresses):
+            await self._channels.pop(address).close()
+
+    async def close(self) -> None:
+        await self.retain(())
+
+
+class Dashboard:
+    """Builds one DashboardSnapshot: every worker probed and Prometheus queried at once."""
+
+    def __init__(
+        self,
+        workers: Callable[[], Sequence[str]],
+        probe: WorkerProbe,
+        prometheus: Prometheus | None,
+        queries: FleetQueries,
+        prometheus_url: str = "",
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._workers = workers
+        self._probe = probe
+        self._prometheus = prometheus
+        self._queries = queries
+        self._prometheus_url = prometheus_url
+        self._clock = clock
+
+    async def snapshot(self) -> ops_pb2.DashboardSnapshot:
+        addresses = sorted(self._workers())
+        await self._probe.retain(addresses)
+        fleet, figures = await asyncio.gather(
+            query_fleet(self._prometheus, self._queries, self._prometheus_url),
+            asyncio.gather(*(self._probe.probe(address) for address in addresses)),
+        )
+        warnings = list(fleet.warnings)
+        if not addresses:
+            warnings.append("no workers known to the control plane's endpoint source")
+        circuit = (
+            CIRCUIT_STATES.get(max(fleet.circuits.values()), ops_pb2.CIRCUIT_STATE_UNSPECIFIED)
+            if fleet.circuits
+            else ops_pb2.CIRCUIT_STATE_UNSPECIFIED
+        )
+        return ops_pb2.DashboardSnapshot(
+            taken_unix_millis=int(self._clock() * 1000),
+            workers=[
+                ops_pb2.WorkerSnapshot(
+                    address=worker.address,
+                    serving=worker.serving,
+                    running_requests=worker.running_requests,
+                    waiting_requests=worker.waiting_requests,
+                    kv_cache_usage=worker.kv_cache_usage,
+                    tokens_per_second=fleet.worker_tokens_per_second.get(worker.address, 0.0),
+                    error=worker.error,
+                )
+                for worker in figures
+            ],
+            reranker_circuit=circuit,
+            requests_per_second=fleet.requests_per_second,
+            tokens_per_second=fleet.tokens_per_second,
+            ttft_p50_seconds=fleet.ttft_p50_seconds,
+            ttft_p99_seconds=fleet.ttft_p99_seconds,
+            degraded_responses_total=fleet.degraded_responses_total,
+            gateway_circuits=[
+                ops_pb2.GatewayCircuit(
+                    gateway=gateway,
+                    state=CIRCUIT_STATES.get(value, ops_pb2.CIRCUIT_STATE_UNSPECIFIED),
+                )
+                for gateway, value in sorted(fleet.circuits.items())
+            ],
+            recent_errors=fleet.errors,
+            warnings=warnings,
+        )
+
+
+class OpsServicer(ops_pb2_grpc.OpsServiceServicer):
+    """tokenmesh.v1.OpsService: a snapshot every interval until the caller goes away (gRPC
+    cancels the handler, ending the sleep or the probes at once)."""
+
+    def __init__(self, dashboard: Dashboard) -> None:
+        self._dashboard = dashboard
+
+    async def SubscribeDashboard(
+        self, request: ops_pb2.DashboardRequest, context: aio.ServicerContext[Any, Any]
+    ) -> Any:
+        interval = interval_seconds(request)
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            yield await self._dashboard.snapshot()
+            await asyncio.sleep(max(0.0, interval - (loop.time() - started)))

@@ -1,0 +1,239 @@
+"""The live ops page in a real browser against the whole mesh: headless Chromium opens /ops/ on
+Envoy's edge, which serves the page and carries its gRPC-Web subscription to the control
+plane's OpsService; the numbers follow real load, and the circuit indicator turns open when the
+reranker is stopped."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc import aio
+
+from tests.integration.test_mesh_dashboards import answer, circuit_states, wait_until
+from tests.support import ROOT
+from tokenmesh.localstack.stack import Stack, serving
+from tokenmesh.v1 import llm_pb2, llm_pb2_grpc, ops_pb2, ops_pb2_grpc
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+PAGE = ROOT / "ops" / "dist" / "index.html"
+# Set to 1 to refresh the README's screenshot (docs/ops-page.png) from this run.
+UPDATE_SCREENSHOT = os.environ.get("TOKENMESH_UPDATE_SCREENSHOT") == "1"
+SCREENSHOT = ROOT / "docs" / "ops-page.png"
+# What the page shows for a figure it does not have (an en dash).
+NO_VALUE = "\u2013"
+# Bound on stopping the reranker -> the page's indicator open: the gateways' breakers need a few
+# failed reranks (a handful of answers), then a scrape (2 s) and a snapshot (1 s).
+OPEN_WITHIN_SECONDS = 60
+
+try:
+    from playwright.async_api import Page, async_playwright, expect
+except ImportError:  # pragma: no cover - the dev extras install it
+    async_playwright = None
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(
+        shutil.which("prometheus") is None,
+        reason="no prometheus on PATH (the page's fleet figures come from it): `make setup`",
+    ),
+]
+
+
+def browser_missing() -> str | None:
+    if async_playwright is None:
+        return "playwright is not installed (pip install -e '.[dev]')"
+    if CHROMIUM is None:
+        return "no chromium on PATH: apt-get install chromium (.ci/run does)"
+    if not PAGE.exists():
+        return f"the ops page is not built ({PAGE} missing): make ops-page"
+    return None
+
+
+async def generate_until(edge: llm_pb2_grpc.LLMServiceStub, stop: asyncio.Event, n: int) -> int:
+    """Long streams one after another until stop is set; returns the tokens received."""
+    tokens = 0
+    while not stop.is_set():
+        request = llm_pb2.GenerateRequest(
+            prompt=f"ops page load {n}", max_tokens=96, ignore_eos=True
+        )
+        async for _ in edge.Generate(request, timeout=120):
+            tokens += 1
+    return tokens
+
+
+@contextlib.asynccontextmanager
+async def load(edge: llm_pb2_grpc.LLMServiceStub, streams: int) -> AsyncIterator[None]:
+    """`streams` Generate streams through the edge for as long as the block runs."""
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(generate_until(edge, stop, n)) for n in range(streams)]
+    try:
+        yield
+    finally:
+        stop.set()
+        done = await asyncio.gather(*tasks, return_exceptions=True)
+        errors = [result for result in done if isinstance(result, BaseException)]
+        assert not errors, errors
+        assert sum(int(tokens) for tokens in done) > 0
+
+
+async def number(page: Page, selector: str) -> float:
+    return float(await page.locator(selector).first.get_attribute("data-value") or "nan")
+
+
+async def running_requests(page: Page) -> list[int]:
+    cells = page.locator('#workers tbody td[data-name="running"]')
+    return [
+        int(value or 0) for value in await cells.evaluate_all("c => c.map(e => e.dataset.value)")
+    ]
+
+
+async def poll(condition: Callable[[], Awaitable[bool]], within: float, what: str) -> None:
+    """Await condition() until true, at most `within` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while not await condition():
+        assert loop.time() < deadline, f"{what}: not within {within}s"
+        await asyncio.sleep(0.25)
+
+
+async def restore_reranker(mesh: Stack, edge: llm_pb2_grpc.LLMServiceStub) -> None:
+    """Start the reranker again and wait until every gateway's circuit has closed, so later
+    tests find the mesh as it was."""
+    started = mesh.ctl("start", "reranker")
+    assert "started" in started.stdout, started.stdout + started.stderr
+    reranker = next(program for program in mesh.programs if program.name == "reranker")
+    await asyncio.to_thread(wait_until, lambda: serving(reranker.address), 180, "reranker up")
+    await asyncio.to_thread(wait_until, mesh.envoy_ready, 30, "Envoy sees the reranker again")
+    for attempt in range(60):
+        if max(circuit_states(mesh)) == 0:
+            break
+        await asyncio.gather(*(answer(edge, attempt * 10 + n) for n in range(4)))
+        await asyncio.sleep(0.5)
+    assert max(circuit_states(mesh)) == 0, f"circuits not closed again: {circuit_states(mesh)}"
+
+
+async def test_ops_feed_streams_through_the_edge_over_grpc(mesh: Stack) -> None:
+    async with aio.insecure_channel(f"127.0.0.1:{mesh.settings.edge_port}") as channel:
+        ops = ops_pb2_grpc.OpsServiceStub(channel)
+        call = ops.SubscribeDashboard(ops_pb2.DashboardRequest(interval_ms=200), timeout=30)
+        first, second = await call.read(), await call.read()
+        call.cancel()
+        workers = [p.address for p in mesh.programs if p.service == "worker"]
+        assert sorted(w.address for w in first.workers) == sorted(workers)
+        assert all(w.serving and not w.error for w in first.workers), first.workers
+        assert second.taken_unix_millis > first.taken_unix_millis
+        assert list(first.warnings) == [], first.warnings  # Prometheus is configured and up
+        assert first.reranker_circuit == ops_pb2.CIRCUIT_STATE_CLOSED
+        with pytest.raises(aio.AioRpcError) as caught:
+            async for _ in ops.SubscribeDashboard(ops_pb2.DashboardRequest(interval_ms=1)):
+                pass
+        assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "interval_ms" in (caught.value.details() or "")
+
+
+async def test_ops_page_follows_load_and_shows_the_circuit_opening(
+    mesh: Stack, tmp_path: Path
+) -> None:
+    missing = browser_missing()
+    if missing:
+        print(f"skipped: {missing}")
+        pytest.skip(missing)
+    assert async_playwright is not None
+    base = f"http://127.0.0.1:{mesh.settings.edge_port}"
+    workers = [p.address for p in mesh.programs if p.service == "worker"]
+    console: list[str] = []
+    async with (
+        async_playwright() as playwright,
+        aio.insecure_channel(f"127.0.0.1:{mesh.settings.edge_port}") as channel,
+    ):
+        browser = await playwright.chromium.launch(
+            executable_path=CHROMIUM,
+            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"],
+        )
+        edge = llm_pb2_grpc.LLMServiceStub(channel)
+        try:
+            page = await browser.new_page(viewport={"width": 1280, "height": 1000})
+            page.on("console", lambda message: console.append(f"{message.type}: {message.text}"))
+            page.on("pageerror", lambda error: console.append(f"page error: {error}"))
+            await page.goto(f"{base}/ops")  # Envoy redirects to /ops/
+            assert page.url == f"{base}/ops/"
+            await expect(page.locator("#connection")).to_have_attribute(
+                "data-state", "live", timeout=30_000
+            )
+            await expect(page.locator("#workers tbody tr")).to_have_count(len(workers))
+            await expect(page.locator("#warnings")).to_be_hidden()
+            await expect(page.locator("#circuit")).to_have_attribute("data-state", "closed")
+
+            # Idle first (earlier tests' traffic leaves the rate window), then under load.
+            await poll(lambda: idle(page), 90, "tokens/s and running requests back to 0 when idle")
+            reranker_stopped = False
+            try:
+                async with load(edge, streams=6):
+                    await poll(
+                        lambda: positive(page, "#tokens-per-second"), 45, "tokens/s > 0 under load"
+                    )
+                    await poll(lambda: any_running(page), 30, "running requests on a worker")
+                    await expect(page.locator("#ttft-p50")).not_to_have_text(NO_VALUE)
+                    await page.screenshot(path=tmp_path / "ops-page-load.png", full_page=True)
+
+                    # The reranker stopped: reranked answers fail over to degraded ones until
+                    # the gateways' breakers open, and the page shows it.
+                    stopped = mesh.ctl("stop", "reranker")
+                    assert "stopped" in stopped.stdout, stopped.stdout + stopped.stderr
+                    reranker_stopped = True
+                    loop = asyncio.get_running_loop()
+                    since = loop.time()
+                    attempt = 0
+                    while await circuit_shown(page) != "open":
+                        assert loop.time() - since < OPEN_WITHIN_SECONDS, (
+                            f"circuit indicator not open within {OPEN_WITHIN_SECONDS}s of "
+                            f"stopping the reranker; gateways say {circuit_states(mesh)}"
+                        )
+                        attempt += 1
+                        answers = await asyncio.gather(
+                            *(answer(edge, 1000 + attempt * 10 + n) for n in range(4))
+                        )
+                        assert all(reply.text for reply in answers), "degraded answers answer"
+                    print(f"circuit shown open {loop.time() - since:.1f}s after the stop")
+                    gateways = [p for p in mesh.programs if p.service == "gateway"]
+                    await expect(
+                        page.locator('#gateway-circuits li[data-state="open"]')
+                    ).to_have_count(len(gateways), timeout=15_000)
+                    await poll(lambda: positive(page, "#degraded"), 15, "degraded answers counted")
+                    await page.screenshot(path=tmp_path / "ops-page-open.png", full_page=True)
+                    if UPDATE_SCREENSHOT:
+                        SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+                        shutil.copyfile(tmp_path / "ops-page-open.png", SCREENSHOT)
+            finally:
+                if reranker_stopped:  # with the load stopped: the reranker starts faster
+                    await restore_reranker(mesh, edge)
+            await expect(page.locator("#circuit")).to_have_attribute(
+                "data-state", "closed", timeout=20_000
+            )
+        finally:
+            print(f"screenshots in {tmp_path}; browser console: {console}")
+            await browser.close()
+    assert not [line for line in console if line.startswith(("page error", "error"))], console
+
+
+async def idle(page: Page) -> bool:
+    return await number(page, "#tokens-per-second") == 0 and not any(await running_requests(page))
+
+
+async def positive(page: Page, selector: str) -> bool:
+    return await number(page, selector) > 0
+
+
+async def any_running(page: Page) -> bool:
+    return any(count > 0 for count in await running_requests(page))
+
+
+async def circuit_shown(page: Page) -> str | None:
+    return await page.locator("#circuit").get_attribute("data-state")

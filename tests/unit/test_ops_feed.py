@@ -1,0 +1,359 @@
+"""The ops feed's logic: interval limits, snapshots assembled from worker figures and Prometheus
+answers, warnings instead of hangs when Prometheus is missing, and a stream that stops working
+the moment its caller goes away. Fakes stand in for workers and Prometheus only where the logic
+is under test; the probe, the Prometheus client and the page server run for real."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import grpc
+import pytest
+from aiohttp import web
+from grpc import aio
+from grpc_health.v1 import health_pb2
+from prometheus_client import CollectorRegistry
+
+from tests.support import free_port
+from tokenmesh.common.errors import InvalidArgument
+from tokenmesh.common.interceptors import standard_interceptors
+from tokenmesh.common.server import Health
+from tokenmesh.controlplane.ops import (
+    Dashboard,
+    FleetQueries,
+    GrpcWorkerProbe,
+    OpsServicer,
+    PrometheusError,
+    PrometheusHttp,
+    Sample,
+    WorkerFigures,
+    interval_seconds,
+)
+from tokenmesh.controlplane.page import NOT_BUILT, PageServer
+from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, ops_pb2, ops_pb2_grpc
+
+QUERIES = FleetQueries(rate_window="30s")
+W0, W1 = "127.0.0.1:50061", "127.0.0.1:50062"
+
+
+@pytest.mark.parametrize(("interval_ms", "seconds"), [(0, 1.0), (100, 0.1), (30_000, 30.0)])
+def test_interval_defaults_to_one_second_and_accepts_its_limits(
+    interval_ms: int, seconds: float
+) -> None:
+    assert interval_seconds(ops_pb2.DashboardRequest(interval_ms=interval_ms)) == seconds
+
+
+@pytest.mark.parametrize("interval_ms", [-1, 99, 30_001])
+def test_interval_outside_limits_is_rejected_naming_field_and_limits(interval_ms: int) -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        interval_seconds(ops_pb2.DashboardRequest(interval_ms=interval_ms))
+    assert caught.value.field == "interval_ms"
+    assert "100..30000" in caught.value.message and str(interval_ms) in caught.value.message
+
+
+class FakeProbe:
+    """Worker figures by address; an address not listed did not answer."""
+
+    def __init__(self, figures: dict[str, WorkerFigures]) -> None:
+        self.figures = figures
+        self.calls = 0
+        self.retained: list[str] = []
+
+    async def probe(self, address: str) -> WorkerFigures:
+        self.calls += 1
+        return self.figures.get(address, WorkerFigures(address, error="UNAVAILABLE: down"))
+
+    async def retain(self, addresses: Sequence[str]) -> None:
+        self.retained = list(addresses)
+
+
+class FakePrometheus:
+    """Answers each query by the first marker it contains; unknown queries fail."""
+
+    def __init__(self, answers: dict[str, list[Sample]]) -> None:
+        self.answers = answers
+        self.queries: list[str] = []
+
+    async def query(self, expr: str) -> list[Sample]:
+        self.queries.append(expr)
+        for marker, samples in self.answers.items():
+            if marker in expr:
+                return samples
+        raise PrometheusError(f"no canned answer for {expr}")
+
+
+# Markers are checked in order: the more specific ones first.
+PROMETHEUS_ANSWERS = {
+    "sum by (address)": [
+        Sample({"address": W0}, 12.5),
+        Sample({"address": W1}, 7.5),
+    ],
+    "tokenmesh_tokens_generated_total": [Sample({}, 20.0)],
+    "grpc_code!=": [
+        Sample(
+            {
+                "service": "gateway",
+                "grpc_service": "tokenmesh.v1.LLMService",
+                "grpc_method": "Generate",
+                "grpc_code": "CANCELLED",
+            },
+            0.7,
+        ),
+        Sample(
+            {
+                "service": "reranker",
+                "grpc_service": "tokenmesh.v1.RerankService",
+                "grpc_method": "Rerank",
+                "grpc_code": "UNAVAILABLE",
+            },
+            4.2,
+        ),
+    ],
+    "grpc_server_handled_total": [Sample({}, 3.0)],
+    "histogram_quantile(0.5,": [Sample({}, 0.04)],
+    "histogram_quantile(0.99,": [Sample({}, 0.25)],
+    "tokenmesh_reranker_circuit_state": [
+        Sample({"replica": "gateway-0"}, 0.0),
+        Sample({"replica": "gateway-1"}, 2.0),
+    ],
+    "tokenmesh_degraded_responses_total": [Sample({}, 5.0)],
+}
+
+
+async def test_snapshot_joins_worker_figures_with_prometheus_fleet_figures() -> None:
+    probe = FakeProbe(
+        {W0: WorkerFigures(W0, True, running_requests=3, waiting_requests=1, kv_cache_usage=0.25)}
+    )
+    dashboard = Dashboard(
+        lambda: [W1, W0], probe, FakePrometheus(PROMETHEUS_ANSWERS), QUERIES, clock=lambda: 12.0
+    )
+    snapshot = await dashboard.snapshot()
+    assert snapshot.taken_unix_millis == 12_000
+    assert probe.retained == [W0, W1]
+    w0, w1 = snapshot.workers
+    assert (w0.address, w0.serving, w0.running_requests, w0.waiting_requests) == (W0, True, 3, 1)
+    assert (w0.kv_cache_usage, w0.tokens_per_second, w0.error) == (0.25, 12.5, "")
+    assert (w1.address, w1.serving, w1.error, w1.tokens_per_second) == (
+        W1,
+        False,
+        "UNAVAILABLE: down",
+        7.5,
+    )
+    assert snapshot.requests_per_second == 3.0 and snapshot.tokens_per_second == 20.0
+    assert (snapshot.ttft_p50_seconds, snapshot.ttft_p99_seconds) == (0.04, 0.25)
+    # The worst gateway decides: one open circuit makes the fleet's open.
+    assert snapshot.reranker_circuit == ops_pb2.CIRCUIT_STATE_OPEN
+    assert [(c.gateway, c.state) for c in snapshot.gateway_circuits] == [
+        ("gateway-0", ops_pb2.CIRCUIT_STATE_CLOSED),
+        ("gateway-1", ops_pb2.CIRCUIT_STATE_OPEN),
+    ]
+    assert snapshot.degraded_responses_total == 5
+    assert [(e.service, e.method, e.code, e.count) for e in snapshot.recent_errors] == [
+        ("reranker", "tokenmesh.v1.RerankService/Rerank", "UNAVAILABLE", 4),
+        ("gateway", "tokenmesh.v1.LLMService/Generate", "CANCELLED", 1),
+    ]
+    assert list(snapshot.warnings) == []
+
+
+async def test_no_traffic_yet_gives_zero_rates_nan_latency_and_unknown_circuit() -> None:
+    empty: dict[str, list[Sample]] = {key: [] for key in PROMETHEUS_ANSWERS}
+    dashboard = Dashboard(lambda: [W0], FakeProbe({}), FakePrometheus(empty), QUERIES)
+    snapshot = await dashboard.snapshot()
+    assert snapshot.requests_per_second == 0 and snapshot.tokens_per_second == 0
+    assert math.isnan(snapshot.ttft_p50_seconds) and math.isnan(snapshot.ttft_p99_seconds)
+    assert snapshot.reranker_circuit == ops_pb2.CIRCUIT_STATE_UNSPECIFIED
+    assert list(snapshot.recent_errors) == [] and list(snapshot.warnings) == []
+
+
+async def test_one_failing_query_is_a_warning_and_the_rest_still_arrive() -> None:
+    answers = {k: v for k, v in PROMETHEUS_ANSWERS.items() if "histogram" not in k}
+    dashboard = Dashboard(lambda: [W0], FakeProbe({}), FakePrometheus(answers), QUERIES)
+    snapshot = await dashboard.snapshot()
+    assert snapshot.tokens_per_second == 20.0
+    assert math.isnan(snapshot.ttft_p99_seconds)
+    assert [w for w in snapshot.warnings if w.startswith("Prometheus query p99 failed")]
+
+
+async def test_without_prometheus_workers_still_stream_with_a_warning() -> None:
+    probe = FakeProbe({W0: WorkerFigures(W0, True, running_requests=2)})
+    snapshot = await Dashboard(lambda: [W0], probe, None, QUERIES).snapshot()
+    assert snapshot.workers[0].running_requests == 2
+    assert snapshot.tokens_per_second == 0
+    assert any("no Prometheus configured" in w for w in snapshot.warnings), snapshot.warnings
+
+
+async def test_unreachable_prometheus_is_one_warning_not_a_hang() -> None:
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    async with aiohttp.ClientSession() as session:
+        prometheus = PrometheusHttp(session, url, timeout_seconds=1.0)
+        probe = FakeProbe({W0: WorkerFigures(W0, True, running_requests=1)})
+        started = time.monotonic()
+        snapshot = await Dashboard(lambda: [W0], probe, prometheus, QUERIES, url).snapshot()
+    assert time.monotonic() - started < 1.5
+    assert snapshot.workers[0].running_requests == 1
+    assert len(snapshot.warnings) == 1 and url in snapshot.warnings[0], snapshot.warnings
+
+
+async def test_slow_prometheus_times_out_into_a_warning() -> None:
+    release = asyncio.Event()
+
+    async def stall(request: web.Request) -> web.Response:
+        await release.wait()
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_get("/api/v1/query", stall)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        async with aiohttp.ClientSession() as session:
+            prometheus = PrometheusHttp(session, url, timeout_seconds=0.3)
+            started = time.monotonic()
+            snapshot = await Dashboard(
+                lambda: [], FakeProbe({}), prometheus, QUERIES, url
+            ).snapshot()
+        assert time.monotonic() - started < 1.0
+        assert any("no answer within 0.3s" in w for w in snapshot.warnings), snapshot.warnings
+        assert any("no workers known" in w for w in snapshot.warnings), snapshot.warnings
+    finally:
+        release.set()
+        await runner.cleanup()
+
+
+async def test_prometheus_client_parses_instant_vectors_and_reports_bad_queries() -> None:
+    async def query(request: web.Request) -> web.Response:
+        if request.query["query"] == "bad(":
+            error = {"status": "error", "errorType": "bad_data", "error": "parse error"}
+            return web.json_response(error, status=400)
+        result = [{"metric": {"replica": "gateway-1"}, "value": [1.0, "2"]}]
+        data = {"resultType": "vector", "result": result}
+        return web.json_response({"status": "success", "data": data})
+
+    app = web.Application()
+    app.router.add_get("/api/v1/query", query)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            prometheus = PrometheusHttp(session, f"http://127.0.0.1:{runner.addresses[0][1]}/", 2)
+            assert await prometheus.query("up") == [Sample({"replica": "gateway-1"}, 2.0)]
+            with pytest.raises(PrometheusError, match="parse error"):
+                await prometheus.query("bad(")
+    finally:
+        await runner.cleanup()
+
+
+class StatsServicer(inference_pb2_grpc.InferenceServiceServicer):
+    async def GetEngineStats(self, request: Any, context: Any) -> inference_pb2.EngineStats:
+        return inference_pb2.EngineStats(running_requests=4, waiting_requests=2, kv_cache_usage=0.5)
+
+
+async def test_grpc_probe_reads_health_and_engine_stats_and_reports_a_dead_worker() -> None:
+    server = aio.server()
+    inference_pb2_grpc.add_InferenceServiceServicer_to_server(StatsServicer(), server)
+    health = Health(["tokenmesh.v1.InferenceService"])
+    health.register(server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    await health.set_serving()
+    probe = GrpcWorkerProbe(timeout_seconds=1.0, max_message_bytes=1 << 20)
+    dead = f"127.0.0.1:{free_port()}"
+    try:
+        live = await probe.probe(f"127.0.0.1:{port}")
+        assert live == WorkerFigures(f"127.0.0.1:{port}", True, 4, 2, 0.5)
+        started = time.monotonic()
+        gone = await probe.probe(dead)
+        assert time.monotonic() - started < 1.5
+        assert not gone.serving and gone.error.startswith(("UNAVAILABLE", "DEADLINE_EXCEEDED"))
+        await health.servicer.set(
+            "tokenmesh.v1.InferenceService", health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        assert not (await probe.probe(f"127.0.0.1:{port}")).serving
+    finally:
+        await probe.close()
+        await server.stop(0)
+
+
+@pytest.fixture
+async def ops_stub() -> AsyncIterator[tuple[ops_pb2_grpc.OpsServiceStub, FakeProbe]]:
+    """OpsService behind the standard interceptors, on a real port."""
+    probe = FakeProbe({W0: WorkerFigures(W0, True, running_requests=1)})
+    dashboard = Dashboard(lambda: [W0], probe, None, QUERIES)
+    server = aio.server(interceptors=standard_interceptors(CollectorRegistry()))
+    ops_pb2_grpc.add_OpsServiceServicer_to_server(OpsServicer(dashboard), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    async with aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        yield ops_pb2_grpc.OpsServiceStub(channel), probe
+    await server.stop(0)
+
+
+async def test_subscription_streams_a_snapshot_per_interval(
+    ops_stub: tuple[ops_pb2_grpc.OpsServiceStub, FakeProbe],
+) -> None:
+    stub, _ = ops_stub
+    call = stub.SubscribeDashboard(ops_pb2.DashboardRequest(interval_ms=100))
+    started = time.monotonic()
+    snapshots = [await call.read() for _ in range(4)]
+    elapsed = time.monotonic() - started
+    call.cancel()
+    assert [s.workers[0].running_requests for s in snapshots] == [1, 1, 1, 1]
+    assert 0.25 < elapsed < 2.0, elapsed  # three intervals between four snapshots
+
+
+async def test_bad_interval_fails_with_invalid_argument(
+    ops_stub: tuple[ops_pb2_grpc.OpsServiceStub, FakeProbe],
+) -> None:
+    stub, _ = ops_stub
+    with pytest.raises(aio.AioRpcError) as caught:
+        async for _ in stub.SubscribeDashboard(ops_pb2.DashboardRequest(interval_ms=5)):
+            pass
+    assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "interval_ms" in (caught.value.details() or "")
+
+
+async def test_stream_stops_probing_once_the_caller_goes_away(
+    ops_stub: tuple[ops_pb2_grpc.OpsServiceStub, FakeProbe],
+) -> None:
+    stub, probe = ops_stub
+    call = stub.SubscribeDashboard(ops_pb2.DashboardRequest(interval_ms=100))
+    await call.read()
+    call.cancel()
+    await asyncio.sleep(0.2)  # the cancel reaches the server; at most one snapshot in flight
+    calls = probe.calls
+    await asyncio.sleep(0.5)  # five intervals
+    assert probe.calls == calls, "the server kept probing after the caller left"
+
+
+async def test_page_server_serves_the_built_page_and_says_how_to_build_it(tmp_path: Path) -> None:
+    built, unbuilt = tmp_path / "dist", tmp_path / "missing"
+    built.mkdir()
+    (built / "index.html").write_text("<title>ops</title>")
+    (built / "app.js").write_text("console.log(1)")
+    (tmp_path / "secret.txt").write_text("no")
+    servers = [PageServer(built, "127.0.0.1", 0), PageServer(unbuilt, "127.0.0.1", 0)]
+    good, bad = [await server.start() for server in servers]
+    try:
+        async with aiohttp.ClientSession() as session:
+
+            async def get(port: int, path: str) -> tuple[int, str]:
+                async with session.get(f"http://127.0.0.1:{port}{path}") as reply:
+                    return reply.status, await reply.text()
+
+            assert await get(good, "/ops/") == (200, "<title>ops</title>")
+            assert await get(good, "/ops/app.js") == (200, "console.log(1)")
+            assert (await get(good, "/ops/%2E%2E%2Fsecret.txt"))[0] == 404
+            assert (await get(good, "/ops/nothing.js"))[0] == 404
+            assert await get(bad, "/ops/") == (404, NOT_BUILT)
+    finally:
+        for server in servers:
+            await server.stop()
