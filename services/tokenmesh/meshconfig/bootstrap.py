@@ -263,7 +263,7 @@ def service_cluster(name: str, mesh: MeshSettings) -> Config:
 def controlplane_cluster(mesh: MeshSettings) -> Config:
     return {
         "name": "xds_cluster",
-        "type": "STATIC",
+        "type": mesh.controlplane_discovery,
         "connect_timeout": "1s",
         "typed_extension_protocol_options": grpc_upstream(mesh),
         "load_assignment": {

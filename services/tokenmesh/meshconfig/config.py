@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -24,6 +26,9 @@ class MeshSettings(BaseSettings):
     # Where the xDS control plane serves the clusters' endpoints (ADS).
     controlplane_host: str = "127.0.0.1"
     controlplane_port: int = Field(default=18000, ge=1, le=65535)
+    # How Envoy finds the control plane: STATIC when controlplane_host is an IP (local runs),
+    # STRICT_DNS when it is a DNS name (a Kubernetes Service), re-resolved as it changes.
+    controlplane_discovery: Literal["STATIC", "STRICT_DNS"] = "STATIC"
     # Envoy's node identity towards the control plane.
     node_id: str = "tokenmesh-envoy"
 
@@ -53,3 +58,21 @@ class MeshSettings(BaseSettings):
     health_check_timeout_seconds: float = Field(default=1.0, gt=0)
     # CORS origins allowed to call the edge with gRPC-Web (regular expressions).
     cors_allowed_origins: list[str] = [r"https?://(localhost|127\.0\.0\.1)(:[0-9]+)?"]
+
+
+# In the Kubernetes profile the control plane's Service name depends on the Helm release, so
+# the rendered file carries this placeholder and the chart's ConfigMap template replaces it.
+CONTROLPLANE_HOST_PLACEHOLDER = "${TOKENMESH_CONTROLPLANE_HOST}"
+
+
+def kubernetes_profile() -> MeshSettings:
+    """The mesh as the Helm chart runs it: Envoy in its own pods, listening on every interface
+    (the edge for clients, the internal listeners for gateways, admin for probes and metrics),
+    and the control plane reached through its Service's DNS name."""
+    return MeshSettings(
+        edge_host="0.0.0.0",
+        admin_host="0.0.0.0",
+        internal_host="0.0.0.0",
+        controlplane_host=CONTROLPLANE_HOST_PLACEHOLDER,
+        controlplane_discovery="STRICT_DNS",
+    )
