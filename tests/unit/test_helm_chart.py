@@ -409,6 +409,7 @@ def test_kubernetes_discovery_resolves_every_headless_service(
     assert set(targets) == {"gateway", "worker", "reranker"}
     for cluster, target in targets.items():
         host, _, port = target.rpartition(":")
+        assert host.endswith(".svc.cluster.local."), "fully qualified: no search domains"
         service_name, namespace, *_ = host.split(".")
         assert namespace == NAMESPACE
         service = release.get("Service", service_name)
@@ -647,6 +648,8 @@ def test_service_monitors_scrape_every_component_as_the_dashboards_expect(
         ]
         assert len(matched) == 1, component
         assert {"targetLabel": "service", "replacement": component} in endpoint["relabelings"]
+    worker = next(m for m in monitors if m["metadata"]["name"] == f"{PREFIX}-worker")
+    assert worker["spec"]["endpoints"][0]["metricRelabelings"][0]["replacement"] == "vllm:$1"
     envoy = next(m for m in monitors if m["metadata"]["name"] == f"{PREFIX}-envoy")
     assert envoy["spec"]["endpoints"][0]["path"] == "/stats/prometheus"
     rules = release.get("PrometheusRule", f"{PREFIX}-alerts")

@@ -281,6 +281,15 @@ spec:
           replacement: {{ .component }}
         - sourceLabels: [__meta_kubernetes_pod_name]
           targetLabel: replica
+      {{- if eq .component "worker" }}
+      # prometheus_client writes vLLM's `vllm:*` names as `vllm_*` for OpenMetrics scrapes: put
+      # back the names vLLM documents and the dashboards use (as the local stack does).
+      metricRelabelings:
+        - sourceLabels: [__name__]
+          regex: vllm_(.+)
+          targetLabel: __name__
+          replacement: vllm:$1
+      {{- end }}
 {{- end }}
 {{- end }}
 

@@ -48,7 +48,7 @@ class ControlPlaneSettings(ServiceSettings):
     consul_backoff_initial_seconds: float = Field(default=0.2, gt=0)
     consul_backoff_max_seconds: float = Field(default=10.0, gt=0)
     # Cluster name -> "host:port" whose A/AAAA records are the cluster's endpoints, e.g.
-    # {"worker": "tokenmesh-worker-headless.default.svc.cluster.local:50061"} (a Kubernetes
+    # {"worker": "tokenmesh-worker-headless.default.svc.cluster.local.:50061"} (a Kubernetes
     # headless Service resolves to its ready pods). JSON in TOKENMESH_CONTROLPLANE_DNS_TARGETS.
     dns_targets: dict[str, str] = {}
     # How often every name is resolved again; a pod turning ready reaches Envoy within about
