@@ -396,6 +396,7 @@ def test_envoy_reaches_the_control_plane_and_gateways_reach_envoy(
     envoy = release.container("envoy")
     assert port_number(envoy, "edge") == listeners["edge"]["port_value"]
     assert envoy["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "admin"}
+    assert envoy["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "15"]
     assert port_number(envoy, "admin") == config["admin"]["address"]["socket_address"]["port_value"]
 
 
