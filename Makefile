@@ -10,7 +10,7 @@ TINY_MODEL := models/tiny-llama
 SETUP_STAMP := $(VENV)/.setup-$(VLLM_TARGET)
 PYTEST_ARGS ?=
 
-.PHONY: help setup prometheus ops-page proto proto-check dashboards lint test test-unit up down status logs lock clean envoy-config
+.PHONY: help setup prometheus ops-page proto proto-check dashboards lint test test-unit up down status logs lock clean envoy-config chart images
 
 help:
 	@echo "make setup   create .venv (VLLM_TARGET=$(VLLM_TARGET)), generate the tiny model"
@@ -19,6 +19,8 @@ help:
 	@echo "make test    the whole test suite (unit + integration against real vLLM)"
 	@echo "make lint    ruff and mypy; make proto regenerates protobuf code"
 	@echo "make ops-page  build the live ops page (ops/dist, served at /ops/ by make up)"
+	@echo "make chart   refresh the Helm chart's generated files (Envoy config, dashboards, alerts)"
+	@echo "make images  build the container images (needs docker; IMAGE_PREFIX, IMAGE_TAG)"
 
 setup: $(SETUP_STAMP) $(TINY_MODEL)/tokenmesh-tiny.json prometheus ops-page
 
@@ -117,3 +119,27 @@ dashboards: $(SETUP_STAMP)
 
 envoy-config: $(SETUP_STAMP)
 	$(BIN)/python -m tokenmesh.meshconfig --out envoy/envoy.yaml
+
+# The Helm chart's copies of the Envoy config (meshconfig's kubernetes profiles), the dashboards
+# and the alert rules: a chart cannot read files outside helm/tokenmesh.
+chart: $(SETUP_STAMP)
+	$(BIN)/python scripts/gen_chart_files.py
+
+# Container images (docker/*.Dockerfile), tagged like the chart expects:
+# $(IMAGE_PREFIX)/<component>:$(IMAGE_TAG), the CPU worker with a -cpu suffix. Envoy runs the
+# official envoyproxy/envoy image with the chart's ConfigMap.
+IMAGE_PREFIX ?= ghcr.io/tokenmesh
+IMAGE_TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+IMAGES := gateway reranker controlplane
+
+images:
+	@if ! command -v docker >/dev/null 2>&1 || ! docker info >/dev/null 2>&1; then \
+	  echo "make images needs a Docker engine (docker not on PATH or not running);" \
+	    "the Dockerfiles are in docker/ and build from the repository root"; \
+	  exit 1; \
+	fi
+	@set -e; for image in $(IMAGES); do \
+	  docker build -f docker/$$image.Dockerfile -t $(IMAGE_PREFIX)/$$image:$(IMAGE_TAG) .; \
+	done
+	docker build -f docker/worker.Dockerfile --target gpu -t $(IMAGE_PREFIX)/worker:$(IMAGE_TAG) .
+	docker build -f docker/worker.Dockerfile --target cpu -t $(IMAGE_PREFIX)/worker:$(IMAGE_TAG)-cpu .

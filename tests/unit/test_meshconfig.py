@@ -14,7 +14,7 @@ import yaml
 from tests.support import ROOT
 from tokenmesh.meshconfig.__main__ import render_yaml
 from tokenmesh.meshconfig.bootstrap import descriptor_set, render
-from tokenmesh.meshconfig.config import MeshSettings
+from tokenmesh.meshconfig.config import MeshSettings, kubernetes_profile
 
 ENVOY = shutil.which("envoy", path=str(Path(sys.executable).parent)) or shutil.which("envoy")
 COMMITTED = ROOT / "envoy" / "envoy.yaml"
@@ -155,3 +155,29 @@ def test_edge_routes_the_ops_feed_and_page_to_the_control_plane() -> None:
     assert (port_of("ops"), port_of("xds_cluster"), port_of("ops_page")) == (18111, 18111, 19222)
     assert "typed_extension_protocol_options" in found["ops"]  # gRPC: HTTP/2 upstream
     assert "typed_extension_protocol_options" not in found["ops_page"]  # plain HTTP/1.1
+
+
+def test_kubernetes_profile_listens_everywhere_and_finds_the_control_plane_by_name() -> None:
+    config = render(kubernetes_profile())
+    xds = clusters(config)["xds_cluster"]
+    assert xds["type"] == "STRICT_DNS"
+    resources = config["static_resources"]
+    addresses = {item["address"]["socket_address"]["address"] for item in resources["listeners"]}
+    assert addresses == {"0.0.0.0"}
+    assert "transport_socket" not in str(config)
+    assert clusters(render(MeshSettings()))["xds_cluster"]["type"] == "STATIC"
+
+
+def test_tls_edge_terminates_tls_on_the_edge_only() -> None:
+    config = render(kubernetes_profile(tls=True))
+    chains = {
+        item["name"]: item["filter_chains"][0] for item in config["static_resources"]["listeners"]
+    }
+    tls = chains["edge"]["transport_socket"]["typed_config"]["common_tls_context"]
+    assert tls["alpn_protocols"] == ["h2", "http/1.1"]
+    assert tls["tls_certificates"][0]["certificate_chain"]["filename"] == "/etc/envoy/tls/tls.crt"
+    assert (
+        "transport_socket" not in chains["worker"] and "transport_socket" not in chains["reranker"]
+    )
+    with pytest.raises(ValueError, match="go together"):
+        MeshSettings(edge_tls_cert_file="/tls/tls.crt")

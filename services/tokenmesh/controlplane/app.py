@@ -26,6 +26,7 @@ from tokenmesh.common.server import (
 )
 from tokenmesh.controlplane.config import ControlPlaneSettings
 from tokenmesh.controlplane.consul_source import ConsulSource
+from tokenmesh.controlplane.dns_source import DnsSource
 from tokenmesh.controlplane.endpoints import EndpointSource
 from tokenmesh.controlplane.metrics import ControlPlaneMetrics
 from tokenmesh.controlplane.ops import (
@@ -62,6 +63,12 @@ def build_source(
             settings.static_file,
             settings.static_poll_seconds,
             on_error=metrics.source_errors.labels("static").inc,
+        )
+    if settings.source == "dns":
+        return DnsSource(
+            settings.dns_targets,
+            settings.dns_poll_seconds,
+            on_error=metrics.source_errors.labels("dns").inc,
         )
     return ConsulSource(
         consul,

@@ -23,8 +23,9 @@ class ControlPlaneSettings(ServiceSettings):
     # endpoints and reconnects), so only other RPCs ever use this.
     grace_seconds: float = Field(default=2.0, ge=0)
 
-    # Where endpoints come from: "static" (static_file) or "consul" (consul_http_addr).
-    source: Literal["static", "consul"] = "static"
+    # Where endpoints come from: "static" (static_file), "consul" (consul_http_addr) or "dns"
+    # (dns_targets).
+    source: Literal["static", "consul", "dns"] = "static"
 
     # JSON or YAML (by suffix .yaml/.yml): {"clusters": {"worker": ["127.0.0.1:50061",
     # {"address": "127.0.0.1:50062", "healthy": false}], ...}}. Addresses must be IPs (EDS does
@@ -46,6 +47,13 @@ class ControlPlaneSettings(ServiceSettings):
     # answers again the last known endpoints keep being served.
     consul_backoff_initial_seconds: float = Field(default=0.2, gt=0)
     consul_backoff_max_seconds: float = Field(default=10.0, gt=0)
+    # Cluster name -> "host:port" whose A/AAAA records are the cluster's endpoints, e.g.
+    # {"worker": "tokenmesh-worker-headless.default.svc.cluster.local.:50061"} (a Kubernetes
+    # headless Service resolves to its ready pods). JSON in TOKENMESH_CONTROLPLANE_DNS_TARGETS.
+    dns_targets: dict[str, str] = {}
+    # How often every name is resolved again; a pod turning ready reaches Envoy within about
+    # this plus the cluster DNS cache (CoreDNS: 5 s for headless Services by default).
+    dns_poll_seconds: float = Field(default=1.0, gt=0)
     # Register the control plane itself in Consul (when consul_http_addr is set).
     register_self: bool = True
 
@@ -72,6 +80,8 @@ class ControlPlaneSettings(ServiceSettings):
     def _source_is_configured(self) -> Self:
         if self.source == "static" and self.static_file is None:
             raise ValueError("source=static needs static_file")
+        if self.source == "dns" and not self.dns_targets:
+            raise ValueError("source=dns needs dns_targets")
         if self.source == "consul" and not self.consul_http_addr:
             raise ValueError("source=consul needs consul_http_addr (or CONSUL_HTTP_ADDR)")
         if self.consul_backoff_initial_seconds > self.consul_backoff_max_seconds:

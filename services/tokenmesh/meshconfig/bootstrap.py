@@ -7,6 +7,7 @@ the internal hops share them, so a setting changes everywhere at once.
 from __future__ import annotations
 
 import base64
+import posixpath
 from typing import Any
 
 from google.protobuf import descriptor_pb2
@@ -192,20 +193,42 @@ def listener(name: str, host: str, port: int, cluster: str, mesh: MeshSettings) 
         if edge
         else [{"name": "envoy.filters.http.router", "typed_config": {"@type": ROUTER}}],
     }
+    chain: Config = {
+        "filters": [
+            {
+                "name": "envoy.filters.network.http_connection_manager",
+                "typed_config": manager,
+            }
+        ]
+    }
+    if edge and mesh.edge_tls_cert_file and mesh.edge_tls_key_file:
+        chain["transport_socket"] = edge_tls(mesh.edge_tls_cert_file, mesh.edge_tls_key_file)
     return {
         "name": name,
         "address": {"socket_address": {"address": host, "port_value": port}},
         "per_connection_buffer_limit_bytes": mesh.buffer_limit_bytes,
-        "filter_chains": [
-            {
-                "filters": [
+        "filter_chains": [chain],
+    }
+
+
+def edge_tls(cert_file: str, key_file: str) -> Config:
+    """TLS for the edge: HTTP/2 (gRPC) and HTTP/1.1 (REST, gRPC-Web) by ALPN; the files are
+    re-read when their directory changes (a Kubernetes Secret update swaps it atomically)."""
+    return {
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": {
+            "@type": TYPE + "envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
+            "common_tls_context": {
+                "alpn_protocols": ["h2", "http/1.1"],
+                "tls_certificates": [
                     {
-                        "name": "envoy.filters.network.http_connection_manager",
-                        "typed_config": manager,
+                        "certificate_chain": {"filename": cert_file},
+                        "private_key": {"filename": key_file},
+                        "watched_directory": {"path": posixpath.dirname(cert_file)},
                     }
-                ]
-            }
-        ],
+                ],
+            },
+        },
     }
 
 
@@ -281,7 +304,7 @@ def static_cluster(name: str, host: str, port: int, mesh: MeshSettings, grpc: bo
     """A cluster of one fixed address (the control plane's): gRPC over HTTP/2, or HTTP/1.1."""
     cluster: Config = {
         "name": name,
-        "type": "STATIC",
+        "type": mesh.controlplane_discovery,
         "connect_timeout": "1s",
         "load_assignment": {
             "cluster_name": name,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Literal, Self
+
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MIB = 1024 * 1024
@@ -14,6 +16,10 @@ class MeshSettings(BaseSettings):
     # The public listener: gRPC (h2c), gRPC-Web and REST/JSON on one port.
     edge_host: str = "127.0.0.1"
     edge_port: int = Field(default=8080, ge=1, le=65535)
+    # TLS on the edge listener: PEM certificate chain and private key files (both or neither).
+    # Envoy re-reads them when their directory changes (a renewed Kubernetes Secret).
+    edge_tls_cert_file: str | None = None
+    edge_tls_key_file: str | None = None
     admin_host: str = "127.0.0.1"
     admin_port: int = Field(default=9901, ge=1, le=65535)
     # Listeners the gateways use to reach workers and the reranker, so every hop is balanced
@@ -27,6 +33,9 @@ class MeshSettings(BaseSettings):
     # The control plane also serves the ops feed (tokenmesh.v1.OpsService, on controlplane_port)
     # and the ops page's files over HTTP on this port; the edge routes both.
     ops_page_port: int = Field(default=9481, ge=1, le=65535)
+    # How Envoy finds the control plane: STATIC when controlplane_host is an IP (local runs),
+    # STRICT_DNS when it is a DNS name (a Kubernetes Service), re-resolved as it changes.
+    controlplane_discovery: Literal["STATIC", "STRICT_DNS"] = "STATIC"
     # Envoy's node identity towards the control plane.
     node_id: str = "tokenmesh-envoy"
 
@@ -56,3 +65,34 @@ class MeshSettings(BaseSettings):
     health_check_timeout_seconds: float = Field(default=1.0, gt=0)
     # CORS origins allowed to call the edge with gRPC-Web (regular expressions).
     cors_allowed_origins: list[str] = [r"https?://(localhost|127\.0\.0\.1)(:[0-9]+)?"]
+
+    @model_validator(mode="after")
+    def _tls_files_come_in_pairs(self) -> Self:
+        if (self.edge_tls_cert_file is None) != (self.edge_tls_key_file is None):
+            raise ValueError("edge_tls_cert_file and edge_tls_key_file go together")
+        return self
+
+
+# In the Kubernetes profile the control plane's Service name depends on the Helm release, so
+# the rendered file carries this placeholder and the chart's ConfigMap template replaces it.
+CONTROLPLANE_HOST_PLACEHOLDER = "${TOKENMESH_CONTROLPLANE_HOST}"
+
+
+# Where the chart mounts the edge certificate (a kubernetes.io/tls Secret) in the Envoy pods.
+KUBERNETES_TLS_DIR = "/etc/envoy/tls"
+
+
+def kubernetes_profile(tls: bool = False) -> MeshSettings:
+    """The mesh as the Helm chart runs it: Envoy in its own pods, listening on every interface
+    (the edge for clients, the internal listeners for gateways, admin for probes and metrics),
+    and the control plane reached through its Service's DNS name; with tls, the edge speaks
+    TLS with the certificate mounted at KUBERNETES_TLS_DIR."""
+    return MeshSettings(
+        edge_tls_cert_file=f"{KUBERNETES_TLS_DIR}/tls.crt" if tls else None,
+        edge_tls_key_file=f"{KUBERNETES_TLS_DIR}/tls.key" if tls else None,
+        edge_host="0.0.0.0",
+        admin_host="0.0.0.0",
+        internal_host="0.0.0.0",
+        controlplane_host=CONTROLPLANE_HOST_PLACEHOLDER,
+        controlplane_discovery="STRICT_DNS",
+    )

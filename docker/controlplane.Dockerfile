@@ -1,0 +1,23 @@
+# syntax=docker/dockerfile:1
+# The xDS control plane: the shared library and Envoy's protos (xds-protos), no vLLM or CUDA.
+# Build from the repository root: docker build -f docker/controlplane.Dockerfile .
+ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS build
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY requirements/lock-cpu.txt requirements/
+COPY services services
+RUN python -m venv /opt/venv \
+    && /opt/venv/bin/pip install --constraint requirements/lock-cpu.txt ".[controlplane]"
+
+FROM ${PYTHON_IMAGE}
+RUN groupadd --system --gid 10001 app \
+    && useradd --system --uid 10001 --gid app --home-dir /home/app --create-home app
+COPY --from=build /opt/venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 \
+    TOKENMESH_CONTROLPLANE_HOST=0.0.0.0 TOKENMESH_CONTROLPLANE_METRICS_HOST=0.0.0.0
+USER 10001:10001
+EXPOSE 18000 9480
+ENTRYPOINT ["python", "-m", "tokenmesh.controlplane"]

@@ -1,0 +1,24 @@
+# syntax=docker/dockerfile:1
+# The gateway (public tokenmesh.v1.LLMService): the shared library only, no vLLM, torch or CUDA.
+# Build from the repository root: docker build -f docker/gateway.Dockerfile -t tokenmesh/gateway .
+ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS build
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY requirements/lock-cpu.txt requirements/
+COPY services services
+# Versions pinned by the lock file; py-consul (controlplane extra) for Consul registration.
+RUN python -m venv /opt/venv \
+    && /opt/venv/bin/pip install --constraint requirements/lock-cpu.txt ".[controlplane]"
+
+FROM ${PYTHON_IMAGE}
+RUN groupadd --system --gid 10001 app \
+    && useradd --system --uid 10001 --gid app --home-dir /home/app --create-home app
+COPY --from=build /opt/venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 \
+    TOKENMESH_GATEWAY_HOST=0.0.0.0 TOKENMESH_GATEWAY_METRICS_HOST=0.0.0.0
+USER 10001:10001
+EXPOSE 50051 9451
+ENTRYPOINT ["python", "-m", "tokenmesh.gateway"]

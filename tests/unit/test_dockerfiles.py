@@ -1,0 +1,184 @@
+"""The container images, checked statically (no Docker engine here): multi-stage builds on
+pinned base images, a non-root user, no build tools or HEALTHCHECK in the final stages, COPY
+sources that exist, entrypoints that are real modules, vLLM and CUDA in the worker only."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.support import ROOT
+
+DOCKER = ROOT / "docker"
+# The final stage(s) of each Dockerfile, i.e. the images `make images` builds.
+FINAL_STAGES = {
+    "gateway": ["final"],
+    "reranker": ["final"],
+    "controlplane": ["final"],
+    "worker": ["gpu", "cpu"],
+}
+BUILD_TOOLS = re.compile(r"\b(gcc|g\+\+|clang|make|cmake|build-essential|git|[\w.+-]+-dev)\b")
+
+
+@dataclass
+class Stage:
+    name: str
+    base: str
+    instructions: list[tuple[str, str]] = field(default_factory=list)
+
+    def all(self, keyword: str) -> list[str]:
+        return [args for kw, args in self.instructions if kw == keyword]
+
+
+def instructions(text: str) -> list[tuple[str, str]]:
+    """(KEYWORD, arguments) per instruction, continuation lines joined, comments dropped."""
+    result = []
+    current = ""
+    for line in text.splitlines():
+        stripped = line.strip()
+        if not current and (not stripped or stripped.startswith("#")):
+            continue
+        if stripped.startswith("#"):
+            continue  # a comment inside a continued instruction
+        if stripped.endswith("\\"):
+            current += stripped[:-1] + " "
+            continue
+        current += stripped
+        keyword, _, args = current.partition(" ")
+        result.append((keyword.upper(), args.strip()))
+        current = ""
+    return result
+
+
+def stages(path: Path) -> tuple[dict[str, str], list[Stage]]:
+    """The global ARG defaults and the stages (unnamed ones are called "final")."""
+    args: dict[str, str] = {}
+    found: list[Stage] = []
+    for keyword, rest in instructions(path.read_text()):
+        if keyword == "FROM":
+            words = rest.split()
+            base = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], words[0])
+            name = words[2] if len(words) == 3 and words[1].upper() == "AS" else "final"
+            found.append(Stage(name, base))
+        elif not found and keyword == "ARG":
+            name, _, default = rest.partition("=")
+            args[name] = default
+        elif found:
+            found[-1].instructions.append((keyword, rest))
+    return args, found
+
+
+def dockerfiles() -> list[str]:
+    return sorted(path.name.removesuffix(".Dockerfile") for path in DOCKER.glob("*.Dockerfile"))
+
+
+def test_one_dockerfile_per_service() -> None:
+    assert dockerfiles() == sorted(FINAL_STAGES)
+
+
+@pytest.mark.parametrize("image", sorted(FINAL_STAGES))
+def test_multi_stage_on_pinned_base_images(image: str) -> None:
+    _, found = stages(DOCKER / f"{image}.Dockerfile")
+    assert len(found) >= 2, "build and runtime stages"
+    names = {stage.name for stage in found}
+    for stage in found:
+        if stage.base in names:
+            continue
+        _, _, tag = stage.base.partition(":")
+        # An exact version (digits and dots, at least major.minor) in the tag, or a digest.
+        assert "@sha256:" in stage.base or re.search(r"\d+\.\d+", tag), stage.base
+        assert tag and tag != "latest", stage.base
+
+
+@pytest.mark.parametrize("image", sorted(FINAL_STAGES))
+def test_final_stages_run_a_real_module_as_non_root_without_build_tools(image: str) -> None:
+    _, found = stages(DOCKER / f"{image}.Dockerfile")
+    by_name = {stage.name: stage for stage in found}
+    for name in FINAL_STAGES[image]:
+        stage = by_name[name]
+        users = stage.all("USER")
+        assert users, f"{image}:{name} sets no USER"
+        user = users[-1].split(":")[0]
+        assert user not in {"root", "0"}
+        entrypoint = json.loads(stage.all("ENTRYPOINT")[-1])
+        assert entrypoint[:2] == ["python", "-m"]
+        module = entrypoint[2]
+        assert module == f"tokenmesh.{image}"
+        assert (ROOT / "services" / Path(*module.split(".")) / "__main__.py").is_file()
+        for command in stage.all("RUN"):
+            installs = " ".join(re.findall(r"apt-get install([^&;]*)", command))
+            assert not BUILD_TOOLS.search(installs), f"{image}:{name}: {installs}"
+            assert "pip install" not in command, "packages are installed in the build stage"
+    text = (DOCKER / f"{image}.Dockerfile").read_text()
+    assert not any(kw == "HEALTHCHECK" for kw, _ in instructions(text)), "Kubernetes probes"
+
+
+@pytest.mark.parametrize("image", sorted(FINAL_STAGES))
+def test_copy_sources_exist(image: str) -> None:
+    _, found = stages(DOCKER / f"{image}.Dockerfile")
+    earlier: set[str] = set()
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    for stage in found:
+        for args in stage.all("COPY"):
+            words = shlex.split(args)
+            options = [w for w in words if w.startswith("--")]
+            sources = [w for w in words if not w.startswith("--")][:-1]
+            source_stage = next((o.split("=", 1)[1] for o in options if o.startswith("--from")), "")
+            if source_stage:
+                assert source_stage in earlier, f"{image}: COPY --from={source_stage}"
+                continue
+            for source in sources:
+                assert (ROOT / source).exists(), f"{image}: COPY {source}"
+                assert source.split("/")[0] not in ignored, f"{image}: {source} is dockerignored"
+        earlier.add(stage.name)
+
+
+@pytest.mark.parametrize("image", ["gateway", "reranker", "controlplane"])
+def test_only_the_worker_gets_vllm_or_cuda(image: str) -> None:
+    _, found = stages(DOCKER / f"{image}.Dockerfile")
+    for stage in found:
+        assert not re.search(r"vllm|cuda|nvidia", stage.base, re.I)
+        for _, args in stage.instructions:
+            assert not re.search(r"vllm|cuda|nvidia|worker-", args, re.I), args
+
+
+def test_worker_gpu_image_is_cuda_with_pypi_vllm_and_the_cpu_image_is_not() -> None:
+    _, found = stages(DOCKER / "worker.Dockerfile")
+    by_name = {stage.name: stage for stage in found}
+    assert by_name["gpu"].base.startswith("nvidia/cuda:")
+    assert by_name["build-gpu"].base == by_name["gpu"].base
+    gpu_install = " ".join(by_name["build-gpu"].all("RUN"))
+    assert ".[worker-gpu," in gpu_install
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert extras["optional-dependencies"]["worker-gpu"] == ["vllm==0.32.0"]
+    assert not by_name["cpu"].base.startswith("nvidia/")
+    assert ".[worker-cpu," in " ".join(by_name["build-cpu"].all("RUN"))
+    # The default target (the last stage) is the GPU image.
+    assert found[-1].name == "gpu"
+
+
+def test_make_images_builds_every_dockerfile() -> None:
+    result = subprocess.run(
+        ["make", "-n", "images", "IMAGE_TAG=9.9.9"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    for image in ("gateway", "reranker", "controlplane"):
+        assert re.search(rf"for image in [\w ]*\b{image}\b", result.stdout), image
+    assert "--target gpu -t ghcr.io/tokenmesh/worker:9.9.9 ." in result.stdout
+    assert "--target cpu -t ghcr.io/tokenmesh/worker:9.9.9-cpu ." in result.stdout
+
+
+def test_the_build_context_leaves_out_the_venv_and_models() -> None:
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {".venv", "models", ".git", ".run"} <= set(ignored)

@@ -1,0 +1,679 @@
+"""The Helm chart, rendered offline (Helm v4 as a library, PyPI helm-python-sdk) for six value
+sets and every manifest validated strictly against Kubernetes 1.33's schemas (PyPI
+kubernetes-validate); then the facts that matter asserted on the rendered objects: GPUs on
+workers only, native gRPC probes on the right ports, NetworkPolicies that select the right
+pods, an Envoy config the real Envoy accepts, discovery wiring, TLS, autoscaling, monitoring.
+No cluster is involved."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import helm_python
+import kubernetes_validate
+import pytest
+import yaml
+from helm_python import _native
+
+from tests.support import ROOT
+from tests.unit.test_meshconfig import envoy_validate
+
+CHART = ROOT / "helm" / "tokenmesh"
+KUBE_VERSION = "1.33.0"
+RELEASE = "tm"
+NAMESPACE = "llm"
+PREFIX = f"{RELEASE}-tokenmesh"
+PYTHON_COMPONENTS = ("gateway", "worker", "reranker", "controlplane")
+HEALTH_SERVICES = {
+    "gateway": "tokenmesh.v1.LLMService",
+    "worker": "tokenmesh.v1.InferenceService",
+    "reranker": "tokenmesh.v1.RerankService",
+    "controlplane": "envoy.service.discovery.v3.AggregatedDiscoveryService",
+}
+# Custom resources: no Kubernetes schema; their shape is asserted below instead.
+CUSTOM_KINDS = {"ServiceMonitor", "PrometheusRule", "Certificate"}
+OPERATOR_APIS = (
+    "monitoring.coreos.com/v1/ServiceMonitor",
+    "monitoring.coreos.com/v1/PrometheusRule",
+    "cert-manager.io/v1/Certificate",
+)
+CONSUL_ADDRESS = "http://consul-server.consul.svc:8500"
+
+# name -> (values, extra API versions the simulated cluster serves)
+VALUE_SETS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
+    "defaults": ({}, ()),
+    "cpu": (yaml.safe_load((CHART / "values-cpu.yaml").read_text()), ()),
+    "multi-gpu": (
+        {
+            "worker": {
+                "replicas": 2,
+                "gpu": {"count": 4},
+                "model": {
+                    "name": "Llama-3.1-70B-Instruct",
+                    "pvc": {"existingClaim": "models"},
+                    "hfToken": {"secretName": "hf", "secretKey": "token"},
+                },
+            }
+        },
+        (),
+    ),
+    "consul": ({"discovery": {"mode": "consul"}, "consul": {"address": CONSUL_ADDRESS}}, ()),
+    "tls": (
+        {"envoy": {"tls": {"enabled": True, "certManager": {"issuerRef": {"name": "ca"}}}}},
+        OPERATOR_APIS,
+    ),
+    "hpa-monitoring": (
+        {
+            "gateway": {"autoscaling": {"enabled": True}},
+            "worker": {"autoscaling": {"enabled": True}},
+            "monitoring": {
+                "serviceMonitor": {"enabled": True},
+                "prometheusRule": {"enabled": True},
+            },
+        },
+        OPERATOR_APIS,
+    ),
+}
+
+
+def render(
+    values: dict[str, Any], api_versions: tuple[str, ...] = (), chart: Path = CHART
+) -> dict[str, str]:
+    """`helm template` for Kubernetes KUBE_VERSION with api_versions served (the Prometheus
+    Operator's and cert-manager's CRDs). Chart.render takes neither option; the native call
+    behind it does."""
+    with helm_python.Chart.load(chart) as loaded:
+        options = {
+            "name": RELEASE,
+            "namespace": NAMESPACE,
+            "kube_version": f"v{KUBE_VERSION}",
+            "api_versions": list(api_versions),
+        }
+        rendered = _native.call_string(
+            "helm_render", loaded._raw(), json.dumps(values), json.dumps(options)
+        )
+    manifests: dict[str, str] = json.loads(rendered)
+    return manifests
+
+
+class Release:
+    """One value set's rendered objects, looked up by kind and name."""
+
+    def __init__(self, manifests: dict[str, str]) -> None:
+        self.manifests = manifests
+        self.objects = [
+            document
+            for path, text in sorted(manifests.items())
+            if path.endswith(".yaml")
+            for document in yaml.safe_load_all(text)
+            if document
+        ]
+
+    def all(self, kind: str) -> list[dict[str, Any]]:
+        return [o for o in self.objects if o["kind"] == kind]
+
+    def get(self, kind: str, name: str) -> dict[str, Any]:
+        found = [o for o in self.all(kind) if o["metadata"]["name"] == name]
+        assert len(found) == 1, f"{kind}/{name}: {len(found)} found"
+        return found[0]
+
+    def has(self, kind: str, name: str) -> bool:
+        return any(o["metadata"]["name"] == name for o in self.all(kind))
+
+    def deployment(self, component: str) -> dict[str, Any]:
+        return self.get("Deployment", f"{PREFIX}-{component}")
+
+    def container(self, component: str) -> dict[str, Any]:
+        containers = self.deployment(component)["spec"]["template"]["spec"]["containers"]
+        assert len(containers) == 1
+        return dict(containers[0])
+
+    def env(self, component: str) -> dict[str, Any]:
+        """name -> value (or the valueFrom mapping)."""
+        return {
+            e["name"]: e.get("value", e.get("valueFrom")) for e in self.container(component)["env"]
+        }
+
+    def envoy_config(self) -> dict[str, Any]:
+        config = self.get("ConfigMap", f"{PREFIX}-envoy")["data"]["envoy.yaml"]
+        return dict(yaml.safe_load(config))
+
+
+@pytest.fixture(scope="module")
+def releases() -> dict[str, Release]:
+    """Every value set rendered once."""
+    return {name: Release(render(values, apis)) for name, (values, apis) in VALUE_SETS.items()}
+
+
+def pod_labels(release: Release, component: str) -> dict[str, str]:
+    return dict(release.deployment(component)["spec"]["template"]["metadata"]["labels"])
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(key) == value for key, value in selector.items())
+
+
+def port_number(container: dict[str, Any], name: str) -> int:
+    return next(int(p["containerPort"]) for p in container["ports"] if p["name"] == name)
+
+
+def workloads(release: Release) -> Iterator[tuple[str, dict[str, Any]]]:
+    for deployment in release.all("Deployment"):
+        for container in deployment["spec"]["template"]["spec"]["containers"]:
+            yield deployment["metadata"]["name"], container
+
+
+# ---- the chart as a whole
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_lint_strict_finds_nothing(value_set: str) -> None:
+    values, _ = VALUE_SETS[value_set]
+    report = helm_python.lint(CHART, values, strict=True, kube_version=f"v{KUBE_VERSION}")
+    assert report["messages"] == [] and report["errors"] == [], report
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_every_manifest_is_valid_for_the_kubernetes_version(
+    value_set: str, releases: dict[str, Release]
+) -> None:
+    release = releases[value_set]
+    kinds = {o["kind"] for o in release.objects}
+    assert {"Deployment", "Service", "ConfigMap", "PodDisruptionBudget", "NetworkPolicy"} <= kinds
+    for item in release.objects:
+        if item["kind"] in CUSTOM_KINDS:
+            assert item["apiVersion"] in {"monitoring.coreos.com/v1", "cert-manager.io/v1"}
+            assert item["spec"], item["metadata"]["name"]
+            continue
+        kubernetes_validate.validate(item, KUBE_VERSION, strict=True)
+
+
+def test_strict_validation_rejects_an_unknown_field(releases: dict[str, Release]) -> None:
+    """The validation above can fail: a misspelt container field is refused."""
+    deployment = json.loads(json.dumps(releases["defaults"].deployment("gateway")))
+    deployment["spec"]["template"]["spec"]["containers"][0]["imagePullPolicyy"] = "Always"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, KUBE_VERSION, strict=True)
+
+
+def test_schema_accepts_the_value_sets_and_rejects_bad_values() -> None:
+    with helm_python.Chart.load(CHART) as chart:
+        for values, _ in VALUE_SETS.values():
+            chart.validate_schema(values)
+        bad = [
+            ({"worker": {"gpu": {"count": "two"}}}, "/worker/gpu/count"),
+            ({"replicaCount": 3}, "replicaCount"),
+            ({"discovery": {"mode": "etcd"}}, "/discovery/mode"),
+            ({"gateway": {"replicas": "3"}}, "/gateway/replicas"),
+            ({"envoy": {"tls": {"enabled": "yes"}}}, "/envoy/tls/enabled"),
+        ]
+        for values, where in bad:
+            with pytest.raises(helm_python.HelmValuesError, match=where):
+                chart.validate_schema(values)
+    # helm install/template refuse them too, before rendering anything.
+    with pytest.raises(helm_python.HelmValuesError):
+        render({"gateway": {"replicas": "3"}})
+
+
+def undocumented_values(text: str) -> list[str]:
+    """Values (leaf keys) of a values.yaml with no `# --` comment above them or above one of
+    their enclosing keys."""
+    lines = text.splitlines()
+    missing = []
+    stack: list[tuple[int, bool]] = []  # (indent, documented) of the enclosing keys
+    for number, line in enumerate(lines):
+        stripped = line.strip()
+        if not stripped or stripped.startswith(("#", "-")) or ":" not in stripped:
+            continue
+        indent = len(line) - len(line.lstrip())
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        comments = []
+        above = number - 1
+        while above >= 0 and lines[above].strip().startswith("#"):
+            comments.append(lines[above].strip())
+            above -= 1
+        documented = any(comment.startswith("# --") for comment in comments)
+        key, _, rest = stripped.partition(":")
+        is_leaf = bool(rest.strip())
+        if is_leaf and not documented and not any(flag for _, flag in stack):
+            missing.append(f"line {number + 1}: {key}")
+        stack.append((indent, documented))
+    return missing
+
+
+def test_every_value_is_documented() -> None:
+    assert undocumented_values((CHART / "values.yaml").read_text()) == []
+    # The check can fail: a value without a comment is found.
+    assert undocumented_values("gateway:\n  # -- Replicas.\n  replicas: 2\n  port: 1\n") == [
+        "line 4: port"
+    ]
+
+
+def test_app_version_is_the_project_version() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["appVersion"] == project["version"]
+
+
+def test_the_chart_files_are_the_generated_ones() -> None:
+    """files/: meshconfig's kubernetes profiles, dashboards/ and prometheus/alerts.yml."""
+    result = subprocess.run(
+        [sys.executable, "scripts/gen_chart_files.py", "--check"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+
+
+# ---- GPUs
+
+
+def test_gpus_are_requested_by_the_worker_only(releases: dict[str, Release]) -> None:
+    for value_set, count in (("defaults", 1), ("multi-gpu", 4)):
+        release = releases[value_set]
+        for name, container in workloads(release):
+            resources = container.get("resources", {})
+            gpus = [
+                section.get("nvidia.com/gpu")
+                for section in (resources.get("limits", {}), resources.get("requests", {}))
+            ]
+            expected = [count, count] if name == f"{PREFIX}-worker" else [None, None]
+            assert gpus == expected, (value_set, name)
+        tolerations = release.deployment("worker")["spec"]["template"]["spec"]["tolerations"]
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in (
+            tolerations
+        )
+    assert "nvidia.com/gpu" not in json.dumps(releases["cpu"].objects)
+
+
+def test_multi_gpu_workers_shard_the_model_from_a_volume(releases: dict[str, Release]) -> None:
+    release = releases["multi-gpu"]
+    env = release.env("worker")
+    assert env["TOKENMESH_WORKER_TENSOR_PARALLEL_SIZE"] == "4"
+    assert env["TOKENMESH_WORKER_MODEL"] == "/models/Llama-3.1-70B-Instruct"
+    assert env["HF_TOKEN"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
+    pod = release.deployment("worker")["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+    assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
+    mounts = {m["mountPath"]: m for m in release.container("worker")["volumeMounts"]}
+    assert mounts["/dev/shm"]["name"] == "dshm"
+    assert mounts["/models"]["readOnly"] is True
+    assert release.deployment("worker")["spec"]["replicas"] == 2
+    # One GPU (defaults): no sharding, the model from the hub, no token.
+    defaults = releases["defaults"].env("worker")
+    assert "TOKENMESH_WORKER_TENSOR_PARALLEL_SIZE" not in defaults
+    assert "HF_TOKEN" not in defaults
+    assert "/" in defaults["TOKENMESH_WORKER_MODEL"] and not defaults[
+        "TOKENMESH_WORKER_MODEL"
+    ].startswith("/")
+
+
+def test_cpu_profile_runs_the_tiny_model_from_the_cpu_image(releases: dict[str, Release]) -> None:
+    release = releases["cpu"]
+    worker = release.container("worker")
+    assert worker["image"].endswith(":0.1.0-cpu")
+    assert release.env("worker")["TOKENMESH_WORKER_MODEL"] == "/opt/tokenmesh/models/tiny-llama"
+    assert "tolerations" not in release.deployment("worker")["spec"]["template"]["spec"]
+    assert releases["defaults"].container("worker")["image"].endswith(":0.1.0")
+
+
+def test_worker_startup_probe_allows_a_long_model_load(releases: dict[str, Release]) -> None:
+    probe = releases["defaults"].container("worker")["startupProbe"]
+    assert probe["periodSeconds"] * probe["failureThreshold"] >= 20 * 60
+    cpu = releases["cpu"].container("worker")["startupProbe"]
+    assert cpu["periodSeconds"] * cpu["failureThreshold"] < 20 * 60
+
+
+# ---- probes, ports, discovery
+
+
+@pytest.mark.parametrize("value_set", ["defaults", "consul"])
+def test_python_services_have_grpc_probes_on_their_grpc_port(
+    value_set: str, releases: dict[str, Release]
+) -> None:
+    release = releases[value_set]
+    for component in PYTHON_COMPONENTS:
+        container = release.container(component)
+        port = port_number(container, "grpc")
+        env = release.env(component)
+        assert env[f"TOKENMESH_{component.upper()}_PORT"] == str(port)
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            probe = container[kind]
+            assert set(probe) & {"grpc", "httpGet", "tcpSocket", "exec"} == {"grpc"}, kind
+            assert probe["grpc"]["port"] == port, (component, kind)
+        assert container["readinessProbe"]["grpc"]["service"] == HEALTH_SERVICES[component]
+        assert container["startupProbe"]["grpc"]["service"] == HEALTH_SERVICES[component]
+        assert container["livenessProbe"]["grpc"]["service"] == ""
+        service = release.get("Service", f"{PREFIX}-{component}-headless")
+        assert service["spec"]["clusterIP"] == "None"
+        assert selects(service["spec"]["selector"], pod_labels(release, component))
+        grpc = next(p for p in service["spec"]["ports"] if p["name"] == "grpc")
+        assert grpc["port"] == port
+
+
+def test_envoy_reaches_the_control_plane_and_gateways_reach_envoy(
+    releases: dict[str, Release],
+) -> None:
+    release = releases["defaults"]
+    config = release.envoy_config()
+    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    xds = clusters["xds_cluster"]
+    assert xds["type"] == "STRICT_DNS"
+    address = xds["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+    socket_address = address["socket_address"]
+    assert socket_address["address"] == (
+        f"{PREFIX}-controlplane-headless.{NAMESPACE}.svc.cluster.local"
+    )
+    assert socket_address["port_value"] == port_number(release.container("controlplane"), "grpc")
+    listeners = {
+        item["name"]: item["address"]["socket_address"]
+        for item in config["static_resources"]["listeners"]
+    }
+    assert {listener["address"] for listener in listeners.values()} == {"0.0.0.0"}
+    internal = release.get("Service", f"{PREFIX}-envoy-internal")
+    ports = {p["name"]: p["port"] for p in internal["spec"]["ports"]}
+    env = release.env("gateway")
+    assert env["TOKENMESH_GATEWAY_WORKER_ADDRESS"] == (
+        f"{PREFIX}-envoy-internal:{listeners['worker']['port_value']}"
+    )
+    assert ports["worker"] == listeners["worker"]["port_value"]
+    assert env["TOKENMESH_GATEWAY_RERANKER_ADDRESS"] == (
+        f"{PREFIX}-envoy-internal:{listeners['reranker']['port_value']}"
+    )
+    edge = release.get("Service", f"{PREFIX}-envoy")
+    assert [p["targetPort"] for p in edge["spec"]["ports"]] == ["edge"]
+    envoy = release.container("envoy")
+    assert port_number(envoy, "edge") == listeners["edge"]["port_value"]
+    assert envoy["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "admin"}
+    assert envoy["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "15"]
+    assert port_number(envoy, "admin") == config["admin"]["address"]["socket_address"]["port_value"]
+
+
+def test_kubernetes_discovery_resolves_every_headless_service(
+    releases: dict[str, Release],
+) -> None:
+    release = releases["defaults"]
+    env = release.env("controlplane")
+    assert env["TOKENMESH_CONTROLPLANE_SOURCE"] == "dns"
+    targets = json.loads(env["TOKENMESH_CONTROLPLANE_DNS_TARGETS"])
+    assert set(targets) == {"gateway", "worker", "reranker"}
+    for cluster, target in targets.items():
+        host, _, port = target.rpartition(":")
+        assert host.endswith(".svc.cluster.local."), "fully qualified: no search domains"
+        service_name, namespace, *_ = host.split(".")
+        assert namespace == NAMESPACE
+        service = release.get("Service", service_name)
+        assert service["spec"]["clusterIP"] == "None"
+        assert selects(service["spec"]["selector"], pod_labels(release, cluster))
+        assert int(port) == port_number(release.container(cluster), "grpc")
+    for component in PYTHON_COMPONENTS:
+        assert not any("CONSUL_HTTP_ADDR" in name for name in release.env(component))
+
+
+def test_consul_discovery_registers_every_service_and_watches_consul(
+    releases: dict[str, Release],
+) -> None:
+    release = releases["consul"]
+    env = release.env("controlplane")
+    assert env["TOKENMESH_CONTROLPLANE_SOURCE"] == "consul"
+    assert "TOKENMESH_CONTROLPLANE_DNS_TARGETS" not in env
+    for component in PYTHON_COMPONENTS:
+        env = release.env(component)
+        prefix = f"TOKENMESH_{component.upper()}_"
+        assert env[prefix + "CONSUL_HTTP_ADDR"] == CONSUL_ADDRESS
+        # Registered under the pod IP, where Envoy reaches it.
+        assert env[prefix + "ADVERTISE_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    # Without an address: the node's Consul agent.
+    node_agent = Release(render({"discovery": {"mode": "consul"}}))
+    assert node_agent.env("worker")["TOKENMESH_WORKER_CONSUL_HTTP_ADDR"] == "$(HOST_IP):8500"
+    assert node_agent.env("worker")["HOST_IP"] == {"fieldRef": {"fieldPath": "status.hostIP"}}
+
+
+# ---- NetworkPolicies
+
+
+def ingress_peers_by_port(policy: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """port name -> the peers allowed to it (an empty list: everyone)."""
+    found: dict[str, list[dict[str, Any]]] = {}
+    for rule in policy["spec"]["ingress"]:
+        for port in rule["ports"]:
+            found.setdefault(port["port"], []).extend(rule.get("from", []))
+    return found
+
+
+@pytest.mark.parametrize("value_set", ["defaults", "consul"])
+def test_only_envoy_reaches_the_services(value_set: str, releases: dict[str, Release]) -> None:
+    release = releases[value_set]
+    envoy_pods = pod_labels(release, "envoy")
+    gateway_pods = pod_labels(release, "gateway")
+    for component in PYTHON_COMPONENTS:
+        policy = release.get("NetworkPolicy", f"{PREFIX}-{component}")
+        assert policy["spec"]["policyTypes"] == ["Ingress"]
+        selector = policy["spec"]["podSelector"]["matchLabels"]
+        assert selects(selector, pod_labels(release, component))
+        others = [c for c in (*PYTHON_COMPONENTS, "envoy") if c != component]
+        assert not any(selects(selector, pod_labels(release, c)) for c in others)
+        peers = ingress_peers_by_port(policy)
+        assert set(peers) == {"grpc", "metrics"}
+        pod_peers = [p["podSelector"]["matchLabels"] for p in peers["grpc"] if "podSelector" in p]
+        in_namespace = [p for p in peers["grpc"] if "namespaceSelector" not in p]
+        # In this namespace, only Envoy's pods (and not the gateways directly).
+        assert [p["podSelector"]["matchLabels"] for p in in_namespace] == [
+            pod_peers[0]
+        ] and selects(pod_peers[0], envoy_pods)
+        assert not selects(pod_peers[0], gateway_pods)
+        consul_peers = [p for p in peers["grpc"] if "namespaceSelector" in p]
+        if value_set == "consul":
+            assert consul_peers == [
+                {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app": "consul"}}}
+            ]
+        else:
+            assert consul_peers == []
+
+
+def test_only_gateways_reach_envoys_internal_listeners(releases: dict[str, Release]) -> None:
+    release = releases["defaults"]
+    policy = release.get("NetworkPolicy", f"{PREFIX}-envoy")
+    assert selects(policy["spec"]["podSelector"]["matchLabels"], pod_labels(release, "envoy"))
+    peers = ingress_peers_by_port(policy)
+    assert peers["edge"] == []  # the edge is public
+    for listener in ("worker", "reranker"):
+        assert len(peers[listener]) == 1
+        selector = peers[listener][0]["podSelector"]["matchLabels"]
+        assert selects(selector, pod_labels(release, "gateway"))
+        for other in ("worker", "reranker", "controlplane", "envoy"):
+            assert not selects(selector, pod_labels(release, other))
+    assert releases["defaults"].all("NetworkPolicy")
+    assert Release(render({"networkPolicy": {"enabled": False}})).all("NetworkPolicy") == []
+
+
+# ---- security
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_pods_run_as_non_root_without_capabilities(
+    value_set: str, releases: dict[str, Release]
+) -> None:
+    release = releases[value_set]
+    for deployment in release.all("Deployment"):
+        pod = deployment["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["runAsUser"] > 0
+        for container in pod["containers"]:
+            context = container["securityContext"]
+            assert context["capabilities"]["drop"] == ["ALL"]
+            assert context["allowPrivilegeEscalation"] is False
+            read_only = deployment["metadata"]["name"] != f"{PREFIX}-worker"
+            assert context["readOnlyRootFilesystem"] is read_only
+
+
+def test_every_component_has_a_disruption_budget(releases: dict[str, Release]) -> None:
+    release = releases["defaults"]
+    for component in (*PYTHON_COMPONENTS, "envoy"):
+        budget = release.get("PodDisruptionBudget", f"{PREFIX}-{component}")
+        assert selects(budget["spec"]["selector"]["matchLabels"], pod_labels(release, component))
+        assert budget["spec"]["maxUnavailable"] == 1
+
+
+# ---- Envoy's config
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory with a self-signed tls.crt and tls.key, as a kubernetes.io/tls Secret."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("no openssl binary to make a test certificate")
+    directory = tmp_path_factory.mktemp("tls")
+    subprocess.run(
+        [
+            *(openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"),
+            *("-subj", "/CN=tokenmesh", "-keyout", str(directory / "tls.key")),
+            *("-out", str(directory / "tls.crt")),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    return directory
+
+
+@pytest.mark.parametrize("value_set", ["defaults", "tls"])
+def test_envoy_accepts_the_configmap(
+    value_set: str, releases: dict[str, Release], certificate: Path, tmp_path: Path
+) -> None:
+    text = releases[value_set].get("ConfigMap", f"{PREFIX}-envoy")["data"]["envoy.yaml"]
+    assert "${" not in text, "a placeholder was left in the config"
+    config = yaml.safe_load(text)
+    edge = next(item for item in config["static_resources"]["listeners"] if item["name"] == "edge")
+    tls = edge["filter_chains"][0].get("transport_socket")
+    assert (tls is not None) == (value_set == "tls")
+    if tls is not None:
+        # The mounted Secret's files, here the test certificate.
+        text = text.replace("/etc/envoy/tls", str(certificate))
+    path = tmp_path / "envoy.yaml"
+    path.write_text(text)
+    result = envoy_validate(path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_config_checksum_follows_the_envoy_config(tmp_path: Path) -> None:
+    def checksum(manifests: dict[str, str]) -> str:
+        deployment = Release(manifests).deployment("envoy")
+        return str(deployment["spec"]["template"]["metadata"]["annotations"]["checksum/config"])
+
+    base = checksum(render({}))
+    assert checksum(render({"gateway": {"replicas": 5}})) == base
+    assert checksum(render({"envoy": {"tls": {"enabled": True, "existingSecret": "x"}}})) != base
+    # A change to the generated config file alone rolls the pods.
+    chart = tmp_path / "tokenmesh"
+    shutil.copytree(CHART, chart)
+    envoy = chart / "files" / "envoy.yaml"
+    envoy.write_text(
+        envoy.read_text().replace("stream_idle_timeout: 60s", "stream_idle_timeout: 61s")
+    )
+    assert checksum(render({}, chart=chart)) != base
+
+
+# ---- TLS, autoscaling, monitoring
+
+
+def test_tls_edge_uses_the_certificate_secret(releases: dict[str, Release]) -> None:
+    release = releases["tls"]
+    certificate = release.get("Certificate", f"{PREFIX}-envoy")
+    assert certificate["spec"]["issuerRef"]["name"] == "ca"
+    assert f"{PREFIX}-envoy.{NAMESPACE}.svc" in certificate["spec"]["dnsNames"]
+    pod = release.deployment("envoy")["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["tls"]["secret"]["secretName"] == certificate["spec"]["secretName"]
+    mounts = {m["name"]: m["mountPath"] for m in release.container("envoy")["volumeMounts"]}
+    assert mounts["tls"] == "/etc/envoy/tls"
+    assert "/etc/envoy/tls/tls.crt" in json.dumps(release.envoy_config())
+    existing = Release(render({"envoy": {"tls": {"enabled": True, "existingSecret": "edge"}}}))
+    assert existing.all("Certificate") == []
+    volumes = {
+        v["name"]: v for v in existing.deployment("envoy")["spec"]["template"]["spec"]["volumes"]
+    }
+    assert volumes["tls"]["secret"]["secretName"] == "edge"
+    assert releases["defaults"].all("Certificate") == []
+    assert "transport_socket" not in json.dumps(releases["defaults"].envoy_config())
+
+
+def test_autoscalers_target_gateway_cpu_and_worker_queue(releases: dict[str, Release]) -> None:
+    release = releases["hpa-monitoring"]
+    gateway = release.get("HorizontalPodAutoscaler", f"{PREFIX}-gateway")
+    assert (
+        gateway["spec"]["scaleTargetRef"]["name"]
+        == release.deployment("gateway")["metadata"]["name"]
+    )
+    assert gateway["spec"]["metrics"][0]["resource"]["name"] == "cpu"
+    worker = release.get("HorizontalPodAutoscaler", f"{PREFIX}-worker")
+    assert worker["spec"]["scaleTargetRef"]["name"] == f"{PREFIX}-worker"
+    metric = worker["spec"]["metrics"][0]
+    assert metric["type"] == "Pods"
+    assert metric["pods"]["metric"]["name"] == "tokenmesh_worker_waiting_requests"
+    # The autoscaler owns the replica count.
+    assert "replicas" not in release.deployment("gateway")["spec"]
+    assert "replicas" not in release.deployment("worker")["spec"]
+    assert releases["defaults"].all("HorizontalPodAutoscaler") == []
+
+
+def test_service_monitors_scrape_every_component_as_the_dashboards_expect(
+    releases: dict[str, Release],
+) -> None:
+    release = releases["hpa-monitoring"]
+    monitors = release.all("ServiceMonitor")
+    assert {m["metadata"]["name"] for m in monitors} == {
+        f"{PREFIX}-{c}" for c in (*PYTHON_COMPONENTS, "envoy")
+    }
+    services = release.all("Service")
+    for monitor in monitors:
+        component = monitor["metadata"]["name"].removeprefix(f"{PREFIX}-")
+        endpoint = monitor["spec"]["endpoints"][0]
+        matched = [
+            s
+            for s in services
+            if selects(monitor["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])
+            and endpoint["port"] in {p["name"] for p in s["spec"]["ports"]}
+        ]
+        assert len(matched) == 1, component
+        assert {"targetLabel": "service", "replacement": component} in endpoint["relabelings"]
+    worker = next(m for m in monitors if m["metadata"]["name"] == f"{PREFIX}-worker")
+    assert worker["spec"]["endpoints"][0]["metricRelabelings"][0]["replacement"] == "vllm:$1"
+    envoy = next(m for m in monitors if m["metadata"]["name"] == f"{PREFIX}-envoy")
+    assert envoy["spec"]["endpoints"][0]["path"] == "/stats/prometheus"
+    rules = release.get("PrometheusRule", f"{PREFIX}-alerts")
+    alerts = yaml.safe_load((ROOT / "prometheus" / "alerts.yml").read_text())
+    assert rules["spec"]["groups"] == alerts["groups"]
+    # Asked for, but the cluster has no Prometheus Operator: nothing that would fail to apply.
+    values, _ = VALUE_SETS["hpa-monitoring"]
+    without_crds = Release(render(values))
+    assert without_crds.all("ServiceMonitor") == [] and without_crds.all("PrometheusRule") == []
+
+
+def test_dashboards_ship_for_the_grafana_sidecar(releases: dict[str, Release]) -> None:
+    configmap = releases["defaults"].get("ConfigMap", f"{PREFIX}-dashboards")
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    expected = {path.name for path in (ROOT / "dashboards").glob("*.json")}
+    assert set(configmap["data"]) == expected
+    for name, text in configmap["data"].items():
+        assert json.loads(text) == json.loads((ROOT / "dashboards" / name).read_text())
+
+
+def test_notes_say_how_to_reach_the_edge(releases: dict[str, Release]) -> None:
+    notes = releases["defaults"].manifests["tokenmesh/templates/NOTES.txt"]
+    assert f"kubectl -n {NAMESPACE} port-forward svc/{PREFIX}-envoy 8080:8080" in notes
+    assert "grpcurl -plaintext" in notes and "tokenmesh.v1.LLMService/Generate" in notes
+    tls_notes = releases["tls"].manifests["tokenmesh/templates/NOTES.txt"]
+    assert "grpcurl -insecure" in tls_notes and "https://" in tls_notes
