@@ -31,12 +31,7 @@ def _method(details: aio.ClientCallDetails) -> str:
     return method.decode() if isinstance(method, bytes) else str(method)
 
 
-class ClientMetricsInterceptor(
-    aio.UnaryUnaryClientInterceptor,
-    aio.UnaryStreamClientInterceptor,
-    aio.StreamUnaryClientInterceptor,
-    aio.StreamStreamClientInterceptor,
-):
+class ClientMetricsInterceptor:
     """grpc_client_started/handled/msg_sent/msg_received/handling_seconds per method, named and
     labelled like the server-side set (go-grpc-prometheus)."""
 
@@ -128,12 +123,7 @@ class ClientMetricsInterceptor(
         return self._counted_responses(call, metrics)
 
 
-class TraceContextClientInterceptor(
-    aio.UnaryUnaryClientInterceptor,
-    aio.UnaryStreamClientInterceptor,
-    aio.StreamUnaryClientInterceptor,
-    aio.StreamStreamClientInterceptor,
-):
+class TraceContextClientInterceptor:
     """Adds `traceparent` for the current span to every call's metadata, so the callee's
     server span (through Envoy, which passes the header on) continues this trace. The call is
     made in a task copied from the caller's context, so the current span is the caller's."""
@@ -172,12 +162,75 @@ class TraceContextClientInterceptor(
         return await continuation(self._with_trace(client_call_details), request_iterator)
 
 
+class _UnaryUnary(aio.UnaryUnaryClientInterceptor):
+    def __init__(self, interceptor: _AnyArity) -> None:
+        self._interceptor = interceptor
+
+    async def intercept_unary_unary(
+        self, continuation: Continuation, client_call_details: aio.ClientCallDetails, request: Any
+    ) -> Any:
+        return await self._interceptor.intercept_unary_unary(
+            continuation, client_call_details, request
+        )
+
+
+class _UnaryStream(aio.UnaryStreamClientInterceptor):
+    def __init__(self, interceptor: _AnyArity) -> None:
+        self._interceptor = interceptor
+
+    async def intercept_unary_stream(
+        self, continuation: Continuation, client_call_details: aio.ClientCallDetails, request: Any
+    ) -> Any:
+        return await self._interceptor.intercept_unary_stream(
+            continuation, client_call_details, request
+        )
+
+
+class _StreamUnary(aio.StreamUnaryClientInterceptor):
+    def __init__(self, interceptor: _AnyArity) -> None:
+        self._interceptor = interceptor
+
+    async def intercept_stream_unary(
+        self, continuation: Continuation, client_call_details: aio.ClientCallDetails, requests: Any
+    ) -> Any:
+        return await self._interceptor.intercept_stream_unary(
+            continuation, client_call_details, requests
+        )
+
+
+class _StreamStream(aio.StreamStreamClientInterceptor):
+    def __init__(self, interceptor: _AnyArity) -> None:
+        self._interceptor = interceptor
+
+    async def intercept_stream_stream(
+        self, continuation: Continuation, client_call_details: aio.ClientCallDetails, requests: Any
+    ) -> Any:
+        return await self._interceptor.intercept_stream_stream(
+            continuation, client_call_details, requests
+        )
+
+
+_AnyArity = ClientMetricsInterceptor | TraceContextClientInterceptor
+
+
+def for_every_arity(interceptor: _AnyArity) -> list[aio.ClientInterceptor]:
+    """interceptor as the four per-arity objects a channel takes: grpc.aio files an object
+    under the first interceptor class it is an instance of only (an if/elif chain), so one
+    object implementing all four would intercept unary-unary calls alone."""
+    return [
+        _UnaryUnary(interceptor),
+        _UnaryStream(interceptor),
+        _StreamUnary(interceptor),
+        _StreamStream(interceptor),
+    ]
+
+
 def standard_client_interceptors(
     registry: CollectorRegistry, tracing: Tracing
 ) -> list[aio.ClientInterceptor]:
     """The interceptors of a service's channels to others; one list shared by all its channels
     (the metrics are registered once). Tracing off: no propagation interceptor."""
-    chain: list[aio.ClientInterceptor] = [ClientMetricsInterceptor(GrpcClientMetrics(registry))]
+    chain = for_every_arity(ClientMetricsInterceptor(GrpcClientMetrics(registry)))
     if tracing.enabled:
-        chain.append(TraceContextClientInterceptor())
+        chain += for_every_arity(TraceContextClientInterceptor())
     return chain

@@ -192,6 +192,7 @@ class StreamTimer:
     __slots__ = (
         "_completion_tokens",
         "_deadline_at",
+        "_finished",
         "_last",
         "_metrics",
         "_parent",
@@ -213,6 +214,8 @@ class StreamTimer:
         self._start = time.perf_counter()
         self._last: float | None = None
         self._prompt_counted = False
+        # Whether the stream's last token (the one with a finish reason) was sent.
+        self._finished = False
         self._completion_tokens = 0
         self._token_log = token_log
         self._tracer = tracer
@@ -252,21 +255,22 @@ class StreamTimer:
         """A Token was sent: times it if it is a generated token (not an end-only message);
         counts the prompt's tokens once, from prompt_tokens or from the usage on the last
         token."""
-        if token.token_id >= 0:
-            self.token_sent()
-        if token.finish_reason:
-            if prompt_tokens is None:
-                prompt_tokens = token.usage.prompt_tokens
-            if self._phase is not None:
-                reason = token_pb2.FinishReason.Name(token.finish_reason)
-                self._phase.set_attribute("tokenmesh.finish_reason", reason)
-                if token.finish_reason == token_pb2.FINISH_REASON_ABORTED:
-                    self._phase.add_event("aborted")
+        if prompt_tokens is None and token.finish_reason:
+            prompt_tokens = token.usage.prompt_tokens
         if prompt_tokens is not None and not self._prompt_counted:
             self._prompt_counted = True
             self._metrics.prompt_tokens.inc(prompt_tokens)
             if self._phase is not None:
                 self._phase.set_attribute("tokenmesh.prompt_tokens", prompt_tokens)
+        if token.token_id >= 0:
+            self.token_sent()
+        if token.finish_reason:
+            self._finished = True
+        if token.finish_reason and self._phase is not None:
+            reason = token_pb2.FinishReason.Name(token.finish_reason)
+            self._phase.set_attribute("tokenmesh.finish_reason", reason)
+            if token.finish_reason == token_pb2.FINISH_REASON_ABORTED:
+                self._phase.add_event("aborted")
 
     def _next_phase(self) -> None:
         """First token: queue_prefill ends, decode begins."""
@@ -275,20 +279,25 @@ class StreamTimer:
         self._phase = self._tracer.start_span("decode", context=self._parent)
 
     def _rpc_done(self, context: aio.ServicerContext[Any, Any]) -> None:
-        code = "OK"
-        if context.cancelled():
+        # An error has its code by now (the error-mapping interceptor aborted with it), but a
+        # cancel is not always marked on the context yet: a token stream that ends without an
+        # error and without its last token was cut short by the caller or the deadline.
+        code = context.code()
+        if isinstance(code, grpc.StatusCode):
+            outcome = code.name
+        elif context.cancelled() or not self._finished:
             passed = (
                 self._deadline_at is not None
                 and time.perf_counter() >= self._deadline_at - DEADLINE_SLACK_SECONDS
             )
-            code = "DEADLINE_EXCEEDED" if passed else "CANCELLED"
-        elif isinstance(context.code(), grpc.StatusCode):
-            code = context.code().name
-        self._metrics.duration.labels(code).observe(time.perf_counter() - self._start)
+            outcome = "DEADLINE_EXCEEDED" if passed else "CANCELLED"
+        else:
+            outcome = "OK"
+        self._metrics.duration.labels(outcome).observe(time.perf_counter() - self._start)
         if self._phase is not None:
             self._phase.set_attribute("tokenmesh.completion_tokens", self._completion_tokens)
-            if code in ("CANCELLED", "DEADLINE_EXCEEDED"):
-                self._phase.add_event("cancelled", {"tokenmesh.reason": code.lower()})
+            if outcome in ("CANCELLED", "DEADLINE_EXCEEDED"):
+                self._phase.add_event("cancelled", {"tokenmesh.reason": outcome.lower()})
             self._phase.end()
             self._phase = None
 
