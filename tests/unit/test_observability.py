@@ -4,8 +4,10 @@ per-RPC log line, through a real in-process server and channel (spans kept in me
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -25,10 +27,11 @@ from tokenmesh.common.client import (
 )
 from tokenmesh.common.errors import InvalidArgument
 from tokenmesh.common.interceptors import standard_interceptors
-from tokenmesh.common.logs import TraceIdFilter
+from tokenmesh.common.logs import TraceIdFilter, configure_logging
 from tokenmesh.common.metrics import TOKEN_LOGGER, GrpcClientMetrics, StreamMetrics
 from tokenmesh.common.tracing import Tracing
 from tokenmesh.gateway.pipeline import WorkerClient
+from tokenmesh.localstack.stack import Stack, StackSettings
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
 
 SERVICE = "tokenmesh.v1.InferenceService"
@@ -302,3 +305,42 @@ def test_log_records_get_the_current_trace_id() -> None:
     outside = logging.LogRecord("x", logging.INFO, __file__, 1, "m", None, None)
     TraceIdFilter().filter(outside)
     assert not hasattr(outside, "trace_id")
+
+
+def test_json_log_line_carries_the_rpc_fields_and_trace_id(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    provider = TracerProvider()
+    try:
+        configure_logging("INFO", "json")
+        with provider.get_tracer("t").start_as_current_span("s") as span:
+            logging.getLogger("tokenmesh.common.interceptors").info(
+                "rpc done", extra={"method": "/a.B/C", "grpc_code": "OK", "duration_ms": 1.5}
+            )
+    finally:
+        root.handlers[:], level = saved
+        root.setLevel(level)
+    line = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
+    assert line["method"] == "/a.B/C" and line["grpc_code"] == "OK"
+    assert line["level"] == "INFO" and line["duration_ms"] == 1.5
+    assert line["trace_id"] == trace.format_trace_id(span.get_span_context().trace_id)
+
+
+def test_stack_sends_the_otlp_endpoint_to_every_traced_service(tmp_path: Path) -> None:
+    stack = Stack(StackSettings(otlp_endpoint="127.0.0.1:4317", workers=1), root=tmp_path)
+    traced = {
+        program.name: value
+        for program in stack.programs
+        for key, value in program.env.items()
+        if key.endswith("_OTLP_ENDPOINT")
+    }
+    assert traced == {
+        "worker-0": "127.0.0.1:4317",
+        "reranker": "127.0.0.1:4317",
+        "gateway-0": "127.0.0.1:4317",
+        "gateway-1": "127.0.0.1:4317",
+    }
+    untraced = Stack(StackSettings(workers=1), root=tmp_path)
+    assert not any("OTLP" in key for program in untraced.programs for key in program.env)
