@@ -373,17 +373,16 @@ class _RpcLogLine(_RpcObserver):
         self._trace_id = trace_id_hex()
         self._sent = 0
         # Prompt and completion tokens from the usage responses carry (a stream's last token,
-        # a whole answer); None until a response type is seen to have none.
-        self._usage: list[int] | None = [0, 0]
+        # a whole answer); None when the response type has no usage (looked at once).
+        self._usage: list[int] | None = None
 
     def sent(self, response: Any) -> None:
         self._sent += 1
-        if self._usage is None:
-            return
-        descriptor = getattr(type(response), "DESCRIPTOR", None)
-        if descriptor is None or "usage" not in descriptor.fields_by_name:
-            self._usage = None
-        elif response.HasField("usage"):
+        if self._sent == 1:
+            descriptor = getattr(type(response), "DESCRIPTOR", None)
+            if descriptor is not None and "usage" in descriptor.fields_by_name:
+                self._usage = [0, 0]
+        if self._usage is not None and response.HasField("usage"):
             self._usage[0] += response.usage.prompt_tokens
             self._usage[1] += response.usage.completion_tokens
 
@@ -397,7 +396,7 @@ class _RpcLogLine(_RpcObserver):
         }
         if self._trace_id is not None:
             fields["trace_id"] = self._trace_id
-        if self._usage is not None and self._sent:
+        if self._usage is not None:
             fields["prompt_tokens"], fields["completion_tokens"] = self._usage
         log.log(self._level, "rpc %s %s %.1f ms", self._method, code, seconds * 1000, extra=fields)
 

@@ -160,8 +160,8 @@ class StreamMetrics:
         )
         self.prompt_tokens = Counter(
             "tokenmesh_prompt_tokens",
-            "Prompt tokens of token streams (the worker counts each request it accepts; the "
-            "gateway counts the usage reported on a stream's last token).",
+            "Prompt tokens of token streams (the worker counts them as a request's first token "
+            "is sent; the gateway from the usage reported on a stream's last token).",
             registry=registry,
         )
         self.duration = Histogram(
