@@ -181,8 +181,8 @@ async def test_a_cancelled_stream_records_the_cancellation_in_gateway_and_worker
         llm_pb2.GenerateRequest(prompt="a long story", max_tokens=2000, ignore_eos=True),
         metadata=(("traceparent", traceparent),),
     )
-    await call.read()
-    await call.read()
+    for _ in range(3):
+        await call.read()
     call.cancel()
     generate = ("tokenmesh-gateway", "tokenmesh.v1.LLMService/Generate")
     spans = await otlp_collector.wait_for(
@@ -191,6 +191,6 @@ async def test_a_cancelled_stream_records_the_cancellation_in_gateway_and_worker
     gateway, worker, decode = one(spans, *generate), one(spans, *WORKER), one(spans, *DECODE)
     assert worker.parent_span_id == gateway.span_id
     for span in (gateway, worker, decode):
-        assert span.events["cancelled"] == {"tokenmesh.reason": "cancelled"}, span
+        assert span.events.get("cancelled") == {"tokenmesh.reason": "cancelled"}, spans
     assert worker.attributes["rpc.grpc.status_code"] == 1  # CANCELLED
     assert 2 <= decode.attributes["tokenmesh.completion_tokens"] < 2000
