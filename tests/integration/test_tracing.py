@@ -24,7 +24,14 @@ from grpc import aio
 
 from tests.conftest import LOG_DIR, OTLP_ENV
 from tests.otlp_collector import OtlpCollector, ReceivedSpan
-from tests.support import ServiceProcess, controlplane_process, free_port, gateway_process
+from tests.support import (
+    ServiceProcess,
+    controlplane_process,
+    free_port,
+    gateway_process,
+    metric_value,
+    scrape_metrics,
+)
 from tokenmesh.localstack.stack import envoy_hosts
 from tokenmesh.meshconfig.bootstrap import render
 from tokenmesh.meshconfig.config import MeshSettings
@@ -139,7 +146,7 @@ DECODE = ("tokenmesh-worker", "decode")
 
 
 async def test_one_trace_from_the_client_through_envoy_to_reranker_and_worker(
-    edge, otlp_collector: OtlpCollector
+    edge, traced_mesh: TracedMesh, otlp_collector: OtlpCollector
 ) -> None:
     traceparent, trace_id, client_span_id = client_traceparent()
     query = llm_pb2.Query(
@@ -171,6 +178,15 @@ async def test_one_trace_from_the_client_through_envoy_to_reranker_and_worker(
     assert prefill.attributes["tokenmesh.prompt_tokens"] > 0
     assert decode.attributes["tokenmesh.completion_tokens"] == 4
     assert decode.attributes["tokenmesh.finish_reason"] == "FINISH_REASON_LENGTH"
+    # The gateway's client interceptors counted both calls it made through Envoy.
+    metrics = scrape_metrics(traced_mesh.gateway.metrics_port)
+    for service, method, grpc_type in (
+        ("tokenmesh.v1.RerankService", "Rerank", "unary"),
+        ("tokenmesh.v1.InferenceService", "Generate", "server_stream"),
+    ):
+        labels = {"grpc_service": service, "grpc_method": method, "grpc_type": grpc_type}
+        assert metric_value(metrics, "grpc_client_handled_total", grpc_code="OK", **labels) >= 1
+        assert metric_value(metrics, "grpc_client_stream_msg_received_total", **labels) >= 1
 
 
 async def test_a_cancelled_stream_records_the_cancellation_in_gateway_and_worker_spans(
