@@ -1,13 +1,12 @@
-"""grpc.aio client interceptors for calls to other services: grpc_client_* metrics and W3C
-trace-context propagation.
+"""grpc.aio client interceptors for calls to other services: grpc_client_* metrics, traceparent."""
 
-Hand-written rather than opentelemetry-instrumentation-grpc (or py-grpc-prometheus, which is
-not asyncio-aware): the metrics mirror our server-side set exactly, propagation must use this
-service's tracer rather than a global provider, and cancellation must stay immediate. Both
-interceptors hand the underlying call back (metrics wraps only its response iterator), so
-`call.cancel()` on what the stub returns still cancels the RPC at once; completion is taken
-from the call's done callback, which fires on cancel too.
-"""
+# Hand-written rather than opentelemetry-instrumentation-grpc or py-grpc-prometheus (which has
+# no grpc.aio interceptors: lchenn/py-grpc-prometheus#13 is open): the metrics mirror our
+# server-side set exactly, propagation must use this service's tracer rather than a global
+# provider, and cancellation must stay immediate. Both interceptors hand the underlying call
+# back (metrics wraps only its response iterator), so `call.cancel()` on what the stub returns
+# still cancels the RPC at once; completion is taken from the call's done callback, which fires
+# on cancel too.
 
 from __future__ import annotations
 

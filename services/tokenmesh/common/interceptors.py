@@ -328,9 +328,10 @@ class TracingInterceptor(aio.ServerInterceptor):
     `traceparent`, with the final status code; the span is current while the handler runs, so
     its own spans and outgoing calls (see client.TraceContextClientInterceptor) are children.
 
-    Hand-written rather than opentelemetry-instrumentation-grpc: it must end spans with the same
-    final code (cancel vs deadline) as the other interceptors, close the handler's generator at
-    once on cancel, take this service's tracer rather than a global one, and skip health checks.
+    Hand-written rather than opentelemetry-instrumentation-grpc (not in our lock): it shares the
+    stream wrapping of the interceptors here (the final code telling a cancel from a deadline,
+    handler generators closed at once), takes this service's tracer rather than the global
+    provider, and skips health checks.
     """
 
     def __init__(self, tracer: Tracer) -> None:

@@ -1,5 +1,4 @@
-"""OpenTelemetry tracing: a per-service TracerProvider exporting over OTLP/gRPC, and W3C
-trace-context propagation through gRPC metadata."""
+"""OpenTelemetry tracing: a TracerProvider per service exporting over OTLP/gRPC; traceparent."""
 
 from __future__ import annotations
 
