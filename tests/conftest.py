@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from grpc import aio
 
+from tests.otlp_collector import OtlpCollector
 from tests.support import TINY_MODEL, ServiceProcess, reranker_process, worker_process
 from tokenmesh.v1 import inference_pb2_grpc
 
@@ -27,11 +28,28 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "stops_worker: ends the session's shared worker process")
 
 
+# Spans leave a service 100 ms after they end, so tests see them soon (the default is 5 s).
+OTLP_ENV = {"OTEL_BSP_SCHEDULE_DELAY": "100"}
+
+
 @pytest.fixture(scope="session")
-def worker() -> Iterator[ServiceProcess]:
+def otlp_collector() -> Iterator[OtlpCollector]:
+    """A real OTLP/gRPC receiver every traced test process exports its spans to."""
+    collector = OtlpCollector()
+    collector.start()
+    try:
+        yield collector
+    finally:
+        collector.stop()
+
+
+@pytest.fixture(scope="session")
+def worker(otlp_collector: OtlpCollector) -> Iterator[ServiceProcess]:
     if not (TINY_MODEL / "config.json").exists():
         pytest.fail(f"no tiny model at {TINY_MODEL}: run `make setup` first")
-    process = worker_process(LOG_DIR)
+    # Traced, so its spans join the traces of tests/integration/test_tracing.py.
+    process = worker_process(LOG_DIR, otlp_endpoint=otlp_collector.address)
+    process.env.update(OTLP_ENV)
     process.start()
     try:
         process.wait_serving(WORKER_START_TIMEOUT)
@@ -52,8 +70,9 @@ def inference(worker_channel: aio.Channel) -> inference_pb2_grpc.InferenceServic
 
 
 @pytest.fixture(scope="session")
-def reranker() -> Iterator[ServiceProcess]:
-    process = reranker_process(LOG_DIR)
+def reranker(otlp_collector: OtlpCollector) -> Iterator[ServiceProcess]:
+    process = reranker_process(LOG_DIR, otlp_endpoint=otlp_collector.address)
+    process.env.update(OTLP_ENV)
     process.start()
     try:
         process.wait_serving(RERANKER_START_TIMEOUT)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -44,10 +45,18 @@ def client_options(max_message_bytes: int) -> list[tuple[str, Any]]:
 class Dependency:
     """A named channel to another service (or to the Envoy listener in front of it)."""
 
-    def __init__(self, name: str, address: str, max_message_bytes: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        address: str,
+        max_message_bytes: int,
+        interceptors: Sequence[aio.ClientInterceptor] = (),
+    ) -> None:
         self.name = name
         self.address = address
-        self.channel = aio.insecure_channel(address, options=client_options(max_message_bytes))
+        self.channel = aio.insecure_channel(
+            address, options=client_options(max_message_bytes), interceptors=list(interceptors)
+        )
 
     async def ensure_connected(self, within: float) -> None:
         """Wait up to `within` seconds for a connection; else UNAVAILABLE naming the dependency."""

@@ -1,4 +1,5 @@
-"""Server interceptors shared by every service: error mapping and the standard gRPC metrics.
+"""Server interceptors shared by every service: tracing, the RPC log line, the standard gRPC
+metrics and error mapping.
 
 Handlers must be coroutines (unary responses) or async generators (streamed responses), the
 grpc.aio idioms this code base uses; the wrappers below keep that shape.
@@ -14,10 +15,14 @@ from typing import Any
 
 import grpc
 from grpc import aio
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind, StatusCode, Tracer
 from prometheus_client import CollectorRegistry
 
 from tokenmesh.common.errors import ServiceError
-from tokenmesh.common.metrics import GrpcServerMetrics, MethodMetrics
+from tokenmesh.common.metrics import DEADLINE_SLACK_SECONDS, GrpcServerMetrics, MethodMetrics
+from tokenmesh.common.tracing import extract, trace_id_hex
 
 log = logging.getLogger(__name__)
 
@@ -116,11 +121,6 @@ class ErrorMappingInterceptor(aio.ServerInterceptor):
             return stream
 
         return rewrap(handler, wrap_unary, wrap_stream)
-
-
-# A caller whose deadline passes resets the stream itself, usually a moment before the server's
-# own deadline timer fires; a cancel this close to the deadline is the deadline passing.
-DEADLINE_SLACK_SECONDS = 0.1
 
 
 class Deadline:
@@ -235,7 +235,201 @@ class GrpcMetricsInterceptor(aio.ServerInterceptor):
         return rewrap(handler, wrap_unary, wrap_stream)
 
 
-def standard_interceptors(registry: CollectorRegistry) -> list[aio.ServerInterceptor]:
-    """Every service's interceptors, outermost first: metrics see the final status code that
-    error mapping produced."""
-    return [GrpcMetricsInterceptor(GrpcServerMetrics(registry)), ErrorMappingInterceptor()]
+# Methods called every few hundred milliseconds by Envoy, Kubernetes and Consul: no spans, and
+# their log lines only at DEBUG.
+QUIET_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+# Server span status per OpenTelemetry's RPC conventions: only these codes are server errors.
+SERVER_ERROR_CODES = frozenset(
+    {"UNKNOWN", "DEADLINE_EXCEEDED", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS"}
+)
+
+
+def _quiet(method: str) -> bool:
+    return method.startswith(QUIET_METHOD_PREFIXES)
+
+
+class _RpcObserver:
+    """What an observing interceptor does for one RPC: begin, see each response, end with the
+    final status code and duration."""
+
+    def sent(self, response: Any) -> None:
+        pass
+
+    def end(self, code: str, seconds: float) -> None:
+        pass
+
+
+def _observe(
+    handler: grpc.RpcMethodHandler,
+    begin: Callable[[aio.ServicerContext[Any, Any]], _RpcObserver],
+) -> grpc.RpcMethodHandler:
+    """handler wrapped so that begin(context) runs as the RPC starts, in the RPC's own task, and
+    the observer it returns sees the responses and the end, however the RPC ends."""
+
+    def wrap_unary(behaviour: UnaryBehaviour) -> UnaryBehaviour:
+        async def unary(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
+            observer = begin(context)
+            start = time.perf_counter()
+            deadline = Deadline(context)
+            error: BaseException | None = None
+            try:
+                response = await behaviour(request, context)
+                observer.sent(response)
+                return response
+            except BaseException as exc:
+                error = exc
+                raise
+            finally:
+                observer.end(_final_code(context, deadline, error), time.perf_counter() - start)
+
+        return unary
+
+    def wrap_stream(behaviour: StreamBehaviour) -> StreamBehaviour:
+        async def stream(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
+            observer = begin(context)
+            start = time.perf_counter()
+            deadline = Deadline(context)
+            error: BaseException | None = None
+            responses = behaviour(request, context)
+            try:
+                async for response in responses:
+                    observer.sent(response)
+                    yield response
+            except BaseException as exc:
+                error = exc
+                raise
+            finally:
+                await close(responses)
+                observer.end(_final_code(context, deadline, error), time.perf_counter() - start)
+
+        return stream
+
+    return rewrap(handler, wrap_unary, wrap_stream)
+
+
+class _ServerSpan(_RpcObserver):
+    __slots__ = ("_span",)
+
+    def __init__(self, span: Span) -> None:
+        self._span = span
+
+    def end(self, code: str, seconds: float) -> None:
+        span = self._span
+        span.set_attribute("rpc.grpc.status_code", grpc.StatusCode[code].value[0])
+        if code in ("CANCELLED", "DEADLINE_EXCEEDED"):
+            span.add_event("cancelled", {"tokenmesh.reason": code.lower()})
+        if code in SERVER_ERROR_CODES:
+            span.set_status(StatusCode.ERROR, code)
+        span.end()
+
+
+class TracingInterceptor(aio.ServerInterceptor):
+    """A SERVER span per RPC, continuing the caller's trace when its metadata carries a W3C
+    `traceparent`, with the final status code; the span is current while the handler runs, so
+    its own spans and outgoing calls (see client.TraceContextClientInterceptor) are children.
+
+    Hand-written rather than opentelemetry-instrumentation-grpc (not in our lock): it shares the
+    stream wrapping of the interceptors here (the final code telling a cancel from a deadline,
+    handler generators closed at once), takes this service's tracer rather than the global
+    provider, and skips health checks.
+    """
+
+    def __init__(self, tracer: Tracer) -> None:
+        self._tracer = tracer
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or _quiet(method):
+            return handler
+        name = method.lstrip("/")
+        service, _, rpc = name.partition("/")
+        attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": rpc}
+
+        def begin(context: aio.ServicerContext[Any, Any]) -> _RpcObserver:
+            parent = extract(context.invocation_metadata())
+            span = self._tracer.start_span(
+                name, context=parent, kind=SpanKind.SERVER, attributes=attributes
+            )
+            # Current for the rest of the RPC. Never detached: each RPC runs in a task (and so a
+            # contextvars Context) of its own that ends with it, and the handler's generator may
+            # be closed from another task, where detaching would fail.
+            otel_context.attach(trace.set_span_in_context(span, parent))
+            return _ServerSpan(span)
+
+        return _observe(handler, begin)
+
+
+class _RpcLogLine(_RpcObserver):
+    __slots__ = ("_level", "_method", "_peer", "_sent", "_trace_id", "_usage")
+
+    def __init__(self, method: str, level: int, context: aio.ServicerContext[Any, Any]) -> None:
+        self._method = method
+        self._level = level
+        self._peer = context.peer()
+        self._trace_id = trace_id_hex()
+        self._sent = 0
+        # Prompt and completion tokens from the usage responses carry (a stream's last token,
+        # a whole answer); None when the response type has no usage (looked at once).
+        self._usage: list[int] | None = None
+
+    def sent(self, response: Any) -> None:
+        self._sent += 1
+        if self._sent == 1:
+            descriptor = getattr(type(response), "DESCRIPTOR", None)
+            if descriptor is not None and "usage" in descriptor.fields_by_name:
+                self._usage = [0, 0]
+        if self._usage is not None and response.HasField("usage"):
+            self._usage[0] += response.usage.prompt_tokens
+            self._usage[1] += response.usage.completion_tokens
+
+    def end(self, code: str, seconds: float) -> None:
+        fields: dict[str, Any] = {
+            "method": self._method,
+            "grpc_code": code,
+            "duration_ms": round(seconds * 1000, 3),
+            "messages_sent": self._sent,
+            "peer": self._peer,
+        }
+        if self._trace_id is not None:
+            fields["trace_id"] = self._trace_id
+        if self._usage is not None:
+            fields["prompt_tokens"], fields["completion_tokens"] = self._usage
+        log.log(self._level, "rpc %s %s %.1f ms", self._method, code, seconds * 1000, extra=fields)
+
+
+class AccessLogInterceptor(aio.ServerInterceptor):
+    """One log line per finished RPC: method, final status code, duration, messages sent,
+    peer, prompt and completion tokens (when responses carry usage) and the trace id (when
+    traced). Health and reflection calls log at DEBUG only."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        level = logging.DEBUG if _quiet(method) else logging.INFO
+        if handler is None or not log.isEnabledFor(level):
+            return handler
+        return _observe(handler, lambda context: _RpcLogLine(method, level, context))
+
+
+def standard_interceptors(
+    registry: CollectorRegistry, tracer: Tracer | None = None
+) -> list[aio.ServerInterceptor]:
+    """Every service's interceptors, outermost first: the span is current for everything inside
+    it; the log line and metrics see the final status code that error mapping produced. No
+    tracer (tracing off): no tracing interceptor at all."""
+    chain: list[aio.ServerInterceptor] = [] if tracer is None else [TracingInterceptor(tracer)]
+    return [
+        *chain,
+        AccessLogInterceptor(),
+        GrpcMetricsInterceptor(GrpcServerMetrics(registry)),
+        ErrorMappingInterceptor(),
+    ]

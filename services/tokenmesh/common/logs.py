@@ -5,7 +5,19 @@ from __future__ import annotations
 import logging
 import sys
 
+from opentelemetry import trace
 from pythonjsonlogger.json import JsonFormatter
+
+
+class TraceIdFilter(logging.Filter):
+    """Adds trace_id and span_id to records logged while a span is current (tracing on)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        context = trace.get_current_span().get_span_context()
+        if context.is_valid and not hasattr(record, "trace_id"):
+            record.trace_id = trace.format_trace_id(context.trace_id)
+            record.span_id = trace.format_span_id(context.span_id)
+        return True
 
 
 def configure_logging(level: str, log_format: str) -> None:
@@ -20,6 +32,7 @@ def configure_logging(level: str, log_format: str) -> None:
         )
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.addFilter(TraceIdFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -1,15 +1,29 @@
-"""Prometheus metrics shared by the services: the standard gRPC server set, LLM stream timing,
-and the HTTP endpoint that serves them. Every metric lives in a registry passed in, never the
-process-global one, so tests and multiple servers in one process do not collide."""
+"""Prometheus metrics shared by the services: the standard gRPC server and client sets, LLM
+stream timing, and the HTTP endpoint that serves them. Every metric lives in a registry passed
+in, never the process-global one, so tests and multiple servers in one process do not collide."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 from wsgiref.simple_server import WSGIServer
 
+import grpc
+from grpc import aio
+from opentelemetry import context as otel_context
+from opentelemetry.trace import Span, Tracer
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+
+from tokenmesh.v1 import token_pb2
+
+# The logger of the per-token DEBUG lines (the log_tokens setting).
+TOKEN_LOGGER = "tokenmesh.tokens"
+# A caller whose deadline passes resets the stream itself, usually a moment before the server's
+# own deadline timer fires; a cancel this close to the deadline is the deadline passing.
+DEADLINE_SLACK_SECONDS = 0.1
 
 # Time to first token: from 1 ms (cached, tiny model) to 30 s (long prefill under load).
 TTFT_BUCKETS = (
@@ -46,35 +60,37 @@ class MethodMetrics:
         self.handling_seconds.observe(seconds)
 
 
-class GrpcServerMetrics:
-    """grpc_server_* metrics with go-grpc-prometheus names and labels."""
+class _GrpcMetricSet:
+    """grpc_<side>_* metrics with go-grpc-prometheus names and labels, side being server or
+    client: started, handled (by code), messages sent and received, and handling seconds."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, side: str) -> None:
         labels = ("grpc_type", "grpc_service", "grpc_method")
+        where = f"on the {side}"
         self._started = Counter(
-            "grpc_server_started", "RPCs started on the server.", labels, registry=registry
+            f"grpc_{side}_started", f"RPCs started {where}.", labels, registry=registry
         )
         self._handled = Counter(
-            "grpc_server_handled",
-            "RPCs completed on the server, by status code.",
+            f"grpc_{side}_handled",
+            f"RPCs completed {where}, by status code.",
             (*labels, "grpc_code"),
             registry=registry,
         )
         self._sent = Counter(
-            "grpc_server_stream_msg_sent",
-            "Messages sent by the server (responses).",
+            f"grpc_{side}_stream_msg_sent",
+            f"Messages sent {where}.",
             labels,
             registry=registry,
         )
         self._received = Counter(
-            "grpc_server_stream_msg_received",
-            "Messages received by the server (requests).",
+            f"grpc_{side}_stream_msg_received",
+            f"Messages received {where}.",
             labels,
             registry=registry,
         )
         self._seconds = Histogram(
-            "grpc_server_handling_seconds",
-            "Time from RPC start to its end on the server.",
+            f"grpc_{side}_handling_seconds",
+            f"Time from RPC start to its end {where}.",
             labels,
             buckets=RPC_BUCKETS,
             registry=registry,
@@ -100,10 +116,31 @@ class GrpcServerMetrics:
         return metrics
 
 
-class StreamMetrics:
-    """Time to first token, inter-token latency and generated tokens of token streams."""
+class GrpcServerMetrics(_GrpcMetricSet):
+    """grpc_server_* metrics with go-grpc-prometheus names and labels."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
+        super().__init__(registry, "server")
+
+
+class GrpcClientMetrics(_GrpcMetricSet):
+    """grpc_client_* metrics (go-grpc-prometheus names), for calls to other services."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        super().__init__(registry, "client")
+
+
+class StreamMetrics:
+    """Token streams' timing and token counts (time to first token, inter-token latency, whole
+    request duration, prompt and generated tokens); optionally each stream's queue_prefill and
+    decode spans, and a DEBUG log line per token sent."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        tracer: Tracer | None = None,
+        log_tokens: bool = False,
+    ) -> None:
         self.ttft = Histogram(
             "tokenmesh_ttft_seconds",
             "Time from receiving a request to sending its first token.",
@@ -121,30 +158,148 @@ class StreamMetrics:
             "Tokens sent to callers.",
             registry=registry,
         )
+        self.prompt_tokens = Counter(
+            "tokenmesh_prompt_tokens",
+            "Prompt tokens of token streams (the worker counts them as a request's first token "
+            "is sent; the gateway from the usage reported on a stream's last token).",
+            registry=registry,
+        )
+        self.duration = Histogram(
+            "tokenmesh_request_duration_seconds",
+            "Time from receiving a token-stream request to its end, by gRPC status code.",
+            ["grpc_code"],
+            buckets=RPC_BUCKETS,
+            registry=registry,
+        )
+        self._tracer = tracer
+        self._token_log: logging.Logger | None = None
+        if log_tokens:
+            self._token_log = logging.getLogger(TOKEN_LOGGER)
+            # The setting asks for these lines whatever the service's log level.
+            self._token_log.setLevel(logging.DEBUG)
 
-    def timer(self) -> StreamTimer:
-        """Start timing one stream (now is when its request arrived)."""
-        return StreamTimer(self)
+    def timer(self, context: aio.ServicerContext[Any, Any] | None = None) -> StreamTimer:
+        """Start timing one stream (now is when its request arrived). With the RPC's context,
+        the stream's duration and end are recorded when the RPC ends, however it ends."""
+        return StreamTimer(self, context, self._tracer, self._token_log)
 
 
 class StreamTimer:
-    """Observes one stream's TTFT and inter-token gaps as its tokens are sent."""
+    """Observes one stream: TTFT and inter-token gaps as its tokens are sent, its prompt tokens,
+    and (with a tracer) a queue_prefill span up to the first token and a decode span after it.
+    Everything optional is decided here, once per stream, never per token."""
 
-    __slots__ = ("_last", "_metrics", "_start")
+    __slots__ = (
+        "_completion_tokens",
+        "_deadline_at",
+        "_finished",
+        "_last",
+        "_metrics",
+        "_parent",
+        "_phase",
+        "_prompt_counted",
+        "_start",
+        "_token_log",
+        "_tracer",
+    )
 
-    def __init__(self, metrics: StreamMetrics) -> None:
+    def __init__(
+        self,
+        metrics: StreamMetrics,
+        context: aio.ServicerContext[Any, Any] | None = None,
+        tracer: Tracer | None = None,
+        token_log: logging.Logger | None = None,
+    ) -> None:
         self._metrics = metrics
         self._start = time.perf_counter()
         self._last: float | None = None
+        self._prompt_counted = False
+        # Whether the stream's last token (the one with a finish reason) was sent.
+        self._finished = False
+        self._completion_tokens = 0
+        self._token_log = token_log
+        self._tracer = tracer
+        self._parent: otel_context.Context | None = None
+        self._phase: Span | None = None
+        self._deadline_at: float | None = None
+        if tracer is not None:
+            self._parent = otel_context.get_current()
+            self._phase = tracer.start_span("queue_prefill", context=self._parent)
+        if context is not None:
+            remaining = context.time_remaining()
+            self._deadline_at = None if remaining is None else self._start + remaining
+            context.add_done_callback(self._rpc_done)
 
     def token_sent(self) -> None:
         now = time.perf_counter()
         if self._last is None:
             self._metrics.ttft.observe(now - self._start)
+            if self._tracer is not None:
+                self._next_phase()
         else:
             self._metrics.itl.observe(now - self._last)
         self._last = now
+        self._completion_tokens += 1
         self._metrics.tokens.inc()
+        if self._token_log is not None:
+            self._token_log.debug(
+                "token sent",
+                extra={
+                    "index": self._completion_tokens - 1,
+                    "sent_unix_nanos": time.time_ns(),
+                    "since_request_seconds": round(now - self._start, 6),
+                },
+            )
+
+    def sent(self, token: token_pb2.Token, prompt_tokens: int | None = None) -> None:
+        """A Token was sent: times it if it is a generated token (not an end-only message);
+        counts the prompt's tokens once, from prompt_tokens or from the usage on the last
+        token."""
+        if prompt_tokens is None and token.finish_reason:
+            prompt_tokens = token.usage.prompt_tokens
+        if prompt_tokens is not None and not self._prompt_counted:
+            self._prompt_counted = True
+            self._metrics.prompt_tokens.inc(prompt_tokens)
+            if self._phase is not None:
+                self._phase.set_attribute("tokenmesh.prompt_tokens", prompt_tokens)
+        if token.token_id >= 0:
+            self.token_sent()
+        if token.finish_reason:
+            self._finished = True
+        if token.finish_reason and self._phase is not None:
+            reason = token_pb2.FinishReason.Name(token.finish_reason)
+            self._phase.set_attribute("tokenmesh.finish_reason", reason)
+            if token.finish_reason == token_pb2.FINISH_REASON_ABORTED:
+                self._phase.add_event("aborted")
+
+    def _next_phase(self) -> None:
+        """First token: queue_prefill ends, decode begins."""
+        assert self._tracer is not None and self._phase is not None
+        self._phase.end()
+        self._phase = self._tracer.start_span("decode", context=self._parent)
+
+    def _rpc_done(self, context: aio.ServicerContext[Any, Any]) -> None:
+        # An error has its code by now (the error-mapping interceptor aborted with it), but a
+        # cancel is not always marked on the context yet: a token stream that ends without an
+        # error and without its last token was cut short by the caller or the deadline.
+        code = context.code()
+        if isinstance(code, grpc.StatusCode):
+            outcome = code.name
+        elif context.cancelled() or not self._finished:
+            passed = (
+                self._deadline_at is not None
+                and time.perf_counter() >= self._deadline_at - DEADLINE_SLACK_SECONDS
+            )
+            outcome = "DEADLINE_EXCEEDED" if passed else "CANCELLED"
+        else:
+            outcome = "OK"
+        self._metrics.duration.labels(outcome).observe(time.perf_counter() - self._start)
+        if self._phase is not None:
+            self._phase.set_attribute("tokenmesh.completion_tokens", self._completion_tokens)
+            if outcome in ("CANCELLED", "DEADLINE_EXCEEDED"):
+                self._phase.add_event("cancelled", {"tokenmesh.reason": outcome.lower()})
+            self._phase.end()
+            self._phase = None
 
 
 class MetricsEndpoint:

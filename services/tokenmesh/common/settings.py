@@ -12,7 +12,8 @@ MIB = 1024 * 1024
 
 
 class ServiceSettings(BaseSettings):
-    """Server, metrics and logging settings; a subclass sets env_prefix (TOKENMESH_<SERVICE>_)."""
+    """Server, metrics, logging and tracing settings; a subclass sets env_prefix
+    (TOKENMESH_<SERVICE>_)."""
 
     model_config = SettingsConfigDict(frozen=True, extra="ignore")
 
@@ -28,6 +29,13 @@ class ServiceSettings(BaseSettings):
     log_level: str = "INFO"
     # json: one object per line for log shippers; text: for humans at a terminal.
     log_format: Literal["json", "text"] = "json"
+    # Log each token's send time at DEBUG (logger tokenmesh.tokens), whatever log_level says;
+    # for chasing latency, far too verbose for normal use. Decided once per stream.
+    log_tokens: bool = False
+    # OTLP/gRPC collector (e.g. "127.0.0.1:4317" or "http://jaeger:4317") that spans are
+    # exported to; unset means tracing is off: no exporter, no spans. Batching follows the
+    # standard OTEL_BSP_* variables (OTEL_BSP_SCHEDULE_DELAY: 5000 ms).
+    otlp_endpoint: str | None = None
     # Consul agent HTTP address ("127.0.0.1:8500" or "http[s]://host:port"). When set, the
     # service registers itself there with a gRPC health check while SERVING, and deregisters on
     # shutdown. Defaults to the standard CONSUL_HTTP_ADDR variable; unset means no Consul.

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import grpc
 from grpc import aio
+from opentelemetry import trace
+from opentelemetry.trace import Tracer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tokenmesh.common.channels import Dependency
@@ -107,12 +109,14 @@ class DocumentSelector:
         breaker: CircuitBreaker,
         metrics: GatewayMetrics,
         settings: GatewaySettings,
+        tracer: Tracer,
     ) -> None:
         self._reranker = reranker
         self._stub = rerank_pb2_grpc.RerankServiceStub(reranker.channel)
         self._breaker = breaker
         self._metrics = metrics
         self._settings = settings
+        self._tracer = tracer
 
     async def select(
         self, query: str, documents: Sequence[str], top_k: int, remaining: float | None
@@ -120,7 +124,11 @@ class DocumentSelector:
         if not documents:
             return Selection(())
         top_k = min(top_k, len(documents))
-        with self._metrics.rerank_seconds.time():
+        attributes = {"tokenmesh.documents": len(documents), "tokenmesh.top_k": top_k}
+        with (
+            self._metrics.rerank_seconds.time(),
+            self._tracer.start_as_current_span("rerank", attributes=attributes),
+        ):
             try:
                 self._breaker.acquire()
             except CircuitOpenError as refused:
@@ -155,6 +163,10 @@ class DocumentSelector:
 
     def _fallback(self, top_k: int, reason: str, detail: str) -> Selection:
         self._metrics.degraded.labels(reason=reason).inc()
+        # Called within the rerank span: the answer goes on without the reranker.
+        trace.get_current_span().add_event(
+            "degraded", {"tokenmesh.reason": reason, "tokenmesh.detail": detail}
+        )
         return Selection(tuple(range(top_k)), (f"reranker_unavailable: {detail}",))
 
 

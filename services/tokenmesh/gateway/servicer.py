@@ -53,7 +53,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
     async def Generate(
         self, request: llm_pb2.GenerateRequest, context: Context
     ) -> AsyncIterator[token_pb2.Token]:
-        timer = self._stream_metrics.timer()
+        timer = self._stream_metrics.timer(context)
         job = generation_job(request, self._limits)
         prepared = await self._pipeline.prepare(job, context.time_remaining())
         flag_degraded(context, prepared)
@@ -64,8 +64,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
             if first:
                 token.warnings.extend(prepared.warnings)
                 first = False
-            if token.token_id >= 0:
-                timer.token_sent()
+            timer.sent(token)
             yield token
 
     async def GetAnswer(self, request: llm_pb2.Query, context: Context) -> llm_pb2.Answer:

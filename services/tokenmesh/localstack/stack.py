@@ -98,6 +98,9 @@ class StackSettings(BaseSettings):
     worker_kv_cache_space_gib: int = Field(default=1, ge=1)
     # How long `up` waits for every service to be SERVING and every Envoy host healthy.
     ready_timeout_seconds: float = Field(default=600.0, gt=0)
+    # OTLP/gRPC collector (e.g. Jaeger's 127.0.0.1:4317) every gateway, worker and reranker
+    # sends its spans to; unset: tracing off.
+    otlp_endpoint: str | None = None
 
     @classmethod
     def on_free_ports(cls, run_dir: Path, **overrides: Any) -> StackSettings:
@@ -202,6 +205,7 @@ class Stack:
         workers = s.worker_count()
         cores = os.cpu_count() or 1
         registration = {"CONSUL_HTTP_ADDR": self.consul_address} if self.consul else {}
+        tracing = {"OTLP_ENDPOINT": s.otlp_endpoint} if s.otlp_endpoint else {}
         programs: list[Program] = []
         if self.consul:
             programs.append(
@@ -248,12 +252,17 @@ class Stack:
                         # cores, or they fight over the same ones.
                         "CPU_THREADS_BIND": str(i % cores) if workers <= cores else "auto",
                         **registration,
+                        **tracing,
                     },
                 )
             )
         programs.append(
             tokenmesh_service(
-                "reranker", None, s.reranker_port, s.reranker_metrics_port, dict(registration)
+                "reranker",
+                None,
+                s.reranker_port,
+                s.reranker_metrics_port,
+                {**registration, **tracing},
             )
         )
         for i in range(s.gateways):
@@ -267,6 +276,7 @@ class Stack:
                         "WORKER_ADDRESS": f"127.0.0.1:{s.worker_listener_port}",
                         "RERANKER_ADDRESS": f"127.0.0.1:{s.reranker_listener_port}",
                         **registration,
+                        **tracing,
                     },
                 )
             )
@@ -453,26 +463,7 @@ stdout_logfile_backups=2
 
     def envoy_hosts(self) -> dict[str, list[tuple[str, bool]]]:
         """Envoy's view: (address, healthy) of each host, by cluster."""
-        url = f"http://127.0.0.1:{self.settings.envoy_admin_port}/clusters?format=json"
-        try:
-            with urllib.request.urlopen(url, timeout=2) as reply:
-                statuses = json.load(reply).get("cluster_statuses", [])
-        except (urllib.error.URLError, OSError, ValueError):
-            return {}
-        hosts: dict[str, list[tuple[str, bool]]] = {}
-        for cluster in statuses:
-            for host in cluster.get("host_statuses", []):
-                address = host["address"]["socket_address"]
-                flags = host.get("health_status", {})
-                # Any true flag (failed_active_health_check, pending_active_hc, ...) keeps
-                # Envoy from routing to the host.
-                healthy = flags.get("eds_health_status") == "HEALTHY" and not any(
-                    value is True for value in flags.values()
-                )
-                hosts.setdefault(cluster["name"], []).append(
-                    (f"{address['address']}:{address['port_value']}", healthy)
-                )
-        return hosts
+        return envoy_hosts(self.settings.envoy_admin_port)
 
     def envoy_ready(self) -> bool:
         """Every service replica is known to Envoy and passes its health checks."""
@@ -565,6 +556,31 @@ def http_ok(url: str) -> bool:
             return int(reply.status) == 200
     except (urllib.error.URLError, OSError):
         return False
+
+
+def envoy_hosts(admin_port: int) -> dict[str, list[tuple[str, bool]]]:
+    """The view of the Envoy whose admin listens on admin_port: (address, healthy) of each
+    host, by cluster; empty when Envoy does not answer."""
+    url = f"http://127.0.0.1:{admin_port}/clusters?format=json"
+    try:
+        with urllib.request.urlopen(url, timeout=2) as reply:
+            statuses = json.load(reply).get("cluster_statuses", [])
+    except (urllib.error.URLError, OSError, ValueError):
+        return {}
+    hosts: dict[str, list[tuple[str, bool]]] = {}
+    for cluster in statuses:
+        for host in cluster.get("host_statuses", []):
+            address = host["address"]["socket_address"]
+            flags = host.get("health_status", {})
+            # Any true flag (failed_active_health_check, pending_active_hc, ...) keeps
+            # Envoy from routing to the host.
+            healthy = flags.get("eds_health_status") == "HEALTHY" and not any(
+                value is True for value in flags.values()
+            )
+            hosts.setdefault(cluster["name"], []).append(
+                (f"{address['address']}:{address['port_value']}", healthy)
+            )
+    return hosts
 
 
 def serving(address: str) -> bool:

@@ -18,6 +18,7 @@ from tokenmesh.common.server import (
     enable_reflection,
     wait_for_shutdown_signal,
 )
+from tokenmesh.common.tracing import Tracing
 from tokenmesh.reranker.batcher import MicroBatcher
 from tokenmesh.reranker.config import RerankerSettings
 from tokenmesh.reranker.metrics import RerankMetrics
@@ -46,9 +47,12 @@ async def serve(settings: RerankerSettings) -> int:
     """Run the reranker until SIGTERM/SIGINT (exit 0), or exit 1 if the model cannot load."""
     registry = CollectorRegistry()
     rerank_metrics = RerankMetrics(registry)
+    tracing = Tracing("tokenmesh-reranker", settings.otlp_endpoint)
     slot = RerankerSlot()
     health = Health(SERVICE_NAMES)
-    server = build_server(settings, standard_interceptors(registry))
+    server = build_server(
+        settings, standard_interceptors(registry, tracing.tracer if tracing.enabled else None)
+    )
     rerank_pb2_grpc.add_RerankServiceServicer_to_server(
         RerankServicer(slot, settings, rerank_metrics), server
     )
@@ -100,6 +104,7 @@ async def serve(settings: RerankerSettings) -> int:
     await server.stop(settings.grace_seconds)
     if batcher is not None:
         await batcher.close()
+    await tracing.shutdown()
     metrics.stop()
     log.info("reranker stopped", extra={"exit_code": exit_code})
     return exit_code

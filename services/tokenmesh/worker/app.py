@@ -19,6 +19,7 @@ from tokenmesh.common.server import (
     enable_reflection,
     wait_for_shutdown_signal,
 )
+from tokenmesh.common.tracing import Tracing
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
 from tokenmesh.worker.config import WorkerSettings
 from tokenmesh.worker.engine import EngineLoad, EngineSlot, VllmEngine
@@ -79,10 +80,13 @@ async def serve(settings: WorkerSettings) -> int:
     """Run the worker until SIGTERM/SIGINT (exit 0) or until its engine dies (exit 1)."""
     registry = CollectorRegistry()
     registry.register(VllmMetricsCollector())
-    stream_metrics = StreamMetrics(registry)
+    tracing = Tracing("tokenmesh-worker", settings.otlp_endpoint)
+    tracer = tracing.tracer if tracing.enabled else None
+    # With tracing on, each stream's queue_prefill and decode spans too.
+    stream_metrics = StreamMetrics(registry, tracer, log_tokens=settings.log_tokens)
     slot = EngineSlot()
     health = Health(SERVICE_NAMES)
-    server = build_server(settings, standard_interceptors(registry))
+    server = build_server(settings, standard_interceptors(registry, tracer))
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(
         InferenceServicer(slot, settings, stream_metrics, aborted_counter(registry)), server
     )
@@ -135,6 +139,7 @@ async def serve(settings: WorkerSettings) -> int:
         watchdog.cancel()
     if engine is not None:
         await asyncio.to_thread(engine.close)
+    await tracing.shutdown()
     metrics.stop()
     log.info("worker stopped", extra={"exit_code": exit_code})
     return exit_code

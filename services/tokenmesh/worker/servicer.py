@@ -37,7 +37,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         request: inference_pb2.InferenceRequest,
         context: aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[token_pb2.Token]:
-        timer = self._stream_metrics.timer()
+        timer = self._stream_metrics.timer(context)
         deadline = Deadline(context)
         spec = validate(request, self._limits)
         engine = self._engines.get()
@@ -70,8 +70,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 if delta.finish_reason:
                     token.usage.prompt_tokens = delta.prompt_tokens
                     token.usage.completion_tokens = delta.index + (delta.token_id >= 0)
-                if delta.token_id >= 0:
-                    timer.token_sent()
+                timer.sent(token, prompt_tokens=delta.prompt_tokens)
                 yield token
         except asyncio.CancelledError:
             # The caller cancelled, went away or ran out of deadline: free the engine now
