@@ -63,6 +63,9 @@ prometheus:
 	    "install it with: sudo apt-get install --no-install-recommends prometheus"; \
 	fi
 
+# The last install step: xds-protos ships its own, older copy of opentelemetry-proto's generated
+# modules, which overwrites the real package when installed after it (OTLP export then fails to
+# import), so the real one goes back on top.
 $(SETUP_STAMP): pyproject.toml requirements/lock-cpu.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
@@ -72,6 +75,9 @@ ifeq ($(VLLM_TARGET),cpu)
 else
 	$(BIN)/python -m pip install --quiet -e '.[worker-gpu,reranker,localstack,dev]'
 endif
+	$(BIN)/python -m pip install --quiet --no-deps --force-reinstall \
+	  "opentelemetry-proto==$$($(BIN)/python -c 'from importlib.metadata import version; print(version("opentelemetry-proto"))')"
+	$(BIN)/python -c "from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope"
 	touch $@
 
 $(TINY_MODEL)/tokenmesh-tiny.json: scripts/make_tiny_model.py | $(SETUP_STAMP)

@@ -61,12 +61,11 @@ class SlowConsumerResult:
 
 
 @contextmanager
-def flow_control_env(window: int, buffer_limit: int) -> Iterator[None]:
+def flow_control_env(stream_window: int, connection_window: int) -> Iterator[None]:
     """Envoy's windows for the mesh rendered inside this block (TOKENMESH_MESH_* settings)."""
     values = {
-        "TOKENMESH_MESH_STREAM_WINDOW_BYTES": str(window),
-        "TOKENMESH_MESH_CONNECTION_WINDOW_BYTES": str(4 * window),
-        "TOKENMESH_MESH_BUFFER_LIMIT_BYTES": str(buffer_limit),
+        "TOKENMESH_MESH_STREAM_WINDOW_BYTES": str(stream_window),
+        "TOKENMESH_MESH_CONNECTION_WINDOW_BYTES": str(connection_window),
     }
     saved = {name: os.environ.get(name) for name in values}
     os.environ.update(values)
@@ -205,10 +204,12 @@ class SlowConsumerProbe:
         )
 
 
-def measure(window: int, buffer_limit: int, streams: int, max_tokens: int) -> SlowConsumerResult:
+def measure(
+    stream_window: int, connection_window: int, streams: int, max_tokens: int
+) -> SlowConsumerResult:
     with (
         tempfile.TemporaryDirectory(prefix="slow-consumer-") as run_dir,
-        flow_control_env(window, buffer_limit),
+        flow_control_env(stream_window, connection_window),
     ):
         stack = Stack(StackSettings.on_free_ports(Path(run_dir), gateways=1, workers=1), root=ROOT)
         try:
@@ -223,15 +224,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=1900)
-    windows = f"65536,{MIB},{ENVOY_DEFAULT_WINDOW}"
-    parser.add_argument("--windows", default=windows, help="stream windows, bytes")
-    parser.add_argument("--buffer-limit", type=int, default=MIB)
+    # The mesh's defaults, 1 MiB / 4 MiB, and Envoy's own defaults.
+    windows = f"{64 * 1024}:{MIB},{MIB}:{4 * MIB},{ENVOY_DEFAULT_WINDOW}:{ENVOY_DEFAULT_WINDOW}"
+    parser.add_argument("--windows", default=windows, help="stream:connection windows, bytes")
     args = parser.parse_args()
     report = {}
-    for window in (int(value) for value in args.windows.split(",")):
-        result = measure(window, min(args.buffer_limit, window), args.streams, args.max_tokens)
-        report[str(window)] = asdict(result)
-        print(json.dumps({"stream_window_bytes": window, **asdict(result)}), file=sys.stderr)
+    for pair in args.windows.split(","):
+        stream_window, connection_window = (int(value) for value in pair.split(":"))
+        result = measure(stream_window, connection_window, args.streams, args.max_tokens)
+        report[pair] = asdict(result)
+        print(json.dumps({"windows": pair, **asdict(result)}), file=sys.stderr)
     print(json.dumps(report, indent=2))
 
 

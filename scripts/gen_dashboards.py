@@ -146,12 +146,24 @@ OVERVIEW = Dashboard(
             unit="s",
         ),
         Panel(
+            "Token stream duration",
+            "From a token stream's request arriving to its last token (or its end), at the "
+            "gateways and at the workers.",
+            quantiles("tokenmesh_request_duration_seconds", "service", 'service=~"$service"'),
+            unit="s",
+        ),
+        Panel(
             "Tokens/s",
-            "Tokens sent to callers (per service measuring), and tokens vLLM read and generated.",
+            "Tokens sent to callers and prompt tokens read (per service measuring), and tokens "
+            "vLLM read and generated.",
             (
                 Query(
                     rate("tokenmesh_tokens_generated_total", "service", 'service=~"$service"'),
                     "sent ({{service}})",
+                ),
+                Query(
+                    rate("tokenmesh_prompt_tokens_total", "service", 'service=~"$service"'),
+                    "prompt ({{service}})",
                 ),
                 Query(
                     "sum(rate(vllm:generation_tokens_total[$__rate_interval]))", "generated (vLLM)"
@@ -507,6 +519,31 @@ GRPC = Dashboard(
                     "{{service}} {{grpc_method}} received",
                 ),
             ),
+        ),
+        Panel(
+            "Gateway's calls/s by code",
+            "The gateways' own calls to the workers and the reranker (through Envoy), finished "
+            "per second by service called and status code.",
+            (
+                Query(
+                    rate("grpc_client_handled_total", "grpc_service, grpc_code"),
+                    "{{grpc_service}} {{grpc_code}}",
+                ),
+            ),
+            unit="reqps",
+        ),
+        Panel(
+            "Gateway's call time p99",
+            "The gateways' calls to the workers and the reranker, from start to end as the "
+            "gateway sees them (includes Envoy's hop).",
+            (
+                Query(
+                    "histogram_quantile(0.99, sum by (le, grpc_service, grpc_method) "
+                    f"(rate(grpc_client_handling_seconds_bucket[{RATE}])))",
+                    "{{grpc_service}} {{grpc_method}}",
+                ),
+            ),
+            unit="s",
         ),
         Panel(
             "Handling time p99",

@@ -8,36 +8,31 @@ from collections.abc import Iterator
 
 import pytest
 
-from loadtests.slow_consumer_bench import (
-    ROOT,
-    SlowConsumerProbe,
-    flow_control_env,
-)
+from loadtests.slow_consumer_bench import ROOT, SlowConsumerProbe
 from tokenmesh.localstack.stack import Stack, StackSettings
+from tokenmesh.meshconfig.config import MeshSettings
 
 pytestmark = pytest.mark.integration
 
 STREAMS = 16
 # With 20 logprobs per token, a stream of 1900 tokens carries ~650 KB: ten times the window.
 MAX_TOKENS = 1900
-# The smallest HTTP/2 window, so the tiny model's streams overflow it many times over (the
-# mesh's default 1 MiB would hold a whole tiny-model stream; the mechanism is the same).
-WINDOW = 65536
+# The mesh's default stream window; the tiny model's streams overflow it ten times over.
+WINDOW = MeshSettings().stream_window_bytes
 HOPS = 2  # edge -> gateway, and gateway -> worker listener -> worker
 
 
 @pytest.fixture(scope="module")
 def slow_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with flow_control_env(WINDOW, buffer_limit=WINDOW):
-        stack = Stack(
-            StackSettings.on_free_ports(tmp_path_factory.mktemp("slow"), gateways=1, workers=1),
-            root=ROOT,
-        )
-        try:
-            assert stack.up() == 0, "the mesh did not come up (see the logs above)"
-            yield stack
-        finally:
-            stack.down()
+    stack = Stack(
+        StackSettings.on_free_ports(tmp_path_factory.mktemp("slow"), gateways=1, workers=1),
+        root=ROOT,
+    )
+    try:
+        assert stack.up() == 0, "the mesh did not come up (see the logs above)"
+        yield stack
+    finally:
+        stack.down()
 
 
 async def test_slow_reader_stops_the_senders_and_bounds_memory(slow_mesh: Stack) -> None:

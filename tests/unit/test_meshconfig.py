@@ -86,8 +86,8 @@ def test_service_clusters_are_health_checked_eds_clusters_named_after_services()
         assert cluster["track_cluster_stats"]["per_endpoint_stats"] is True
         options = cluster["typed_extension_protocol_options"]
         http2 = next(iter(options.values()))["explicit_http_config"]["http2_protocol_options"]
-        assert http2["initial_stream_window_size"] == 1024 * 1024
-        assert http2["initial_connection_window_size"] == 4 * 1024 * 1024
+        assert http2["initial_stream_window_size"] == 64 * 1024
+        assert http2["initial_connection_window_size"] == 1024 * 1024
     assert found["worker"]["lb_policy"] == "LEAST_REQUEST"
     assert "outlier_detection" in found["reranker"]
     assert "retry_budget" in found["worker"]["circuit_breakers"]["thresholds"][0]
@@ -98,7 +98,7 @@ def test_listeners_are_safe_for_long_streams_and_push_back() -> None:
     assert set(found) == {"edge", "worker", "reranker"}
     for manager in found.values():
         assert manager["stream_idle_timeout"] == "30s"
-        assert manager["http2_protocol_options"]["initial_stream_window_size"] == 1024 * 1024
+        assert manager["http2_protocol_options"]["initial_stream_window_size"] == 64 * 1024
         route = manager["route_config"]["virtual_hosts"][0]["routes"][0]["route"]
         assert route["timeout"] == "0s"
         assert route["max_stream_duration"]["grpc_timeout_header_max"] == "0s"
