@@ -1,0 +1,154 @@
+"""A load test's outputs: the JSON result file, a Markdown summary table and matplotlib PNGs
+(latency CDFs from the HDR histograms, throughput against concurrency)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from loadtests.stats import Latencies
+
+COLUMNS = (
+    "run",
+    "conc/rate",
+    "req",
+    "err",
+    "tokens/s",
+    "TTFT p50",
+    "TTFT p99",
+    "ITL p50",
+    "ITL p99",
+    "ITL p99.9",
+    "E2E p99",
+    "gen CPU",
+)
+
+
+def write_json(result: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+
+
+def load(path: Path) -> dict[str, Any]:
+    return dict(json.loads(path.read_text()))
+
+
+def row(result: dict[str, Any]) -> list[str]:
+    config = result["config"]
+    load_point = (
+        f"c={config['concurrency']}" if config["mode"] == "closed" else f"{config['rate']:g}/s"
+    )
+    cpu = max(result["generator"]["cpu_fraction_per_process"])
+    saturated = " (!)" if result["generator"]["saturated"] else ""
+    return [
+        result["label"] or config["target"],
+        load_point,
+        str(result["requests"]),
+        str(result["errors"]),
+        f"{result['tokens_per_second']:,.0f}",
+        f"{result['ttft_ms']['p50_ms']:.1f}",
+        f"{result['ttft_ms']['p99_ms']:.1f}",
+        f"{result['itl_ms']['p50_ms']:.2f}",
+        f"{result['itl_ms']['p99_ms']:.2f}",
+        f"{result['itl_ms']['p99.9_ms']:.2f}",
+        f"{result['e2e_ms']['p99_ms']:.0f}",
+        f"{cpu:.0%}{saturated}",
+    ]
+
+
+def markdown_table(results: Iterable[dict[str, Any]]) -> str:
+    """One row per run; latencies in ms, generator CPU as a share of one core ((!) when the
+    generator itself may have been the bottleneck)."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(row(result)) + " |" for result in results]
+    return "\n".join(lines) + "\n"
+
+
+def plot_cdfs(results: Sequence[dict[str, Any]], metric: str, path: Path, title: str) -> None:
+    """CDF of one latency (ttft, itl or e2e) for each run, from its stored HDR histogram."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.2))
+    for result in results:
+        points = Latencies.decode(result["histograms"][metric]).cdf()
+        if points:
+            xs, ys = zip(*points, strict=True)
+            axes.step(xs, ys, where="post", label=result["label"] or result["config"]["target"])
+    axes.set_xscale("log")
+    axes.set_xlabel(f"{metric.upper()} (ms, log scale)")
+    axes.set_ylabel("fraction of requests" if metric != "itl" else "fraction of token gaps")
+    axes.set_title(title)
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend(fontsize=7)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=90)
+    plt.close(figure)
+
+
+def plot_throughput(
+    series: dict[str, list[tuple[int, float]]], path: Path, title: str, engine: float | None = None
+) -> None:
+    """tokens/s against concurrency, one line per target; the engine's in-process figure as
+    a horizontal line when known."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.2))
+    for name, points in series.items():
+        xs, ys = zip(*sorted(points), strict=True)
+        axes.plot(xs, ys, marker="o", label=name)
+    if engine:
+        axes.axhline(engine, linestyle="--", color="black", label="vLLM in-process (no gRPC)")
+    axes.set_xscale("log", base=2)
+    axes.set_xlabel("concurrent streams")
+    axes.set_ylabel("tokens/s")
+    axes.set_title(title)
+    axes.grid(True, alpha=0.3)
+    axes.legend(fontsize=7)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=90)
+    plt.close(figure)
+
+
+def plot_timeline(result: dict[str, Any], path: Path, title: str, marker: float | None) -> None:
+    """Each request's TTFT against when it was sent (scenario 6: the reranker killed at
+    `marker` seconds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.2))
+    groups: dict[str, tuple[list[float], list[float]]] = {}
+    for start, ttft, _e2e, status, warning in result["timeline"]:
+        if ttft < 0:
+            continue
+        name = status if status != "OK" else (warning.split(":")[0] or "healthy")
+        if "circuit open" in warning:
+            name = "degraded, circuit open"
+        xs, ys = groups.setdefault(name, ([], []))
+        xs.append(start)
+        ys.append(ttft * 1e3)
+    for name, (xs, ys) in sorted(groups.items()):
+        axes.scatter(xs, ys, s=6, label=name)
+    if marker is not None:
+        axes.axvline(marker, color="red", linestyle="--", label="reranker killed")
+    axes.set_yscale("log")
+    axes.set_xlabel("request sent at (s into the measurement)")
+    axes.set_ylabel("TTFT (ms, log scale)")
+    axes.set_title(title)
+    axes.grid(True, alpha=0.3)
+    axes.legend(fontsize=7)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=90)
+    plt.close(figure)

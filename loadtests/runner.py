@@ -1,0 +1,372 @@
+"""The load generator's engine: closed loop (fixed concurrency) or open loop (Poisson arrivals
+at a fixed rate), each request's TTFT, inter-token gaps, end-to-end latency, tokens and status
+recorded into HDR histograms. Runs in its own processes (spawned, uvloop), merges their
+histograms and reports the generator's own CPU use."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing
+import os
+import resource
+import time
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from multiprocessing.sharedctypes import Synchronized
+from typing import Any
+
+from loadtests.stats import Latencies
+from loadtests.targets import Message, Target, make_target, status_of
+from loadtests.wire import ByteCounter
+from loadtests.workload import Lengths, RequestSpec, Workload, poisson_arrivals
+
+# A generator process busier than this (share of one core) may be what limits the figures.
+SATURATED_CPU = 0.9
+# Per-request records kept for the timeline (plots, phases); percentiles never come from it.
+TIMELINE_LIMIT = 20_000
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    target: str  # a kind from loadtests.targets.KINDS
+    address: str
+    mode: str = "closed"  # closed | open
+    concurrency: int = 8
+    rate: float = 10.0  # requests/s, open loop
+    duration: float = 10.0  # seconds of measurement after the warm-up
+    requests: int = 1000  # most measured requests
+    warmup: float = 2.0  # seconds; requests started in it are not measured
+    prompt_words: str = "16"
+    output_tokens: str = "64"
+    seed: int = 1
+    processes: int = 1
+    timeout: float = 120.0  # per request
+    documents: int = 0
+    model: str = ""  # the openai target's model name
+    count_bytes: bool = False
+    # Streams that read one message every slow_interval seconds, beside the measured load.
+    slow_streams: int = 0
+    slow_interval: float = 1.0
+    label: str = ""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("closed", "open"):
+            raise ValueError(f"mode is closed or open, not {self.mode!r}")
+        if self.processes < 1 or self.concurrency < 1 or self.requests < 1:
+            raise ValueError("processes, concurrency and requests must be at least 1")
+        if self.duration <= 0 or self.warmup < 0 or self.timeout <= 0:
+            raise ValueError("duration and timeout must be positive, warmup not negative")
+        Lengths.parse(self.prompt_words)
+        Lengths.parse(self.output_tokens)
+
+    def workload(self) -> Workload:
+        return Workload(
+            Lengths.parse(self.prompt_words),
+            Lengths.parse(self.output_tokens),
+            self.seed,
+            self.documents,
+        )
+
+    def shard(self, index: int) -> tuple[int, float, int]:
+        """This process's (concurrency, rate, request budget)."""
+        n = self.processes
+        share = self.concurrency // n + (1 if index < self.concurrency % n else 0)
+        budget = self.requests // n + (1 if index < self.requests % n else 0)
+        return max(share, 1), self.rate / n, max(budget, 1)
+
+
+@dataclass
+class Recorder:
+    """What one process measured."""
+
+    ttft: Latencies = field(default_factory=Latencies)
+    itl: Latencies = field(default_factory=Latencies)
+    e2e: Latencies = field(default_factory=Latencies)
+    # Open loop: how late each request left against its Poisson schedule (a busy generator).
+    send_lag: Latencies = field(default_factory=Latencies)
+    status: Counter[str] = field(default_factory=Counter)
+    tokens: int = 0
+    warmup_requests: int = 0
+    first_start: float = float("inf")
+    last_end: float = 0.0
+    # (start offset s, TTFT s or -1, e2e s, status, first warning) per measured request.
+    timeline: list[tuple[float, float, float, str, str]] = field(default_factory=list)
+    slow_status: Counter[str] = field(default_factory=Counter)
+    slow_tokens: int = 0
+    # Every token received, warm-up and slow streams included (the byte count's denominator).
+    all_tokens: int = 0
+
+    def record(
+        self,
+        start: float,
+        first: float | None,
+        gaps: list[float],
+        end: float,
+        tokens: int,
+        status: str,
+        warning: str,
+        origin: float,
+    ) -> None:
+        self.status[status] += 1
+        self.first_start = min(self.first_start, start)
+        self.last_end = max(self.last_end, end)
+        if status == "OK":
+            self.tokens += tokens
+            if first is not None:
+                self.ttft.record(first - start)
+            for gap in gaps:
+                self.itl.record(gap)
+            self.e2e.record(end - start)
+        if len(self.timeline) < TIMELINE_LIMIT:
+            ttft = first - start if first is not None else -1.0
+            self.timeline.append(
+                (round(start - origin, 4), round(ttft, 6), round(end - start, 6), status, warning)
+            )
+
+
+async def one_request(
+    target: Target, spec: RequestSpec, limit: float, slow_interval: float = 0.0
+) -> tuple[float | None, list[float], float, int, str, str]:
+    """Stream one request: (first message time, gaps between messages, end time, tokens,
+    status, first warning). Times are time.perf_counter() values."""
+    first: float | None = None
+    previous = 0.0
+    gaps: list[float] = []
+    tokens = 0
+    warning = ""
+    status = "OK"
+    try:
+        async with asyncio.timeout(limit):
+            message: Message
+            async for message in target.stream(spec, limit):
+                now = time.perf_counter()
+                if first is None:
+                    first, warning = now, message.warning
+                else:
+                    gaps.append(now - previous)
+                previous = now
+                tokens += message.tokens
+                if slow_interval:
+                    await asyncio.sleep(slow_interval)
+    except Exception as error:  # every failure is counted by its status, none stops the run
+        status = status_of(error)
+    return first, gaps, time.perf_counter(), tokens, status, warning
+
+
+async def run_shard(
+    config: RunConfig, index: int, progress: Synchronized[int] | None = None
+) -> dict[str, Any]:
+    """One process's part of the run; its histograms come back encoded."""
+    concurrency, rate, budget = config.shard(index)
+    requests: Iterator[RequestSpec] = config.workload().requests(index)
+    recorder = Recorder()
+    counter = ByteCounter(config.address) if config.count_bytes else None
+    address = config.address
+    if counter is not None:
+        await counter.start()
+        address = counter.address
+    usage_before = resource.getrusage(resource.RUSAGE_SELF)
+    origin = time.perf_counter()
+    measure_from = origin + config.warmup
+    stop_at = measure_from + config.duration
+    measured = 0
+
+    def done() -> bool:
+        return measured >= budget or time.perf_counter() >= stop_at
+
+    def admit(start: float) -> bool:
+        """Whether a request sent at `start` is measured (counted against the budget now,
+        before it runs, so the bound holds however many are in flight)."""
+        nonlocal measured
+        counted = start >= measure_from
+        measured += counted
+        return counted
+
+    async def run(spec: RequestSpec, start: float, counted: bool) -> None:
+        first, gaps, end, tokens, status, warning = await one_request(target, spec, config.timeout)
+        recorder.all_tokens += tokens
+        if counted:
+            recorder.record(start, first, gaps, end, tokens, status, warning, measure_from)
+            if progress is not None:
+                with progress.get_lock():
+                    progress.value += 1
+        else:
+            recorder.warmup_requests += 1
+
+    async def closed_user() -> None:
+        while not done():
+            start = time.perf_counter()
+            await run(next(requests), start, admit(start))
+
+    async def open_loop() -> None:
+        tasks: set[asyncio.Task[None]] = set()
+        for at in poisson_arrivals(rate, config.seed, index):
+            scheduled = origin + at
+            if scheduled >= stop_at or done():
+                break
+            delay = scheduled - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if scheduled >= measure_from:
+                recorder.send_lag.record(max(time.perf_counter() - scheduled, 0.0))
+            # Latency counts from the scheduled send time: a late send is the system's
+            # (or the generator's) delay, not hidden by coordinated omission.
+            task = asyncio.create_task(run(next(requests), scheduled, admit(scheduled)))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        await asyncio.gather(*tasks)
+
+    async def slow_reader(i: int) -> None:
+        _first, _gaps, _end, tokens, status, _warning = await one_request(
+            target, next(requests), config.timeout, config.slow_interval
+        )
+        recorder.slow_status[status] += 1
+        recorder.slow_tokens += tokens
+        recorder.all_tokens += tokens
+
+    target = make_target(config.target, address, config.documents, config.model)
+    async with target:
+        slow = [asyncio.create_task(slow_reader(i)) for i in range(config.slow_streams)]
+        if config.mode == "closed":
+            await asyncio.gather(*(closed_user() for _ in range(concurrency)))
+        else:
+            await open_loop()
+        await asyncio.gather(*slow)
+    wall = time.perf_counter() - origin
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (usage.ru_utime - usage_before.ru_utime) + (usage.ru_stime - usage_before.ru_stime)
+    if counter is not None:
+        await counter.stop()
+    return {
+        "ttft": recorder.ttft.encode(),
+        "itl": recorder.itl.encode(),
+        "e2e": recorder.e2e.encode(),
+        "send_lag": recorder.send_lag.encode(),
+        "status": dict(recorder.status),
+        "tokens": recorder.tokens,
+        "warmup_requests": recorder.warmup_requests,
+        "window": [recorder.first_start - origin, recorder.last_end - origin],
+        "timeline": recorder.timeline,
+        "slow_status": dict(recorder.slow_status),
+        "slow_tokens": recorder.slow_tokens,
+        "cpu_fraction": round(cpu / wall, 3),
+        "rss_bytes": usage.ru_maxrss * 1024,
+        "bytes_sent": counter.sent if counter else None,
+        "bytes_received": counter.received if counter else None,
+        "all_tokens": recorder.all_tokens,
+        # Shards start within a second or so of each other; offsets are per shard.
+        "started_unix": time.time() - wall,
+    }
+
+
+_progress: Synchronized[int] | None = None
+
+
+def _init_shard(progress: Synchronized[int]) -> None:
+    global _progress
+    _progress = progress
+
+
+def shard_main(config: RunConfig, index: int) -> dict[str, Any]:
+    """Entry point of a generator process."""
+    import uvloop
+
+    return uvloop.run(run_shard(config, index, _progress))
+
+
+def merge(config: RunConfig, shards: list[dict[str, Any]], started: datetime) -> dict[str, Any]:
+    """One result from every process's histograms and counters."""
+    histograms = {name: Latencies() for name in ("ttft", "itl", "e2e", "send_lag")}
+    status: Counter[str] = Counter()
+    slow_status: Counter[str] = Counter()
+    for shard in shards:
+        for name, latencies in histograms.items():
+            latencies.merge(Latencies.decode(shard[name]))
+        status.update(shard["status"])
+        slow_status.update(shard["slow_status"])
+    tokens = sum(shard["tokens"] for shard in shards)
+    windows = [shard["window"] for shard in shards if shard["window"][1] > 0]
+    seconds = max(w[1] for w in windows) - min(w[0] for w in windows) if windows else 0.0
+    measured = sum(status.values())
+    cpu = [shard["cpu_fraction"] for shard in shards]
+    sent = [shard["bytes_sent"] for shard in shards if shard["bytes_sent"] is not None]
+    received = [shard["bytes_received"] for shard in shards if shard["bytes_received"] is not None]
+    wire = None
+    if sent:
+        all_tokens = sum(shard["all_tokens"] for shard in shards)
+        wire = {
+            "sent": sum(sent),
+            "received": sum(received),
+            "tokens": all_tokens,
+            "received_per_token": round(sum(received) / all_tokens, 1) if all_tokens else None,
+            "counted_by": "byte-counting TCP relay in the generator, warm-up included",
+        }
+    return {
+        "label": config.label,
+        "config": asdict(config),
+        "started_at": started.isoformat(timespec="seconds"),
+        # Wall-clock time of the measurement's start (timeline offsets count from it).
+        "measure_origin_unix": min(shard["started_unix"] for shard in shards) + config.warmup,
+        "load_average_start": [round(v, 2) for v in os.getloadavg()],
+        "generator": {
+            "processes": config.processes,
+            "cpu_fraction_per_process": cpu,
+            "saturated": any(value > SATURATED_CPU for value in cpu),
+            "max_rss_bytes": max(shard["rss_bytes"] for shard in shards),
+            "send_lag_ms": histograms["send_lag"].percentiles(),
+        },
+        "requests": measured,
+        "warmup_requests": sum(shard["warmup_requests"] for shard in shards),
+        "status": dict(status),
+        "errors": measured - status.get("OK", 0),
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tokens_per_second": round(tokens / seconds, 1) if seconds else 0.0,
+        "requests_per_second": round(measured / seconds, 2) if seconds else 0.0,
+        "ttft_ms": histograms["ttft"].percentiles(),
+        "itl_ms": histograms["itl"].percentiles(),
+        "e2e_ms": histograms["e2e"].percentiles(),
+        "wire_bytes": wire,
+        "slow_streams": (
+            {"status": dict(slow_status), "tokens": sum(s["slow_tokens"] for s in shards)}
+            if config.slow_streams
+            else None
+        ),
+        "histograms": {name: histograms[name].encode() for name in ("ttft", "itl", "e2e")},
+        "timeline": sorted(row for shard in shards for row in shard["timeline"]),
+    }
+
+
+def run(config: RunConfig, show_progress: bool = True) -> dict[str, Any]:
+    """Run the load in config.processes spawned generator processes; the merged result."""
+    from tqdm import tqdm
+
+    started = datetime.now(UTC)
+    load_before = [round(v, 2) for v in os.getloadavg()]
+    context = multiprocessing.get_context("spawn")
+    progress: Synchronized[int] = context.Value("q", 0)  # type: ignore[assignment]
+    with ProcessPoolExecutor(
+        config.processes, mp_context=context, initializer=_init_shard, initargs=(progress,)
+    ) as pool:
+        futures = [pool.submit(shard_main, config, i) for i in range(config.processes)]
+        bar = tqdm(
+            total=config.requests,
+            desc=config.label or f"{config.target} {config.mode}",
+            unit="req",
+            disable=not show_progress,
+            leave=False,
+        )
+        with contextlib.closing(bar):
+            deadline = time.monotonic() + config.warmup + config.duration + config.timeout + 120
+            while not all(f.done() for f in futures) and time.monotonic() < deadline:
+                time.sleep(0.2)
+                bar.update(progress.value - bar.n)
+        shards = [f.result(timeout=max(deadline - time.monotonic(), 1)) for f in futures]
+    result = merge(config, shards, started)
+    result["load_average_start"] = load_before
+    result["load_average_end"] = [round(v, 2) for v in os.getloadavg()]
+    return result

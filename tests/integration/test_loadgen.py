@@ -1,0 +1,41 @@
+"""The load generator against a real vLLM worker, briefly: it proves the tooling works end to
+end (spawned uvloop processes, HDR percentiles, result file); the figures themselves belong in
+benchmark reports (`make bench`), not in assertions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from loadtests import report
+from loadtests.runner import RunConfig, run
+from tests.support import ServiceProcess
+
+
+def test_closed_loop_against_a_real_worker_completes_without_errors(
+    worker: ServiceProcess, tmp_path: Path
+) -> None:
+    config = RunConfig(
+        target="worker",
+        address=worker.address,
+        concurrency=4,
+        processes=2,
+        duration=2.0,
+        warmup=0.5,
+        requests=40,
+        output_tokens="8",
+        label="smoke",
+    )
+    result = run(config, show_progress=False)
+    assert result["requests"] > 0
+    assert result["errors"] == 0, result["status"]
+    assert result["tokens"] == 8 * result["requests"]
+    for metric in ("ttft_ms", "itl_ms", "e2e_ms"):
+        ordered = [result[metric][k] for k in ("p50_ms", "p90_ms", "p99_ms", "p99.9_ms", "max_ms")]
+        assert ordered == sorted(ordered) and ordered[0] > 0, (metric, ordered)
+    # Every token after the first of a stream is one gap.
+    assert result["itl_ms"]["count"] == 7 * result["requests"]
+    assert len(result["generator"]["cpu_fraction_per_process"]) == 2
+    assert len(result["load_average_start"]) == 3
+    report.write_json(result, tmp_path / "smoke.json")
+    report.plot_cdfs([result], "itl", tmp_path / "itl.png", "ITL")
+    assert (tmp_path / "itl.png").stat().st_size > 0
