@@ -10,7 +10,7 @@ TINY_MODEL := models/tiny-llama
 SETUP_STAMP := $(VENV)/.setup-$(VLLM_TARGET)
 PYTEST_ARGS ?=
 
-.PHONY: help setup prometheus ops-page proto proto-check dashboards lint test test-unit up down status logs lock clean envoy-config chart images
+.PHONY: help setup prometheus ops-page proto proto-check dashboards lint test test-unit up down status logs lock clean envoy-config chart images loadtest bench
 
 help:
 	@echo "make setup   create .venv (VLLM_TARGET=$(VLLM_TARGET)), generate the tiny model"
@@ -18,6 +18,8 @@ help:
 	@echo "make status  processes and health; make logs tails them"
 	@echo "make test    the whole test suite (unit + integration against real vLLM)"
 	@echo "make lint    ruff and mypy; make proto regenerates protobuf code"
+	@echo "make loadtest ARGS='--target llm --address 127.0.0.1:8080 --mode open --rate 20'"
+	@echo "make bench   the benchmark matrix on private meshes -> loadtests/results/<date>/"
 	@echo "make ops-page  build the live ops page (ops/dist, served at /ops/ by make up)"
 	@echo "make chart   refresh the Helm chart's generated files (Envoy config, dashboards, alerts)"
 	@echo "make images  build the container images (needs docker; IMAGE_PREFIX, IMAGE_TAG)"
@@ -99,6 +101,15 @@ test: setup
 
 test-unit: setup
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+
+# The load generator against any local target (`python -m loadtests run --help`), and the
+# benchmark matrix (each scenario on its own private mesh; ARGS='--scenarios transport --quick').
+ARGS ?=
+loadtest: setup
+	$(BIN)/python -m loadtests run $(ARGS)
+
+bench: setup
+	$(BIN)/python -m loadtests bench $(ARGS)
 
 up: setup
 	$(BIN)/python -m tokenmesh.localstack up

@@ -357,7 +357,8 @@ def run(config: RunConfig, show_progress: bool = True) -> dict[str, Any]:
             total=config.requests,
             desc=config.label or f"{config.target} {config.mode}",
             unit="req",
-            disable=not show_progress,
+            # None: only on a terminal (a log file gets no carriage-return updates).
+            disable=None if show_progress else True,
             leave=False,
         )
         with contextlib.closing(bar):
@@ -370,3 +371,60 @@ def run(config: RunConfig, show_progress: bool = True) -> dict[str, Any]:
     result["load_average_start"] = load_before
     result["load_average_end"] = [round(v, 2) for v in os.getloadavg()]
     return result
+
+
+def combine(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result from several runs of the same configuration (rounds interleaved with other
+    targets, so that each sees the same machine load): histograms merged, counts summed,
+    tokens/s over the runs' summed measured time."""
+    first = results[0]
+    if len(results) == 1:
+        return first
+    histograms = {name: Latencies() for name in ("ttft", "itl", "e2e")}
+    status: Counter[str] = Counter()
+    for result in results:
+        for name, latencies in histograms.items():
+            latencies.merge(Latencies.decode(result["histograms"][name]))
+        status.update(result["status"])
+    seconds = sum(r["seconds"] for r in results)
+    tokens = sum(r["tokens"] for r in results)
+    measured = sum(status.values())
+    cpu = [value for r in results for value in r["generator"]["cpu_fraction_per_process"]]
+    wires = [r["wire_bytes"] for r in results if r["wire_bytes"]]
+    wire = None
+    if wires:
+        sent, received = sum(w["sent"] for w in wires), sum(w["received"] for w in wires)
+        counted = sum(w["tokens"] for w in wires)
+        wire = {
+            **wires[0],
+            "sent": sent,
+            "received": received,
+            "tokens": counted,
+            "received_per_token": round(received / counted, 1) if counted else None,
+        }
+    return {
+        **first,
+        "rounds": len(results),
+        "load_average_start": first["load_average_start"],
+        "load_average_end": results[-1].get("load_average_end"),
+        "load_average_per_round": [r["load_average_start"] for r in results],
+        "generator": {
+            **first["generator"],
+            "cpu_fraction_per_process": cpu,
+            "saturated": any(value > SATURATED_CPU for value in cpu),
+        },
+        "requests": measured,
+        "warmup_requests": sum(r["warmup_requests"] for r in results),
+        "status": dict(status),
+        "errors": measured - status.get("OK", 0),
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tokens_per_second": round(tokens / seconds, 1) if seconds else 0.0,
+        "requests_per_second": round(measured / seconds, 2) if seconds else 0.0,
+        "ttft_ms": histograms["ttft"].percentiles(),
+        "itl_ms": histograms["itl"].percentiles(),
+        "e2e_ms": histograms["e2e"].percentiles(),
+        "wire_bytes": wire,
+        "histograms": {name: latencies.encode() for name, latencies in histograms.items()},
+        "timeline": [row for r in results for row in r["timeline"]][:TIMELINE_LIMIT],
+    }

@@ -1,0 +1,407 @@
+"""The benchmark matrix (`make bench`): named presets, each run by the load generator against a
+private mesh on free ports (1 gateway, 1 worker, so every hop shares one engine), the engine
+in-process with the mesh down, and vLLM's own OpenAI server with the mesh down.
+
+transport  every hop on the same engine: worker, Envoy -> worker, gateway -> Envoy -> worker,
+           edge -> gateway -> Envoy -> worker; TTFT/ITL per hop and tokens/s at 1..128 streams
+engine     vLLM in-process (no gRPC), same model and settings; the mesh's share of it
+rest       REST/JSON through Envoy's transcoder and gRPC at the edge vs vLLM's OpenAI server
+           (SSE): tokens/s, TTFT p99, bytes on the wire per token
+many       1,000 concurrent Generate streams on one client channel through the edge
+slow       100 streams read one token a second beside full-speed streams: their ITL, and RSS
+degraded   open-loop load with documents; the reranker is stopped halfway: TTFT step, errors
+
+Results: loadtests/results/<date>/ (one JSON per run, summary.md, PNG plots).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from loadtests import report
+from loadtests.runner import RunConfig, combine, run
+from loadtests.stats import Latencies
+from tokenmesh.localstack.stack import Stack, StackSettings, free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = Path(__file__).resolve().parent / "results"
+MODEL = "models/tiny-llama"
+CONCURRENCY = (1, 8, 32, 64, 128)
+QUICK_CONCURRENCY = (1, 8)
+ORDER = ("transport", "rest", "many", "slow", "degraded", "engine", "sse")
+MESH_SCENARIOS = ("transport", "rest", "many", "slow", "degraded")
+
+
+class Bench:
+    """Runs and records one scenario's load-generator runs."""
+
+    def __init__(self, out: Path, quick: bool) -> None:
+        self.out = out
+        self.quick = quick
+        # Comparisons run as interleaved rounds of this many seconds each.
+        self.round_count = 1 if quick else 2
+        self.round_seconds = 2.0 if quick else 5.0
+        self.results: dict[str, list[dict[str, Any]]] = {}
+        self.notes: dict[str, Any] = {}
+
+    def config(self, **values: Any) -> RunConfig:
+        base: dict[str, Any] = {
+            "duration": 2.0 if self.quick else 8.0,
+            "warmup": 0.5 if self.quick else 2.0,
+            "requests": 200 if self.quick else 5000,
+            "prompt_words": "16",
+            "output_tokens": "16" if self.quick else "64",
+            "seed": 1,
+        }
+        return RunConfig(**{**base, **values})
+
+    def run(self, scenario: str, config: RunConfig) -> dict[str, Any]:
+        return self.rounds(scenario, [config], 1)[0]
+
+    def rounds(self, scenario: str, configs: list[RunConfig], rounds: int) -> list[dict[str, Any]]:
+        """Each config `rounds` times, interleaved (A B C A B C ...) so that every target
+        sees the same machine load on this shared machine; each config's rounds combined."""
+        runs: dict[str, list[dict[str, Any]]] = {}
+        for number in range(rounds):
+            for config in configs:
+                print(f"[{scenario}] {config.label} ({number + 1}/{rounds})", file=sys.stderr)
+                runs.setdefault(config.label, []).append(run(replace(config, seed=number + 1)))
+        return [self._record(scenario, combine(results)) for results in runs.values()]
+
+    def _record(self, scenario: str, result: dict[str, Any]) -> dict[str, Any]:
+        config = result["config"]
+        name = config["label"].replace(" ", "_").replace("/", "-").replace(">", "")
+        report.write_json(result, self.out / scenario / f"{name}.json")
+        self.results.setdefault(scenario, []).append(result)
+        print(
+            f"[{scenario}] {config['label']}: {result['requests']} requests, "
+            f"{result['errors']} errors, {result['tokens_per_second']:,.0f} tokens/s, "
+            f"TTFT p99 {result['ttft_ms']['p99_ms']} ms, load {result['load_average_start']}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return result
+
+
+@contextmanager
+def private_mesh() -> Iterator[Stack]:
+    """1 gateway and 1 worker (every hop on the same engine), reranker, control plane, Envoy."""
+    with tempfile.TemporaryDirectory(prefix="loadtest-mesh-") as run_dir:
+        settings = StackSettings.on_free_ports(Path(run_dir), gateways=1, workers=1)
+        stack = Stack(settings, root=ROOT)
+        try:
+            if stack.up() != 0:
+                raise SystemExit("the mesh did not come up")
+            yield stack
+        finally:
+            stack.down()
+
+
+def program(stack: Stack, name: str) -> Any:
+    return next(p for p in stack.programs if p.name == name)
+
+
+def pid(stack: Stack, name: str) -> int:
+    return int(stack.ctl("pid", name).stdout.strip())
+
+
+def hops(stack: Stack) -> list[tuple[str, str, str]]:
+    """(label, target kind, address) for each path to the engine, shortest first."""
+    s = stack.settings
+    return [
+        ("worker", "worker", program(stack, "worker-0").address),
+        ("envoy>worker", "worker", f"127.0.0.1:{s.worker_listener_port}"),
+        ("gateway>envoy>worker", "llm", program(stack, "gateway-0").address),
+        ("edge>gateway>envoy>worker", "llm", f"127.0.0.1:{s.edge_port}"),
+    ]
+
+
+def transport(bench: Bench, stack: Stack) -> None:
+    concurrency = QUICK_CONCURRENCY if bench.quick else CONCURRENCY
+    for c in concurrency:
+        configs = [
+            bench.config(
+                target=kind,
+                address=address,
+                concurrency=c,
+                processes=2 if c >= 32 else 1,
+                duration=bench.round_seconds,
+                label=f"{label} c={c}",
+            )
+            for label, kind, address in hops(stack)
+        ]
+        bench.rounds("transport", configs, bench.round_count)
+
+
+def rest(bench: Bench, stack: Stack) -> None:
+    edge = f"127.0.0.1:{stack.settings.edge_port}"
+    for c in (8,) if bench.quick else (8, 32):
+        configs = [
+            bench.config(
+                target=kind,
+                address=edge,
+                concurrency=c,
+                duration=bench.round_seconds,
+                label=f"{name} c={c}",
+            )
+            for kind, name in (("llm", "edge gRPC"), ("rest", "edge REST-JSON"))
+        ]
+        bench.rounds("rest", configs, bench.round_count)
+    # Bytes on the wire: a separate, shorter run through the counting relay.
+    for kind, name in (("llm", "edge gRPC"), ("rest", "edge REST-JSON")):
+        bench.run(
+            "rest",
+            bench.config(
+                target=kind,
+                address=edge,
+                concurrency=8,
+                count_bytes=True,
+                duration=3.0 if not bench.quick else 1.0,
+                label=f"{name} bytes c=8",
+            ),
+        )
+
+
+def many(bench: Bench, stack: Stack) -> None:
+    streams = 100 if bench.quick else 1000
+    bench.run(
+        "many",
+        bench.config(
+            target="llm",
+            address=f"127.0.0.1:{stack.settings.edge_port}",
+            concurrency=streams,
+            requests=streams,
+            processes=1,  # one process, one channel: every stream on one HTTP/2 connection
+            warmup=0.0,
+            duration=300.0,
+            timeout=300.0,
+            output_tokens="16",
+            label=f"{streams} streams one channel",
+        ),
+    )
+
+
+def rss(stack: Stack) -> dict[str, int]:
+    names = ("gateway-0", "worker-0", "envoy")
+    return {name: psutil.Process(pid(stack, name)).memory_info().rss for name in names}
+
+
+def slow(bench: Bench, stack: Stack) -> None:
+    edge = f"127.0.0.1:{stack.settings.edge_port}"
+    base = bench.config(target="llm", address=edge, concurrency=8, duration=10.0)
+    if bench.quick:
+        base = replace(base, duration=2.0)
+    bench.run("slow", replace(base, label="fast streams alone c=8 (before)"))
+    before = rss(stack)
+    peak = dict(before)
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(0.5):
+            for name, value in rss(stack).items():
+                peak[name] = max(peak[name], value)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        slow_streams = 10 if bench.quick else 100
+        bench.run(
+            "slow",
+            replace(
+                base,
+                slow_streams=slow_streams,
+                slow_interval=1.0,
+                label=f"fast streams c=8 beside {slow_streams} slow readers",
+            ),
+        )
+    finally:
+        stop.set()
+        sampler.join(5)
+    after = rss(stack)
+    bench.run("slow", replace(base, label="fast streams alone c=8 (after)"))
+    bench.notes["slow_rss_bytes"] = {"before": before, "peak": peak, "after": after}
+
+
+def degraded(bench: Bench, stack: Stack) -> None:
+    duration = 6.0 if bench.quick else 20.0
+    config = bench.config(
+        target="llm",
+        address=f"127.0.0.1:{stack.settings.edge_port}",
+        mode="open",
+        rate=4.0,
+        documents=16,
+        output_tokens="16",
+        duration=duration,
+        warmup=2.0,
+        label="reranker stopped halfway",
+    )
+    reranker = pid(stack, "reranker")
+    stopped_at: list[float] = []
+
+    def stop_reranker() -> None:
+        stopped_at.append(time.time())
+        stack.ctl("stop", "reranker")  # SIGTERM; supervisord does not restart a stopped program
+
+    # The generator processes take a second or two to start; the kill time is recorded in
+    # wall-clock time and placed on the run's timeline afterwards.
+    started = time.time()
+    timer = threading.Timer(3.0 + config.warmup + duration / 2, stop_reranker)
+    timer.start()
+    try:
+        result = bench.run("degraded", config)
+    finally:
+        timer.cancel()
+    bench.notes["degraded"] = phases(result, stopped_at[0] if stopped_at else None, started)
+    bench.notes["degraded"]["reranker_pid"] = reranker
+
+
+def phases(result: dict[str, Any], stopped_unix: float | None, started: float) -> dict[str, Any]:
+    """TTFT before the reranker stopped, after it (before the circuit opened), and with the
+    circuit open; each from its own HDR histogram of the run's timeline."""
+    measure_origin = result["measure_origin_unix"]
+    kill = stopped_unix - measure_origin if stopped_unix else None
+    groups = {name: Latencies() for name in ("before", "after_before_open", "circuit_open")}
+    first_open = None
+    for start, ttft, _e2e, status, warning in result["timeline"]:
+        if status != "OK" or ttft < 0:
+            continue
+        if kill is None or start < kill:
+            groups["before"].record(ttft)
+        elif "circuit open" in warning:
+            groups["circuit_open"].record(ttft)
+            first_open = start if first_open is None else min(first_open, start)
+        else:
+            groups["after_before_open"].record(ttft)
+    return {
+        "reranker_stopped_at_s": round(kill, 2) if kill is not None else None,
+        "circuit_open_after_s": round(first_open - kill, 2) if first_open and kill else None,
+        "ttft_ms": {name: latencies.percentiles() for name, latencies in groups.items()},
+        "errors": result["errors"],
+        "requests": result["requests"],
+    }
+
+
+def engine(bench: Bench) -> None:
+    """vLLM in-process, in a subprocess (vLLM's own workers need a __main__ guard)."""
+    out = bench.out / "engine" / "engine.json"
+    batches = ",".join(str(c) for c in (QUICK_CONCURRENCY if bench.quick else CONCURRENCY))
+    tokens = "16" if bench.quick else "64"
+    command = [sys.executable, "-m", "loadtests.engine_bench", "--batches", batches,
+               "--output-tokens", tokens, "--model", MODEL, "--out", str(out)]  # fmt: skip
+    subprocess.run(command, cwd=ROOT, check=True, timeout=900)
+    bench.notes["engine"] = json.loads(out.read_text())
+
+
+@contextmanager
+def openai_server() -> Iterator[str]:
+    """vLLM's own OpenAI-compatible server on the tiny model, with a worker's settings."""
+    port = free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", MODEL,
+               "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
+               "--max-model-len", "2048", "--max-num-seqs", "256",
+               "--disable-log-requests"]  # fmt: skip
+    log = (RESULTS.parent.parent / ".run").resolve()
+    log.mkdir(exist_ok=True)
+    with (log / "vllm-openai.log").open("w") as output:
+        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=output, stderr=output)
+        try:
+            deadline = time.monotonic() + 600
+            while time.monotonic() < deadline:
+                if process.poll() is not None:
+                    raise SystemExit(f"vLLM's server exited ({process.returncode}); see {log}")
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                        break
+                except OSError:
+                    time.sleep(1)
+            else:
+                raise SystemExit("vLLM's server did not come up in time")
+            yield f"127.0.0.1:{port}"
+        finally:
+            process.terminate()
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(10)
+
+
+def sse(bench: Bench) -> None:
+    with openai_server() as address:
+        for c in (8,) if bench.quick else (8, 32):
+            config = bench.config(
+                target="openai",
+                address=address,
+                model="tiny",
+                concurrency=c,
+                duration=bench.round_seconds,
+                label=f"vLLM OpenAI SSE c={c}",
+            )
+            bench.rounds("rest", [config], bench.round_count)
+        bench.run(
+            "rest",
+            bench.config(
+                target="openai", address=address, model="tiny", concurrency=8,
+                count_bytes=True, duration=3.0 if not bench.quick else 1.0,
+                label="vLLM OpenAI SSE bytes c=8",
+            ),
+        )  # fmt: skip
+
+
+MESH_STEPS: dict[str, Callable[[Bench, Stack], None]] = {
+    "transport": transport,
+    "rest": rest,
+    "many": many,
+    "slow": slow,
+    "degraded": degraded,
+}
+
+
+def bench_command(names: str, quick: bool, out: Path | None) -> int:
+    chosen = ORDER if names == "all" else tuple(n.strip() for n in names.split(","))
+    unknown = set(chosen) - set(ORDER)
+    if unknown:
+        raise SystemExit(f"unknown scenarios {sorted(unknown)}; known: {', '.join(ORDER)}")
+    stamp = datetime.now(UTC).strftime("%Y-%m-%d")
+    bench = Bench(out or RESULTS / (stamp + ("-quick" if quick else "")), quick)
+    bench.out.mkdir(parents=True, exist_ok=True)
+    machine = {
+        "cpus": os.cpu_count(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "load_average_at_start": [round(v, 2) for v in os.getloadavg()],
+        "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "quick": quick,
+    }
+    if any(name in MESH_SCENARIOS for name in chosen):
+        with private_mesh() as stack:
+            for name in ORDER:
+                if name in chosen and name in MESH_SCENARIOS:
+                    MESH_STEPS[name](bench, stack)
+    # With the mesh down: the engine alone, then vLLM's own server (one engine at a time).
+    if "engine" in chosen:
+        engine(bench)
+    if "sse" in chosen:
+        sse(bench)
+    machine["load_average_at_end"] = [round(v, 2) for v in os.getloadavg()]
+    (bench.out / "notes.json").write_text(json.dumps({"machine": machine, **bench.notes}, indent=1))
+    from loadtests.summary import write_summary
+
+    write_summary(bench.out)
+    print(f"results in {bench.out}", file=sys.stderr)
+    return 0
