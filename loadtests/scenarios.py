@@ -303,7 +303,11 @@ def engine(bench: Bench) -> None:
     tokens = "16" if bench.quick else "64"
     command = [sys.executable, "-m", "loadtests.engine_bench", "--batches", batches,
                "--output-tokens", tokens, "--model", MODEL, "--out", str(out)]  # fmt: skip
-    subprocess.run(command, cwd=ROOT, check=True, timeout=900)
+    log = ROOT / ".run" / "engine-bench.log"
+    log.parent.mkdir(exist_ok=True)
+    print(f"[engine] vLLM in-process (log: {log})", file=sys.stderr, flush=True)
+    with log.open("w") as output:
+        subprocess.run(command, cwd=ROOT, check=True, timeout=900, stdout=output, stderr=output)
     bench.notes["engine"] = json.loads(out.read_text())
 
 
@@ -314,11 +318,11 @@ def openai_server() -> Iterator[str]:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", MODEL,
                "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
-               "--max-model-len", "2048", "--max-num-seqs", "256",
-               "--disable-log-requests"]  # fmt: skip
-    log = (RESULTS.parent.parent / ".run").resolve()
-    log.mkdir(exist_ok=True)
-    with (log / "vllm-openai.log").open("w") as output:
+               "--max-model-len", "2048", "--max-num-seqs", "256"]  # fmt: skip
+    log = ROOT / ".run" / "vllm-openai.log"
+    log.parent.mkdir(exist_ok=True)
+    print(f"[sse] vLLM's OpenAI server on port {port} (log: {log})", file=sys.stderr, flush=True)
+    with log.open("w") as output:
         process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=output, stderr=output)
         try:
             deadline = time.monotonic() + 600

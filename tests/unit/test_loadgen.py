@@ -9,6 +9,7 @@ import json
 import random
 import statistics
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -204,3 +205,36 @@ def _now() -> Any:
     from datetime import UTC, datetime
 
     return datetime.now(UTC)
+
+
+async def test_bench_summary_and_key_ratios_come_from_the_result_files(
+    fake_worker: str, tmp_path: Path
+) -> None:
+    from loadtests.summary import write_summary
+
+    base = config(fake_worker, duration=0.5, warmup=0.1)
+    for label in ("worker c=1", "envoy>worker c=1"):
+        cfg = replace(base, label=label, concurrency=1)
+        report.write_json(merge(cfg, [await run_shard(cfg, 0)], _now()), _file(tmp_path, label))
+    for label, count in (("edge gRPC c=8", False), ("edge gRPC bytes c=8", True)):
+        cfg = replace(base, label=label, count_bytes=count)
+        result = merge(cfg, [await run_shard(cfg, 0)], _now())
+        report.write_json(result, tmp_path / "rest" / f"{label.replace(' ', '_')}.json")
+    engine = {
+        "what": "fake",
+        "load_average_start": [0, 0, 0],
+        "tokens_per_second_by_batch": {"1": 1000.0},
+    }
+    (tmp_path / "notes.json").write_text(json.dumps({"engine": engine, "machine": {}}))
+    text = write_summary(tmp_path)
+    assert "## 1. Transport overhead" in text and "## 2. The physical limit" in text
+    assert "| 1 | +envoy |" in text
+    ratios = json.loads((tmp_path / "key_ratios.json").read_text())
+    assert ratios["engine_best_tokens_per_second"] == 1000.0
+    assert ratios["worker_grpc_best_share_of_engine"] > 0
+    assert set(ratios["ttft_added_per_hop_c1"]) == {"envoy>worker"}
+    assert (tmp_path / "throughput-vs-concurrency.png").exists()
+
+
+def _file(directory: Path, label: str) -> Path:
+    return directory / "transport" / f"{label.replace(' ', '_').replace('>', '')}.json"
