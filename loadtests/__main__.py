@@ -43,7 +43,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="", help="the openai target's model name")
     parser.add_argument("--count-bytes", action="store_true", help="bytes on the wire")
     parser.add_argument("--slow-streams", type=int, default=0)
-    parser.add_argument("--slow-interval", type=float, default=1.0)
+    parser.add_argument("--slow-interval", type=float, default=1.0, help="seconds per read")
+    parser.add_argument("--slow-tokens", type=int, default=16, help="tokens per slow stream")
     parser.add_argument("--label", default="")
     parser.add_argument("--out", type=Path, default=None, help="result directory")
 

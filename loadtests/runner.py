@@ -14,7 +14,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from multiprocessing.sharedctypes import Synchronized
 from typing import Any
@@ -51,6 +51,7 @@ class RunConfig:
     # Streams that read one message every slow_interval seconds, beside the measured load.
     slow_streams: int = 0
     slow_interval: float = 1.0
+    slow_tokens: int = 16  # tokens each slow stream asks for
     label: str = ""
 
     def __post_init__(self) -> None:
@@ -143,13 +144,15 @@ async def one_request(
         async with asyncio.timeout(limit):
             message: Message
             async for message in target.stream(spec, limit):
+                tokens += message.tokens
+                if not message.arrival:
+                    continue
                 now = time.perf_counter()
                 if first is None:
                     first, warning = now, message.warning
                 else:
                     gaps.append(now - previous)
                 previous = now
-                tokens += message.tokens
                 if slow_interval:
                     await asyncio.sleep(slow_interval)
     except Exception as error:  # every failure is counted by its status, none stops the run
@@ -221,8 +224,9 @@ async def run_shard(
         await asyncio.gather(*tasks)
 
     async def slow_reader(i: int) -> None:
+        spec = replace(next(requests), max_tokens=config.slow_tokens)
         _first, _gaps, _end, tokens, status, _warning = await one_request(
-            target, next(requests), config.timeout, config.slow_interval
+            target, spec, config.timeout, config.slow_interval
         )
         recorder.slow_status[status] += 1
         recorder.slow_tokens += tokens

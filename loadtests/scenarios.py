@@ -203,9 +203,9 @@ def rss(stack: Stack) -> dict[str, int]:
 
 def slow(bench: Bench, stack: Stack) -> None:
     edge = f"127.0.0.1:{stack.settings.edge_port}"
-    base = bench.config(target="llm", address=edge, concurrency=8, duration=10.0)
-    if bench.quick:
-        base = replace(base, duration=2.0)
+    # The slow readers take slow_tokens seconds; the fast streams run for as long.
+    slow_tokens = 4 if bench.quick else 20
+    base = bench.config(target="llm", address=edge, concurrency=8, duration=float(slow_tokens))
     bench.run("slow", replace(base, label="fast streams alone c=8 (before)"))
     before = rss(stack)
     peak = dict(before)
@@ -226,6 +226,7 @@ def slow(bench: Bench, stack: Stack) -> None:
                 base,
                 slow_streams=slow_streams,
                 slow_interval=1.0,
+                slow_tokens=slow_tokens,
                 label=f"fast streams c=8 beside {slow_streams} slow readers",
             ),
         )

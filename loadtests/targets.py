@@ -35,6 +35,8 @@ class Message:
 
     tokens: int
     warning: str = ""
+    # False: a bookkeeping message (a final usage count), not a token arrival to time.
+    arrival: bool = True
 
 
 class RequestFailed(Exception):
@@ -177,8 +179,9 @@ class RestTarget(_Http):
 
 
 class OpenAITarget(_Http):
-    """vLLM's OpenAI-compatible server: one SSE event per token (its default stream
-    interval), the usage in a last event (stream_options.include_usage)."""
+    """vLLM's OpenAI-compatible server: one SSE event per engine output (one token, or
+    several when the server fell behind the engine), the usage in a last event
+    (stream_options.include_usage), which makes the token count exact."""
 
     async def stream(self, spec: RequestSpec, limit: float) -> AsyncIterator[Message]:
         body = {
@@ -189,6 +192,7 @@ class OpenAITarget(_Http):
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        events = 0
         async for line in self._lines("/v1/completions", body, limit):
             if not line.startswith(b"data:"):
                 continue
@@ -197,7 +201,12 @@ class OpenAITarget(_Http):
                 return
             event = json.loads(data)
             if event.get("choices"):
+                events += 1
                 yield Message(1)
+            elif event.get("usage"):
+                extra = int(event["usage"]["completion_tokens"]) - events
+                if extra > 0:
+                    yield Message(extra, arrival=False)
 
 
 def make_target(kind: str, address: str, documents: int = 0, model: str = "") -> Target:
