@@ -27,8 +27,13 @@ COLUMNS = (
 
 
 def write_json(result: dict[str, Any], path: Path) -> None:
+    """Indented, except the per-request timeline: one compact row per line."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    body = json.dumps({k: v for k, v in result.items() if k != "timeline"}, indent=1)
+    if "timeline" in result:
+        rows = ",\n  ".join(json.dumps(row) for row in result["timeline"])
+        body = body[:-2] + f',\n "timeline": [\n  {rows}\n ]\n}}'
+    path.write_text(body + "\n")
 
 
 def load(path: Path) -> dict[str, Any]:
