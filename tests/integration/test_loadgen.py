@@ -31,7 +31,9 @@ def test_closed_loop_against_a_real_worker_completes_without_errors(
     assert result["tokens"] == 8 * result["requests"]
     for metric in ("ttft_ms", "itl_ms", "e2e_ms"):
         ordered = [result[metric][k] for k in ("p50_ms", "p90_ms", "p99_ms", "p99.9_ms", "max_ms")]
-        assert ordered == sorted(ordered) and ordered[0] > 0, (metric, ordered)
+        assert ordered == sorted(ordered), (metric, ordered)
+    # Tokens that arrive together have gaps of 0 ms at this resolution; a request never does.
+    assert result["ttft_ms"]["p50_ms"] > 0 and result["e2e_ms"]["p50_ms"] > 0
     # Every token after the first of a stream is one gap.
     assert result["itl_ms"]["count"] == 7 * result["requests"]
     assert len(result["generator"]["cpu_fraction_per_process"]) == 2

@@ -25,7 +25,9 @@ def assert_sane(result: dict[str, Any], tokens_per_request: int) -> None:
     assert result["tokens"] == tokens_per_request * result["requests"]
     for metric in ("ttft_ms", "itl_ms", "e2e_ms"):
         ordered = [result[metric][k] for k in ("p50_ms", "p90_ms", "p99_ms", "p99.9_ms")]
-        assert ordered == sorted(ordered) and ordered[0] > 0, (metric, ordered)
+        assert ordered == sorted(ordered), (metric, ordered)
+    # Tokens that arrive together have gaps of 0 ms at this resolution; a request never does.
+    assert result["ttft_ms"]["p50_ms"] > 0 and result["e2e_ms"]["p50_ms"] > 0
     # A stream ends after its first token.
     assert result["e2e_ms"]["p50_ms"] >= result["ttft_ms"]["p50_ms"]
 
