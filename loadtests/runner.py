@@ -352,7 +352,7 @@ def run(config: RunConfig, show_progress: bool = True) -> dict[str, Any]:
     started = datetime.now(UTC)
     load_before = [round(v, 2) for v in os.getloadavg()]
     context = multiprocessing.get_context("spawn")
-    progress: Synchronized[int] = context.Value("q", 0)  # type: ignore[assignment]
+    progress: Synchronized[int] = context.Value("q", 0)
     with ProcessPoolExecutor(
         config.processes, mp_context=context, initializer=_init_shard, initargs=(progress,)
     ) as pool:

@@ -13,7 +13,7 @@ import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any, Protocol, Self
 
 import aiohttp
 import grpc
@@ -46,7 +46,7 @@ class RequestFailed(Exception):
 
 
 class Target(Protocol):
-    async def __aenter__(self) -> Target: ...
+    async def __aenter__(self) -> Self: ...
 
     async def __aexit__(
         self,
@@ -82,7 +82,7 @@ class _Grpc:
         self.documents = DOCUMENTS[:documents]
         self._channel: aio.Channel | None = None
 
-    async def __aenter__(self) -> _Grpc:
+    async def __aenter__(self) -> Self:
         self._channel = aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
         return self
 
@@ -133,7 +133,7 @@ class _Http:
         self.model = model
         self._session: aiohttp.ClientSession | None = None
 
-    async def __aenter__(self) -> _Http:
+    async def __aenter__(self) -> Self:
         # HTTP/1.1 keeps one connection per concurrent request (no multiplexing).
         connector = aiohttp.TCPConnector(limit=0)
         self._session = aiohttp.ClientSession(connector=connector)
