@@ -107,13 +107,16 @@ def plot_throughput(
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(7, 4.2))
+    ticks: set[int] = set()
     for name, points in series.items():
         xs, ys = zip(*sorted(points), strict=True)
-        axes.plot(xs, ys, marker="o", label=name)
+        ticks.update(xs)
+        axes.plot(xs, ys, marker="o", label=name, linestyle="--" if "vLLM" in name else "-")
     if engine:
         axes.axhline(engine, linestyle="--", color="black", label="vLLM in-process (no gRPC)")
     axes.set_xscale("log", base=2)
-    axes.set_xlabel("concurrent streams")
+    axes.set_xticks(sorted(ticks), [str(tick) for tick in sorted(ticks)])
+    axes.set_xlabel("concurrent streams (engine: batch size)")
     axes.set_ylabel("tokens/s")
     axes.set_title(title)
     axes.grid(True, alpha=0.3)
@@ -146,7 +149,7 @@ def plot_timeline(result: dict[str, Any], path: Path, title: str, marker: float 
     for name, (xs, ys) in sorted(groups.items()):
         axes.scatter(xs, ys, s=6, label=name)
     if marker is not None:
-        axes.axvline(marker, color="red", linestyle="--", label="reranker killed")
+        axes.axvline(marker, color="red", linestyle="--", label="reranker stopped")
     axes.set_yscale("log")
     axes.set_xlabel("request sent at (s into the measurement)")
     axes.set_ylabel("TTFT (ms, log scale)")

@@ -71,8 +71,10 @@ def transport_section(runs: list[dict[str, Any]], out: Path, engine: dict[str, A
                 f"{b['tokens_per_second'] / w['tokens_per_second']:.0%} |"
             )
     series: dict[str, list[tuple[int, float]]] = {}
-    for (hop, c), r in by.items():
-        series.setdefault(hop, []).append((c, r["tokens_per_second"]))
+    for hop in HOPS:
+        points = [(c, r["tokens_per_second"]) for (h, c), r in by.items() if h == hop]
+        if points:
+            series[hop] = points
     if engine:
         series["vLLM in-process (no gRPC)"] = [
             (int(b), v) for b, v in engine["tokens_per_second_by_batch"].items()
