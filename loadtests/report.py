@@ -21,6 +21,7 @@ COLUMNS = (
     "ITL p50",
     "ITL p99",
     "ITL p99.9",
+    "worker ITL p50/p99",
     "E2E p99",
     "gen CPU",
 )
@@ -47,6 +48,8 @@ def row(result: dict[str, Any]) -> list[str]:
     )
     cpu = max(result["generator"]["cpu_fraction_per_process"])
     saturated = " (!)" if result["generator"]["saturated"] else ""
+    worker = result.get("server_itl_ms") or {"count": 0}
+    server = f"{worker['p50_ms']:.2f}/{worker['p99_ms']:.2f}" if worker["count"] else "n/a"
     return [
         result["label"] or config["target"],
         load_point,
@@ -58,6 +61,7 @@ def row(result: dict[str, Any]) -> list[str]:
         f"{result['itl_ms']['p50_ms']:.2f}",
         f"{result['itl_ms']['p99_ms']:.2f}",
         f"{result['itl_ms']['p99.9_ms']:.2f}",
+        server,
         f"{result['e2e_ms']['p99_ms']:.0f}",
         f"{cpu:.0%}{saturated}",
     ]
@@ -65,7 +69,8 @@ def row(result: dict[str, Any]) -> list[str]:
 
 def markdown_table(results: Iterable[dict[str, Any]]) -> str:
     """One row per run; latencies in ms, generator CPU as a share of one core ((!) when the
-    generator itself may have been the bottleneck)."""
+    generator itself may have been the bottleneck). Worker ITL: the gaps between the worker's
+    own emission times (Token.emitted_unix_nanos), for comparison with the client's."""
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(row(result)) + " |" for result in results]
     return "\n".join(lines) + "\n"

@@ -87,6 +87,8 @@ class Recorder:
     ttft: Latencies = field(default_factory=Latencies)
     itl: Latencies = field(default_factory=Latencies)
     e2e: Latencies = field(default_factory=Latencies)
+    # Gaps between the worker's emission times of consecutive tokens (tokenmesh targets).
+    server_itl: Latencies = field(default_factory=Latencies)
     # Open loop: how late each request left against its Poisson schedule (a busy generator).
     send_lag: Latencies = field(default_factory=Latencies)
     status: Counter[str] = field(default_factory=Counter)
@@ -130,11 +132,18 @@ class Recorder:
 
 
 async def one_request(
-    target: Target, spec: RequestSpec, limit: float, slow_interval: float = 0.0
+    target: Target,
+    spec: RequestSpec,
+    limit: float,
+    slow_interval: float = 0.0,
+    server_gaps: list[float] | None = None,
 ) -> tuple[float | None, list[float], float, int, str, str]:
     """Stream one request: (first message time, gaps between messages, end time, tokens,
-    status, first warning). Times are time.perf_counter() values."""
+    status, first warning). Times are time.perf_counter() values. server_gaps, when given,
+    gets the gaps between the worker's emission times (tokenmesh targets): what the client's
+    gaps would be with no transport in between."""
     first: float | None = None
+    emitted = 0
     previous = 0.0
     gaps: list[float] = []
     tokens = 0
@@ -153,6 +162,10 @@ async def one_request(
                 else:
                     gaps.append(now - previous)
                 previous = now
+                if server_gaps is not None and message.emitted_ns:
+                    if emitted:
+                        server_gaps.append(max(message.emitted_ns - emitted, 0) / 1e9)
+                    emitted = message.emitted_ns
                 if slow_interval:
                     await asyncio.sleep(slow_interval)
     except Exception as error:  # every failure is counted by its status, none stops the run
@@ -190,10 +203,16 @@ async def run_shard(
         return counted
 
     async def run(spec: RequestSpec, start: float, counted: bool) -> None:
-        first, gaps, end, tokens, status, warning = await one_request(target, spec, config.timeout)
+        server_gaps: list[float] = []
+        first, gaps, end, tokens, status, warning = await one_request(
+            target, spec, config.timeout, server_gaps=server_gaps
+        )
         recorder.all_tokens += tokens
         if counted:
             recorder.record(start, first, gaps, end, tokens, status, warning, measure_from)
+            if status == "OK":
+                for gap in server_gaps:
+                    recorder.server_itl.record(gap)
             if progress is not None:
                 with progress.get_lock():
                     progress.value += 1
@@ -249,6 +268,7 @@ async def run_shard(
         "ttft": recorder.ttft.encode(),
         "itl": recorder.itl.encode(),
         "e2e": recorder.e2e.encode(),
+        "server_itl": recorder.server_itl.encode(),
         "send_lag": recorder.send_lag.encode(),
         "status": dict(recorder.status),
         "tokens": recorder.tokens,
@@ -284,7 +304,7 @@ def shard_main(config: RunConfig, index: int) -> dict[str, Any]:
 
 def merge(config: RunConfig, shards: list[dict[str, Any]], started: datetime) -> dict[str, Any]:
     """One result from every process's histograms and counters."""
-    histograms = {name: Latencies() for name in ("ttft", "itl", "e2e", "send_lag")}
+    histograms = {name: Latencies() for name in ("ttft", "itl", "e2e", "server_itl", "send_lag")}
     status: Counter[str] = Counter()
     slow_status: Counter[str] = Counter()
     for shard in shards:
@@ -334,13 +354,16 @@ def merge(config: RunConfig, shards: list[dict[str, Any]], started: datetime) ->
         "ttft_ms": histograms["ttft"].percentiles(),
         "itl_ms": histograms["itl"].percentiles(),
         "e2e_ms": histograms["e2e"].percentiles(),
+        "server_itl_ms": histograms["server_itl"].percentiles(),
         "wire_bytes": wire,
         "slow_streams": (
             {"status": dict(slow_status), "tokens": sum(s["slow_tokens"] for s in shards)}
             if config.slow_streams
             else None
         ),
-        "histograms": {name: histograms[name].encode() for name in ("ttft", "itl", "e2e")},
+        "histograms": {
+            name: histograms[name].encode() for name in ("ttft", "itl", "e2e", "server_itl")
+        },
         "timeline": sorted(row for shard in shards for row in shard["timeline"]),
     }
 
@@ -384,7 +407,7 @@ def combine(results: list[dict[str, Any]]) -> dict[str, Any]:
     first = results[0]
     if len(results) == 1:
         return first
-    histograms = {name: Latencies() for name in ("ttft", "itl", "e2e")}
+    histograms = {name: Latencies() for name in ("ttft", "itl", "e2e", "server_itl")}
     status: Counter[str] = Counter()
     for result in results:
         for name, latencies in histograms.items():
@@ -428,6 +451,7 @@ def combine(results: list[dict[str, Any]]) -> dict[str, Any]:
         "ttft_ms": histograms["ttft"].percentiles(),
         "itl_ms": histograms["itl"].percentiles(),
         "e2e_ms": histograms["e2e"].percentiles(),
+        "server_itl_ms": histograms["server_itl"].percentiles(),
         "wire_bytes": wire,
         "histograms": {name: latencies.encode() for name, latencies in histograms.items()},
         "timeline": [row for r in results for row in r["timeline"]][:TIMELINE_LIMIT],

@@ -37,6 +37,8 @@ class Message:
     warning: str = ""
     # False: a bookkeeping message (a final usage count), not a token arrival to time.
     arrival: bool = True
+    # When the worker emitted the token (Token.emitted_unix_nanos), 0 when unknown.
+    emitted_ns: int = 0
 
 
 class RequestFailed(Exception):
@@ -105,8 +107,8 @@ class WorkerTarget(_Grpc):
             sampling=inference_pb2.SamplingParams(max_tokens=spec.max_tokens, ignore_eos=True),
         )
         stub = inference_pb2_grpc.InferenceServiceStub(self.channel)
-        async for _ in stub.Generate(request, timeout=limit):
-            yield Message(1)
+        async for token in stub.Generate(request, timeout=limit):
+            yield Message(1, emitted_ns=token.emitted_unix_nanos)
 
 
 class LLMTarget(_Grpc):
@@ -122,7 +124,8 @@ class LLMTarget(_Grpc):
         )
         stub = llm_pb2_grpc.LLMServiceStub(self.channel)
         async for token in stub.Generate(request, timeout=limit):
-            yield Message(1, token.warnings[0] if token.warnings else "")
+            warning = token.warnings[0] if token.warnings else ""
+            yield Message(1, warning, emitted_ns=token.emitted_unix_nanos)
 
 
 class _Http:
@@ -175,7 +178,7 @@ class RestTarget(_Http):
             if "code" in token and "text" not in token and "index" not in token:
                 raise RequestFailed(f"GRPC_{token['code']}")
             warnings = token.get("warnings") or [""]
-            yield Message(1, warnings[0])
+            yield Message(1, warnings[0], emitted_ns=int(token.get("emitted_unix_nanos") or 0))
 
 
 class OpenAITarget(_Http):

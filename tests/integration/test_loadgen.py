@@ -34,6 +34,8 @@ def test_closed_loop_against_a_real_worker_completes_without_errors(
         assert ordered == sorted(ordered), (metric, ordered)
     # Tokens that arrive together have gaps of 0 ms at this resolution; a request never does.
     assert result["ttft_ms"]["p50_ms"] > 0 and result["e2e_ms"]["p50_ms"] > 0
+    # The worker's emission time of every token came through (gateway, Envoy, transcoder).
+    assert result["server_itl_ms"]["count"] == result["itl_ms"]["count"]
     # Every token after the first of a stream is one gap.
     assert result["itl_ms"]["count"] == 7 * result["requests"]
     assert len(result["generator"]["cpu_fraction_per_process"]) == 2

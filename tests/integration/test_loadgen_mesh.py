@@ -28,6 +28,8 @@ def assert_sane(result: dict[str, Any], tokens_per_request: int) -> None:
         assert ordered == sorted(ordered), (metric, ordered)
     # Tokens that arrive together have gaps of 0 ms at this resolution; a request never does.
     assert result["ttft_ms"]["p50_ms"] > 0 and result["e2e_ms"]["p50_ms"] > 0
+    # The worker's emission time of every token came through (gateway, Envoy, transcoder).
+    assert result["server_itl_ms"]["count"] == result["itl_ms"]["count"]
     # A stream ends after its first token.
     assert result["e2e_ms"]["p50_ms"] >= result["ttft_ms"]["p50_ms"]
 

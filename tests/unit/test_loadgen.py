@@ -8,6 +8,7 @@ import asyncio
 import json
 import random
 import statistics
+import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from itertools import islice
@@ -36,7 +37,7 @@ class FakeWorker(inference_pb2_grpc.InferenceServiceServicer):  # type: ignore[m
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no room")
         for i in range(request.sampling.max_tokens):
             await asyncio.sleep(0.001)
-            yield token_pb2.Token(text="t", index=i)
+            yield token_pb2.Token(text="t", index=i, emitted_unix_nanos=time.time_ns())
 
 
 @pytest.fixture
@@ -142,6 +143,8 @@ async def test_closed_loop_records_every_token_and_gap(fake_worker: str) -> None
     assert result["tokens"] == 5 * result["requests"]
     assert result["ttft_ms"]["count"] == result["requests"]
     assert result["itl_ms"]["count"] == 4 * result["requests"]
+    # The same gaps, measured between the server's emission times.
+    assert result["server_itl_ms"]["count"] == result["itl_ms"]["count"]
     for metric in ("ttft_ms", "itl_ms", "e2e_ms"):
         values = [result[metric][key] for key in ("p50_ms", "p90_ms", "p99_ms", "p99.9_ms")]
         assert values == sorted(values) and values[0] > 0
