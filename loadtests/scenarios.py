@@ -1,12 +1,15 @@
 """The benchmark matrix (`make bench`): named presets, each run by the load generator against a
 private mesh on free ports (1 gateway, 1 worker, so every hop shares one engine), the engine
-in-process with the mesh down, and vLLM's own OpenAI server with the mesh down.
+in-process with the mesh down, and vLLM's own OpenAI server.
 
 transport  every hop on the same engine: worker, Envoy -> worker, gateway -> Envoy -> worker,
            edge -> gateway -> Envoy -> worker; TTFT/ITL per hop and tokens/s at 1..128 streams
 engine     vLLM in-process (no gRPC), same model and settings; the mesh's share of it
-rest       REST/JSON through Envoy's transcoder and gRPC at the edge vs vLLM's OpenAI server
-           (SSE): tokens/s, TTFT p99, bytes on the wire per token
+rest       REST/JSON through Envoy's transcoder vs gRPC at the edge: tokens/s, TTFT p99,
+           bytes on the wire per token
+sse        the same against vLLM's OpenAI server (SSE), with the mesh down
+versus     edge gRPC, edge REST and vLLM's SSE server up together, in interleaved rounds (the
+           fair comparison on a shared machine: every path sees the same load)
 many       1,000 concurrent Generate streams on one client channel through the edge
 slow       100 streams read one token a second beside full-speed streams: their ITL, and RSS
 degraded   open-loop load with documents; the reranker is stopped halfway: TTFT step, errors
@@ -43,7 +46,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = "models/tiny-llama"
 CONCURRENCY = (1, 8, 32, 64, 128)
 QUICK_CONCURRENCY = (1, 8)
-ORDER = ("transport", "rest", "many", "slow", "degraded", "engine", "sse")
+ORDER = ("transport", "rest", "many", "slow", "degraded", "engine", "sse", "versus")
 MESH_SCENARIOS = ("transport", "rest", "many", "slow", "degraded")
 
 
@@ -369,6 +372,35 @@ def sse(bench: Bench) -> None:
         )  # fmt: skip
 
 
+def versus(bench: Bench) -> None:
+    """gRPC and REST at the edge and vLLM's SSE server measured in interleaved rounds while
+    both are up (only one is loaded at a time), so all three see the same machine load."""
+    with private_mesh() as stack, openai_server() as address:
+        edge = f"127.0.0.1:{stack.settings.edge_port}"
+        paths = (
+            ("llm", edge, "edge gRPC"),
+            ("rest", edge, "edge REST-JSON"),
+            ("openai", address, "vLLM OpenAI SSE"),
+        )
+        for c in (8,) if bench.quick else (8, 32):
+            configs = [
+                bench.config(
+                    target=kind, address=where, model="tiny", concurrency=c,
+                    duration=bench.round_seconds, label=f"{name} c={c}",
+                )
+                for kind, where, name in paths
+            ]  # fmt: skip
+            bench.rounds("versus", configs, bench.round_count + 1)
+        for kind, where, name in paths:
+            bench.run(
+                "versus",
+                bench.config(
+                    target=kind, address=where, model="tiny", concurrency=8, count_bytes=True,
+                    duration=3.0 if not bench.quick else 1.0, label=f"{name} bytes c=8",
+                ),
+            )  # fmt: skip
+
+
 MESH_STEPS: dict[str, Callable[[Bench, Stack], None]] = {
     "transport": transport,
     "rest": rest,
@@ -403,8 +435,15 @@ def bench_command(names: str, quick: bool, out: Path | None) -> int:
         engine(bench)
     if "sse" in chosen:
         sse(bench)
+    if "versus" in chosen:
+        versus(bench)
     machine["load_average_at_end"] = [round(v, 2) for v in os.getloadavg()]
-    (bench.out / "notes.json").write_text(json.dumps({"machine": machine, **bench.notes}, indent=1))
+    notes_file = bench.out / "notes.json"
+    # A later run of some scenarios into the same directory keeps the earlier runs' notes.
+    earlier = json.loads(notes_file.read_text()) if notes_file.exists() else {}
+    if earlier.get("machine"):
+        machine = {**earlier["machine"], f"{'+'.join(chosen)}_run": machine}
+    notes_file.write_text(json.dumps({**earlier, "machine": machine, **bench.notes}, indent=1))
     from loadtests.summary import write_summary
 
     write_summary(bench.out)

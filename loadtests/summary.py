@@ -114,12 +114,12 @@ def engine_section(transport: list[dict[str, Any]], engine: dict[str, Any] | Non
     return "\n".join(lines) + "\n"
 
 
-def rest_section(runs: list[dict[str, Any]], out: Path) -> str:
+def rest_section(runs: list[dict[str, Any]], out: Path, title: str, plot: str) -> str:
     if not runs:
         return ""
     speed = [r for r in runs if " bytes " not in r["label"]]
     wire = {r["label"].split(" bytes")[0]: r["wire_bytes"] for r in runs if r["wire_bytes"]}
-    lines = ["## 3. gRPC vs REST/JSON vs vLLM's OpenAI SSE\n", report.markdown_table(speed)]
+    lines = [f"## {title}\n", report.markdown_table(speed)]
     lines.append("\nBytes on the wire per token (server → client; all framing included):\n")
     lines.append("| path | bytes/token | request bytes | tokens counted |")
     lines.append("|---|---|---|---|")
@@ -139,8 +139,8 @@ def rest_section(runs: list[dict[str, Any]], out: Path) -> str:
         tps = [r["tokens_per_second"] if r else None for r in (grpc, rest, sse)]
         ttft = " / ".join(fmt(r["ttft_ms"]["p99_ms"]) if r else "n/a" for r in (grpc, rest, sse))
         lines.append(f"| {c} | {times(tps[0], tps[2])} | {times(tps[0], tps[1])} | {ttft} |")
-    report.plot_cdfs(speed, "ttft", out / "rest-ttft-cdf.png", "TTFT by protocol")
-    lines.append("![TTFT by protocol](rest-ttft-cdf.png)\n")
+    report.plot_cdfs(speed, "ttft", out / plot, "TTFT by protocol")
+    lines.append(f"![TTFT by protocol]({plot})\n")
     return "\n".join(lines) + "\n"
 
 
@@ -201,7 +201,9 @@ def degraded_section(runs: list[dict[str, Any]], notes: dict[str, Any], out: Pat
 def key_ratios(out: Path, engine: dict[str, Any] | None) -> dict[str, Any]:
     """The closing figures: mesh vs engine tokens/s, per-hop TTFT, gRPC vs SSE."""
     transport = {parse_label(r["label"]): r for r in load_dir(out / "transport")}
+    # The side-by-side run, when there is one, is the fair comparison.
     rest = {r["label"]: r for r in load_dir(out / "rest")}
+    rest |= {r["label"]: r for r in load_dir(out / "versus")}
     ratios: dict[str, Any] = {}
     if engine and transport:
         best = max(engine["tokens_per_second_by_batch"].values())
@@ -267,7 +269,18 @@ def write_summary(out: Path) -> str:
         + "\n```\n\n"
         + transport_section(transport, out, engine)
         + engine_section(transport, engine)
-        + rest_section(load_dir(out / "rest"), out)
+        + rest_section(
+            load_dir(out / "rest"),
+            out,
+            "3. gRPC vs REST/JSON vs vLLM's OpenAI SSE (run one after another)",
+            "rest-ttft-cdf.png",
+        )
+        + rest_section(
+            load_dir(out / "versus"),
+            out,
+            "3b. The same side by side: all three up, interleaved rounds, the same machine load",
+            "versus-ttft-cdf.png",
+        )
         + many_section(load_dir(out / "many"))
         + slow_section(load_dir(out / "slow"), notes)
         + degraded_section(load_dir(out / "degraded"), notes, out)
