@@ -175,11 +175,16 @@ class WorkerClient:
             connect_within = min(connect_within, time_limit)
         await self._worker.ensure_connected(connect_within)
         call = self._stub.Generate(request, timeout=time_limit)
+        received = 0
         try:
             async for token in call:
+                received += 1
                 yield token
         except aio.AioRpcError as err:
-            raise self._worker.error(err) from err
+            # Failed before its first token, it was retried by Envoy already; after, it cannot
+            # be (the caller has tokens), and the message says how far it got.
+            during = f"after {received} tokens" if received else ""
+            raise self._worker.error(err, during) from err
         finally:
             # The caller went away (or stopped reading) before the worker's end: cancel the
             # call, which aborts the engine request. A finished call is left as it is.
