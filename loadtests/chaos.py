@@ -240,17 +240,17 @@ class Mesh:
         took = await self.wait_until(lambda: program.address in self.healthy(cluster), within, 1)
         return took is not None
 
-    async def engine_empty_at(self, worker: Program, after_ns: int, within: float) -> int | None:
-        """When the worker's vLLM scheduler first reported nothing running or waiting in a
-        report made after after_ns (ns since the epoch), or None."""
+    async def engine_empty_since(self, worker: Program, within: float) -> int | None:
+        """Since when (ns since the epoch) the worker's vLLM scheduler has reported nothing
+        running or waiting: the time of its latest report once that says empty (vLLM reports
+        at every engine step, so an idle engine's last report is the one that emptied it);
+        None if it did not report empty within `within` seconds."""
         async with aio.insecure_channel(worker.address) as channel:
             stub = inference_pb2_grpc.InferenceServiceStub(channel)
             deadline = time.monotonic() + within
             while time.monotonic() < deadline:
                 report = await stub.GetEngineStats(inference_pb2.EngineStatsRequest(), timeout=5)
-                if report.reported_unix_nanos >= after_ns and not (
-                    report.running_requests or report.waiting_requests
-                ):
+                if not (report.running_requests or report.waiting_requests):
                     return int(report.reported_unix_nanos)
                 await asyncio.sleep(0.005)
         return None
@@ -468,14 +468,19 @@ async def deadline_storm(mesh: Mesh, short: bool) -> Row:
             )
         )
     row.add(outcomes)
+    row.notes["streams_with_tokens"] = sum(o.tokens > 0 for o in outcomes)
+    row.notes["tokens_received"] = sum(o.tokens for o in outcomes)
+    row.notes["storm_s"] = round((max(o.ended_unix_nanos for o in outcomes) - begun_ns) / 1e9, 2)
     last_ns = max([o.ended_unix_nanos for o in outcomes] + [begun_ns])
     row.check(
         all(o.code == "DEADLINE_EXCEEDED" for o in outcomes), "every request DEADLINE_EXCEEDED"
     )
     lags = []
     for worker in mesh.replicas("worker"):
-        empty_at = await mesh.engine_empty_at(worker, last_ns, within=10)
-        lag = None if empty_at is None else (empty_at - last_ns) / 1e9
+        empty_since = await mesh.engine_empty_since(worker, within=10)
+        # Negative: the worker had aborted everything before the last client saw its deadline
+        # (each hop's deadline is the caller's minus a margin).
+        lag = None if empty_since is None else (empty_since - last_ns) / 1e9
         lags.append(lag)
         row.notes[f"{worker.name}_empty_after_last_s"] = None if lag is None else round(lag, 3)
     worst = max((lag if lag is not None else 99.0) for lag in lags)
@@ -540,7 +545,9 @@ async def envoy_restart(mesh: Mesh, short: bool) -> Row:
     status; clients with the README's retry and wait-for-ready settings get answers as soon as
     it is back."""
     row = Row("envoy_restart")
-    streams, fresh_count = (4, 8) if short else (16, 32)
+    pid = mesh.pid("envoy")
+    # Enough long streams that they are still generating when the kill comes.
+    streams, fresh_count = (16, 8) if short else (32, 32)
     async with mesh.channel(retries=True) as channel:
         stub = llm_pb2_grpc.LLMServiceStub(channel)
         events = [asyncio.Event() for _ in range(streams)]
@@ -550,7 +557,7 @@ async def envoy_restart(mesh: Mesh, short: bool) -> Row:
         ]
         await asyncio.wait_for(asyncio.gather(*(event.wait() for event in events)), 60)
         killed_at = time.monotonic()
-        killpg(mesh.pid("envoy"), signal.SIGKILL)
+        killpg(pid, signal.SIGKILL)
         await asyncio.sleep(0.2)
         fresh = [
             asyncio.create_task(generate(stub, request(f"while down {i}", 16), 60))
@@ -561,7 +568,9 @@ async def envoy_restart(mesh: Mesh, short: bool) -> Row:
     row.add(in_flight)
     row.add(after)
     failed = [o for o in in_flight if o.code != OK]
-    row.notes["in_flight_failed"] = sorted({(o.code, o.details[:60]) for o in failed})
+    row.notes["in_flight_failed"] = len(failed)
+    row.notes["failures"] = sorted({f"{o.code}: {o.details[:100]}" for o in failed})
+    row.check(bool(failed), "some stream was in flight when Envoy died")
     row.check(
         all(o.code == "UNAVAILABLE" and o.details for o in failed),
         "in-flight streams fail UNAVAILABLE with a message",
