@@ -93,6 +93,8 @@ class Row:
     max_recovery_seconds: float = 0.0
     # Measurements worth reading (seconds to leave Envoy's healthy set, ...).
     notes: dict[str, Any] = field(default_factory=dict)
+    # One example message per failure code seen.
+    examples: dict[str, str] = field(default_factory=dict)
     # Guarantees that did not hold; empty when the scenario passed.
     violations: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -107,6 +109,7 @@ class Row:
                 self.hung += 1
             else:
                 self.failed[outcome.code] = self.failed.get(outcome.code, 0) + 1
+                self.examples.setdefault(outcome.code, outcome.details[:160])
 
     def check(self, holds: bool, guarantee: str) -> None:
         if not holds:
@@ -240,6 +243,13 @@ class Mesh:
         took = await self.wait_until(lambda: program.address in self.healthy(cluster), within, 1)
         return took is not None
 
+    async def running(self, worker: Program) -> int:
+        """Requests running or waiting in the worker's engine (its scheduler's latest report)."""
+        async with aio.insecure_channel(worker.address) as channel:
+            stub = inference_pb2_grpc.InferenceServiceStub(channel)
+            report = await stub.GetEngineStats(inference_pb2.EngineStatsRequest(), timeout=5)
+        return int(report.running_requests + report.waiting_requests)
+
     async def engine_empty_since(self, worker: Program, within: float) -> int | None:
         """Since when (ns since the epoch) the worker's vLLM scheduler has reported nothing
         running or waiting: the time of its latest report once that says empty (vLLM reports
@@ -268,8 +278,8 @@ async def worker_kill(mesh: Mesh, short: bool) -> Row:
     them on the other worker before their first token), Envoy stops routing to the dead worker
     within seconds, and it rejoins once supervisord has restarted it."""
     row = Row("worker_kill")
-    victim = mesh.replicas("worker")[-1]
-    pid = mesh.pid(victim.name)
+    workers = mesh.replicas("worker")
+    pids = {worker.name: mesh.pid(worker.name) for worker in workers}
     # Enough long streams that both workers are still generating when the kill comes.
     streams, burst = (24, 16) if short else (48, 48)
     async with mesh.channel() as channel:
@@ -280,10 +290,13 @@ async def worker_kill(mesh: Mesh, short: bool) -> Row:
             for i in range(streams)
         ]
         await asyncio.wait_for(asyncio.gather(*(event.wait() for event in events)), 60)
-        on_victim = mesh.metric(victim, "tokenmesh_worker_running_requests")
+        # The victim: the worker with the most streams in its engine right now (vLLM's own
+        # scheduler figures), so the kill surely lands mid-stream.
+        running_now = {w.name: await mesh.running(w) for w in workers}
+        victim = max(workers, key=lambda w: running_now[w.name])
         done_before_kill = sum(task.done() for task in running)
         killed_at = time.monotonic()
-        killpg(pid, signal.SIGKILL)
+        killpg(pids[victim.name], signal.SIGKILL)
         # New requests right after the kill: some are routed to the dead worker before Envoy's
         # health checks notice, and must be retried on the other one before their first token.
         fresh = [
@@ -297,7 +310,8 @@ async def worker_kill(mesh: Mesh, short: bool) -> Row:
     row.add(after)
     failed = [o for o in in_flight if o.code != OK]
     ended_within = max((o.ended - killed_at for o in failed), default=0.0)
-    row.notes["streams_on_killed_worker"] = on_victim
+    row.notes["running_per_worker_at_kill"] = running_now
+    row.notes["killed"] = victim.name
     row.notes["in_flight_failed"] = len(failed)
     row.notes["done_before_kill"] = done_before_kill
     row.notes["failures"] = sorted(

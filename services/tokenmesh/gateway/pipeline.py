@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from grpc import aio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tokenmesh.common.channels import Dependency
+from tokenmesh.common.errors import DependencyError
 from tokenmesh.common.metrics import RPC_BUCKETS
 from tokenmesh.gateway.breaker import CircuitBreaker, CircuitOpenError, CircuitState
 from tokenmesh.gateway.config import GatewaySettings
@@ -35,6 +37,10 @@ BREAKER_FAILURES = frozenset(
     }
 )
 DEGRADED_HEADER = "x-tokenmesh-degraded"
+# A worker call that fails this close to its deadline failed because of it: Envoy enforces the
+# same deadline (grpc-timeout) and resets the stream when it passes, which can reach the gateway
+# a moment before its own timer fires on a busy event loop.
+DEADLINE_SLACK_SECONDS = 0.05
 
 
 class GatewayMetrics:
@@ -174,6 +180,7 @@ class WorkerClient:
         if time_limit is not None:
             connect_within = min(connect_within, time_limit)
         await self._worker.ensure_connected(connect_within)
+        expires = None if time_limit is None else time.monotonic() + time_limit
         call = self._stub.Generate(request, timeout=time_limit)
         received = 0
         try:
@@ -184,6 +191,11 @@ class WorkerClient:
             # Failed before its first token, it was retried by Envoy already; after, it cannot
             # be (the caller has tokens), and the message says how far it got.
             during = f"after {received} tokens" if received else ""
+            if expires is not None and time.monotonic() >= expires - DEADLINE_SLACK_SECONDS:
+                raise DependencyError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"worker: deadline exceeded {during or 'before the first token'}",
+                ) from err
             raise self._worker.error(err, during) from err
         finally:
             # The caller went away (or stopped reading) before the worker's end: cancel the
