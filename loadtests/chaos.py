@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -22,11 +23,12 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import yaml
 from grpc import aio
 
@@ -598,6 +600,152 @@ async def envoy_restart(mesh: Mesh, short: bool) -> Row:
     return row
 
 
+# The small mesh for overload and stalled clients (1 gateway, 1 worker): a batch and queue small
+# enough to overflow with a few dozen streams, and a short stream idle timeout.
+SMALL_MESH_ENV = {
+    "TOKENMESH_WORKER_MAX_NUM_SEQS": "4",
+    "TOKENMESH_WORKER_MAX_WAITING_REQUESTS": "4",
+    "TOKENMESH_MESH_STREAM_IDLE_TIMEOUT_SECONDS": "5",
+}
+# A client that never reads: a fixed 64 KiB window per stream (gRPC's BDP probing off).
+STALLED_CLIENT_OPTIONS = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 65536)]
+MIB = 1024 * 1024
+
+
+def worker_limits() -> tuple[int, int]:
+    """max_num_seqs and max_waiting_requests the stack's workers got from this environment."""
+    from tokenmesh.worker.config import WorkerSettings
+
+    settings = WorkerSettings()
+    return settings.max_num_seqs, settings.max_waiting_requests
+
+
+async def overload(mesh: Mesh, short: bool) -> Row:
+    """Twice as many concurrent streams as the workers admit (batch + queue): the excess is
+    refused at once with RESOURCE_EXHAUSTED (no timeouts), and the admitted ones complete."""
+    row = Row("overload")
+    running, waiting = worker_limits()
+    capacity = len(mesh.replicas("worker")) * (running + waiting)
+    row.notes["capacity"] = capacity
+    if capacity > 64:
+        row.violations.append(
+            f"overload needs small worker limits ({capacity} streams admitted); run it on the "
+            f"small mesh ({SMALL_MESH_ENV})"
+        )
+        return row
+    async with mesh.channel() as channel:
+        stub = llm_pb2_grpc.LLMServiceStub(channel)
+        (alone,) = [await generate(stub, request("alone", 64), 30)]
+        rounds = 1 if short else 3
+        outcomes: list[Outcome] = []
+        for round_ in range(rounds):
+            outcomes += await asyncio.gather(
+                *(
+                    generate(stub, request(f"overload {round_} {i}", 256), 60)
+                    for i in range(2 * capacity)
+                )
+            )
+    row.add([alone, *outcomes])
+    refused = [o for o in outcomes if o.code == "RESOURCE_EXHAUSTED"]
+    admitted = [o for o in outcomes if o.code == OK]
+    row.notes["admitted"] = len(admitted)
+    row.notes["max_refusal_s"] = round(max((o.seconds for o in refused), default=0.0), 3)
+    row.notes["ttft_alone_s"] = round(alone.first_token_seconds or 0.0, 3)
+    row.notes["max_ttft_admitted_s"] = round(
+        max((o.first_token_seconds or 0.0 for o in admitted), default=0.0), 3
+    )
+    row.check(alone.code == OK, "a request alone succeeds")
+    row.check(
+        {o.code for o in outcomes} <= {OK, "RESOURCE_EXHAUSTED"},
+        "every stream is admitted and completes, or is refused RESOURCE_EXHAUSTED",
+    )
+    row.check(bool(refused), "streams past the bound are refused")
+    row.check(len(admitted) >= capacity * rounds, "at least the bound's worth are admitted")
+    row.check(
+        all("max_waiting_requests" in o.details for o in refused), "the refusal names the limit"
+    )
+    row.check(row.notes["max_refusal_s"] < 1.0, "refusals are fast (under 1 s)")
+    return row
+
+
+async def stalled_client(mesh: Mesh, short: bool) -> Row:
+    """A client opens streams and never reads them: flow control stops the mesh sending, memory
+    in the gateway and Envoy stays bounded, another client is not held up, and Envoy's stream
+    idle timeout cuts the stalled streams, which frees the engine."""
+    from tokenmesh.meshconfig.config import MeshSettings
+
+    row = Row("stalled_client")
+    streams = 20 if short else 100
+    idle_timeout = MeshSettings().stream_idle_timeout_seconds
+    row.notes["stream_idle_timeout_s"] = idle_timeout
+    if idle_timeout > 15:
+        row.violations.append("needs a short stream idle timeout; run it on the small mesh")
+        return row
+    gateway, worker = mesh.replicas("gateway")[0], mesh.replicas("worker")[0]
+    processes = {
+        "gateway": psutil.Process(mesh.pid(gateway.name)),
+        "envoy": psutil.Process(mesh.pid("envoy")),
+    }
+    before = {name: p.memory_info().rss for name, p in processes.items()}
+    peak = dict(before)
+    aborted_before = mesh.metric(worker, "tokenmesh_worker_aborted_requests_total")
+    async with aio.insecure_channel(mesh.edge, options=STALLED_CLIENT_OPTIONS) as channel:
+        stub = llm_pb2_grpc.LLMServiceStub(channel)
+        calls = [
+            stub.Generate(
+                llm_pb2.GenerateRequest(
+                    prompt=f"stalled {i}",
+                    max_tokens=1900,
+                    ignore_eos=True,
+                    logprobs=True,
+                    top_logprobs=20,
+                ),
+                timeout=120,
+            )
+            for i in range(streams)
+        ]
+        opened_at = time.monotonic()
+        await asyncio.wait_for(asyncio.gather(*(c.initial_metadata() for c in calls)), 60)
+        async with mesh.channel() as other:
+            bystander = await generate(llm_pb2_grpc.LLMServiceStub(other), request("by", 64), 30)
+        row.add([bystander])
+        row.check(bystander.code == OK, "another client streams while these stall")
+        # Until every stalled stream has ended (cut by the idle timeout) or the bound passes.
+        cut_within = None
+        for _ in range(int((idle_timeout + 60) / 0.25)):
+            for name, process in processes.items():
+                peak[name] = max(peak[name], process.memory_info().rss)
+            if all(call.done() for call in calls):
+                cut_within = time.monotonic() - opened_at
+                break
+            await asyncio.sleep(0.25)
+        outcomes = []
+        for call in calls:
+            if not call.done():
+                call.cancel()
+                outcomes.append(Outcome(HUNG))
+                continue
+            code = await call.code()
+            outcomes.append(Outcome(code.name, details=await call.details() or ""))
+    row.add(outcomes)
+    growth = {name: round((peak[name] - before[name]) / MIB, 1) for name in processes}
+    row.notes["rss_growth_mib"] = growth
+    row.notes["all_cut_after_s"] = None if cut_within is None else round(cut_within, 1)
+    row.check(cut_within is not None, "the stream idle timeout cuts every stalled stream")
+    row.check(all(o.code != OK for o in outcomes), "no stalled stream counts as delivered")
+    # Windows of ~1 MiB per stream and hop at most, whatever the streams' size (~650 KB each).
+    row.check(
+        max(growth.values()) <= streams * 2 + 64,
+        f"memory bounded by the windows: RSS growth {growth} MiB for {streams} streams",
+    )
+    empty = await mesh.engine_empty_since(worker, within=10)
+    row.check(empty is not None, "the engine is empty once the streams are cut")
+    aborted = mesh.metric(worker, "tokenmesh_worker_aborted_requests_total") - aborted_before
+    row.notes["engine_requests_aborted"] = aborted
+    row.recovered(cut_within or 0.0)
+    return row
+
+
 Scenario = Callable[[Mesh, bool], Awaitable[Row]]
 SCENARIOS: dict[str, Scenario] = {
     "worker_kill": worker_kill,
@@ -607,6 +755,9 @@ SCENARIOS: dict[str, Scenario] = {
     "controlplane_down": controlplane_down,
     "envoy_restart": envoy_restart,
 }
+# Scenarios that need the small mesh's limits (SMALL_MESH_ENV).
+SMALL_SCENARIOS: dict[str, Scenario] = {"overload": overload, "stalled_client": stalled_client}
+ALL_SCENARIOS = {**SCENARIOS, **SMALL_SCENARIOS}
 
 
 async def run_scenarios(stack: Stack, names: Sequence[str], short: bool) -> list[Row]:
@@ -614,7 +765,7 @@ async def run_scenarios(stack: Stack, names: Sequence[str], short: bool) -> list
     rows = []
     for name in names:
         begun = time.monotonic()
-        row = await SCENARIOS[name](mesh, short)
+        row = await ALL_SCENARIOS[name](mesh, short)
         row.seconds = round(time.monotonic() - begun, 1)
         rows.append(row)
         print(f"{name}: {'passed' if row.passed else 'FAILED'} in {row.seconds}s", file=sys.stderr)
@@ -655,35 +806,70 @@ def attached(run_dir: Path) -> Stack:
     return Stack(settings, root=ROOT)
 
 
+@contextlib.contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """os.environ with values inside the block (a stack started there passes them on)."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@contextlib.contextmanager
+def own_stack(gateways: int, workers: int) -> Iterator[Stack | None]:
+    """A mesh on free ports with its own run directory, stopped at the end (None if it did not
+    come up)."""
+    with tempfile.TemporaryDirectory(prefix="chaos-") as run_dir:
+        settings = StackSettings.on_free_ports(Path(run_dir), gateways=gateways, workers=workers)
+        stack = Stack(settings, root=ROOT)
+        try:
+            yield stack if stack.up() == 0 else None
+        finally:
+            stack.down()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--short", action="store_true", help="the short versions (make test's)")
-    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated")
-    parser.add_argument("--attach", type=Path, help="run directory of a running mesh")
+    parser.add_argument("--scenarios", default=",".join(ALL_SCENARIOS), help="comma-separated")
+    parser.add_argument(
+        "--attach",
+        type=Path,
+        help="run directory of a running mesh (for overload and stalled_client, one started "
+        "with the small mesh's settings)",
+    )
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
     names = [name for name in args.scenarios.split(",") if name]
-    unknown = set(names) - set(SCENARIOS)
+    unknown = set(names) - set(ALL_SCENARIOS)
     if unknown:
-        parser.error(f"unknown scenarios {sorted(unknown)}; known: {', '.join(SCENARIOS)}")
-    with tempfile.TemporaryDirectory(prefix="chaos-") as run_dir:
-        if args.attach:
-            stack = attached(args.attach)
-        else:
-            stack = Stack(
-                StackSettings.on_free_ports(Path(run_dir), gateways=2, workers=2), root=ROOT
-            )
-            if stack.up() != 0:
-                stack.down()
-                return 1
-        try:
-            rows = asyncio.run(run_scenarios(stack, names, args.short))
-        finally:
-            if not args.attach:
-                stack.down()
+        parser.error(f"unknown scenarios {sorted(unknown)}; known: {', '.join(ALL_SCENARIOS)}")
+    rows: list[Row] = []
+    if args.attach:
+        rows = asyncio.run(run_scenarios(attached(args.attach), names, args.short))
+    else:
+        # The 2-gateway, 2-worker mesh first, then the small one: one at a time on a small box.
+        main_names = [name for name in names if name in SCENARIOS]
+        small_names = [name for name in names if name in SMALL_SCENARIOS]
+        if main_names:
+            with own_stack(gateways=2, workers=2) as stack:
+                if stack is None:
+                    return 1
+                rows += asyncio.run(run_scenarios(stack, main_names, args.short))
+        if small_names:
+            with environment(SMALL_MESH_ENV), own_stack(gateways=1, workers=1) as stack:
+                if stack is None:
+                    return 1
+                rows += asyncio.run(run_scenarios(stack, small_names, args.short))
     report = [asdict(row) for row in rows]
-    print(table(rows))
     print(json.dumps(report, indent=2))
+    print(table(rows))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return 0 if all(row.passed for row in rows) else 1

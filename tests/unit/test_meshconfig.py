@@ -127,6 +127,13 @@ def test_retries_go_to_another_host() -> None:
             assert policy["host_selection_retry_max_attempts"] >= 2
 
 
+def test_only_the_worker_route_retries_an_overloaded_worker_elsewhere() -> None:
+    found = listeners(render(MeshSettings()))
+    for name, manager in found.items():
+        route = manager["route_config"]["virtual_hosts"][0]["routes"][-1]["route"]
+        assert ("resource-exhausted" in route["retry_policy"]["retry_on"]) == (name == "worker")
+
+
 def test_retry_budget_covers_losing_one_of_two_replicas() -> None:
     """Regression (chaos worker_kill): with a 20 % budget and a minimum of 3, 7 of 8 retries of
     the requests a killed worker had not answered overflowed the budget and failed UNAVAILABLE."""

@@ -32,6 +32,9 @@ HEALTH_SERVICES = {
 # Where the edge serves the ops page (from the control plane's page port).
 OPS_PAGE = "/ops/"
 RETRY_ON = "unavailable,reset,connect-failure,refused-stream"
+# A worker at its admission bound refuses at once with RESOURCE_EXHAUSTED: another worker may
+# have room (not retried at the edge: every gateway shares the same workers).
+OVERLOADED = ",resource-exhausted"
 # Retries go to another host: a host that just died still counts as healthy until its health
 # checks fail (~1 s), and LEAST_REQUEST favours it (its streams are gone, so it looks idle), so
 # without this every retry can land on the same dead host.
@@ -93,7 +96,7 @@ def route_to(cluster: str, mesh: MeshSettings, prefix: str = "/") -> Config:
             "timeout": "0s",
             "max_stream_duration": {"grpc_timeout_header_max": "0s"},
             "retry_policy": {
-                "retry_on": RETRY_ON,
+                "retry_on": RETRY_ON + (OVERLOADED if cluster == "worker" else ""),
                 "num_retries": mesh.retry_attempts,
                 "retry_back_off": {"base_interval": "0.025s", "max_interval": "0.25s"},
                 "retry_host_predicate": [
