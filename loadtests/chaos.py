@@ -600,11 +600,11 @@ async def envoy_restart(mesh: Mesh, short: bool) -> Row:
     return row
 
 
-# The small mesh for overload and stalled clients (1 gateway, 1 worker): a batch and queue small
-# enough to overflow with a few dozen streams, and a short stream idle timeout.
+# The small mesh for overload (and the short stalled-client run): 1 gateway, 1 worker whose batch
+# and queue overflow with a few dozen streams, and a short stream idle timeout.
 SMALL_MESH_ENV = {
     "TOKENMESH_WORKER_MAX_NUM_SEQS": "4",
-    "TOKENMESH_WORKER_MAX_WAITING_REQUESTS": "4",
+    "TOKENMESH_WORKER_MAX_WAITING_REQUESTS": "8",
     "TOKENMESH_MESH_STREAM_IDLE_TIMEOUT_SECONDS": "5",
 }
 # A client that never reads: a fixed 64 KiB window per stream (gRPC's BDP probing off).
@@ -664,7 +664,12 @@ async def overload(mesh: Mesh, short: bool) -> Row:
     row.check(
         all("max_waiting_requests" in o.details for o in refused), "the refusal names the limit"
     )
-    row.check(row.notes["max_refusal_s"] < 1.0, "refusals are fast (under 1 s)")
+    refusal_times = sorted(o.seconds for o in refused)
+    median = refusal_times[len(refusal_times) // 2] if refusal_times else 0.0
+    row.notes["median_refusal_s"] = round(median, 3)
+    # Fast: no queueing until a timeout (the deadline is 60 s); Envoy's two retries on another
+    # (here the same) worker add up to ~0.5 s of backoff.
+    row.check(median <= 0.5 and row.notes["max_refusal_s"] <= 2.5, "refusals are fast")
     return row
 
 
@@ -675,20 +680,16 @@ async def stalled_client(mesh: Mesh, short: bool) -> Row:
     from tokenmesh.meshconfig.config import MeshSettings
 
     row = Row("stalled_client")
-    streams = 20 if short else 100
+    # Short: within the small mesh's admission bound (4 + 8), leaving room for the bystander.
+    streams = 8 if short else 100
     idle_timeout = MeshSettings().stream_idle_timeout_seconds
     row.notes["stream_idle_timeout_s"] = idle_timeout
-    if idle_timeout > 15:
-        row.violations.append("needs a short stream idle timeout; run it on the small mesh")
-        return row
-    gateway, worker = mesh.replicas("gateway")[0], mesh.replicas("worker")[0]
-    processes = {
-        "gateway": psutil.Process(mesh.pid(gateway.name)),
-        "envoy": psutil.Process(mesh.pid("envoy")),
-    }
+    workers = mesh.replicas("worker")
+    names = [gateway.name for gateway in mesh.replicas("gateway")] + ["envoy"]
+    processes = {name: psutil.Process(mesh.pid(name)) for name in names}
     before = {name: p.memory_info().rss for name, p in processes.items()}
     peak = dict(before)
-    aborted_before = mesh.metric(worker, "tokenmesh_worker_aborted_requests_total")
+    aborted_before = sum(mesh.metric(w, "tokenmesh_worker_aborted_requests_total") for w in workers)
     async with aio.insecure_channel(mesh.edge, options=STALLED_CLIENT_OPTIONS) as channel:
         stub = llm_pb2_grpc.LLMServiceStub(channel)
         calls = [
@@ -738,9 +739,13 @@ async def stalled_client(mesh: Mesh, short: bool) -> Row:
         max(growth.values()) <= streams * 2 + 64,
         f"memory bounded by the windows: RSS growth {growth} MiB for {streams} streams",
     )
-    empty = await mesh.engine_empty_since(worker, within=10)
-    row.check(empty is not None, "the engine is empty once the streams are cut")
-    aborted = mesh.metric(worker, "tokenmesh_worker_aborted_requests_total") - aborted_before
+    for worker in workers:
+        empty = await mesh.engine_empty_since(worker, within=10)
+        row.check(empty is not None, f"{worker.name}'s engine is empty once the streams are cut")
+    aborted = (
+        sum(mesh.metric(w, "tokenmesh_worker_aborted_requests_total") for w in workers)
+        - aborted_before
+    )
     row.notes["engine_requests_aborted"] = aborted
     row.recovered(cut_within or 0.0)
     return row
@@ -755,7 +760,8 @@ SCENARIOS: dict[str, Scenario] = {
     "controlplane_down": controlplane_down,
     "envoy_restart": envoy_restart,
 }
-# Scenarios that need the small mesh's limits (SMALL_MESH_ENV).
+# Scenarios that need the small mesh's limits (SMALL_MESH_ENV); stalled_client runs there in its
+# short version (a 5 s stream idle timeout), on the main mesh in full (100 streams, 60 s).
 SMALL_SCENARIOS: dict[str, Scenario] = {"overload": overload, "stalled_client": stalled_client}
 ALL_SCENARIOS = {**SCENARIOS, **SMALL_SCENARIOS}
 
@@ -855,8 +861,9 @@ def main() -> int:
         rows = asyncio.run(run_scenarios(attached(args.attach), names, args.short))
     else:
         # The 2-gateway, 2-worker mesh first, then the small one: one at a time on a small box.
-        main_names = [name for name in names if name in SCENARIOS]
-        small_names = [name for name in names if name in SMALL_SCENARIOS]
+        on_main = set(SCENARIOS) | (set() if args.short else {"stalled_client"})
+        main_names = [name for name in names if name in on_main]
+        small_names = [name for name in names if name not in on_main]
         if main_names:
             with own_stack(gateways=2, workers=2) as stack:
                 if stack is None:
