@@ -10,13 +10,14 @@ TINY_MODEL := models/tiny-llama
 SETUP_STAMP := $(VENV)/.setup-$(VLLM_TARGET)
 PYTEST_ARGS ?=
 
-.PHONY: help setup prometheus ops-page proto proto-check dashboards lint test test-unit up down status logs lock clean envoy-config chart images
+.PHONY: help setup prometheus ops-page proto proto-check dashboards lint test test-unit chaos up down status logs lock clean envoy-config chart images
 
 help:
 	@echo "make setup   create .venv (VLLM_TARGET=$(VLLM_TARGET)), generate the tiny model"
 	@echo "make up      start the local stack (tiny model, CPU); make down stops it"
 	@echo "make status  processes and health; make logs tails them"
 	@echo "make test    the whole test suite (unit + integration against real vLLM)"
+	@echo "make chaos   fault scenarios against their own local mesh, as a table (CHAOS_ARGS=--short)"
 	@echo "make lint    ruff and mypy; make proto regenerates protobuf code"
 	@echo "make ops-page  build the live ops page (ops/dist, served at /ops/ by make up)"
 	@echo "make chart   refresh the Helm chart's generated files (Envoy config, dashboards, alerts)"
@@ -99,6 +100,12 @@ test: setup
 
 test-unit: setup
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+
+# Real faults (signals to real processes) under bounded traffic, on meshes of its own on free
+# ports; prints a table and its JSON. CHAOS_ARGS: --short, --scenarios a,b, --attach .run
+CHAOS_ARGS ?=
+chaos: setup
+	$(BIN)/python -m loadtests.chaos $(CHAOS_ARGS)
 
 up: setup
 	$(BIN)/python -m tokenmesh.localstack up
