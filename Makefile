@@ -10,13 +10,14 @@ TINY_MODEL := models/tiny-llama
 SETUP_STAMP := $(VENV)/.setup-$(VLLM_TARGET)
 PYTEST_ARGS ?=
 
-.PHONY: help setup prometheus ops-page proto proto-check dashboards lint test test-unit up down status logs lock clean envoy-config chart images loadtest bench
+.PHONY: help setup prometheus ops-page proto proto-check dashboards lint test test-unit chaos up down status logs lock clean envoy-config chart images loadtest bench
 
 help:
 	@echo "make setup   create .venv (VLLM_TARGET=$(VLLM_TARGET)), generate the tiny model"
 	@echo "make up      start the local stack (tiny model, CPU); make down stops it"
 	@echo "make status  processes and health; make logs tails them"
 	@echo "make test    the whole test suite (unit + integration against real vLLM)"
+	@echo "make chaos   fault scenarios against their own local mesh, as a table (CHAOS_ARGS=--short)"
 	@echo "make lint    ruff and mypy; make proto regenerates protobuf code"
 	@echo "make loadtest ARGS='--target llm --address 127.0.0.1:8080 --mode open --rate 20'"
 	@echo "make bench   the benchmark matrix on private meshes -> loadtests/results/<date>/"
@@ -101,6 +102,12 @@ test: setup
 
 test-unit: setup
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+
+# Real faults (signals to real processes) under bounded traffic, on meshes of its own on free
+# ports; prints a table and its JSON. CHAOS_ARGS: --short, --scenarios a,b, --attach .run
+CHAOS_ARGS ?=
+chaos: setup
+	$(BIN)/python -m loadtests.chaos $(CHAOS_ARGS)
 
 # The load generator against any local target (`python -m loadtests run --help`), and the
 # benchmark matrix (each scenario on its own private mesh; ARGS='--scenarios transport --quick').

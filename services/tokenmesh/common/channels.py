@@ -21,6 +21,19 @@ CALLER_FAULTS = frozenset(
     }
 )
 
+# What gRPC reports when the peer, or Envoy in front of it, resets a stream or the connection
+# breaks: the code is INTERNAL or UNKNOWN although nothing in the service failed (the process
+# died, was killed, or the network went away). Callers see UNAVAILABLE for these.
+TRANSPORT_RESETS = ("RST_STREAM", "Stream removed", "Socket closed", "Connection reset")
+
+
+def transport_reset(err: aio.AioRpcError) -> bool:
+    """err is a broken stream or connection, not an error the service answered with."""
+    if err.code() not in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+        return False
+    details = err.details() or ""
+    return any(marker in details for marker in TRANSPORT_RESETS)
+
 
 def client_options(max_message_bytes: int) -> list[tuple[str, Any]]:
     return [
@@ -69,11 +82,19 @@ class Dependency:
                 f"{self.name}: cannot connect to {self.address} within {within:g}s"
             ) from None
 
-    def error(self, err: aio.AioRpcError) -> DependencyError:
-        """The error the caller sees when a call to this dependency failed with err."""
+    def error(self, err: aio.AioRpcError, during: str = "") -> DependencyError:
+        """The error the caller sees when a call to this dependency failed with err; `during`
+        says how far the call had got (e.g. "after 12 tokens")."""
+        details = err.details() or err.code().name
         if err.code() in CALLER_FAULTS:
-            return DependencyError(err.code(), err.details() or err.code().name)
-        return DependencyError(err.code(), f"{self.name}: {err.details() or err.code().name}")
+            return DependencyError(err.code(), details)
+        where = f" {during}" if during else ""
+        if transport_reset(err):
+            return DependencyError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"{self.name}: the stream was cut{where} (the {self.name} went away): {details}",
+            )
+        return DependencyError(err.code(), f"{self.name}{where}: {details}")
 
     async def close(self) -> None:
         await self.channel.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from opentelemetry.trace import Tracer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tokenmesh.common.channels import Dependency
+from tokenmesh.common.errors import DependencyError
 from tokenmesh.common.metrics import RPC_BUCKETS
 from tokenmesh.gateway.breaker import CircuitBreaker, CircuitOpenError, CircuitState
 from tokenmesh.gateway.config import GatewaySettings
@@ -37,6 +39,10 @@ BREAKER_FAILURES = frozenset(
     }
 )
 DEGRADED_HEADER = "x-tokenmesh-degraded"
+# A worker call that fails this close to its deadline failed because of it: Envoy enforces the
+# same deadline (grpc-timeout) and resets the stream when it passes, which can reach the gateway
+# a moment before its own timer fires on a busy event loop.
+DEADLINE_SLACK_SECONDS = 0.05
 
 
 class GatewayMetrics:
@@ -186,12 +192,23 @@ class WorkerClient:
         if time_limit is not None:
             connect_within = min(connect_within, time_limit)
         await self._worker.ensure_connected(connect_within)
+        expires = None if time_limit is None else time.monotonic() + time_limit
         call = self._stub.Generate(request, timeout=time_limit)
+        received = 0
         try:
             async for token in call:
+                received += 1
                 yield token
         except aio.AioRpcError as err:
-            raise self._worker.error(err) from err
+            # Failed before its first token, it was retried by Envoy already; after, it cannot
+            # be (the caller has tokens), and the message says how far it got.
+            during = f"after {received} tokens" if received else ""
+            if expires is not None and time.monotonic() >= expires - DEADLINE_SLACK_SECONDS:
+                raise DependencyError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"worker: deadline exceeded {during or 'before the first token'}",
+                ) from err
+            raise self._worker.error(err, during) from err
         finally:
             # The caller went away (or stopped reading) before the worker's end: cancel the
             # call, which aborts the engine request. A finished call is left as it is.

@@ -32,6 +32,14 @@ HEALTH_SERVICES = {
 # Where the edge serves the ops page (from the control plane's page port).
 OPS_PAGE = "/ops/"
 RETRY_ON = "unavailable,reset,connect-failure,refused-stream"
+# A worker at its admission bound refuses at once with RESOURCE_EXHAUSTED: another worker may
+# have room (not retried at the edge: every gateway shares the same workers).
+OVERLOADED = ",resource-exhausted"
+# Retries go to another host: a host that just died still counts as healthy until its health
+# checks fail (~1 s), and LEAST_REQUEST favours it (its streams are gone, so it looks idle), so
+# without this every retry can land on the same dead host.
+PREVIOUS_HOSTS = "envoy.retry_host_predicates.previous_hosts"
+PREVIOUS_HOSTS_TYPE = TYPE + "envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
 ACCESS_LOG_FIELDS = {
     "time": "%START_TIME%",
     "path": "%REQ(:PATH)%",
@@ -88,9 +96,13 @@ def route_to(cluster: str, mesh: MeshSettings, prefix: str = "/") -> Config:
             "timeout": "0s",
             "max_stream_duration": {"grpc_timeout_header_max": "0s"},
             "retry_policy": {
-                "retry_on": RETRY_ON,
+                "retry_on": RETRY_ON + (OVERLOADED if cluster == "worker" else ""),
                 "num_retries": mesh.retry_attempts,
                 "retry_back_off": {"base_interval": "0.025s", "max_interval": "0.25s"},
+                "retry_host_predicate": [
+                    {"name": PREVIOUS_HOSTS, "typed_config": {"@type": PREVIOUS_HOSTS_TYPE}}
+                ],
+                "host_selection_retry_max_attempts": 5,
             },
         },
     }
@@ -278,7 +290,7 @@ def service_cluster(name: str, mesh: MeshSettings) -> Config:
                     "max_requests": 4096,
                     "retry_budget": {
                         "budget_percent": {"value": mesh.retry_budget_percent},
-                        "min_retry_concurrency": 3,
+                        "min_retry_concurrency": mesh.retry_min_concurrency,
                     },
                 }
             ]

@@ -27,6 +27,9 @@ class WorkerSettings(ServiceSettings):
     max_model_len: int = Field(default=2048, ge=16)
     # Sequences the engine batches at once (continuous batching); more wait in its queue.
     max_num_seqs: int = Field(default=256, ge=1)
+    # Streams that may wait for a place in the batch (beyond max_num_seqs running); more are
+    # refused at once with RESOURCE_EXHAUSTED, instead of queueing until their deadlines pass.
+    max_waiting_requests: int = Field(default=256, ge=0)
     # CPU only: KV-cache size in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE).
     kv_cache_space_gib: int = Field(default=1, ge=1)
     # CPU only: cores vLLM's OpenMP threads bind to, e.g. "0-1", "1", or "auto". Two workers

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from grpc import aio
@@ -13,9 +14,10 @@ from prometheus_client import Counter
 from tokenmesh.common.interceptors import Deadline
 from tokenmesh.common.metrics import StreamMetrics
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
+from tokenmesh.worker.admission import Admission
 from tokenmesh.worker.config import WorkerSettings
-from tokenmesh.worker.engine import EngineSlot
-from tokenmesh.worker.requests import validate
+from tokenmesh.worker.engine import EngineSlot, VllmEngine
+from tokenmesh.worker.requests import GenerationSpec, validate
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
@@ -31,16 +33,26 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self._stream_metrics = stream_metrics
         # Engine requests aborted because their caller went away, by reason.
         self._aborted = aborted
+        self._admission = Admission(limits.max_num_seqs, limits.max_waiting_requests)
 
     async def Generate(
         self,
         request: inference_pb2.InferenceRequest,
         context: aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[token_pb2.Token]:
-        timer = self._stream_metrics.timer(context)
-        deadline = Deadline(context)
         spec = validate(request, self._limits)
         engine = self._engines.get()
+        # Closing the inner stream (the caller went away) aborts the engine request.
+        with self._admission.admit(engine.load.waiting):
+            async with contextlib.aclosing(self._generate(engine, spec, context)) as tokens:
+                async for token in tokens:
+                    yield token
+
+    async def _generate(
+        self, engine: VllmEngine, spec: GenerationSpec, context: aio.ServicerContext[Any, Any]
+    ) -> AsyncGenerator[token_pb2.Token, None]:
+        timer = self._stream_metrics.timer(context)
+        deadline = Deadline(context)
         counted = False
 
         def count_abort() -> None:

@@ -1,0 +1,891 @@
+"""Chaos scenarios against the local mesh: real faults (signals to real processes, a stopped
+control plane) under bounded traffic through the edge, one result row per scenario.
+
+    python -m loadtests.chaos [--short] [--scenarios worker_kill,reranker_hang] [--attach RUN_DIR]
+
+Without --attach it starts its own mesh on free ports (2 gateways, 2 workers) and stops it at the
+end; --attach RUN_DIR uses a running one (`make up`'s is .run). Prints a table and its JSON; exits
+1 when a guarantee did not hold or a request hung. Every scenario leaves the mesh as it found it
+(killed programs restarted and healthy in Envoy). All traffic goes to 127.0.0.1; every request
+has a deadline and a hard bound, every wait and loop is bounded in count and time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import yaml
+from grpc import aio
+
+from tokenmesh.localstack.stack import Program, Stack, StackSettings
+from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, llm_pb2, llm_pb2_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+OK = "OK"
+HUNG = "HUNG"
+# A request still running this long after its own deadline is counted as hung (and cancelled).
+HANG_MARGIN_SECONDS = 5.0
+# A restarted worker loads vLLM again (~30 s idle, more on a busy 2-core box).
+REJOIN_WITHIN_SECONDS = 300.0
+# What the README recommends to clients: retry UNAVAILABLE (nothing was generated yet when a
+# call fails that way before its first token) with backoff, and wait for the channel to be ready.
+RETRY_SERVICE_CONFIG = {
+    "methodConfig": [
+        {
+            "name": [{"service": "tokenmesh.v1.LLMService"}],
+            "waitForReady": True,
+            "retryPolicy": {
+                "maxAttempts": 5,
+                "initialBackoff": "0.1s",
+                "maxBackoff": "1s",
+                "backoffMultiplier": 2,
+                "retryableStatusCodes": ["UNAVAILABLE"],
+            },
+        }
+    ]
+}
+DOCUMENTS = (
+    "Bananas are yellow.",
+    "Paris is the capital of France.",
+    "The sea is salty.",
+    "Rome is in Italy.",
+)
+
+
+@dataclass
+class Outcome:
+    """One request's end: OK, a status code name, or HUNG."""
+
+    code: str
+    tokens: int = 0
+    degraded: bool = False
+    seconds: float = 0.0
+    first_token_seconds: float | None = None
+    ended_unix_nanos: int = 0
+    # time.monotonic() when it ended.
+    ended: float = 0.0
+    details: str = ""
+
+
+@dataclass
+class Row:
+    """One scenario's result: what was sent, how it ended, and what did not hold."""
+
+    scenario: str
+    sent: int = 0
+    ok: int = 0
+    degraded: int = 0
+    failed: dict[str, int] = field(default_factory=dict)
+    hung: int = 0
+    max_recovery_seconds: float = 0.0
+    # Measurements worth reading (seconds to leave Envoy's healthy set, ...).
+    notes: dict[str, Any] = field(default_factory=dict)
+    # One example message per failure code seen.
+    examples: dict[str, str] = field(default_factory=dict)
+    # Guarantees that did not hold; empty when the scenario passed.
+    violations: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def add(self, outcomes: Sequence[Outcome]) -> None:
+        for outcome in outcomes:
+            self.sent += 1
+            if outcome.code == OK:
+                self.ok += 1
+                self.degraded += outcome.degraded
+            elif outcome.code == HUNG:
+                self.hung += 1
+            else:
+                self.failed[outcome.code] = self.failed.get(outcome.code, 0) + 1
+                self.examples.setdefault(outcome.code, outcome.details[:160])
+
+    def check(self, holds: bool, guarantee: str) -> None:
+        if not holds:
+            self.violations.append(guarantee)
+
+    def recovered(self, seconds: float) -> None:
+        self.max_recovery_seconds = round(max(self.max_recovery_seconds, seconds), 2)
+
+    @property
+    def passed(self) -> bool:
+        return not self.violations and not self.hung
+
+
+def request(prompt: str, max_tokens: int, documents: Sequence[str] = ()) -> llm_pb2.GenerateRequest:
+    return llm_pb2.GenerateRequest(
+        prompt=prompt,
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        documents=documents,
+        top_k_documents=2 if documents else 0,
+    )
+
+
+async def generate(
+    stub: llm_pb2_grpc.LLMServiceStub,
+    message: llm_pb2.GenerateRequest,
+    deadline: float,
+    started: asyncio.Event | None = None,
+    wait_for_ready: bool | None = None,
+) -> Outcome:
+    """One Generate through the edge with a deadline `deadline` seconds away; HUNG if it is
+    still running HANG_MARGIN_SECONDS after that (then it is cancelled). `started` is set on its
+    first token."""
+    begun = time.monotonic()
+    outcome = Outcome(OK)
+    call = stub.Generate(message, timeout=deadline, wait_for_ready=wait_for_ready)
+
+    async def read() -> None:
+        async for token in call:
+            if outcome.tokens == 0:
+                outcome.first_token_seconds = time.monotonic() - begun
+                outcome.degraded = any(w.startswith("reranker_unavailable") for w in token.warnings)
+                if started is not None:
+                    started.set()
+            outcome.tokens += 1
+
+    try:
+        await asyncio.wait_for(read(), deadline + HANG_MARGIN_SECONDS)
+    except TimeoutError:
+        call.cancel()
+        outcome.code = HUNG
+    except aio.AioRpcError as err:
+        outcome.code = err.code().name
+        outcome.details = err.details() or ""
+    else:
+        if outcome.tokens != message.max_tokens:
+            outcome.code = "INCOMPLETE"
+            outcome.details = f"{outcome.tokens} of {message.max_tokens} tokens"
+    outcome.seconds = time.monotonic() - begun
+    outcome.ended_unix_nanos = time.time_ns()
+    outcome.ended = time.monotonic()
+    return outcome
+
+
+class Mesh:
+    """The running stack as the scenarios see it: the edge, processes, and Envoy's view."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.stack = stack
+        self.edge = f"127.0.0.1:{stack.settings.edge_port}"
+
+    def replicas(self, service: str) -> list[Program]:
+        return [program for program in self.stack.programs if program.service == service]
+
+    def program(self, name: str) -> Program:
+        return next(program for program in self.stack.programs if program.name == name)
+
+    def pid(self, name: str) -> int:
+        """The program's pid (supervisord starts each in its own process group)."""
+        text = self.stack.ctl("pid", name).stdout.strip()
+        return int(text) if text.isdigit() else 0
+
+    def healthy(self, cluster: str) -> set[str]:
+        return {address for address, ok in self.stack.envoy_hosts().get(cluster, []) if ok}
+
+    def known(self, cluster: str) -> set[str]:
+        return {address for address, _ in self.stack.envoy_hosts().get(cluster, [])}
+
+    def channel(self, retries: bool = False) -> aio.Channel:
+        options: list[tuple[str, Any]] = []
+        if retries:
+            options = [
+                ("grpc.service_config", json.dumps(RETRY_SERVICE_CONFIG)),
+                ("grpc.enable_retries", 1),
+            ]
+        return aio.insecure_channel(self.edge, options=options)
+
+    def metric(self, program: Program, name: str, **labels: str) -> float:
+        """Sum of the series name{labels} on one program's /metrics (0 when absent)."""
+        url = f"http://127.0.0.1:{program.metrics_port}/metrics"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as reply:
+                text = reply.read().decode()
+        except OSError:
+            return 0.0
+        total = 0.0
+        for line in text.splitlines():
+            series, _, value = line.rpartition(" ")
+            if series.split("{")[0] == name and all(
+                f'{key}="{val}"' in series for key, val in labels.items()
+            ):
+                total += float(value)
+        return total
+
+    async def wait_until(
+        self, condition: Callable[[], bool], within: float, every: float = 0.1
+    ) -> float | None:
+        """Seconds until condition() held, or None if it did not within `within`."""
+        begun = time.monotonic()
+        while time.monotonic() - begun < within:
+            if await asyncio.to_thread(condition):
+                return time.monotonic() - begun
+            await asyncio.sleep(every)
+        return None
+
+    async def rejoined(self, program: Program, within: float = REJOIN_WITHIN_SECONDS) -> bool:
+        """The program is back (supervisord restarted it if it died) and Envoy routes to it."""
+        if self.stack.ctl("status", program.name).stdout.split()[1:2] != ["RUNNING"]:
+            self.stack.ctl("start", program.name)
+        cluster = program.service or ""
+        took = await self.wait_until(lambda: program.address in self.healthy(cluster), within, 1)
+        return took is not None
+
+    async def running(self, worker: Program) -> int:
+        """Requests running or waiting in the worker's engine (its scheduler's latest report)."""
+        async with aio.insecure_channel(worker.address) as channel:
+            stub = inference_pb2_grpc.InferenceServiceStub(channel)
+            report = await stub.GetEngineStats(inference_pb2.EngineStatsRequest(), timeout=5)
+        return int(report.running_requests + report.waiting_requests)
+
+    async def engine_empty_since(self, worker: Program, within: float) -> int | None:
+        """Since when (ns since the epoch) the worker's vLLM scheduler has reported nothing
+        running or waiting: the time of its latest report once that says empty (vLLM reports
+        at every engine step, so an idle engine's last report is the one that emptied it);
+        None if it did not report empty within `within` seconds."""
+        async with aio.insecure_channel(worker.address) as channel:
+            stub = inference_pb2_grpc.InferenceServiceStub(channel)
+            deadline = time.monotonic() + within
+            while time.monotonic() < deadline:
+                report = await stub.GetEngineStats(inference_pb2.EngineStatsRequest(), timeout=5)
+                if not (report.running_requests or report.waiting_requests):
+                    return int(report.reported_unix_nanos)
+                await asyncio.sleep(0.005)
+        return None
+
+
+def killpg(pid: int, sig: signal.Signals) -> None:
+    """sig to the program's whole process group (a worker's vLLM engine process too), as when
+    its container or host dies."""
+    os.killpg(pid, sig)
+
+
+async def worker_kill(mesh: Mesh, short: bool) -> Row:
+    """SIGKILL a worker (and its engine) while streams run on it: its streams end UNAVAILABLE
+    promptly, the other worker's complete, requests sent meanwhile all succeed (Envoy retries
+    them on the other worker before their first token), Envoy stops routing to the dead worker
+    within seconds, and it rejoins once supervisord has restarted it."""
+    row = Row("worker_kill")
+    workers = mesh.replicas("worker")
+    pids = {worker.name: mesh.pid(worker.name) for worker in workers}
+    # Enough long streams that both workers are still generating when the kill comes.
+    streams, burst = (24, 16) if short else (48, 48)
+    async with mesh.channel() as channel:
+        stub = llm_pb2_grpc.LLMServiceStub(channel)
+        events = [asyncio.Event() for _ in range(streams)]
+        running = [
+            asyncio.create_task(generate(stub, request(f"kill {i}", 2000), 120, events[i]))
+            for i in range(streams)
+        ]
+        await asyncio.wait_for(asyncio.gather(*(event.wait() for event in events)), 60)
+        # The victim: the worker with the most streams in its engine right now (vLLM's own
+        # scheduler figures), so the kill surely lands mid-stream.
+        running_now = {w.name: await mesh.running(w) for w in workers}
+        victim = max(workers, key=lambda w: running_now[w.name])
+        done_before_kill = sum(task.done() for task in running)
+        killed_at = time.monotonic()
+        killpg(pids[victim.name], signal.SIGKILL)
+        # New requests right after the kill: some are routed to the dead worker before Envoy's
+        # health checks notice, and must be retried on the other one before their first token.
+        fresh = [
+            asyncio.create_task(generate(stub, request(f"after kill {i}", 16), 30))
+            for i in range(burst)
+        ]
+        left = await mesh.wait_until(lambda: victim.address not in mesh.healthy("worker"), 15)
+        in_flight = await asyncio.gather(*running)
+        after = await asyncio.gather(*fresh)
+    row.add(in_flight)
+    row.add(after)
+    failed = [o for o in in_flight if o.code != OK]
+    ended_within = max((o.ended - killed_at for o in failed), default=0.0)
+    row.notes["running_per_worker_at_kill"] = running_now
+    row.notes["killed"] = victim.name
+    row.notes["in_flight_failed"] = len(failed)
+    row.notes["done_before_kill"] = done_before_kill
+    row.notes["failed_streams_ended_within_s"] = round(ended_within, 2)
+    row.notes["left_envoy_healthy_set_s"] = None if left is None else round(left, 2)
+    row.check(bool(failed), "some in-flight stream was on the killed worker")
+    row.check(
+        all(o.code == "UNAVAILABLE" and o.details for o in failed),
+        f"in-flight streams on the killed worker end UNAVAILABLE with a message: "
+        f"{sorted({(o.code, o.details[:80]) for o in failed})}",
+    )
+    row.check(
+        ended_within <= 5,
+        f"they end within 5 s of the kill, not at an idle timeout ({ended_within:.1f}s)",
+    )
+    row.check(
+        all(o.tokens > 0 for o in failed), "only streams that had begun fail (others are retried)"
+    )
+    row.check(all(o.code == OK for o in after), "requests sent after the kill all succeed")
+    row.check(left is not None and left <= 5, f"dead worker out of Envoy within 5 s ({left})")
+    rejoin_started = time.monotonic()
+    row.check(await mesh.rejoined(victim), "the restarted worker rejoins Envoy's healthy set")
+    row.recovered(time.monotonic() - killed_at)
+    row.notes["rejoined_after_restart_s"] = round(time.monotonic() - rejoin_started, 1)
+    return row
+
+
+async def steady_load(
+    stub: llm_pb2_grpc.LLMServiceStub, stop: asyncio.Event, clients: int, limit: float
+) -> list[Outcome]:
+    """`clients` loops, each sending one 32-token request after another until stop is set."""
+    outcomes: list[Outcome] = []
+    begun = time.monotonic()
+
+    async def loop(client: int) -> None:
+        for i in range(100_000):
+            if stop.is_set() or time.monotonic() - begun > limit:
+                return
+            outcomes.append(await generate(stub, request(f"steady {client} {i}", 32), 30))
+
+    await asyncio.gather(*(loop(client) for client in range(clients)))
+    return outcomes
+
+
+async def rolling_restart(mesh: Mesh, short: bool) -> Row:
+    """SIGTERM each worker in turn under steady load, the next once the previous one is back
+    in Envoy: no request fails."""
+    row = Row("rolling_restart")
+    workers = mesh.replicas("worker")[:1] if short else mesh.replicas("worker")
+    stop = asyncio.Event()
+    async with mesh.channel() as channel:
+        stub = llm_pb2_grpc.LLMServiceStub(channel)
+        load = asyncio.create_task(steady_load(stub, stop, 4, limit=len(workers) * 400))
+        await asyncio.sleep(1)
+        for worker in workers:
+            begun = time.monotonic()
+            os.kill(mesh.pid(worker.name), signal.SIGTERM)
+            left = await mesh.wait_until(
+                lambda w=worker: w.address not in mesh.healthy("worker"), 10
+            )
+            row.notes[f"{worker.name}_left_healthy_set_s"] = (
+                None if left is None else round(left, 2)
+            )
+            row.check(left is not None and left <= 2.5, f"{worker.name} NOT_SERVING within 2.5 s")
+            row.check(await mesh.rejoined(worker), f"{worker.name} rejoins after its restart")
+            row.recovered(time.monotonic() - begun)
+        await asyncio.sleep(1)
+        stop.set()
+        outcomes = await load
+    row.add(outcomes)
+    row.check(all(o.code == OK for o in outcomes), "zero failed requests across the restart")
+    return row
+
+
+async def reranker_hang(mesh: Mesh, short: bool) -> Row:
+    """SIGSTOP the reranker (calls time out rather than fail fast): answers stream degraded with
+    the warning, and once every gateway's breaker is open, at normal latency; SIGCONT: answers
+    are reranked again after the breaker's half-open probe."""
+    row = Row("reranker_hang")
+    reranker = mesh.program("reranker")
+    gateways = mesh.replicas("gateway")
+    pid = mesh.pid("reranker")
+    half_open_before = sum(
+        mesh.metric(g, "tokenmesh_reranker_circuit_transitions_total", to="half_open")
+        for g in gateways
+    )
+    async with mesh.channel() as channel:
+        stub = llm_pb2_grpc.LLMServiceStub(channel)
+
+        async def batch(label: str, n: int) -> list[Outcome]:
+            return list(
+                await asyncio.gather(
+                    *(generate(stub, request(f"{label} {i}", 8, DOCUMENTS), 20) for i in range(n))
+                )
+            )
+
+        baseline = await batch("before", 4)
+        row.add(baseline)
+        row.check(not any(o.degraded for o in baseline), "answers are reranked before the fault")
+        os.kill(pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        try:
+            opened = False
+            hung_phase: list[Outcome] = []
+            for round_ in range(30):
+                hung_phase += await batch(f"hung {round_}", 4)
+                if all(mesh.metric(g, "tokenmesh_reranker_circuit_state") == 2 for g in gateways):
+                    opened = True
+                    break
+            row.add(hung_phase)
+            row.notes["breakers_open_after_s"] = round(time.monotonic() - stopped_at, 2)
+            row.check(opened, "every gateway's breaker opens")
+            row.check(
+                all(o.code == OK and o.degraded for o in hung_phase),
+                "answers stream degraded (with the warning) while the reranker hangs",
+            )
+            open_phase = await batch("open", 8 if short else 32)
+            row.add(open_phase)
+            ttft = max((o.first_token_seconds or 99) for o in open_phase)
+            row.notes["max_ttft_open_s"] = round(ttft, 3)
+            row.check(all(o.code == OK and o.degraded for o in open_phase), "degraded while open")
+            row.check(ttft < 0.5, f"latency back to normal once open (max TTFT {ttft:.2f}s)")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        resumed_at = time.monotonic()
+        recovered = None
+        for i in range(60):
+            (outcome,) = await batch(f"resumed {i}", 1)
+            row.add([outcome])
+            if outcome.code == OK and not outcome.degraded:
+                recovered = time.monotonic() - resumed_at
+                break
+            await asyncio.sleep(0.5)
+        # Each gateway closes its own breaker; the one not asked above does at its next call.
+        for _ in range(20):
+            rest = await batch("closed", 4)
+            row.add(rest)
+            if all(mesh.metric(g, "tokenmesh_reranker_circuit_state") == 0 for g in gateways):
+                break
+            await asyncio.sleep(0.5)
+    half_open = sum(
+        mesh.metric(g, "tokenmesh_reranker_circuit_transitions_total", to="half_open")
+        for g in gateways
+    )
+    row.check(recovered is not None, "answers are reranked again after SIGCONT")
+    row.check(half_open > half_open_before, "recovery goes through half-open")
+    row.check(reranker.address in mesh.healthy("reranker"), "the reranker is healthy in Envoy")
+    row.recovered(recovered if recovered is not None else 30)
+    row.notes["reranked_again_after_s"] = None if recovered is None else round(recovered, 2)
+    return row
+
+
+async def deadline_storm(mesh: Mesh, short: bool) -> Row:
+    """Requests whose deadlines are shorter than their generation: all end DEADLINE_EXCEEDED
+    and every engine is empty at most 1 s after the last one ended."""
+    row = Row("deadline_storm")
+    count = 100 if short else 500
+    rng = random.Random(7)
+    async with mesh.channel() as channel:
+        stub = llm_pb2_grpc.LLMServiceStub(channel)
+        begun_ns = time.time_ns()
+        outcomes = await asyncio.gather(
+            *(
+                generate(stub, request(f"storm {i}", 2000), rng.uniform(0.3, 1.5))
+                for i in range(count)
+            )
+        )
+    row.add(outcomes)
+    row.notes["streams_with_tokens"] = sum(o.tokens > 0 for o in outcomes)
+    row.notes["tokens_received"] = sum(o.tokens for o in outcomes)
+    row.notes["storm_s"] = round((max(o.ended_unix_nanos for o in outcomes) - begun_ns) / 1e9, 2)
+    last_ns = max([o.ended_unix_nanos for o in outcomes] + [begun_ns])
+    row.check(
+        all(o.code == "DEADLINE_EXCEEDED" for o in outcomes), "every request DEADLINE_EXCEEDED"
+    )
+    lags = []
+    for worker in mesh.replicas("worker"):
+        empty_since = await mesh.engine_empty_since(worker, within=10)
+        # Negative: the worker had aborted everything before the last client saw its deadline
+        # (each hop's deadline is the caller's minus a margin).
+        lag = None if empty_since is None else (empty_since - last_ns) / 1e9
+        lags.append(lag)
+        row.notes[f"{worker.name}_empty_after_last_s"] = None if lag is None else round(lag, 3)
+    worst = max((lag if lag is not None else 99.0) for lag in lags)
+    row.check(worst <= 1.0, f"engines empty within 1 s of the last request ({worst:.3f}s)")
+    row.recovered(max(worst, 0.0))
+    return row
+
+
+async def controlplane_down(mesh: Mesh, short: bool) -> Row:
+    """Stop the control plane: Envoy keeps routing to its last known endpoints. A discovery
+    change made meanwhile applies once it is back."""
+    row = Row("controlplane_down")
+    workers = mesh.replicas("worker")
+    removed = workers[-1]
+    stack = mesh.stack
+    n = 8 if short else 32
+    async with mesh.channel() as channel:
+        stub = llm_pb2_grpc.LLMServiceStub(channel)
+
+        async def batch(label: str) -> list[Outcome]:
+            return list(
+                await asyncio.gather(
+                    *(generate(stub, request(f"{label} {i}", 16), 30) for i in range(n))
+                )
+            )
+
+        stack.ctl("stop", "controlplane")
+        try:
+            await asyncio.sleep(1)
+            down = await batch("no discovery")
+            await asyncio.sleep(2 if short else 10)
+            down += await batch("no discovery later")
+            row.add(down)
+            row.check(all(o.code == OK for o in down), "requests succeed without discovery")
+            row.check(
+                mesh.healthy("worker") == {w.address for w in workers},
+                "Envoy keeps every last known worker",
+            )
+            endpoints = stack.endpoints()
+            endpoints["clusters"]["worker"].remove(removed.address)
+            stack.endpoints_path.write_text(yaml.safe_dump(endpoints))
+            await asyncio.sleep(0.5)
+            row.check(removed.address in mesh.known("worker"), "no change while discovery is down")
+        finally:
+            restarted_at = time.monotonic()
+            stack.ctl("start", "controlplane")
+        applied = await mesh.wait_until(lambda: removed.address not in mesh.known("worker"), 30)
+        row.notes["change_applied_after_restart_s"] = None if applied is None else round(applied, 2)
+        row.check(applied is not None, "a discovery change applies once the control plane is back")
+        row.recovered(applied if applied is not None else time.monotonic() - restarted_at)
+        stack.endpoints_path.write_text(yaml.safe_dump(stack.endpoints(), sort_keys=False))
+        back = await mesh.wait_until(lambda: removed.address in mesh.healthy("worker"), 30)
+        row.check(back is not None, "the worker added back is routed to again")
+        after = await batch("discovery back")
+        row.add(after)
+        row.check(all(o.code == OK for o in after), "requests succeed after discovery returns")
+    return row
+
+
+async def envoy_restart(mesh: Mesh, short: bool) -> Row:
+    """SIGKILL Envoy under load (supervisord restarts it): in-flight streams fail with a clear
+    status; clients with the README's retry and wait-for-ready settings get answers as soon as
+    it is back."""
+    row = Row("envoy_restart")
+    pid = mesh.pid("envoy")
+    # Enough long streams that they are still generating when the kill comes.
+    streams, fresh_count = (16, 8) if short else (32, 32)
+    async with mesh.channel(retries=True) as channel:
+        stub = llm_pb2_grpc.LLMServiceStub(channel)
+        events = [asyncio.Event() for _ in range(streams)]
+        running = [
+            asyncio.create_task(generate(stub, request(f"envoy {i}", 2000), 120, events[i]))
+            for i in range(streams)
+        ]
+        await asyncio.wait_for(asyncio.gather(*(event.wait() for event in events)), 60)
+        killed_at = time.monotonic()
+        killpg(pid, signal.SIGKILL)
+        await asyncio.sleep(0.2)
+        fresh = [
+            asyncio.create_task(generate(stub, request(f"while down {i}", 16), 60))
+            for i in range(fresh_count)
+        ]
+        in_flight = await asyncio.gather(*running)
+        after = await asyncio.gather(*fresh)
+    row.add(in_flight)
+    row.add(after)
+    failed = [o for o in in_flight if o.code != OK]
+    row.notes["in_flight_failed"] = len(failed)
+    row.check(bool(failed), "some stream was in flight when Envoy died")
+    row.check(
+        all(o.code == "UNAVAILABLE" and o.details for o in failed),
+        "in-flight streams fail UNAVAILABLE with a message",
+    )
+    row.check(all(o.code == OK for o in after), "requests sent while Envoy restarts succeed")
+    answered = max((o.ended - killed_at for o in after), default=0.0)
+    row.notes["requests_sent_while_down_done_s"] = round(answered, 2)
+    ready = await mesh.wait_until(mesh.stack.envoy_ready, 60, every=0.5)
+    row.check(ready is not None, "Envoy is back with every host healthy")
+    row.recovered(answered)
+    return row
+
+
+# The small mesh for overload (and the short stalled-client run): 1 gateway, 1 worker whose batch
+# and queue overflow with a few dozen streams, and a short stream idle timeout.
+SMALL_MESH_ENV = {
+    "TOKENMESH_WORKER_MAX_NUM_SEQS": "4",
+    "TOKENMESH_WORKER_MAX_WAITING_REQUESTS": "8",
+    "TOKENMESH_MESH_STREAM_IDLE_TIMEOUT_SECONDS": "5",
+}
+# A client that never reads: a fixed 64 KiB window per stream (gRPC's BDP probing off).
+STALLED_CLIENT_OPTIONS = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 65536)]
+MIB = 1024 * 1024
+
+
+def worker_limits() -> tuple[int, int]:
+    """max_num_seqs and max_waiting_requests the stack's workers got from this environment."""
+    from tokenmesh.worker.config import WorkerSettings
+
+    settings = WorkerSettings()
+    return settings.max_num_seqs, settings.max_waiting_requests
+
+
+async def overload(mesh: Mesh, short: bool) -> Row:
+    """Twice as many concurrent streams as the workers admit (batch + queue): the excess is
+    refused at once with RESOURCE_EXHAUSTED (no timeouts), and the admitted ones complete."""
+    row = Row("overload")
+    running, waiting = worker_limits()
+    capacity = len(mesh.replicas("worker")) * (running + waiting)
+    row.notes["capacity"] = capacity
+    if capacity > 64:
+        row.violations.append(
+            f"overload needs small worker limits ({capacity} streams admitted); run it on the "
+            f"small mesh ({SMALL_MESH_ENV})"
+        )
+        return row
+    async with mesh.channel() as channel:
+        stub = llm_pb2_grpc.LLMServiceStub(channel)
+        (alone,) = [await generate(stub, request("alone", 64), 30)]
+        rounds = 1 if short else 3
+        outcomes: list[Outcome] = []
+        for round_ in range(rounds):
+            outcomes += await asyncio.gather(
+                *(
+                    generate(stub, request(f"overload {round_} {i}", 256), 60)
+                    for i in range(2 * capacity)
+                )
+            )
+    row.add([alone, *outcomes])
+    refused = [o for o in outcomes if o.code == "RESOURCE_EXHAUSTED"]
+    admitted = [o for o in outcomes if o.code == OK]
+    row.notes["admitted"] = len(admitted)
+    row.notes["max_refusal_s"] = round(max((o.seconds for o in refused), default=0.0), 3)
+    row.notes["ttft_alone_s"] = round(alone.first_token_seconds or 0.0, 3)
+    row.notes["max_ttft_admitted_s"] = round(
+        max((o.first_token_seconds or 0.0 for o in admitted), default=0.0), 3
+    )
+    row.check(alone.code == OK, "a request alone succeeds")
+    row.check(
+        {o.code for o in outcomes} <= {OK, "RESOURCE_EXHAUSTED"},
+        "every stream is admitted and completes, or is refused RESOURCE_EXHAUSTED",
+    )
+    row.check(bool(refused), "streams past the bound are refused")
+    row.check(len(admitted) >= capacity * rounds, "at least the bound's worth are admitted")
+    row.check(
+        all("max_waiting_requests" in o.details for o in refused), "the refusal names the limit"
+    )
+    refusal_times = sorted(o.seconds for o in refused)
+    median = refusal_times[len(refusal_times) // 2] if refusal_times else 0.0
+    row.notes["median_refusal_s"] = round(median, 3)
+    # Fast: no queueing until a timeout (the deadline is 60 s); Envoy's two retries on another
+    # (here the same) worker add up to ~0.5 s of backoff.
+    row.check(median <= 0.5 and row.notes["max_refusal_s"] <= 2.5, "refusals are fast")
+    return row
+
+
+async def stalled_client(mesh: Mesh, short: bool) -> Row:
+    """A client opens streams and never reads them: flow control stops the mesh sending, memory
+    in the gateway and Envoy stays bounded, another client is not held up, and Envoy's stream
+    idle timeout cuts the stalled streams, which frees the engine."""
+    from tokenmesh.meshconfig.config import MeshSettings
+
+    row = Row("stalled_client")
+    # Short: fewer than the small mesh's batch (4), so the bystander gets a place in it at once
+    # rather than queueing behind stalled streams' generations.
+    streams = min(8, worker_limits()[0] - 1) if short else 100
+    idle_timeout = MeshSettings().stream_idle_timeout_seconds
+    row.notes["stream_idle_timeout_s"] = idle_timeout
+    workers = mesh.replicas("worker")
+    names = [gateway.name for gateway in mesh.replicas("gateway")] + ["envoy"]
+    processes = {name: psutil.Process(mesh.pid(name)) for name in names}
+    # Long enough for the engine to finish the streams and the idle timeout to pass after that.
+    deadline = idle_timeout + 180
+    before = {name: p.memory_info().rss for name, p in processes.items()}
+    peak = dict(before)
+    aborted_before = sum(mesh.metric(w, "tokenmesh_worker_aborted_requests_total") for w in workers)
+    async with aio.insecure_channel(mesh.edge, options=STALLED_CLIENT_OPTIONS) as channel:
+        stub = llm_pb2_grpc.LLMServiceStub(channel)
+        calls = [
+            stub.Generate(
+                llm_pb2.GenerateRequest(
+                    prompt=f"stalled {i}",
+                    max_tokens=1900,
+                    ignore_eos=True,
+                    logprobs=True,
+                    top_logprobs=20,
+                ),
+                timeout=deadline,
+            )
+            for i in range(streams)
+        ]
+        opened_at = time.monotonic()
+        await asyncio.wait_for(asyncio.gather(*(c.initial_metadata() for c in calls)), 60)
+        async with mesh.channel() as other:
+            bystander = await generate(llm_pb2_grpc.LLMServiceStub(other), request("by", 64), 30)
+        row.add([bystander])
+        row.check(bystander.code == OK, "another client streams while these stall")
+        # Until every stalled stream has ended (cut by the idle timeout) or the bound passes.
+        cut_within = None
+        for _ in range(int((deadline + 5) / 0.25)):
+            for name, process in processes.items():
+                peak[name] = max(peak[name], process.memory_info().rss)
+            if all(call.done() for call in calls):
+                cut_within = time.monotonic() - opened_at
+                break
+            await asyncio.sleep(0.25)
+        outcomes = []
+        for call in calls:
+            if not call.done():
+                call.cancel()
+                outcomes.append(Outcome(HUNG))
+                continue
+            code = await call.code()
+            outcomes.append(Outcome(code.name, details=await call.details() or ""))
+    row.add(outcomes)
+    growth = {name: round((peak[name] - before[name]) / MIB, 1) for name in processes}
+    row.notes["rss_growth_mib"] = growth
+    row.notes["all_cut_after_s"] = None if cut_within is None else round(cut_within, 1)
+    row.check(
+        cut_within is not None and cut_within < deadline - 1,
+        "the stream idle timeout cuts every stalled stream (before its deadline)",
+    )
+    row.check(all(o.code != OK for o in outcomes), "no stalled stream counts as delivered")
+    # Windows of ~1 MiB per stream and hop at most, whatever the streams' size (~650 KB each).
+    row.check(
+        max(growth.values()) <= streams * 2 + 64,
+        f"memory bounded by the windows: RSS growth {growth} MiB for {streams} streams",
+    )
+    for worker in workers:
+        empty = await mesh.engine_empty_since(worker, within=10)
+        row.check(empty is not None, f"{worker.name}'s engine is empty once the streams are cut")
+    aborted = (
+        sum(mesh.metric(w, "tokenmesh_worker_aborted_requests_total") for w in workers)
+        - aborted_before
+    )
+    row.notes["engine_requests_aborted"] = aborted
+    row.recovered(cut_within or 0.0)
+    return row
+
+
+Scenario = Callable[[Mesh, bool], Awaitable[Row]]
+SCENARIOS: dict[str, Scenario] = {
+    "worker_kill": worker_kill,
+    "rolling_restart": rolling_restart,
+    "reranker_hang": reranker_hang,
+    "deadline_storm": deadline_storm,
+    "controlplane_down": controlplane_down,
+    "envoy_restart": envoy_restart,
+}
+# Scenarios that need the small mesh's limits (SMALL_MESH_ENV); stalled_client runs there in its
+# short version (a 5 s stream idle timeout), on the main mesh in full (100 streams, 60 s).
+SMALL_SCENARIOS: dict[str, Scenario] = {"overload": overload, "stalled_client": stalled_client}
+ALL_SCENARIOS = {**SCENARIOS, **SMALL_SCENARIOS}
+
+
+async def run_scenarios(stack: Stack, names: Sequence[str], short: bool) -> list[Row]:
+    mesh = Mesh(stack)
+    rows = []
+    for name in names:
+        begun = time.monotonic()
+        try:
+            row = await ALL_SCENARIOS[name](mesh, short)
+        except Exception as exc:  # a broken scenario is a failed row, the rest still run
+            row = Row(name, violations=[f"the scenario raised {exc!r}"])
+        row.seconds = round(time.monotonic() - begun, 1)
+        rows.append(row)
+        print(f"{name}: {'passed' if row.passed else 'FAILED'} in {row.seconds}s", file=sys.stderr)
+    return rows
+
+
+def table(rows: Sequence[Row]) -> str:
+    header = ("scenario", "sent", "ok", "degraded", "failed by code", "hung", "recovery s", "")
+    lines = [header]
+    for row in rows:
+        failed = ", ".join(f"{code} {n}" for code, n in sorted(row.failed.items())) or "-"
+        verdict = "pass" if row.passed else "FAIL: " + "; ".join(row.violations)
+        lines.append(
+            (
+                row.scenario,
+                str(row.sent),
+                str(row.ok),
+                str(row.degraded),
+                failed,
+                str(row.hung),
+                f"{row.max_recovery_seconds:.2f}",
+                verdict,
+            )
+        )
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+        for line in lines
+    )
+
+
+def attached(run_dir: Path) -> Stack:
+    saved = run_dir / "stack-settings.json"
+    if saved.exists():
+        settings = StackSettings.model_validate_json(saved.read_text())
+    else:
+        settings = StackSettings(run_dir=run_dir)
+    return Stack(settings, root=ROOT)
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """os.environ with values inside the block (a stack started there passes them on)."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@contextlib.contextmanager
+def own_stack(gateways: int, workers: int) -> Iterator[Stack | None]:
+    """A mesh on free ports with its own run directory, stopped at the end (None if it did not
+    come up)."""
+    with tempfile.TemporaryDirectory(prefix="chaos-") as run_dir:
+        settings = StackSettings.on_free_ports(Path(run_dir), gateways=gateways, workers=workers)
+        stack = Stack(settings, root=ROOT)
+        try:
+            yield stack if stack.up() == 0 else None
+        finally:
+            stack.down()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--short", action="store_true", help="the short versions (make test's)")
+    parser.add_argument("--scenarios", default=",".join(ALL_SCENARIOS), help="comma-separated")
+    parser.add_argument(
+        "--attach",
+        type=Path,
+        help="run directory of a running mesh (for overload and stalled_client, one started "
+        "with the small mesh's settings)",
+    )
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    args = parser.parse_args()
+    names = [name for name in args.scenarios.split(",") if name]
+    unknown = set(names) - set(ALL_SCENARIOS)
+    if unknown:
+        parser.error(f"unknown scenarios {sorted(unknown)}; known: {', '.join(ALL_SCENARIOS)}")
+    rows: list[Row] = []
+    if args.attach:
+        rows = asyncio.run(run_scenarios(attached(args.attach), names, args.short))
+    else:
+        # The 2-gateway, 2-worker mesh first, then the small one: one at a time on a small box.
+        on_main = set(SCENARIOS) | (set() if args.short else {"stalled_client"})
+        main_names = [name for name in names if name in on_main]
+        small_names = [name for name in names if name not in on_main]
+        if main_names:
+            with own_stack(gateways=2, workers=2) as stack:
+                if stack is None:
+                    return 1
+                rows += asyncio.run(run_scenarios(stack, main_names, args.short))
+        if small_names:
+            with environment(SMALL_MESH_ENV), own_stack(gateways=1, workers=1) as stack:
+                if stack is None:
+                    return 1
+                rows += asyncio.run(run_scenarios(stack, small_names, args.short))
+    report = [asdict(row) for row in rows]
+    print(json.dumps(report, indent=2))
+    print(table(rows))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0 if all(row.passed for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""Failure behaviour, with real faults in the shared mesh: the short version of each
+`make chaos` scenario (loadtests/chaos.py). Each test injects its fault with a real signal to a
+real process (or stops one), drives bounded traffic through the edge, asserts the scenario's
+guarantees and that no request hung, and leaves the mesh as it found it (restarted programs
+healthy in Envoy again) for the tests after it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+import pytest
+
+from loadtests.chaos import SCENARIOS, Mesh, Row
+from tokenmesh.localstack.stack import Stack
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def chaos_mesh(mesh: Stack) -> Mesh:
+    """The session's shared mesh (tests/integration/conftest.py)."""
+    return Mesh(mesh)
+
+
+async def run(mesh: Mesh, name: str) -> Row:
+    # Everything a scenario waits for is bounded; a restarted worker may take minutes to load
+    # vLLM on a busy machine, which the 300 s test timeout covers.
+    row = await SCENARIOS[name](mesh, True)
+    print(json.dumps(asdict(row)))
+    assert row.hung == 0, f"{row.hung} requests hung"
+    assert not row.violations, row.violations
+    return row
+
+
+async def test_deadline_storm_ends_deadline_exceeded_and_empties_the_engines(
+    chaos_mesh: Mesh,
+) -> None:
+    row = await run(chaos_mesh, "deadline_storm")
+    assert row.failed == {"DEADLINE_EXCEEDED": row.sent}
+
+
+async def test_hung_reranker_opens_the_breaker_and_recovers_through_half_open(
+    chaos_mesh: Mesh,
+) -> None:
+    row = await run(chaos_mesh, "reranker_hang")
+    assert row.degraded and row.ok == row.sent
+
+
+async def test_envoy_keeps_serving_while_the_control_plane_is_down(chaos_mesh: Mesh) -> None:
+    row = await run(chaos_mesh, "controlplane_down")
+    assert row.ok == row.sent
+
+
+async def test_killed_worker_cuts_its_streams_unavailable_and_others_are_retried(
+    chaos_mesh: Mesh,
+) -> None:
+    row = await run(chaos_mesh, "worker_kill")
+    assert set(row.failed) == {"UNAVAILABLE"}
+
+
+async def test_envoy_restart_fails_only_in_flight_streams(chaos_mesh: Mesh) -> None:
+    row = await run(chaos_mesh, "envoy_restart")
+    assert set(row.failed) <= {"UNAVAILABLE"}
+
+
+async def test_rolling_restart_of_a_worker_under_load_fails_nothing(chaos_mesh: Mesh) -> None:
+    row = await run(chaos_mesh, "rolling_restart")
+    assert row.ok == row.sent > 0
