@@ -54,6 +54,35 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def port_is_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+# Replica i of these listens on base + i, so each gets a block of MAX_REPLICAS ports.
+REPLICATED_PORTS = frozenset(
+    {"gateway_port", "gateway_metrics_port", "worker_port", "worker_metrics_port"}
+)
+MAX_REPLICAS = 16
+# Below Linux's ephemeral range (32768 and up), so outgoing connections do not take a port of
+# the block between choosing it and the services binding it.
+PORT_BLOCK_RANGE = (20_000, 32_000)
+
+
+def free_port_block(size: int, attempts: int = 200) -> int:
+    """The first of `size` consecutive ports on 127.0.0.1 that are all free now."""
+    low, high = PORT_BLOCK_RANGE
+    for _ in range(attempts):
+        base = random.randint(low, high - size)
+        if all(port_is_free(base + offset) for offset in range(size)):
+            return base
+    raise RuntimeError(f"no {size} consecutive free ports in {low}..{high}")
+
+
 class StackSettings(BaseSettings):
     """Ports, replicas and model of the local mesh, from TOKENMESH_STACK_* variables."""
 
@@ -105,9 +134,16 @@ class StackSettings(BaseSettings):
     @classmethod
     def on_free_ports(cls, run_dir: Path, **overrides: Any) -> StackSettings:
         """A stack that can run beside `make up` and other such stacks (tests, benchmarks):
-        every port free now (replicas take consecutive ports from their base), its own
-        run directory and Envoy shared-memory id."""
-        ports = {name: free_port() for name in cls.model_fields if name.endswith("_port")}
+        its ports from one block free now (replicas take consecutive ports from their base,
+        so replicated bases get room for MAX_REPLICAS), its own run directory and Envoy
+        shared-memory id."""
+        names = [name for name in cls.model_fields if name.endswith("_port")]
+        sizes = [MAX_REPLICAS if name in REPLICATED_PORTS else 1 for name in names]
+        next_port = free_port_block(sum(sizes))
+        ports = {}
+        for name, size in zip(names, sizes, strict=True):
+            ports[name] = next_port
+            next_port += size
         settings: dict[str, Any] = {
             "run_dir": run_dir,
             "envoy_base_id": random.randint(10_000, 60_000),

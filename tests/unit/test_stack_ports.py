@@ -1,0 +1,33 @@
+"""Private stacks (tests, benchmarks) get ports that are free and never overlap a replica's."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+from tokenmesh.localstack.stack import MAX_REPLICAS, REPLICATED_PORTS, StackSettings
+
+
+def listening_ports(settings: StackSettings) -> list[int]:
+    """Every port the stack's processes would listen on with the most replicas allowed."""
+    ports = []
+    for name, value in settings.model_dump().items():
+        if name.endswith("_port"):
+            replicas = MAX_REPLICAS if name in REPLICATED_PORTS else 1
+            ports.extend(value + i for i in range(replicas))
+    return ports
+
+
+def test_every_replica_port_is_distinct_and_free(tmp_path: Path) -> None:
+    settings = StackSettings.on_free_ports(tmp_path, gateways=2, workers=2)
+    ports = listening_ports(settings)
+    assert len(ports) == len(set(ports))
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
+
+
+def test_overrides_win_over_the_chosen_ports(tmp_path: Path) -> None:
+    settings = StackSettings.on_free_ports(tmp_path, edge_port=18_080, gateways=1)
+    assert settings.edge_port == 18_080 and settings.gateways == 1
+    assert settings.run_dir == tmp_path
