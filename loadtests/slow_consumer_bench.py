@@ -16,13 +16,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -30,6 +28,7 @@ import psutil
 from grpc import aio
 from prometheus_client.parser import text_string_to_metric_families
 
+from loadtests.chaos import environment
 from tokenmesh.localstack.stack import Program, Stack, StackSettings
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, llm_pb2, llm_pb2_grpc
 
@@ -60,23 +59,14 @@ class SlowConsumerResult:
     seconds_to_stall: float
 
 
-@contextmanager
-def flow_control_env(stream_window: int, connection_window: int) -> Iterator[None]:
+def flow_control_env(stream_window: int, connection_window: int) -> AbstractContextManager[None]:
     """Envoy's windows for the mesh rendered inside this block (TOKENMESH_MESH_* settings)."""
-    values = {
-        "TOKENMESH_MESH_STREAM_WINDOW_BYTES": str(stream_window),
-        "TOKENMESH_MESH_CONNECTION_WINDOW_BYTES": str(connection_window),
-    }
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    return environment(
+        {
+            "TOKENMESH_MESH_STREAM_WINDOW_BYTES": str(stream_window),
+            "TOKENMESH_MESH_CONNECTION_WINDOW_BYTES": str(connection_window),
+        }
+    )
 
 
 def messages_sent(metrics_port: int, service: str) -> float:
