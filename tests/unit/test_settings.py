@@ -28,7 +28,7 @@ def test_invalid_values_fail_at_start_up(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_server_options_carry_keepalive_and_message_caps() -> None:
     options = dict(server_options(WorkerSettings(max_message_bytes=2048)))
     assert options["grpc.keepalive_time_ms"] == 5000
-    assert options["grpc.keepalive_timeout_ms"] == 1000
+    assert options["grpc.keepalive_timeout_ms"] == 10_000
     assert options["grpc.keepalive_permit_without_calls"] == 1
     assert options["grpc.max_receive_message_length"] == 2048
     assert options["grpc.max_send_message_length"] == 2048

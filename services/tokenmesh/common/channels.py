@@ -39,10 +39,12 @@ def client_options(max_message_bytes: int) -> list[tuple[str, Any]]:
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
-        # Ping every 5 s and give up after 1 s without an answer: a dead peer (or a silently
-        # dropped connection) is noticed in seconds, not at the TCP timeout.
+        # Ping every 5 s and give up after 10 s without an answer: a dead peer (or a silently
+        # dropped connection) is noticed in seconds, not at the TCP timeout. Not 1 s: a peer
+        # starved of CPU (a throttled pod, a busy 2-core machine) can take that long to answer,
+        # and a live connection was cut with every stream on it (measured).
         ("grpc.keepalive_time_ms", 5_000),
-        ("grpc.keepalive_timeout_ms", 1_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
         # Keep pinging idle connections too, so the first request after a lull finds them live.
         ("grpc.keepalive_permit_without_calls", 1),
         # Reconnect quickly after a dependency restarts (the default backoff reaches 120 s).

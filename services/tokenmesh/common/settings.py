@@ -52,8 +52,9 @@ class ServiceSettings(BaseSettings):
     max_concurrent_streams: int = Field(default=2048, ge=1)
     # Server pings an idle connection this often to detect dead peers behind NATs/LBs.
     keepalive_time_ms: int = Field(default=5_000, ge=1)
-    # A ping unanswered this long closes the connection.
-    keepalive_timeout_ms: int = Field(default=1_000, ge=1)
+    # A ping unanswered this long closes the connection, with every stream on it. Not 1 s: a
+    # client starved of CPU can take over a second to answer, and live streams were cut.
+    keepalive_timeout_ms: int = Field(default=10_000, ge=1)
     # Allow client pings even with no RPC in flight (clients keep idle channels warm).
     keepalive_permit_without_calls: bool = True
     # Client pings closer together than this are abuse (GOAWAY too_many_pings); below clients'
