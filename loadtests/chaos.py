@@ -820,12 +820,12 @@ def table(rows: Sequence[Row]) -> str:
 
 
 def attached(run_dir: Path) -> Stack:
-    saved = run_dir / "stack-settings.json"
-    if saved.exists():
-        settings = StackSettings.model_validate_json(saved.read_text())
-    else:
-        settings = StackSettings(run_dir=run_dir)
-    return Stack(settings, root=ROOT)
+    """The running stack whose run directory is run_dir (its saved settings, else the
+    defaults: `make up`'s)."""
+    probe = Stack(StackSettings(run_dir=run_dir), root=ROOT)
+    if probe.settings_path.exists():
+        return Stack(StackSettings.model_validate_json(probe.settings_path.read_text()), root=ROOT)
+    return probe
 
 
 @contextlib.contextmanager

@@ -221,6 +221,8 @@ class Stack:
         self.envoy_config_path = self.run_dir / "envoy.yaml"
         self.endpoints_path = self.run_dir / "endpoints.yaml"
         self.prometheus_config_path = self.run_dir / "prometheus.yml"
+        # The settings this stack runs with, so tools can attach to it (e.g. `make chaos`).
+        self.settings_path = self.run_dir / "stack-settings.json"
         self.alert_rules_path = (root / ALERT_RULES).resolve()
         self.consul = shutil.which("consul")
         self.prometheus = shutil.which("prometheus")
@@ -432,6 +434,7 @@ stdout_logfile_backups=2
         self.prometheus_config_path.write_text(
             yaml.safe_dump(self.prometheus_config(), sort_keys=False)
         )
+        self.settings_path.write_text(self.settings.model_dump_json(indent=1))
 
     def supervisord_pid(self) -> int | None:
         """The pid of our running supervisord, or None."""
