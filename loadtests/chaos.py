@@ -38,6 +38,9 @@ from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, llm_pb2, llm_pb2_grp
 ROOT = Path(__file__).resolve().parent.parent
 OK = "OK"
 HUNG = "HUNG"
+# A worker a scenario keeps busy can take seconds to answer a stats call or a metrics scrape
+# (measured: over 5 s with 50 streams of 20 logprobs each on two cores).
+BUSY_CALL_TIMEOUT_SECONDS = 30
 # A request still running this long after its own deadline is counted as hung (and cancelled).
 HANG_MARGIN_SECONDS = 5.0
 # A restarted worker loads vLLM again (~30 s idle, more on a busy 2-core box).
@@ -213,7 +216,7 @@ class Mesh:
         """Sum of the series name{labels} on one program's /metrics (0 when absent)."""
         url = f"http://127.0.0.1:{program.metrics_port}/metrics"
         try:
-            with urllib.request.urlopen(url, timeout=5) as reply:
+            with urllib.request.urlopen(url, timeout=BUSY_CALL_TIMEOUT_SECONDS) as reply:
                 text = reply.read().decode()
         except OSError:
             return 0.0
@@ -249,7 +252,9 @@ class Mesh:
         """Requests running or waiting in the worker's engine (its scheduler's latest report)."""
         async with aio.insecure_channel(worker.address) as channel:
             stub = inference_pb2_grpc.InferenceServiceStub(channel)
-            report = await stub.GetEngineStats(inference_pb2.EngineStatsRequest(), timeout=5)
+            report = await stub.GetEngineStats(
+                inference_pb2.EngineStatsRequest(), timeout=BUSY_CALL_TIMEOUT_SECONDS
+            )
         return int(report.running_requests + report.waiting_requests)
 
     async def engine_empty_since(self, worker: Program, within: float) -> int | None:
@@ -261,7 +266,9 @@ class Mesh:
             stub = inference_pb2_grpc.InferenceServiceStub(channel)
             deadline = time.monotonic() + within
             while time.monotonic() < deadline:
-                report = await stub.GetEngineStats(inference_pb2.EngineStatsRequest(), timeout=5)
+                report = await stub.GetEngineStats(
+                    inference_pb2.EngineStatsRequest(), timeout=BUSY_CALL_TIMEOUT_SECONDS
+                )
                 if not (report.running_requests or report.waiting_requests):
                     return int(report.reported_unix_nanos)
                 await asyncio.sleep(0.005)
@@ -471,26 +478,42 @@ async def reranker_hang(mesh: Mesh, short: bool) -> Row:
 
 async def deadline_storm(mesh: Mesh, short: bool) -> Row:
     """Requests whose deadlines are shorter than their generation: all end DEADLINE_EXCEEDED
-    and every engine is empty at most 1 s after the last one ended."""
+    and every engine is empty at most 1 s after the last one ended. Requests from another
+    client beside the storm complete: the storm's resets (every stream cancelled within a
+    second or so of its start, on connections shared with other callers past the edge) cut
+    nobody else's streams."""
     row = Row("deadline_storm")
-    count = 100 if short else 500
+    count, bystanders = (100, 2) if short else (500, 4)
     rng = random.Random(7)
-    async with mesh.channel() as channel:
+    workers = mesh.replicas("worker")
+    aborted_before = sum(mesh.metric(w, "tokenmesh_worker_aborted_requests_total") for w in workers)
+    async with mesh.channel() as channel, mesh.channel() as other_channel:
         stub = llm_pb2_grpc.LLMServiceStub(channel)
+        other = llm_pb2_grpc.LLMServiceStub(other_channel)
         begun_ns = time.time_ns()
-        outcomes = await asyncio.gather(
-            *(
-                generate(stub, request(f"storm {i}", 2000), rng.uniform(0.3, 1.5))
-                for i in range(count)
-            )
-        )
+        storm = [
+            asyncio.create_task(generate(stub, request(f"storm {i}", 2000), rng.uniform(0.3, 1.5)))
+            for i in range(count)
+        ]
+        await asyncio.sleep(0.2)
+        beside = [
+            asyncio.create_task(generate(other, request(f"beside the storm {i}", 64), 120))
+            for i in range(bystanders)
+        ]
+        outcomes = await asyncio.gather(*storm)
+        beside_outcomes = await asyncio.gather(*beside)
     row.add(outcomes)
+    row.add(beside_outcomes)
     row.notes["streams_with_tokens"] = sum(o.tokens > 0 for o in outcomes)
     row.notes["tokens_received"] = sum(o.tokens for o in outcomes)
     row.notes["storm_s"] = round((max(o.ended_unix_nanos for o in outcomes) - begun_ns) / 1e9, 2)
-    last_ns = max([o.ended_unix_nanos for o in outcomes] + [begun_ns])
+    last_ns = max(o.ended_unix_nanos for o in [*outcomes, *beside_outcomes])
     row.check(
         all(o.code == "DEADLINE_EXCEEDED" for o in outcomes), "every request DEADLINE_EXCEEDED"
+    )
+    row.check(
+        all(o.code == OK for o in beside_outcomes),
+        f"requests beside the storm complete: {[o.code for o in beside_outcomes]}",
     )
     lags = []
     for worker in mesh.replicas("worker"):
@@ -502,6 +525,11 @@ async def deadline_storm(mesh: Mesh, short: bool) -> Row:
         row.notes[f"{worker.name}_empty_after_last_s"] = None if lag is None else round(lag, 3)
     worst = max((lag if lag is not None else 99.0) for lag in lags)
     row.check(worst <= 1.0, f"engines empty within 1 s of the last request ({worst:.3f}s)")
+    # Engine requests the workers aborted as callers' deadlines passed: the storm reached
+    # vLLM (and was taken back out), it did not just expire in queues in front of it.
+    aborted = sum(mesh.metric(w, "tokenmesh_worker_aborted_requests_total") for w in workers)
+    row.notes["engine_requests_aborted"] = int(aborted - aborted_before)
+    row.check(aborted > aborted_before, "the storm's requests reached the engines")
     row.recovered(max(worst, 0.0))
     return row
 
@@ -690,6 +718,12 @@ async def stalled_client(mesh: Mesh, short: bool) -> Row:
     # Short: fewer than the small mesh's batch (4), so the bystander gets a place in it at once
     # rather than queueing behind stalled streams' generations.
     streams = min(8, worker_limits()[0] - 1) if short else 100
+    # Alternatives per token make each stream larger than the windows (~650 KB at 20, ~170 KB
+    # at 5, against 64 KiB). 100 streams at 20 saturate the workers' CPU on two cores (their
+    # stats calls took over 5 s and a bystander waited 30 s for a token; at 5 or none it got
+    # one within 0.2-4 s): that measures capacity, not flow control, so the full version asks
+    # for 5.
+    top_logprobs = 20 if short else 5
     idle_timeout = MeshSettings().stream_idle_timeout_seconds
     row.notes["stream_idle_timeout_s"] = idle_timeout
     workers = mesh.replicas("worker")
@@ -709,7 +743,7 @@ async def stalled_client(mesh: Mesh, short: bool) -> Row:
                     max_tokens=1900,
                     ignore_eos=True,
                     logprobs=True,
-                    top_logprobs=20,
+                    top_logprobs=top_logprobs,
                 ),
                 timeout=deadline,
             )
