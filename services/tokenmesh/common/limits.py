@@ -21,6 +21,11 @@ from tokenmesh.common.interceptors import close, rewrap
 from tokenmesh.common.tenants import Limits, Tenant, TenantMetrics, current_tenant
 
 
+def _number(value: float) -> str:
+    """A limit as people write it: 5, 0.5, 86400 (not 8.64e+04)."""
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
 class LimitExceeded(ResourceExhausted):
     """A tenant limit refused a request; `outcome` is its metrics label."""
 
@@ -104,7 +109,7 @@ class TenantLimiter:
         if state.used >= quota:
             raise LimitExceeded(
                 "quota_exhausted",
-                f"tenant token quota {quota} per {state.limits.window_seconds:g}s used up",
+                f"tenant token quota {quota} per {_number(state.limits.window_seconds)}s used up",
                 math.ceil(seconds_left * 1000),
             )
 
@@ -140,7 +145,7 @@ class TenantLimiter:
                 # The bucket is at most one request over: one drips out in 1/rate seconds.
                 raise LimitExceeded(
                     "rate_limited",
-                    f"tenant request rate limit {limits.requests_per_second:g}/s exceeded",
+                    f"tenant request rate limit {_number(limits.requests_per_second)}/s exceeded",
                     math.ceil(1000 / limits.requests_per_second),
                 )
             # Has capacity, so this returns without waiting (no await point before the take).
