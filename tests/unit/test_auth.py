@@ -131,8 +131,12 @@ def test_a_changed_file_applies_and_a_broken_one_keeps_the_last_good(
     with caplog.at_level(logging.ERROR):
         assert not store.reload_if_changed()
         assert not store.reload_if_changed()  # logged once per version of the file
-    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
-    assert len(errors) == 1 and "keeping the last good keys" in errors[0].getMessage()
+        # A key pasted where its hash belongs: refused, and the error does not show it.
+        write_keys(keys_file, {"tenants": {"acme": {"key_sha256": [ACME_KEY]}}})
+        assert not store.reload_if_changed()
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 2 and all("keeping the last good keys" in e for e in errors)
+    assert "tenants.acme.key_sha256: Value error" in errors[1]
     assert store.authenticate(GLOBEX_KEY) is not None
     keys_file.unlink()
     assert not store.reload_if_changed() and store.authenticate(ACME_KEY) is not None

@@ -115,8 +115,12 @@ def read_keys_file(path: Path) -> KeysFile:
     except OSError as exc:
         raise KeysFileError(f"cannot read keys file {path}: {exc.strerror}") from exc
     except ValidationError as exc:
-        # Errors name fields and positions; the file holds hashes only, never keys.
-        raise KeysFileError(f"invalid keys file {path}: {exc}") from exc
+        # Where and what, never the values: a key pasted where its hash belongs stays unlogged.
+        problems = "; ".join(
+            f"{'.'.join(map(str, error['loc'])) or 'file'}: {error['msg']}"
+            for error in exc.errors(include_url=False, include_input=False, include_context=False)
+        )
+        raise KeysFileError(f"invalid keys file {path}: {problems}") from exc
 
 
 @dataclass(frozen=True)
