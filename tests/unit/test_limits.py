@@ -14,7 +14,7 @@ from grpc import aio
 from prometheus_client import CollectorRegistry
 
 from tokenmesh.common.errors import RETRY_AFTER_HEADER
-from tokenmesh.common.interceptors import rewrap, standard_interceptors
+from tokenmesh.common.interceptors import admitted, standard_interceptors
 from tokenmesh.common.limits import LimitExceeded, LimitsInterceptor, TenantLimiter
 from tokenmesh.common.tenants import Limits, Tenant, TenantMetrics, enter_tenant
 from tokenmesh.gateway.quota import QuotaMeter
@@ -200,24 +200,10 @@ class FixedTenant(aio.ServerInterceptor):
         self._tenant = fixed
 
     async def intercept_service(self, continuation: Any, details: Any) -> Any:
-        handler = await continuation(details)
+        async def admit(context: Any) -> None:
+            enter_tenant(self._tenant)
 
-        def wrap_unary(behaviour: Any) -> Any:
-            async def unary(request: Any, context: Any) -> Any:
-                enter_tenant(self._tenant)
-                return await behaviour(request, context)
-
-            return unary
-
-        def wrap_stream(behaviour: Any) -> Any:
-            async def stream(request: Any, context: Any) -> Any:
-                enter_tenant(self._tenant)
-                async for response in behaviour(request, context):
-                    yield response
-
-            return stream
-
-        return rewrap(handler, wrap_unary, wrap_stream)
+        return admitted(await continuation(details), admit)
 
 
 @pytest.fixture

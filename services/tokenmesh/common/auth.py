@@ -24,7 +24,7 @@ from grpc import aio
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from tokenmesh.common.errors import Unauthenticated
-from tokenmesh.common.interceptors import close, rewrap
+from tokenmesh.common.interceptors import admitted
 from tokenmesh.common.tenants import (
     OTHER_TENANT,
     TENANT_HEADER,
@@ -235,26 +235,10 @@ def _with_tenant(
     """handler whose behaviour first makes resolve(context) the RPC's tenant (resolve may
     raise a ServiceError instead, which ErrorMappingInterceptor maps)."""
 
-    def wrap_unary(behaviour: Any) -> Any:
-        async def unary(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
-            enter_tenant(resolve(context))
-            return await behaviour(request, context)
+    async def admit(context: aio.ServicerContext[Any, Any]) -> None:
+        enter_tenant(resolve(context))
 
-        return unary
-
-    def wrap_stream(behaviour: Any) -> Any:
-        async def stream(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
-            enter_tenant(resolve(context))
-            responses = behaviour(request, context)
-            try:
-                async for response in responses:
-                    yield response
-            finally:
-                await close(responses)
-
-        return stream
-
-    return rewrap(handler, wrap_unary, wrap_stream)
+    return admitted(handler, admit)
 
 
 class AuthInterceptor(aio.ServerInterceptor):

@@ -73,6 +73,44 @@ def rewrap(
     return grpc.stream_stream_rpc_method_handler(wrap_stream(handler.stream_stream), **serializers)
 
 
+# Runs before an RPC's behaviour: refuses it by raising, or admits it, returning what to call
+# when it ends (None: nothing).
+Admit = Callable[[aio.ServicerContext[Any, Any]], Awaitable[Callable[[], None] | None]]
+
+
+def admitted(handler: grpc.RpcMethodHandler, admit: Admit) -> grpc.RpcMethodHandler:
+    """handler whose behaviour first awaits admit(context), in the RPC's own task (so a
+    contextvar it sets is the RPC's). An error it raises ends the RPC like the handler's would
+    (inside ErrorMappingInterceptor: mapped); the release it returns runs however the RPC ends."""
+
+    def wrap_unary(behaviour: UnaryBehaviour) -> UnaryBehaviour:
+        async def unary(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
+            release = await admit(context)
+            try:
+                return await behaviour(request, context)
+            finally:
+                if release is not None:
+                    release()
+
+        return unary
+
+    def wrap_stream(behaviour: StreamBehaviour) -> StreamBehaviour:
+        async def stream(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
+            release = await admit(context)
+            responses = behaviour(request, context)
+            try:
+                async for response in responses:
+                    yield response
+            finally:
+                await close(responses)
+                if release is not None:
+                    release()
+
+        return stream
+
+    return rewrap(handler, wrap_unary, wrap_stream)
+
+
 async def _abort_for(exc: Exception, context: aio.ServicerContext[Any, Any], method: str) -> None:
     """End the RPC with the status that exc stands for."""
     if isinstance(exc, ServiceError):

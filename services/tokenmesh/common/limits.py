@@ -10,6 +10,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import grpc
@@ -17,7 +18,7 @@ from aiolimiter import AsyncLimiter
 from grpc import aio
 
 from tokenmesh.common.errors import ResourceExhausted
-from tokenmesh.common.interceptors import close, rewrap
+from tokenmesh.common.interceptors import admitted
 from tokenmesh.common.tenants import Limits, Tenant, TenantMetrics, current_tenant
 
 
@@ -167,7 +168,7 @@ class LimitsInterceptor(aio.ServerInterceptor):
         self._limiter = limiter
         self._metrics = metrics
 
-    async def _admit(self) -> Tenant | None:
+    async def _admit(self, context: aio.ServicerContext[Any, Any]) -> Callable[[], None] | None:
         tenant = current_tenant()
         if tenant is None:
             return None
@@ -177,7 +178,7 @@ class LimitsInterceptor(aio.ServerInterceptor):
             self._metrics.request(tenant, refused.outcome)
             raise
         self._metrics.request(tenant, "admitted")
-        return tenant
+        return partial(self._limiter.release, tenant)
 
     async def intercept_service(
         self,
@@ -185,33 +186,4 @@ class LimitsInterceptor(aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        limiter = self._limiter
-
-        def wrap_unary(behaviour: Any) -> Any:
-            async def unary(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
-                tenant = await self._admit()
-                try:
-                    return await behaviour(request, context)
-                finally:
-                    if tenant is not None:
-                        limiter.release(tenant)
-
-            return unary
-
-        def wrap_stream(behaviour: Any) -> Any:
-            async def stream(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
-                tenant = await self._admit()
-                responses = behaviour(request, context)
-                try:
-                    async for response in responses:
-                        yield response
-                finally:
-                    await close(responses)
-                    if tenant is not None:
-                        limiter.release(tenant)
-
-            return stream
-
-        return rewrap(handler, wrap_unary, wrap_stream)
+        return None if handler is None else admitted(handler, self._admit)
