@@ -2,7 +2,8 @@
 session's real worker (vLLM) and reranker: refusals and their messages, open health and
 reflection, rate and concurrency limits with retry-after-ms, a token quota that ends a stream
 and frees the engine, a key added to the file while the gateway runs, the tenant seen by the
-worker (its server span) whatever the caller claims, and no key in the gateway's log."""
+worker (its server span) whatever the caller claims, and no key in the gateway's log.
+Each behaviour has a tenant of its own in the keys file, so their limits do not meet."""
 
 from __future__ import annotations
 
@@ -40,8 +41,10 @@ KEYS = {
     "ratey": "tm_ratey-integration-key-0123456789",
     "narrow": "tm_narrow-integration-key-0123456789",
     "metered": "tm_metered-integration-key-0123456789",
+    "chatty": "tm_chatty-integration-key-0123456789",
 }
 QUOTA = 20
+CHAT_QUOTA = 10
 # A fixed quota window far longer than the test (epoch-aligned: the current one ends in 2033).
 FOREVER_SECONDS = 1_000_000_000
 RATE = 0.01  # requests per second: after the burst, the next is 100 s away
@@ -57,6 +60,7 @@ def keys_document() -> dict[str, object]:
         "ratey": {"requests_per_second": RATE, "burst": BURST},
         "narrow": {"max_concurrent_streams": 1},
         "metered": {"tokens_per_window": QUOTA, "window_seconds": FOREVER_SECONDS},
+        "chatty": {"tokens_per_window": CHAT_QUOTA, "window_seconds": FOREVER_SECONDS},
     }
     return {
         "defaults": {},
@@ -211,6 +215,28 @@ async def test_the_token_quota_ends_a_stream_and_frees_the_engine(
         outcome="quota_exhausted",
     )
     assert refused == 1
+
+
+async def test_answers_and_chat_turns_are_charged_too(llm) -> None:
+    answer = await llm.GetAnswer(
+        llm_pb2.Query(prompt="hi", max_tokens=6, ignore_eos=True),
+        metadata=bearer("chatty"),
+        timeout=60,
+    )
+    assert answer.finish_reason == token_pb2.FINISH_REASON_LENGTH
+    chat = llm.Chat(metadata=bearer("chatty"), timeout=60)
+    turn = llm_pb2.UserTurn(content="talk", max_tokens=500, ignore_eos=True)
+    await chat.write(llm_pb2.ChatMessage(user=turn))
+    tokens = []
+    while not (event := await chat.read()).HasField("turn_end"):
+        tokens.append(event.token)
+    assert len(tokens) == CHAT_QUOTA - 6
+    assert event.turn_end.finish_reason == token_pb2.FINISH_REASON_QUOTA_EXHAUSTED
+    await chat.write(llm_pb2.ChatMessage(user=turn))  # nothing left: the chat is refused
+    with pytest.raises(aio.AioRpcError) as error:
+        await read_rest(chat)
+    assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "retry-after-ms" in dict(error.value.trailing_metadata())
 
 
 async def test_a_key_added_to_the_file_works_without_a_restart(

@@ -128,6 +128,8 @@ class _Config:
     tenants: dict[str, Tenant]
     # key hash -> (that hash, its tenant)
     by_hash: dict[str, tuple[str, Tenant]]
+    # The tenant ids, looked at per token (metrics labels): computed once.
+    ids: frozenset[str]
 
     @classmethod
     def of(cls, keys: KeysFile) -> _Config:
@@ -137,7 +139,7 @@ class _Config:
             for tenant_id, entry in keys.tenants.items()
             for digest in entry.key_sha256
         }
-        return cls(tenants, by_hash)
+        return cls(tenants, by_hash, frozenset(tenants))
 
 
 def _signature(path: Path) -> tuple[int, int, int]:
@@ -174,7 +176,7 @@ class KeyStore:
         return found[1]
 
     def tenant_ids(self) -> frozenset[str]:
-        return frozenset(self._config.tenants)
+        return self._config.ids
 
     def tenant(self, tenant_id: str) -> Tenant | None:
         return self._config.tenants.get(tenant_id)
