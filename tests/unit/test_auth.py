@@ -33,6 +33,7 @@ from tokenmesh.common.interceptors import standard_interceptors
 from tokenmesh.common.server import Health
 from tokenmesh.common.tenants import Limits, Tenant, TenantMetrics, current_tenant
 from tokenmesh.gateway.app import Tenancy
+from tokenmesh.gateway.app import serve as serve_gateway
 from tokenmesh.gateway.config import GatewaySettings
 from tokenmesh.gateway.keys import add_key, main
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
@@ -115,6 +116,17 @@ def test_an_invalid_file_is_refused_at_start(tmp_path: Path, document: dict[str,
         KeyStore(path)
     with pytest.raises(KeysFileError, match="cannot read"):
         KeyStore(tmp_path / "missing.json")
+
+
+async def test_a_gateway_with_a_broken_keys_file_does_not_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "keys.json"
+    path.write_text('{"tenants": {"acme": {"key_sha256": ["' + ACME_KEY + '"]}}}')
+    with caplog.at_level(logging.ERROR):
+        assert await serve_gateway(GatewaySettings(keys_file=path, port=0, metrics_port=-1)) == 1
+    assert "gateway not started: invalid keys file" in caplog.text
+    assert ACME_KEY not in caplog.text
 
 
 def test_a_changed_file_applies_and_a_broken_one_keeps_the_last_good(

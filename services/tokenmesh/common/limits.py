@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -43,7 +43,7 @@ class _TenantState:
     in_flight: int = 0
     # The quota's fixed window (its index since the epoch) and the tokens charged in it.
     window: int = -1
-    used: int = field(default=0)
+    used: int = 0
 
 
 def _bucket(limits: Limits) -> AsyncLimiter | None:

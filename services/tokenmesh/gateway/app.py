@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from grpc import aio
 from prometheus_client import CollectorRegistry
 
-from tokenmesh.common.auth import AuthInterceptor, KeyStore
+from tokenmesh.common.auth import AuthInterceptor, KeysFileError, KeyStore
 from tokenmesh.common.channels import Dependency
 from tokenmesh.common.client import standard_client_interceptors
 from tokenmesh.common.interceptors import standard_interceptors
@@ -50,7 +50,7 @@ class Tenancy:
     def build(cls, settings: GatewaySettings, registry: CollectorRegistry) -> Tenancy:
         if settings.keys_file is None:
             return cls()
-        store = KeyStore(settings.keys_file)  # a broken file stops the start (KeysFileError)
+        store = KeyStore(settings.keys_file)  # KeysFileError when missing or invalid
         metrics = TenantMetrics(registry, store.tenant_ids)
         limiter = TenantLimiter(settings.concurrency_retry_after_ms)
         interceptors = (
@@ -70,9 +70,13 @@ async def serve(settings: GatewaySettings) -> int:
     """Run the gateway until SIGTERM/SIGINT. It is SERVING as soon as it listens: a missing
     worker fails calls with UNAVAILABLE, and a missing reranker only degrades answers."""
     registry = CollectorRegistry()
+    try:
+        tenancy = Tenancy.build(settings, registry)
+    except KeysFileError as exc:
+        log.error("gateway not started: %s", exc)
+        return 1
     tracing = Tracing("tokenmesh-gateway", settings.otlp_endpoint)
     metrics = GatewayMetrics(registry)
-    tenancy = Tenancy.build(settings, registry)
     calls = standard_client_interceptors(registry, tracing)
     worker = Dependency("worker", settings.worker_address, settings.max_message_bytes, calls)
     reranker = Dependency("reranker", settings.reranker_address, settings.max_message_bytes, calls)
