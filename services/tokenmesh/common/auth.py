@@ -151,7 +151,11 @@ def _signature(path: Path) -> tuple[int, int, int]:
 
 class KeyStore:
     """The tenants and key hashes of a keys file, re-read when the file changes (polled); a
-    broken file keeps the last good configuration and logs an error."""
+    broken file keeps the last good configuration and logs an error.
+
+    Polled rather than watched with inotify (watchfiles): one stat a second costs nothing, and
+    a Kubernetes Secret volume replaces its files by swapping a symlinked directory, which a
+    watch on the file's path can miss while stat (following the links) sees a new inode."""
 
     def __init__(self, path: Path) -> None:
         """Reads the file now: a broken file at start-up is an error (KeysFileError)."""
