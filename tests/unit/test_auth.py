@@ -6,6 +6,7 @@ line and its requests counted under a bounded label)."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import logging
 import os
@@ -205,6 +206,14 @@ def test_keys_add_creates_the_file_and_stores_only_the_hash(
     path.write_text('{"tenants": {"acme": {"key_sha256": []}}, "oops": 1}')
     assert main(["add", "--tenant", "acme", "--file", str(path)]) == 1
     assert "oops" in path.read_text()  # left as it was
+
+
+def test_keys_hash_prints_what_to_store_for_a_key_made_elsewhere(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr("sys.stdin", io.StringIO(ACME_KEY + "\n"))
+    assert main(["hash"]) == 0
+    assert capsys.readouterr().out.strip() == hash_key(ACME_KEY)
 
 
 # ---- the interceptors on a real (in-process) server
