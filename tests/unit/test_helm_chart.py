@@ -1,8 +1,9 @@
-"""The Helm chart, rendered offline (Helm v4 as a library, PyPI helm-python-sdk) for six value
+"""The Helm chart, rendered offline (Helm v4 as a library, PyPI helm-python-sdk) for seven value
 sets and every manifest validated strictly against Kubernetes 1.33's schemas (PyPI
 kubernetes-validate); then the facts that matter asserted on the rendered objects: GPUs on
 workers only, native gRPC probes on the right ports, NetworkPolicies that select the right
-pods, an Envoy config the real Envoy accepts, discovery wiring, TLS, autoscaling, monitoring.
+pods, an Envoy config the real Envoy accepts, discovery wiring, TLS, API keys, autoscaling,
+monitoring.
 No cluster is involved."""
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from helm_python import _native
 
 from tests.support import ROOT
 from tests.unit.test_meshconfig import envoy_validate
+from tokenmesh.common.auth import KeysFile
+from tokenmesh.common.tenants import Limits
 
 CHART = ROOT / "helm" / "tokenmesh"
 KUBE_VERSION = "1.33.0"
@@ -68,6 +71,10 @@ VALUE_SETS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "tls": (
         {"envoy": {"tls": {"enabled": True, "certManager": {"issuerRef": {"name": "ca"}}}}},
         OPERATOR_APIS,
+    ),
+    "keys-secret": (
+        {"gateway": {"auth": {"existingSecret": "tenant-keys", "secretKey": "keys"}}},
+        (),
     ),
     "hpa-monitoring": (
         {
@@ -213,6 +220,11 @@ def test_schema_accepts_the_value_sets_and_rejects_bad_values() -> None:
             ({"discovery": {"mode": "etcd"}}, "/discovery/mode"),
             ({"gateway": {"replicas": "3"}}, "/gateway/replicas"),
             ({"envoy": {"tls": {"enabled": "yes"}}}, "/envoy/tls/enabled"),
+            (
+                {"gateway": {"auth": {"keys": {"tenants": {"a": {"key_sha256": ["k3y"]}}}}}},
+                "/gateway/auth/keys/tenants/a/key_sha256/0",
+            ),
+            ({"gateway": {"auth": {"keys": {"defaults": {"rps": 1}}}}}, "/gateway/auth/keys"),
         ]
         for values, where in bad:
             with pytest.raises(helm_python.HelmValuesError, match=where):
@@ -608,6 +620,50 @@ def test_tls_edge_uses_the_certificate_secret(releases: dict[str, Release]) -> N
     assert volumes["tls"]["secret"]["secretName"] == "edge"
     assert releases["defaults"].all("Certificate") == []
     assert "transport_socket" not in json.dumps(releases["defaults"].envoy_config())
+
+
+def keys_volume(release: Release) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """The gateway pod's keys volume and its mount (None, None without them)."""
+    pod = release.deployment("gateway")["spec"]["template"]["spec"]
+    volume = next((v for v in pod["volumes"] if v["name"] == "keys"), None)
+    mounts = release.container("gateway")["volumeMounts"]
+    return volume, next((m for m in mounts if m["name"] == "keys"), None)
+
+
+def test_api_keys_are_on_by_default_from_a_secret_the_gateway_can_reload(
+    releases: dict[str, Release],
+) -> None:
+    release = releases["defaults"]
+    secret = release.get("Secret", f"{PREFIX}-gateway-keys")
+    keys = KeysFile.model_validate_json(secret["stringData"]["keys.json"])
+    assert keys.tenants == {}  # every call refused until a tenant is added
+    assert release.env("gateway")["TOKENMESH_GATEWAY_KEYS_FILE"] == "/etc/tokenmesh/keys/keys.json"
+    volume, mount = keys_volume(release)
+    assert volume is not None and mount is not None
+    assert volume["secret"]["secretName"] == secret["metadata"]["name"]
+    # A directory mount (no subPath): the kubelet's Secret updates reach the running gateway.
+    assert mount == {"name": "keys", "mountPath": "/etc/tokenmesh/keys", "readOnly": True}
+    notes = release.manifests["tokenmesh/templates/NOTES.txt"]
+    assert '-H "authorization: Bearer $TOKENMESH_KEY"' in notes and "no tenants yet" in notes
+    # Tenants and limits from values: a keys file the gateway accepts, hashes only.
+    digest = "ab" * 32
+    tenants = {"acme": {"key_sha256": [digest], "limits": {"requests_per_second": 5}}}
+    values = {"gateway": {"auth": {"keys": {"defaults": {"burst": 2}, "tenants": tenants}}}}
+    configured = Release(render(values)).get("Secret", f"{PREFIX}-gateway-keys")
+    keys = KeysFile.model_validate_json(configured["stringData"]["keys.json"])
+    assert keys.resolved("acme").limits == Limits(requests_per_second=5, burst=2)
+    # An existing Secret: none made by the chart, that one mounted.
+    existing = releases["keys-secret"]
+    assert not existing.has("Secret", f"{PREFIX}-gateway-keys")
+    volume, _ = keys_volume(existing)
+    assert volume is not None and volume["secret"]["secretName"] == "tenant-keys"
+    assert volume["secret"]["items"] == [{"key": "keys", "path": "keys"}]
+    assert existing.env("gateway")["TOKENMESH_GATEWAY_KEYS_FILE"] == "/etc/tokenmesh/keys/keys"
+    # Turned off: no keys file, no Secret, no volume.
+    off = Release(render({"gateway": {"auth": {"enabled": False}}}))
+    assert "TOKENMESH_GATEWAY_KEYS_FILE" not in off.env("gateway")
+    assert off.all("Secret") == [] and keys_volume(off) == (None, None)
+    assert "Bearer" not in off.manifests["tokenmesh/templates/NOTES.txt"]
 
 
 def test_autoscalers_target_gateway_cpu_and_worker_queue(releases: dict[str, Release]) -> None:

@@ -1,11 +1,12 @@
-"""Private stacks (tests, benchmarks) get ports that are free and never overlap a replica's."""
+"""Private stacks (tests, benchmarks) get ports that are free and never overlap a replica's;
+a keys file reaches every gateway."""
 
 from __future__ import annotations
 
 import socket
 from pathlib import Path
 
-from tokenmesh.localstack.stack import MAX_REPLICAS, REPLICATED_PORTS, StackSettings
+from tokenmesh.localstack.stack import MAX_REPLICAS, REPLICATED_PORTS, Stack, StackSettings
 
 
 def listening_ports(settings: StackSettings) -> list[int]:
@@ -31,3 +32,16 @@ def test_overrides_win_over_the_chosen_ports(tmp_path: Path) -> None:
     settings = StackSettings.on_free_ports(tmp_path, edge_port=18_080, gateways=1)
     assert settings.edge_port == 18_080 and settings.gateways == 1
     assert settings.run_dir == tmp_path
+
+
+def test_a_keys_file_turns_auth_on_in_every_gateway_and_nothing_else(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[2]
+    plain = Stack(StackSettings.on_free_ports(tmp_path, gateways=2, workers=1), root)
+    assert not any("TOKENMESH_GATEWAY_KEYS_FILE" in p.env for p in plain.programs)
+    secured = Stack(
+        StackSettings.on_free_ports(tmp_path, gateways=2, workers=1, keys_file="keys.json"), root
+    )
+    keyed = {p.name: p.env.get("TOKENMESH_GATEWAY_KEYS_FILE") for p in secured.programs}
+    gateways = {name: path for name, path in keyed.items() if name.startswith("gateway-")}
+    assert gateways == {name: str(root / "keys.json") for name in ("gateway-0", "gateway-1")}
+    assert all(path is None for name, path in keyed.items() if name not in gateways)

@@ -346,3 +346,8 @@ headless Service. Listener and admin ports are read from it, never repeated in v
 {{- fail "envoy.tls.enabled needs envoy.tls.existingSecret or envoy.tls.certManager.enabled" }}
 {{- end }}
 {{- end }}
+
+{{/* The Secret holding the gateways' keys file: gateway.auth.existingSecret or the chart's. */}}
+{{- define "tokenmesh.gatewayKeysSecret" -}}
+{{- .Values.gateway.auth.existingSecret | default (printf "%s-keys" (include "tokenmesh.componentName" (dict "root" . "component" "gateway"))) }}
+{{- end }}

@@ -10,9 +10,11 @@ class ServiceError(Exception):
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, trailing_metadata: tuple[tuple[str, str], ...] = ()) -> None:
         super().__init__(message)
         self.message = message
+        # Sent in the status trailers (e.g. retry-after-ms), after any the handler had set.
+        self.trailing_metadata = trailing_metadata
 
 
 class InvalidArgument(ServiceError):
@@ -25,8 +27,27 @@ class InvalidArgument(ServiceError):
         self.field = field
 
 
+# Trailer telling a refused caller how long to back off, in whole milliseconds.
+RETRY_AFTER_HEADER = "retry-after-ms"
+
+
 class ResourceExhausted(ServiceError):
+    """A limit was reached; the message names it and its value. With retry_after_ms, the
+    trailers carry the back-off hint as retry-after-ms."""
+
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str, retry_after_ms: int | None = None) -> None:
+        hint = () if retry_after_ms is None else ((RETRY_AFTER_HEADER, str(retry_after_ms)),)
+        super().__init__(message, hint)
+        self.retry_after_ms = retry_after_ms
+
+
+class Unauthenticated(ServiceError):
+    """No valid credentials. One message for every cause, so callers learn nothing about
+    which keys or tenants exist."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
 
 
 class Unavailable(ServiceError):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from tokenmesh.common.errors import ServiceError
 from tokenmesh.common.metrics import DEADLINE_SLACK_SECONDS, GrpcServerMetrics, MethodMetrics
+from tokenmesh.common.tenants import current_tenant
 from tokenmesh.common.tracing import extract, trace_id_hex
 
 log = logging.getLogger(__name__)
@@ -72,10 +73,49 @@ def rewrap(
     return grpc.stream_stream_rpc_method_handler(wrap_stream(handler.stream_stream), **serializers)
 
 
+# Runs before an RPC's behaviour: refuses it by raising, or admits it, returning what to call
+# when it ends (None: nothing).
+Admit = Callable[[aio.ServicerContext[Any, Any]], Awaitable[Callable[[], None] | None]]
+
+
+def admitted(handler: grpc.RpcMethodHandler, admit: Admit) -> grpc.RpcMethodHandler:
+    """handler whose behaviour first awaits admit(context), in the RPC's own task (so a
+    contextvar it sets is the RPC's). An error it raises ends the RPC like the handler's would
+    (inside ErrorMappingInterceptor: mapped); the release it returns runs however the RPC ends."""
+
+    def wrap_unary(behaviour: UnaryBehaviour) -> UnaryBehaviour:
+        async def unary(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
+            release = await admit(context)
+            try:
+                return await behaviour(request, context)
+            finally:
+                if release is not None:
+                    release()
+
+        return unary
+
+    def wrap_stream(behaviour: StreamBehaviour) -> StreamBehaviour:
+        async def stream(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
+            release = await admit(context)
+            responses = behaviour(request, context)
+            try:
+                async for response in responses:
+                    yield response
+            finally:
+                await close(responses)
+                if release is not None:
+                    release()
+
+        return stream
+
+    return rewrap(handler, wrap_unary, wrap_stream)
+
+
 async def _abort_for(exc: Exception, context: aio.ServicerContext[Any, Any], method: str) -> None:
     """End the RPC with the status that exc stands for."""
     if isinstance(exc, ServiceError):
-        await context.abort(exc.code, exc.message)
+        trailers = (*(context.trailing_metadata() or ()), *exc.trailing_metadata)
+        await context.abort(exc.code, exc.message, trailers)
     log.exception("unhandled error in %s", method)
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
 
@@ -399,13 +439,18 @@ class _RpcLogLine(_RpcObserver):
             fields["trace_id"] = self._trace_id
         if self._usage is not None:
             fields["prompt_tokens"], fields["completion_tokens"] = self._usage
+        # Set by an interceptor inside this one, in the RPC's own task (so context).
+        tenant = current_tenant()
+        if tenant is not None:
+            fields["tenant"] = tenant.id
         log.log(self._level, "rpc %s %s %.1f ms", self._method, code, seconds * 1000, extra=fields)
 
 
 class AccessLogInterceptor(aio.ServerInterceptor):
     """One log line per finished RPC: method, final status code, duration, messages sent,
-    peer, prompt and completion tokens (when responses carry usage) and the trace id (when
-    traced). Health and reflection calls log at DEBUG only."""
+    peer, prompt and completion tokens (when responses carry usage), the tenant (when
+    authenticated, or named by the gateway) and the trace id (when traced). Health and
+    reflection calls log at DEBUG only."""
 
     async def intercept_service(
         self,
@@ -421,15 +466,19 @@ class AccessLogInterceptor(aio.ServerInterceptor):
 
 
 def standard_interceptors(
-    registry: CollectorRegistry, tracer: Tracer | None = None
+    registry: CollectorRegistry,
+    tracer: Tracer | None = None,
+    inner: Sequence[aio.ServerInterceptor] = (),
 ) -> list[aio.ServerInterceptor]:
     """Every service's interceptors, outermost first: the span is current for everything inside
     it; the log line and metrics see the final status code that error mapping produced. No
-    tracer (tracing off): no tracing interceptor at all."""
+    tracer (tracing off): no tracing interceptor at all. `inner` ones (authentication, tenant
+    limits) run inside error mapping, so the errors they raise map like a handler's."""
     chain: list[aio.ServerInterceptor] = [] if tracer is None else [TracingInterceptor(tracer)]
     return [
         *chain,
         AccessLogInterceptor(),
         GrpcMetricsInterceptor(GrpcServerMetrics(registry)),
         ErrorMappingInterceptor(),
+        *inner,
     ]

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from dataclasses import dataclass
 
+from grpc import aio
 from prometheus_client import CollectorRegistry
 
+from tokenmesh.common.auth import AuthInterceptor, KeysFileError, KeyStore
 from tokenmesh.common.channels import Dependency
 from tokenmesh.common.client import standard_client_interceptors
 from tokenmesh.common.interceptors import standard_interceptors
+from tokenmesh.common.limits import LimitsInterceptor, TenantLimiter
 from tokenmesh.common.metrics import MetricsEndpoint, StreamMetrics
 from tokenmesh.common.registration import ConsulRegistration
 from tokenmesh.common.server import (
@@ -18,10 +23,12 @@ from tokenmesh.common.server import (
     enable_reflection,
     wait_for_shutdown_signal,
 )
+from tokenmesh.common.tenants import TenantMetrics
 from tokenmesh.common.tracing import Tracing
 from tokenmesh.gateway.breaker import CircuitBreaker
 from tokenmesh.gateway.config import GatewaySettings
 from tokenmesh.gateway.pipeline import DocumentSelector, GatewayMetrics, Pipeline, WorkerClient
+from tokenmesh.gateway.quota import QuotaMeter
 from tokenmesh.gateway.servicer import LLMServicer
 from tokenmesh.v1 import llm_pb2, llm_pb2_grpc
 
@@ -30,10 +37,44 @@ log = logging.getLogger(__name__)
 SERVICE_NAMES = (llm_pb2.DESCRIPTOR.services_by_name["LLMService"].full_name,)
 
 
+@dataclass(frozen=True)
+class Tenancy:
+    """API keys and tenant limits, when a keys file is configured: the interceptors that
+    authenticate and admit each RPC, and the meter charging token quotas."""
+
+    store: KeyStore | None = None
+    interceptors: tuple[aio.ServerInterceptor, ...] = ()
+    meter: QuotaMeter | None = None
+
+    @classmethod
+    def build(cls, settings: GatewaySettings, registry: CollectorRegistry) -> Tenancy:
+        if settings.keys_file is None:
+            return cls()
+        store = KeyStore(settings.keys_file)  # KeysFileError when missing or invalid
+        metrics = TenantMetrics(registry, store.tenant_ids)
+        limiter = TenantLimiter(settings.concurrency_retry_after_ms)
+        interceptors = (
+            AuthInterceptor(store, settings.open_methods, metrics),
+            LimitsInterceptor(limiter, metrics),
+        )
+        return cls(store, interceptors, QuotaMeter(limiter, metrics))
+
+    def start_watching(self, interval: float) -> asyncio.Task[None] | None:
+        """Re-read the keys file when it changes, until the task is cancelled."""
+        if self.store is None:
+            return None
+        return asyncio.get_running_loop().create_task(self.store.watch(interval))
+
+
 async def serve(settings: GatewaySettings) -> int:
     """Run the gateway until SIGTERM/SIGINT. It is SERVING as soon as it listens: a missing
     worker fails calls with UNAVAILABLE, and a missing reranker only degrades answers."""
     registry = CollectorRegistry()
+    try:
+        tenancy = Tenancy.build(settings, registry)
+    except KeysFileError as exc:
+        log.error("gateway not started: %s", exc)
+        return 1
     tracing = Tracing("tokenmesh-gateway", settings.otlp_endpoint)
     metrics = GatewayMetrics(registry)
     calls = standard_client_interceptors(registry, tracing)
@@ -44,10 +85,11 @@ async def serve(settings: GatewaySettings) -> int:
         DocumentSelector(reranker, breaker, metrics, settings, tracing.tracer),
         WorkerClient(worker, settings.connect_timeout_seconds),
         settings,
+        tenancy.meter,
     )
     health = Health(SERVICE_NAMES)
     tracer = tracing.tracer if tracing.enabled else None
-    server = build_server(settings, standard_interceptors(registry, tracer))
+    server = build_server(settings, standard_interceptors(registry, tracer, tenancy.interceptors))
     stream_metrics = StreamMetrics(registry, log_tokens=settings.log_tokens)
     llm_pb2_grpc.add_LLMServiceServicer_to_server(
         LLMServicer(pipeline, settings, stream_metrics), server
@@ -69,9 +111,13 @@ async def serve(settings: GatewaySettings) -> int:
             "worker": settings.worker_address,
             "reranker": settings.reranker_address,
             "otlp_endpoint": settings.otlp_endpoint,
+            "keys_file": None if settings.keys_file is None else str(settings.keys_file),
         },
     )
+    keys_watch = tenancy.start_watching(settings.keys_reload_seconds)
     await wait_for_shutdown_signal()
+    if keys_watch is not None:
+        keys_watch.cancel()
     log.info("gateway stopping", extra={"grace_seconds": settings.grace_seconds})
     await health.set_not_serving()
     await registration.stop()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import BaseModel, Field
 from pydantic_settings import SettingsConfigDict
 
@@ -45,6 +47,19 @@ class GatewaySettings(ServiceSettings):
     # Longest a rerank may take even when the caller allows more; then the answer degrades.
     reranker_timeout_seconds: float = Field(default=1.0, gt=0)
     breaker: BreakerSettings = BreakerSettings()
+
+    # API keys and per-tenant limits: a JSON keys file (README "Security"; add a key with
+    # `python -m tokenmesh.gateway.keys add`). Unset: no authentication and no tenant limits
+    # (the `make up` default); set, every RPC but the open methods needs a key.
+    keys_file: Path | None = None
+    # How often the keys file is checked for changes (mtime, size, inode); a change applies
+    # without a restart, a broken file keeps the last good keys.
+    keys_reload_seconds: float = Field(default=1.0, gt=0)
+    # Methods callable without a key: full method names or prefixes of them (JSON list).
+    open_methods: tuple[str, ...] = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+    # retry-after-ms sent with a refusal at a tenant's concurrent-stream limit (when one of
+    # its streams will end is not known; rate and quota refusals compute theirs).
+    concurrency_retry_after_ms: int = Field(default=1000, ge=0)
 
     # Request limits; anything past them is rejected with INVALID_ARGUMENT naming the limit.
     max_prompt_bytes: int = Field(default=32 * 1024, ge=1)

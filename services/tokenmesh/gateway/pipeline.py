@@ -19,9 +19,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from tokenmesh.common.channels import Dependency
 from tokenmesh.common.errors import DependencyError
 from tokenmesh.common.metrics import RPC_BUCKETS
+from tokenmesh.common.tenants import TENANT_HEADER, Tenant
 from tokenmesh.gateway.breaker import CircuitBreaker, CircuitOpenError, CircuitState
 from tokenmesh.gateway.config import GatewaySettings
 from tokenmesh.gateway.prompts import with_context
+from tokenmesh.gateway.quota import QuotaMeter
 from tokenmesh.gateway.requests import GenerationJob
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, rerank_pb2, rerank_pb2_grpc, token_pb2
 
@@ -186,14 +188,17 @@ class WorkerClient:
         self._connect_timeout = connect_timeout
 
     async def stream(
-        self, request: inference_pb2.InferenceRequest, time_limit: float | None
+        self,
+        request: inference_pb2.InferenceRequest,
+        time_limit: float | None,
+        metadata: tuple[tuple[str, str], ...] = (),
     ) -> AsyncGenerator[token_pb2.Token, None]:
         connect_within = self._connect_timeout
         if time_limit is not None:
             connect_within = min(connect_within, time_limit)
         await self._worker.ensure_connected(connect_within)
         expires = None if time_limit is None else time.monotonic() + time_limit
-        call = self._stub.Generate(request, timeout=time_limit)
+        call = self._stub.Generate(request, timeout=time_limit, metadata=metadata or None)
         received = 0
         try:
             async for token in call:
@@ -220,11 +225,17 @@ class Pipeline:
     """Question (+ documents) in, tokens out."""
 
     def __init__(
-        self, selector: DocumentSelector, worker: WorkerClient, settings: GatewaySettings
+        self,
+        selector: DocumentSelector,
+        worker: WorkerClient,
+        settings: GatewaySettings,
+        meter: QuotaMeter | None = None,
     ) -> None:
         self._selector = selector
         self._worker = worker
         self._margin = settings.deadline_margin_seconds
+        # Token quotas (auth on); None: tokens are not metered.
+        self._meter = meter
 
     async def prepare(self, job: GenerationJob, remaining: float | None) -> PreparedPrompt:
         selection = await self._selector.select(
@@ -238,9 +249,19 @@ class Pipeline:
         )
 
     def stream(
-        self, prompt: str, sampling: inference_pb2.SamplingParams, remaining: float | None
+        self,
+        prompt: str,
+        sampling: inference_pb2.SamplingParams,
+        remaining: float | None,
+        tenant: Tenant | None = None,
     ) -> AsyncGenerator[token_pb2.Token, None]:
+        """The worker's tokens; for a tenant, charged to its quota, and the worker told whose
+        request it is (x-tenant-id: the gateway's own metadata, never a caller's)."""
         request = inference_pb2.InferenceRequest(
             request_id=uuid.uuid4().hex[:16], prompt=prompt, sampling=sampling
         )
-        return self._worker.stream(request, remaining_after_margin(remaining, self._margin))
+        time_limit = remaining_after_margin(remaining, self._margin)
+        if tenant is None:
+            return self._worker.stream(request, time_limit)
+        tokens = self._worker.stream(request, time_limit, ((TENANT_HEADER, tenant.id),))
+        return tokens if self._meter is None else self._meter.metered(tenant, tokens)

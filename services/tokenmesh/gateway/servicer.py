@@ -12,6 +12,7 @@ from grpc import aio
 
 from tokenmesh.common.errors import InvalidArgument
 from tokenmesh.common.metrics import StreamMetrics
+from tokenmesh.common.tenants import current_tenant
 from tokenmesh.common.validation import check_text
 from tokenmesh.gateway.config import GatewaySettings
 from tokenmesh.gateway.pipeline import DEGRADED_HEADER, Pipeline, PreparedPrompt
@@ -59,7 +60,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         flag_degraded(context, prepared)
         first = True
         async for token in self._pipeline.stream(
-            prepared.prompt, job.sampling, context.time_remaining()
+            prepared.prompt, job.sampling, context.time_remaining(), current_tenant()
         ):
             if first:
                 token.warnings.extend(prepared.warnings)
@@ -71,7 +72,9 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         job = generation_job(request, self._limits)
         prepared = await self._pipeline.prepare(job, context.time_remaining())
         flag_degraded(context, prepared)
-        tokens = self._pipeline.stream(prepared.prompt, job.sampling, context.time_remaining())
+        tokens = self._pipeline.stream(
+            prepared.prompt, job.sampling, context.time_remaining(), current_tenant()
+        )
         answer = await collect(tokens, prepared.warnings)
         answer.used_document_indices.extend(prepared.used_document_indices)
         return answer
@@ -103,7 +106,8 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         instruction = first.instruction or limits.summarize_instruction
         check_text("instruction", instruction, limits.max_prompt_bytes)
         prompt = summary_request(instruction, "".join(parts))
-        return await collect(self._pipeline.stream(prompt, sampling, context.time_remaining()))
+        tokens = self._pipeline.stream(prompt, sampling, context.time_remaining(), current_tenant())
+        return await collect(tokens)
 
     async def Chat(
         self, request_iterator: AsyncIterator[llm_pb2.ChatMessage], context: Context
@@ -121,6 +125,8 @@ class ChatSession:
         self._pipeline = pipeline
         self._limits = limits
         self._context = context
+        # The RPC's tenant (None: auth off), read once in the RPC's own task.
+        self._tenant = current_tenant()
         self._history = ChatHistory(limits.max_chat_turns, limits.max_chat_history_tokens)
         # Messages read from the client; None marks its half-close.
         self._inbox: asyncio.Queue[llm_pb2.ChatMessage | None] = asyncio.Queue()
@@ -183,7 +189,10 @@ class ChatSession:
         check_text("user.content", user.content, self._limits.max_chat_message_bytes)
         sampling = sampling_params(user, self._limits)
         tokens = self._pipeline.stream(
-            self._history.prompt(user.content), sampling, self._context.time_remaining()
+            self._history.prompt(user.content),
+            sampling,
+            self._context.time_remaining(),
+            self._tenant,
         )
         answer: list[str] = []
         end = llm_pb2.TurnEnd()

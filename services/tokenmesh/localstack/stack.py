@@ -130,6 +130,9 @@ class StackSettings(BaseSettings):
     # OTLP/gRPC collector (e.g. Jaeger's 127.0.0.1:4317) every gateway, worker and reranker
     # sends its spans to; unset: tracing off.
     otlp_endpoint: str | None = None
+    # API keys and tenant limits for every gateway (a JSON keys file, see README "Security";
+    # relative to the repository root); unset: no authentication, the local default.
+    keys_file: Path | None = None
 
     @classmethod
     def on_free_ports(cls, run_dir: Path, **overrides: Any) -> StackSettings:
@@ -234,6 +237,12 @@ class Stack:
         return f"127.0.0.1:{self.settings.consul_http_port}"
 
     @property
+    def keys_path(self) -> Path | None:
+        """The gateways' keys file, absolute (None: authentication off)."""
+        keys_file = self.settings.keys_file
+        return None if keys_file is None else (self.root / keys_file).resolve()
+
+    @property
     def prometheus_url(self) -> str:
         return f"http://127.0.0.1:{self.settings.prometheus_port}"
 
@@ -244,6 +253,7 @@ class Stack:
         cores = os.cpu_count() or 1
         registration = {"CONSUL_HTTP_ADDR": self.consul_address} if self.consul else {}
         tracing = {"OTLP_ENDPOINT": s.otlp_endpoint} if s.otlp_endpoint else {}
+        auth = {"KEYS_FILE": str(self.keys_path)} if self.keys_path else {}
         programs: list[Program] = []
         if self.consul:
             programs.append(
@@ -315,6 +325,7 @@ class Stack:
                         "RERANKER_ADDRESS": f"127.0.0.1:{s.reranker_listener_port}",
                         **registration,
                         **tracing,
+                        **auth,
                     },
                 )
             )
@@ -534,16 +545,20 @@ stdout_logfile_backups=2
                     f"metrics http://127.0.0.1:{program.metrics_port}/metrics"
                 )
         edge = f"127.0.0.1:{s.edge_port}"
+        # With keys on, the examples send a key from $TOKENMESH_KEY (double quotes: expanded).
+        header = ""
+        if self.keys_path is not None:
+            print(f"\nAPI keys on: {self.keys_path}")
+            print("  add one: python -m tokenmesh.gateway.keys add --tenant NAME --file FILE")
+            header = ' -H "authorization: Bearer $TOKENMESH_KEY"'
         print("\nTry it:")
         print(
-            "  "
-            + shlex.join(
-                ["grpcurl", "-plaintext", "-d", '{"prompt":"hello","max_tokens":16}', edge,
-                 "tokenmesh.v1.LLMService/Generate"]
-            )
-        )  # fmt: skip
+            f"  grpcurl -plaintext{header} -d "
+            + shlex.join(['{"prompt":"hello","max_tokens":16}', edge])
+            + " tokenmesh.v1.LLMService/Generate"
+        )
         print(
-            f'  curl -N -d \'{{"prompt":"hello","max_tokens":16}}\' '
+            f'  curl -N{header} -d \'{{"prompt":"hello","max_tokens":16}}\' '
             f"http://{edge}/tokenmesh.v1.LLMService/Generate"
         )
         print(f"  (grpcurl is in {self._bin}; `source .venv/bin/activate` puts it on PATH)")

@@ -166,7 +166,8 @@ def cors_policy(mesh: MeshSettings) -> Config:
             "allow_headers": (
                 "content-type,x-grpc-web,x-user-agent,grpc-timeout,authorization,x-api-key"
             ),
-            "expose_headers": "grpc-status,grpc-message,x-tokenmesh-degraded",
+            # retry-after-ms: refusals are trailers-only (HTTP headers); browsers must see it.
+            "expose_headers": "grpc-status,grpc-message,x-tokenmesh-degraded,retry-after-ms",
             "max_age": "86400",
         }
     }

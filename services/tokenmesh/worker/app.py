@@ -9,6 +9,7 @@ import logging
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 from prometheus_client.registry import Collector
 
+from tokenmesh.common.auth import TenantMetadataInterceptor
 from tokenmesh.common.interceptors import standard_interceptors
 from tokenmesh.common.metrics import MetricsEndpoint, StreamMetrics
 from tokenmesh.common.registration import ConsulRegistration
@@ -86,7 +87,9 @@ async def serve(settings: WorkerSettings) -> int:
     stream_metrics = StreamMetrics(registry, tracer, log_tokens=settings.log_tokens)
     slot = EngineSlot()
     health = Health(SERVICE_NAMES)
-    server = build_server(settings, standard_interceptors(registry, tracer))
+    # The tenant the gateway named (x-tenant-id) goes on each RPC's log line and span.
+    interceptors = standard_interceptors(registry, tracer, (TenantMetadataInterceptor(),))
+    server = build_server(settings, interceptors)
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(
         InferenceServicer(slot, settings, stream_metrics, aborted_counter(registry)), server
     )

@@ -1,0 +1,112 @@
+"""Tenant identity: per-tenant limits, the RPC's tenant (a contextvar), its bounded metrics."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Collection
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+from opentelemetry import trace
+from prometheus_client import CollectorRegistry, Counter
+from pydantic import BaseModel, ConfigDict, Field
+
+# Metadata the gateway sets on its calls to workers: the authenticated tenant. Services behind
+# the gateway trust it (only gateways reach them: Envoy's internal listeners, NetworkPolicies);
+# the gateway never forwards a caller's own x-tenant-id.
+TENANT_HEADER = "x-tenant-id"
+# Span attribute naming the tenant, on the gateway's and the worker's server spans.
+TENANT_ATTRIBUTE = "tokenmesh.tenant"
+# The metrics label value for everything that is not a tenant of the keys file.
+OTHER_TENANT = "other"
+
+
+class Limits(BaseModel):
+    """One tenant's limits; None means unlimited. A tenant's own block overrides the keys
+    file's defaults field by field."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # Sustained requests (RPCs) per second, a token bucket (aiolimiter's leaky bucket) ...
+    requests_per_second: float | None = Field(default=None, gt=0)
+    # ... that holds this many requests, so a burst of up to `burst` goes through at once
+    # (default: requests_per_second rounded up).
+    burst: int | None = Field(default=None, ge=1)
+    # RPCs in progress at once (a stream counts until it ends; a Chat stream is one).
+    max_concurrent_streams: int | None = Field(default=None, ge=1)
+    # Generated tokens per fixed window of window_seconds (aligned to the Unix epoch, so every
+    # gateway replica's windows start together), charged as each token streams.
+    tokens_per_window: int | None = Field(default=None, ge=1)
+    window_seconds: float = Field(default=60.0, gt=0)
+
+    @property
+    def bucket_size(self) -> int | None:
+        """Requests the token bucket holds (None: no rate limit)."""
+        if self.requests_per_second is None:
+            return None
+        return self.burst or max(1, math.ceil(self.requests_per_second))
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """An authenticated caller: its id (from the keys file) and its resolved limits."""
+
+    id: str
+    limits: Limits = field(default_factory=Limits)
+
+
+_CURRENT: ContextVar[Tenant | None] = ContextVar("tokenmesh_tenant", default=None)
+
+
+def current_tenant() -> Tenant | None:
+    """The tenant of the RPC being handled: set by AuthInterceptor (gateway) or
+    TenantMetadataInterceptor (services behind it); None when auth is off or the method open."""
+    return _CURRENT.get()
+
+
+def enter_tenant(tenant: Tenant) -> None:
+    """Make tenant the current RPC's, and name it on the RPC's server span. Each RPC runs in
+    a task (so a contextvars Context) of its own: nothing leaks into other RPCs."""
+    _CURRENT.set(tenant)
+    trace.get_current_span().set_attribute(TENANT_ATTRIBUTE, tenant.id)
+
+
+class TenantMetrics:
+    """tokenmesh_gateway_tenant_* counters. The tenant label is bounded: a tenant of the keys
+    file as it is now, else `other`."""
+
+    def __init__(self, registry: CollectorRegistry, known: Callable[[], Collection[str]]) -> None:
+        self._known = known
+        self._requests = Counter(
+            "tokenmesh_gateway_tenant_requests",
+            "RPCs by tenant and outcome: admitted, unauthenticated, rate_limited, "
+            "concurrency_limited, quota_exhausted.",
+            ["tenant", "outcome"],
+            registry=registry,
+        )
+        self._tokens = Counter(
+            "tokenmesh_gateway_tenant_tokens",
+            "Generated tokens delivered, by tenant (what its token quota is charged).",
+            ["tenant"],
+            registry=registry,
+        )
+        self._quota_cutoffs = Counter(
+            "tokenmesh_gateway_tenant_quota_cutoffs",
+            "Streams ended early (FINISH_REASON_QUOTA_EXHAUSTED) by a tenant's token quota.",
+            ["tenant"],
+            registry=registry,
+        )
+
+    def label(self, tenant: Tenant | None) -> str:
+        if tenant is not None and tenant.id in self._known():
+            return tenant.id
+        return OTHER_TENANT
+
+    def request(self, tenant: Tenant | None, outcome: str) -> None:
+        self._requests.labels(tenant=self.label(tenant), outcome=outcome).inc()
+
+    def tokens(self, tenant: Tenant, count: int = 1) -> None:
+        self._tokens.labels(tenant=self.label(tenant)).inc(count)
+
+    def quota_cutoff(self, tenant: Tenant) -> None:
+        self._quota_cutoffs.labels(tenant=self.label(tenant)).inc()

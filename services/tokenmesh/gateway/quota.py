@@ -1,0 +1,57 @@
+"""Token quotas: tokens are charged as they stream; the stream ends when the quota runs out."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+
+from tokenmesh.common.limits import TenantLimiter
+from tokenmesh.common.tenants import Tenant, TenantMetrics
+from tokenmesh.v1 import token_pb2
+
+
+class QuotaMeter:
+    """Every token from a worker is charged before it goes on, whichever RPC it is for
+    (Generate, GetAnswer, Summarize, a Chat turn), so one long request cannot overrun the
+    quota. The token that uses the last of it ends the stream: it carries
+    FINISH_REASON_QUOTA_EXHAUSTED (unless it was the generation's own last token), and closing
+    the worker stream cancels the worker call, which aborts the engine request."""
+
+    def __init__(self, limiter: TenantLimiter, metrics: TenantMetrics) -> None:
+        self._limiter = limiter
+        self._metrics = metrics
+
+    async def metered(
+        self, tenant: Tenant, tokens: AsyncGenerator[token_pb2.Token, None]
+    ) -> AsyncGenerator[token_pb2.Token, None]:
+        # Before the worker is called (it is called on the first read of `tokens`): a tenant
+        # with nothing left gets RESOURCE_EXHAUSTED and retry-after-ms, e.g. a Chat turn.
+        self._limiter.check_quota(tenant)
+        try:
+            async for token in tokens:
+                if not self._limiter.charge(tenant):
+                    # Another stream of the tenant used the rest: end with a message that is
+                    # not a token (token_id -1, no text), like the worker's end-only message.
+                    self._metrics.quota_cutoff(tenant)
+                    yield self._end(token.index, token.emitted_unix_nanos)
+                    return
+                self._metrics.tokens(tenant)
+                if not token.finish_reason and self._limiter.quota_left(tenant) == 0:
+                    self._metrics.quota_cutoff(tenant)
+                    token.finish_reason = token_pb2.FINISH_REASON_QUOTA_EXHAUSTED
+                    token.usage.completion_tokens = token.index + 1
+                    yield token
+                    return
+                yield token
+        finally:
+            await tokens.aclose()
+
+    @staticmethod
+    def _end(index: int, emitted_unix_nanos: int) -> token_pb2.Token:
+        end = token_pb2.Token(
+            index=index,
+            token_id=-1,
+            finish_reason=token_pb2.FINISH_REASON_QUOTA_EXHAUSTED,
+            emitted_unix_nanos=emitted_unix_nanos,
+        )
+        end.usage.completion_tokens = index
+        return end

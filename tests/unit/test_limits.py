@@ -1,0 +1,248 @@
+"""Per-tenant limits without processes: the request-rate bucket, concurrent streams, token
+quota windows on a fake clock, limits changed by a reload, the quota meter ending a token
+stream, and refusals through the error mapping (RESOURCE_EXHAUSTED, retry-after-ms)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+from grpc import aio
+from prometheus_client import CollectorRegistry
+
+from tokenmesh.common.errors import RETRY_AFTER_HEADER
+from tokenmesh.common.interceptors import admitted, standard_interceptors
+from tokenmesh.common.limits import LimitExceeded, LimitsInterceptor, TenantLimiter
+from tokenmesh.common.tenants import Limits, Tenant, TenantMetrics, enter_tenant
+from tokenmesh.gateway.quota import QuotaMeter
+from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
+
+
+class FakeClock:
+    def __init__(self, now: float = 1_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def tenant(**limits: Any) -> Tenant:
+    return Tenant("acme", Limits(**limits))
+
+
+async def test_no_limits_admit_everything() -> None:
+    limiter = TenantLimiter(1000)
+    for _ in range(1000):
+        await limiter.admit(tenant())
+    assert limiter.charge(tenant(), 10**9) and limiter.quota_left(tenant()) is None
+
+
+async def test_the_rate_bucket_lets_a_burst_through_then_refuses_with_a_hint() -> None:
+    slow = tenant(requests_per_second=0.5, burst=3)
+    limiter = TenantLimiter(1000)
+    for _ in range(3):
+        await limiter.admit(slow)
+        limiter.release(slow)
+    with pytest.raises(LimitExceeded) as refused:
+        await limiter.admit(slow)
+    assert refused.value.outcome == "rate_limited"
+    assert refused.value.message == "tenant request rate limit 0.5/s exceeded"
+    assert refused.value.retry_after_ms == 2000
+    assert refused.value.trailing_metadata == ((RETRY_AFTER_HEADER, "2000"),)
+    # Another tenant has its own bucket.
+    await limiter.admit(Tenant("globex", slow.limits))
+
+
+async def test_the_rate_refills_over_time() -> None:
+    fast = tenant(requests_per_second=50, burst=1)
+    limiter = TenantLimiter(1000)
+    await limiter.admit(fast)
+    with pytest.raises(LimitExceeded):
+        await limiter.admit(fast)
+    admitted = False
+    for _ in range(200):  # bounded poll: one request drips out in 20 ms
+        await asyncio.sleep(0.01)
+        try:
+            await limiter.admit(fast)
+        except LimitExceeded:
+            continue
+        admitted = True
+        break
+    assert admitted
+
+
+async def test_concurrent_streams_are_counted_until_released() -> None:
+    two = tenant(max_concurrent_streams=2)
+    limiter = TenantLimiter(750)
+    await limiter.admit(two)
+    await limiter.admit(two)
+    with pytest.raises(LimitExceeded) as refused:
+        await limiter.admit(two)
+    assert refused.value.outcome == "concurrency_limited"
+    assert refused.value.message == "tenant concurrent stream limit 2 reached"
+    assert refused.value.retry_after_ms == 750
+    limiter.release(two)
+    await limiter.admit(two)
+
+
+async def test_the_token_quota_is_a_fixed_window_aligned_to_the_epoch() -> None:
+    clock = FakeClock(now=999_995.0)  # 35 s into the window from 999_960 (16_666 x 60)
+    limiter = TenantLimiter(1000, clock)
+    quota = tenant(tokens_per_window=10, window_seconds=60)
+    assert limiter.charge(quota, 7) and limiter.quota_left(quota) == 3
+    assert not limiter.charge(quota, 4) and limiter.quota_left(quota) == 3
+    assert limiter.charge(quota, 3) and limiter.quota_left(quota) == 0
+    with pytest.raises(LimitExceeded) as refused:
+        await limiter.admit(quota)
+    assert refused.value.outcome == "quota_exhausted"
+    assert refused.value.message == "tenant token quota 10 per 60s used up"
+    assert refused.value.retry_after_ms == 25_000  # the next one starts at 1_000_020
+    clock.now += 25
+    assert limiter.quota_left(quota) == 10
+    await limiter.admit(quota)
+
+
+async def test_a_reload_applies_new_limits_and_keeps_what_is_used() -> None:
+    clock = FakeClock()
+    limiter = TenantLimiter(1000, clock)
+    before = tenant(tokens_per_window=10, max_concurrent_streams=1)
+    await limiter.admit(before)
+    assert limiter.charge(before, 10)
+    after = tenant(tokens_per_window=15, max_concurrent_streams=2)
+    assert limiter.quota_left(after) == 5
+    await limiter.admit(after)  # the first stream is still counted: 2 of 2
+    with pytest.raises(LimitExceeded):
+        await limiter.admit(after)
+
+
+async def worker_tokens(count: int, closed: list[bool]) -> AsyncGenerator[token_pb2.Token, None]:
+    """A worker's stream of `count` tokens, the last with FINISH_REASON_LENGTH; records
+    whether it was closed before its end."""
+    try:
+        for index in range(count):
+            last = index == count - 1
+            yield token_pb2.Token(
+                index=index,
+                text=f"t{index}",
+                finish_reason=token_pb2.FINISH_REASON_LENGTH if last else 0,
+            )
+    except GeneratorExit:
+        closed.append(True)
+        raise
+
+
+def meter(limiter: TenantLimiter) -> QuotaMeter:
+    return QuotaMeter(limiter, TenantMetrics(CollectorRegistry(), lambda: {"acme"}))
+
+
+async def test_the_token_that_uses_the_quota_up_ends_the_stream_and_closes_the_worker() -> None:
+    limiter = TenantLimiter(1000, FakeClock())
+    quota = tenant(tokens_per_window=5)
+    closed: list[bool] = []
+    tokens = [t async for t in meter(limiter).metered(quota, worker_tokens(100, closed))]
+    assert [t.index for t in tokens] == [0, 1, 2, 3, 4]
+    assert tokens[-1].finish_reason == token_pb2.FINISH_REASON_QUOTA_EXHAUSTED
+    assert tokens[-1].usage.completion_tokens == 5 and tokens[-1].text == "t4"
+    assert closed == [True]
+    with pytest.raises(LimitExceeded):  # the next request, before the worker is called
+        await anext(meter(limiter).metered(quota, worker_tokens(1, [])))
+
+
+async def test_a_generation_that_ends_on_the_last_token_keeps_its_reason() -> None:
+    limiter = TenantLimiter(1000, FakeClock())
+    tokens = [
+        t async for t in meter(limiter).metered(tenant(tokens_per_window=3), worker_tokens(3, []))
+    ]
+    assert tokens[-1].finish_reason == token_pb2.FINISH_REASON_LENGTH
+
+
+async def test_a_stream_whose_quota_another_used_up_ends_with_a_message_that_is_no_token() -> None:
+    limiter = TenantLimiter(1000, FakeClock())
+    quota = tenant(tokens_per_window=4)
+    first = meter(limiter).metered(quota, worker_tokens(100, []))
+    second = meter(limiter).metered(quota, worker_tokens(100, []))
+    assert (await anext(first)).index == 0
+    assert (await anext(second)).index == 0
+    assert (await anext(first)).index == 1
+    last = await anext(second)  # the fourth token charged: the quota is used up
+    assert last.finish_reason == token_pb2.FINISH_REASON_QUOTA_EXHAUSTED
+    end = await anext(first)
+    assert end.finish_reason == token_pb2.FINISH_REASON_QUOTA_EXHAUSTED
+    assert (end.index, end.token_id, end.text, end.usage.completion_tokens) == (2, -1, "", 2)
+    with pytest.raises(StopAsyncIteration):
+        await anext(first)
+
+
+# ---- refusals through the interceptor chain, on an in-process server
+
+
+class Streams(inference_pb2_grpc.InferenceServiceServicer):
+    """Generate streams until the caller goes away (holding a concurrency slot)."""
+
+    async def Generate(self, request: Any, context: Any) -> AsyncIterator[token_pb2.Token]:
+        index = 0
+        while True:
+            yield token_pb2.Token(index=index)
+            index += 1
+            await asyncio.sleep(0.05)
+
+    async def GetEngineStats(self, request: Any, context: Any) -> inference_pb2.EngineStats:
+        return inference_pb2.EngineStats()
+
+
+class FixedTenant(aio.ServerInterceptor):
+    """Stands in for AuthInterceptor: every RPC is the given tenant's."""
+
+    def __init__(self, fixed: Tenant) -> None:
+        self._tenant = fixed
+
+    async def intercept_service(self, continuation: Any, details: Any) -> Any:
+        async def admit(context: Any) -> None:
+            enter_tenant(self._tenant)
+
+        return admitted(await continuation(details), admit)
+
+
+@pytest.fixture
+async def limited() -> AsyncIterator[inference_pb2_grpc.InferenceServiceStub]:
+    registry = CollectorRegistry()
+    limits = tenant(requests_per_second=0.2, burst=3, max_concurrent_streams=1)
+    inner = (
+        FixedTenant(limits),
+        LimitsInterceptor(TenantLimiter(1000), TenantMetrics(registry, lambda: {"acme"})),
+    )
+    server = aio.server(interceptors=standard_interceptors(registry, None, inner))
+    inference_pb2_grpc.add_InferenceServiceServicer_to_server(Streams(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    async with aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        yield inference_pb2_grpc.InferenceServiceStub(channel)
+    await server.stop(0)
+
+
+async def test_refusals_are_resource_exhausted_with_retry_after_ms(limited) -> None:
+    stream = limited.Generate(inference_pb2.InferenceRequest())
+    await stream.read()  # holds the only concurrent slot
+    with pytest.raises(aio.AioRpcError) as error:
+        await limited.Generate(inference_pb2.InferenceRequest()).read()
+    assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert error.value.details() == "tenant concurrent stream limit 1 reached"
+    assert dict(error.value.trailing_metadata())[RETRY_AFTER_HEADER] == "1000"
+    stream.cancel()
+    # Once the server has seen the cancel the slot is free (refusals at the concurrency limit
+    # take nothing from the rate bucket, so polling costs nothing).
+    for _ in range(100):
+        try:
+            await limited.GetEngineStats(inference_pb2.EngineStatsRequest())  # 2nd of 3
+            break
+        except aio.AioRpcError:
+            await asyncio.sleep(0.02)
+    await limited.GetEngineStats(inference_pb2.EngineStatsRequest())  # 3rd of a burst of 3
+    with pytest.raises(aio.AioRpcError) as error:
+        await limited.GetEngineStats(inference_pb2.EngineStatsRequest())
+    assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert error.value.details() == "tenant request rate limit 0.2/s exceeded"
+    assert dict(error.value.trailing_metadata())[RETRY_AFTER_HEADER] == "5000"
