@@ -315,7 +315,6 @@ def merge(config: RunConfig, shards: list[dict[str, Any]], started: datetime) ->
     tokens = sum(shard["tokens"] for shard in shards)
     windows = [shard["window"] for shard in shards if shard["window"][1] > 0]
     seconds = max(w[1] for w in windows) - min(w[0] for w in windows) if windows else 0.0
-    measured = sum(status.values())
     cpu = [shard["cpu_fraction"] for shard in shards]
     sent = [shard["bytes_sent"] for shard in shards if shard["bytes_sent"] is not None]
     received = [shard["bytes_received"] for shard in shards if shard["bytes_received"] is not None]
@@ -343,18 +342,8 @@ def merge(config: RunConfig, shards: list[dict[str, Any]], started: datetime) ->
             "max_rss_bytes": max(shard["rss_bytes"] for shard in shards),
             "send_lag_ms": histograms["send_lag"].percentiles(),
         },
-        "requests": measured,
+        **figures(status, tokens, seconds, histograms),
         "warmup_requests": sum(shard["warmup_requests"] for shard in shards),
-        "status": dict(status),
-        "errors": measured - status.get("OK", 0),
-        "tokens": tokens,
-        "seconds": round(seconds, 3),
-        "tokens_per_second": round(tokens / seconds, 1) if seconds else 0.0,
-        "requests_per_second": round(measured / seconds, 2) if seconds else 0.0,
-        "ttft_ms": histograms["ttft"].percentiles(),
-        "itl_ms": histograms["itl"].percentiles(),
-        "e2e_ms": histograms["e2e"].percentiles(),
-        "server_itl_ms": histograms["server_itl"].percentiles(),
         "wire_bytes": wire,
         "slow_streams": (
             {"status": dict(slow_status), "tokens": sum(s["slow_tokens"] for s in shards)}
@@ -365,6 +354,27 @@ def merge(config: RunConfig, shards: list[dict[str, Any]], started: datetime) ->
             name: histograms[name].encode() for name in ("ttft", "itl", "e2e", "server_itl")
         },
         "timeline": sorted(row for shard in shards for row in shard["timeline"]),
+    }
+
+
+def figures(
+    status: Counter[str], tokens: int, seconds: float, histograms: dict[str, Latencies]
+) -> dict[str, Any]:
+    """A result's counts, rates and latency percentiles, from its status counts, tokens,
+    measured seconds and histograms."""
+    measured = sum(status.values())
+    return {
+        "requests": measured,
+        "status": dict(status),
+        "errors": measured - status.get("OK", 0),
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tokens_per_second": round(tokens / seconds, 1) if seconds else 0.0,
+        "requests_per_second": round(measured / seconds, 2) if seconds else 0.0,
+        "ttft_ms": histograms["ttft"].percentiles(),
+        "itl_ms": histograms["itl"].percentiles(),
+        "e2e_ms": histograms["e2e"].percentiles(),
+        "server_itl_ms": histograms["server_itl"].percentiles(),
     }
 
 
@@ -415,7 +425,6 @@ def combine(results: list[dict[str, Any]]) -> dict[str, Any]:
         status.update(result["status"])
     seconds = sum(r["seconds"] for r in results)
     tokens = sum(r["tokens"] for r in results)
-    measured = sum(status.values())
     cpu = [value for r in results for value in r["generator"]["cpu_fraction_per_process"]]
     wires = [r["wire_bytes"] for r in results if r["wire_bytes"]]
     wire = None
@@ -440,18 +449,8 @@ def combine(results: list[dict[str, Any]]) -> dict[str, Any]:
             "cpu_fraction_per_process": cpu,
             "saturated": any(value > SATURATED_CPU for value in cpu),
         },
-        "requests": measured,
+        **figures(status, tokens, seconds, histograms),
         "warmup_requests": sum(r["warmup_requests"] for r in results),
-        "status": dict(status),
-        "errors": measured - status.get("OK", 0),
-        "tokens": tokens,
-        "seconds": round(seconds, 3),
-        "tokens_per_second": round(tokens / seconds, 1) if seconds else 0.0,
-        "requests_per_second": round(measured / seconds, 2) if seconds else 0.0,
-        "ttft_ms": histograms["ttft"].percentiles(),
-        "itl_ms": histograms["itl"].percentiles(),
-        "e2e_ms": histograms["e2e"].percentiles(),
-        "server_itl_ms": histograms["server_itl"].percentiles(),
         "wire_bytes": wire,
         "histograms": {name: latencies.encode() for name, latencies in histograms.items()},
         "timeline": [row for r in results for row in r["timeline"]][:TIMELINE_LIMIT],
