@@ -7,6 +7,7 @@ import signal
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
+import grpc
 import uvloop
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -45,9 +46,30 @@ def build_server(
     return aio.server(interceptors=list(interceptors), options=server_options(settings))
 
 
+def server_credentials(settings: ServiceSettings) -> grpc.ServerCredentials | None:
+    """TLS that requires a client certificate signed by tls_client_ca_file (mTLS with Envoy),
+    or None when no certificate is configured (plaintext)."""
+    if (
+        settings.tls_cert_file is None
+        or settings.tls_key_file is None
+        or settings.tls_client_ca_file is None
+    ):
+        return None
+    return grpc.ssl_server_credentials(
+        [(settings.tls_key_file.read_bytes(), settings.tls_cert_file.read_bytes())],
+        root_certificates=settings.tls_client_ca_file.read_bytes(),
+        require_client_auth=True,
+    )
+
+
 def bind(server: aio.Server, settings: ServiceSettings) -> int:
-    """Listen on settings.host:port (plaintext; Envoy terminates TLS); returns the bound port."""
-    return int(server.add_insecure_port(f"{settings.host}:{settings.port}"))
+    """Listen on settings.host:port, plaintext or, with TLS settings, mTLS only; returns the
+    bound port."""
+    address = f"{settings.host}:{settings.port}"
+    credentials = server_credentials(settings)
+    if credentials is None:
+        return int(server.add_insecure_port(address))
+    return int(server.add_secure_port(address, credentials))
 
 
 class Health:

@@ -245,6 +245,38 @@ def edge_tls(cert_file: str, key_file: str) -> Config:
     }
 
 
+def upstream_tls(name: str, mesh: MeshSettings) -> Config:
+    """mTLS towards a service cluster: Envoy's client certificate, the CA, and the service's
+    certificate must name the cluster (DNS SAN; also sent as SNI). HTTP/2 only, by ALPN. The
+    cluster's gRPC health checks use this transport socket too."""
+    assert mesh.upstream_tls_cert_file and mesh.upstream_tls_key_file and mesh.upstream_tls_ca_file
+    return {
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": {
+            "@type": TYPE + "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+            "sni": name,
+            "common_tls_context": {
+                "alpn_protocols": ["h2"],
+                "tls_certificates": [
+                    {
+                        "certificate_chain": {"filename": mesh.upstream_tls_cert_file},
+                        "private_key": {"filename": mesh.upstream_tls_key_file},
+                        "watched_directory": {
+                            "path": posixpath.dirname(mesh.upstream_tls_cert_file)
+                        },
+                    }
+                ],
+                "validation_context": {
+                    "trusted_ca": {"filename": mesh.upstream_tls_ca_file},
+                    "match_typed_subject_alt_names": [
+                        {"san_type": "DNS", "matcher": {"exact": name}}
+                    ],
+                },
+            },
+        },
+    }
+
+
 def grpc_upstream(mesh: MeshSettings) -> Config:
     return {
         HTTP_OPTIONS: {
@@ -297,6 +329,8 @@ def service_cluster(name: str, mesh: MeshSettings) -> Config:
             ]
         },
     }
+    if mesh.upstream_mtls:
+        cluster["transport_socket"] = upstream_tls(name, mesh)
     if name == "reranker":
         # Eject a failing reranker host quickly, before the gateway's own breaker opens, and
         # bound what may pile up in front of a slow one.

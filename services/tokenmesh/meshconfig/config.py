@@ -21,6 +21,14 @@ class MeshSettings(BaseSettings):
     # Envoy re-reads them when their directory changes (a renewed Kubernetes Secret).
     edge_tls_cert_file: str | None = None
     edge_tls_key_file: str | None = None
+    # mTLS from Envoy to the services (the gateway, worker and reranker clusters, their health
+    # checks included): Envoy's client certificate and key, and the CA the services'
+    # certificates must chain to. Each service's certificate must carry its cluster's name
+    # (gateway, worker, reranker) as a DNS SAN, which Envoy also sends as SNI. All three or
+    # none; unset: plaintext between Envoy and the services.
+    upstream_tls_cert_file: str | None = None
+    upstream_tls_key_file: str | None = None
+    upstream_tls_ca_file: str | None = None
     admin_host: str = "127.0.0.1"
     admin_port: int = Field(default=9901, ge=1, le=65535)
     # Listeners the gateways use to reach workers and the reranker, so every hop is balanced
@@ -75,7 +83,21 @@ class MeshSettings(BaseSettings):
     def _tls_files_come_in_pairs(self) -> Self:
         if (self.edge_tls_cert_file is None) != (self.edge_tls_key_file is None):
             raise ValueError("edge_tls_cert_file and edge_tls_key_file go together")
+        upstream = (
+            self.upstream_tls_cert_file,
+            self.upstream_tls_key_file,
+            self.upstream_tls_ca_file,
+        )
+        if any(path is None for path in upstream) and any(path is not None for path in upstream):
+            raise ValueError(
+                "upstream_tls_cert_file, upstream_tls_key_file and upstream_tls_ca_file go together"
+            )
         return self
+
+    @property
+    def upstream_mtls(self) -> bool:
+        """Envoy talks to the services over mTLS."""
+        return self.upstream_tls_cert_file is not None
 
 
 # In the Kubernetes profile the control plane's Service name depends on the Helm release, so
