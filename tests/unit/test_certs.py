@@ -16,7 +16,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tokenmesh.common.server import Health, bind, build_server
+from tokenmesh.common.server import Health, ProbePort, bind, build_server
 from tokenmesh.localstack.certs import (
     EDGE,
     ENVOY_CLIENT,
@@ -26,6 +26,7 @@ from tokenmesh.localstack.certs import (
     CertSettings,
     main,
 )
+from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
 from tokenmesh.worker.config import WorkerSettings
 
 
@@ -124,7 +125,7 @@ def test_tls_settings_go_together(made: CertMaker) -> None:
         WorkerSettings(tls_cert_file=made.paths.cert("worker"))
 
 
-async def test_a_service_with_tls_settings_refuses_clients_without_a_certificate(
+async def test_a_tls_service_refuses_callers_without_a_certificate_and_probes_stay_plaintext(
     made: CertMaker,
 ) -> None:
     paths = made.paths
@@ -133,12 +134,15 @@ async def test_a_service_with_tls_settings_refuses_clients_without_a_certificate
         tls_cert_file=paths.cert("worker"),
         tls_key_file=paths.key("worker"),
         tls_client_ca_file=paths.ca_cert,
+        health_port=0,
     )
     server = build_server(settings, [])
     health = Health(["tokenmesh.v1.InferenceService"])
     health.register(server)
     address = f"127.0.0.1:{bind(server, settings)}"
     await server.start()
+    probes = ProbePort(health, settings)
+    probe_port = await probes.start()
     await health.set_serving()
     ca = paths.ca_cert.read_bytes()
     envoy = grpc.ssl_channel_credentials(
@@ -159,5 +163,19 @@ async def test_a_service_with_tls_settings_refuses_clients_without_a_certificate
                 with pytest.raises(aio.AioRpcError) as refused:
                     await health_pb2_grpc.HealthStub(channel).Check(request, timeout=5)
                 assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        # The plaintext probe port (for Kubernetes' gRPC probes) tells the same status, and
+        # serves nothing else.
+        async with aio.insecure_channel(f"127.0.0.1:{probe_port}") as channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(request, timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            await health.set_not_serving()
+            reply = await health_pb2_grpc.HealthStub(channel).Check(request, timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(aio.AioRpcError) as unknown:
+                await inference_pb2_grpc.InferenceServiceStub(channel).GetEngineStats(
+                    inference_pb2.EngineStatsRequest(), timeout=5
+                )
+            assert unknown.value.code() == grpc.StatusCode.UNIMPLEMENTED
     finally:
+        await probes.stop()
         await server.stop(0)

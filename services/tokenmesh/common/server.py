@@ -93,6 +93,30 @@ class Health:
             await self.servicer.set(name, status)
 
 
+class ProbePort:
+    """grpc.health.v1 alone on a plaintext port (settings.health_port), for probes that cannot
+    do mTLS; it shares the service's Health, so both ports report the same status."""
+
+    def __init__(self, health: Health, settings: ServiceSettings) -> None:
+        self._health = health
+        self._settings = settings
+        self._server: aio.Server | None = None
+
+    async def start(self) -> int | None:
+        """Listen (if a health port is configured); returns the bound port."""
+        if self._settings.health_port < 0:
+            return None
+        self._server = aio.server(options=server_options(self._settings))
+        self._health.register(self._server)
+        port = self._server.add_insecure_port(f"{self._settings.host}:{self._settings.health_port}")
+        await self._server.start()
+        return int(port)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            await self._server.stop(0)
+
+
 def enable_reflection(server: aio.Server, service_names: Sequence[str]) -> None:
     """Server reflection, so `grpcurl -plaintext HOST:PORT list` works without proto files."""
     names = (*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)

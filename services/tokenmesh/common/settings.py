@@ -54,6 +54,11 @@ class ServiceSettings(BaseSettings):
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None
     tls_client_ca_file: Path | None = None
+    # A plaintext port serving only grpc.health.v1 (the same status as the service port), for
+    # probes that cannot present a client certificate, such as Kubernetes' native gRPC
+    # probes, while the service port wants mTLS. It exposes nothing but that status.
+    # -1: none; 0 picks a free port.
+    health_port: int = Field(default=-1, ge=-1, le=65535)
 
     # Largest protobuf message accepted or sent; bigger ones fail with RESOURCE_EXHAUSTED.
     max_message_bytes: int = Field(default=4 * MIB, ge=1024)

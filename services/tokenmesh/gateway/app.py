@@ -18,6 +18,7 @@ from tokenmesh.common.metrics import MetricsEndpoint, StreamMetrics
 from tokenmesh.common.registration import ConsulRegistration
 from tokenmesh.common.server import (
     Health,
+    ProbePort,
     bind,
     build_server,
     enable_reflection,
@@ -98,6 +99,8 @@ async def serve(settings: GatewaySettings) -> int:
     enable_reflection(server, SERVICE_NAMES)
     port = bind(server, settings)
     await server.start()
+    probes = ProbePort(health, settings)
+    await probes.start()  # no-op without a health port
     endpoint = MetricsEndpoint(registry, settings.metrics_host, settings.metrics_port)
     metrics_port = endpoint.start()
     await health.set_serving()
@@ -122,6 +125,7 @@ async def serve(settings: GatewaySettings) -> int:
     await health.set_not_serving()
     await registration.stop()
     await server.stop(settings.grace_seconds)
+    await probes.stop()
     await worker.close()
     await reranker.close()
     await tracing.shutdown()
