@@ -38,9 +38,10 @@ class CertSettings(BaseSettings):
     # Extra DNS names or IP addresses on the edge certificate besides localhost and 127.0.0.1
     # (a LAN name, a tunnel's host), as a JSON list.
     edge_names: tuple[str, ...] = ()
-    # The Helm release and namespace whose Services' DNS names go on the service certificates
-    # (<release>-<kind>, <release>-<kind>-headless, with .<namespace>[.svc.cluster.local]).
-    release: str = "tokenmesh"
+    # The chart's full name and the namespace whose Services' DNS names go on the service
+    # certificates (<fullname>-<kind>[-headless][.<namespace>[.svc.cluster.local]]). The full
+    # name is the Helm release's name when it contains "tokenmesh", else <release>-tokenmesh.
+    fullname: str = "tokenmesh"
     namespace: str = "default"
     # Short on purpose: these are development certificates. `make certs` (and `make up` with
     # TLS) makes a new set when one expires within a day; --force makes one at any time.
@@ -72,11 +73,11 @@ class CertPaths:
         return (EDGE, *SERVICE_KINDS, ENVOY_CLIENT)
 
 
-def service_names(kind: str, release: str, namespace: str) -> list[str]:
+def service_names(kind: str, fullname: str, namespace: str) -> list[str]:
     """DNS names a service's certificate carries: its kind first (what Envoy checks), then its
     Kubernetes Service names, then the local names."""
     names = [kind]
-    for service in (f"{release}-{kind}", f"{release}-{kind}-headless"):
+    for service in (f"{fullname}-{kind}", f"{fullname}-{kind}-headless"):
         names += [service, f"{service}.{namespace}", f"{service}.{namespace}.svc",
                   f"{service}.{namespace}.svc.cluster.local"]  # fmt: skip
     return [*names, *LOCAL_NAMES]
@@ -112,7 +113,7 @@ class CertMaker:
         s = self.settings
         sans = {EDGE: [*LOCAL_NAMES, *s.edge_names], ENVOY_CLIENT: ["envoy"]}
         for kind in SERVICE_KINDS:
-            sans[kind] = service_names(kind, s.release, s.namespace)
+            sans[kind] = service_names(kind, s.fullname, s.namespace)
         return sans
 
     def is_current(self) -> bool:
