@@ -109,14 +109,23 @@ CONTROLPLANE_HOST_PLACEHOLDER = "${TOKENMESH_CONTROLPLANE_HOST}"
 KUBERNETES_TLS_DIR = "/etc/envoy/tls"
 
 
-def kubernetes_profile(tls: bool = False) -> MeshSettings:
+# Where the chart mounts Envoy's client certificate for mTLS to the services (tls.crt, tls.key
+# and the CA, ca.crt: a cert-manager Secret's layout).
+KUBERNETES_MTLS_DIR = "/etc/envoy/mtls"
+
+
+def kubernetes_profile(tls: bool = False, mtls: bool = False) -> MeshSettings:
     """The mesh as the Helm chart runs it: Envoy in its own pods, listening on every interface
     (the edge for clients, the internal listeners for gateways, admin for probes and metrics),
     and the control plane reached through its Service's DNS name; with tls, the edge speaks
-    TLS with the certificate mounted at KUBERNETES_TLS_DIR."""
+    TLS with the certificate mounted at KUBERNETES_TLS_DIR; with mtls, Envoy reaches the
+    services over mTLS with the client certificate mounted at KUBERNETES_MTLS_DIR."""
     return MeshSettings(
         edge_tls_cert_file=f"{KUBERNETES_TLS_DIR}/tls.crt" if tls else None,
         edge_tls_key_file=f"{KUBERNETES_TLS_DIR}/tls.key" if tls else None,
+        upstream_tls_cert_file=f"{KUBERNETES_MTLS_DIR}/tls.crt" if mtls else None,
+        upstream_tls_key_file=f"{KUBERNETES_MTLS_DIR}/tls.key" if mtls else None,
+        upstream_tls_ca_file=f"{KUBERNETES_MTLS_DIR}/ca.crt" if mtls else None,
         edge_host="0.0.0.0",
         admin_host="0.0.0.0",
         internal_host="0.0.0.0",
