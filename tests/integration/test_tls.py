@@ -1,7 +1,8 @@
 """TLS on a real mesh (1 gateway, 1 worker, the reranker, Envoy) started with `tls` and `mtls`:
 the edge speaks only TLS (grpcurl and Python with the local CA stream tokens, plaintext and a
-wrong CA are refused, REST over https/1.1), and the services speak only mTLS (a direct call
-without Envoy's client certificate is refused, while Envoy's health checks over TLS pass)."""
+wrong CA are refused, REST over https/1.1), the services speak only mTLS (a direct call
+without Envoy's client certificate is refused, while Envoy's health checks over TLS pass), and
+the gateways reach Envoy's internal listeners over TLS."""
 
 from __future__ import annotations
 
@@ -15,11 +16,10 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from grpc import aio
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.support import ROOT, grpcurl
 from tokenmesh.localstack.certs import CertMaker, CertPaths, CertSettings
-from tokenmesh.localstack.stack import Stack, StackSettings
+from tokenmesh.localstack.stack import Stack, StackSettings, health
 from tokenmesh.v1 import llm_pb2, llm_pb2_grpc
 
 # The stack's start (vLLM loading) counts against the first test's timeout: on a busy 2-core
@@ -28,6 +28,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 BODY = '{"prompt":"hello","max_tokens":16,"ignore_eos":true}'
 GENERATE = "tokenmesh.v1.LLMService/Generate"
+# Seconds a direct health check may take (TLS handshakes on a busy machine).
+TIMEOUT = 10.0
 
 
 @pytest.fixture(scope="module")
@@ -123,30 +125,16 @@ def test_the_edge_offers_h2_and_http11_and_rest_works_over_https(tls_mesh: Stack
     assert reply.status == 200 and len(lines) == 4, lines
 
 
-def health_check(address: str, credentials: grpc.ChannelCredentials | None) -> str:
-    with (
-        grpc.insecure_channel(address)
-        if credentials is None
-        else grpc.secure_channel(address, credentials)
-    ) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=5
-            )
-        except grpc.RpcError as err:
-            return str(err.code().name)
-    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
-
-
 def test_services_refuse_callers_without_envoys_client_certificate(tls_mesh: Stack) -> None:
     ca = tls_mesh.certs.ca_cert.read_bytes()
     services = [program for program in tls_mesh.programs if program.mtls]
     assert {program.service for program in services} == {"gateway", "worker", "reranker"}
     for program in services:
         # Plaintext, and TLS that trusts the CA but presents no certificate: refused.
-        assert health_check(program.address, None) == "UNAVAILABLE"
-        assert health_check(program.address, grpc.ssl_channel_credentials(ca)) == "UNAVAILABLE"
-        assert health_check(program.address, tls_mesh.client_credentials()) == "SERVING"
+        without_certificate = grpc.ssl_channel_credentials(ca)
+        assert health(program.address, None, TIMEOUT) == "UNAVAILABLE"
+        assert health(program.address, without_certificate, TIMEOUT) == "UNAVAILABLE"
+        assert health(program.address, tls_mesh.client_credentials(), TIMEOUT) == "SERVING"
 
 
 def test_envoys_health_checks_pass_over_mtls(tls_mesh: Stack) -> None:
@@ -157,3 +145,15 @@ def test_envoys_health_checks_pass_over_mtls(tls_mesh: Stack) -> None:
     # Every service cluster's connections (health checks and streams) are TLS handshakes.
     for cluster in ("gateway", "worker", "reranker"):
         assert int(stats[f"cluster.{cluster}.ssl.handshake"]) > 0, stats
+
+
+def test_envoys_internal_listeners_speak_tls_to_the_gateways(tls_mesh: Stack) -> None:
+    """The gateways' hop to workers goes through Envoy's internal listener over TLS (the
+    streams above passed through it); a plaintext caller there is refused."""
+    listener = f"127.0.0.1:{tls_mesh.settings.worker_listener_port}"
+    trusted = grpc.ssl_channel_credentials(tls_mesh.certs.ca_cert.read_bytes())
+    # Health through the listener reaches a worker (over Envoy's mTLS to it).
+    assert health(listener, trusted, TIMEOUT) == "SERVING"
+    assert health(listener, None, TIMEOUT) == "UNAVAILABLE"
+    gateway = next(p for p in tls_mesh.programs if p.service == "gateway")
+    assert gateway.env["TOKENMESH_GATEWAY_DEPENDENCY_TLS_CA_FILE"] == str(tls_mesh.certs.ca_cert)

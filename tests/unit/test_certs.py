@@ -20,6 +20,7 @@ from tokenmesh.common.server import Health, ProbePort, bind, build_server
 from tokenmesh.localstack.certs import (
     EDGE,
     ENVOY_CLIENT,
+    ENVOY_INTERNAL,
     SERVICE_KINDS,
     CertMaker,
     CertPaths,
@@ -71,6 +72,9 @@ def test_the_ca_signs_every_certificate_with_the_names_peers_check(made: CertMak
         assert "localhost" in dns and ips == ["127.0.0.1"]
         usage = load(paths.cert(kind)).extensions.get_extension_for_class(x509.ExtendedKeyUsage)
         assert list(usage.value) == [ExtendedKeyUsageOID.SERVER_AUTH]
+    dns, ips = sans(load(paths.cert(ENVOY_INTERNAL)))
+    assert dns[0] == "envoy" and "tokenmesh-envoy-internal.default.svc" in dns
+    assert "localhost" in dns and ips == ["127.0.0.1"]
     client = load(paths.cert(ENVOY_CLIENT)).extensions.get_extension_for_class(
         x509.ExtendedKeyUsage
     )

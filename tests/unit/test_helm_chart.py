@@ -607,6 +607,7 @@ def test_envoy_accepts_the_configmap(
     # The mounted Secrets' files, here test certificates.
     text = text.replace("/etc/envoy/tls", str(certificate))
     text = text.replace("/etc/envoy/mtls", str(mesh_certificates))
+    text = text.replace("/etc/envoy/internal-tls", str(mesh_certificates))
     path = tmp_path / "envoy.yaml"
     path.write_text(text)
     result = envoy_validate(path)
@@ -658,9 +659,9 @@ def test_tls_edge_uses_the_certificate_secret(releases: dict[str, Release]) -> N
 MTLS_SERVICES = ("gateway", "worker", "reranker")
 
 
-def mtls_volume(release: Release, component: str) -> dict[str, Any]:
+def mtls_volume(release: Release, component: str, name: str = "mtls") -> dict[str, Any]:
     volumes = release.deployment(component)["spec"]["template"]["spec"]["volumes"]
-    return dict(next(v for v in volumes if v["name"] == "mtls"))
+    return dict(next(v for v in volumes if v["name"] == name))
 
 
 def test_mtls_certificates_from_cert_manager_reach_envoy_and_every_service(
@@ -698,8 +699,29 @@ def test_mtls_certificates_from_cert_manager_reach_envoy_and_every_service(
     envoy = release.get("Certificate", f"{PREFIX}-envoy-mtls")["spec"]
     assert envoy["usages"] == ["digital signature", "client auth"]
     assert mtls_volume(release, "envoy")["secret"]["secretName"] == envoy["secretName"]
+    # The internal listeners' certificate names the Service the gateways call.
+    internal = release.get("Certificate", f"{PREFIX}-envoy-internal-mtls")["spec"]
+    assert internal["usages"] == ["digital signature", "server auth"]
+    assert f"{PREFIX}-envoy-internal" in internal["dnsNames"]
+    volume = mtls_volume(release, "envoy", "internal-tls")
+    assert volume["secret"]["secretName"] == internal["secretName"]
+    assert release.env("gateway")["TOKENMESH_GATEWAY_DEPENDENCY_TLS_CA_FILE"] == (
+        "/etc/tokenmesh/mtls/ca.crt"
+    )
+    assert f"{PREFIX}-envoy-internal:" in release.env("gateway")["TOKENMESH_GATEWAY_WORKER_ADDRESS"]
     mounts = {m["name"]: m["mountPath"] for m in release.container("envoy")["volumeMounts"]}
     assert mounts["mtls"] == "/etc/envoy/mtls" and mounts["tls"] == "/etc/envoy/tls"
+    assert mounts["internal-tls"] == "/etc/envoy/internal-tls"
+    listeners = {
+        item["name"]: item["filter_chains"][0]
+        for item in release.envoy_config()["static_resources"]["listeners"]
+    }
+    for name in ("worker", "reranker"):
+        context = listeners[name]["transport_socket"]["typed_config"]["common_tls_context"]
+        assert context["alpn_protocols"] == ["h2"]
+        assert context["tls_certificates"][0]["certificate_chain"]["filename"] == (
+            "/etc/envoy/internal-tls/tls.crt"
+        )
     clusters = {c["name"]: c for c in release.envoy_config()["static_resources"]["clusters"]}
     context = clusters["worker"]["transport_socket"]["typed_config"]["common_tls_context"]
     assert context["tls_certificates"][0]["certificate_chain"]["filename"] == (
@@ -716,8 +738,13 @@ def test_mtls_from_an_existing_secret_mounts_each_components_files(
 ) -> None:
     release = releases["mtls-secret"]
     assert release.all("Certificate") == []
-    for component, file in (*((c, c) for c in MTLS_SERVICES), ("envoy", "envoy-client")):
-        secret = mtls_volume(release, component)["secret"]
+    volumes = (
+        *((c, c, "mtls") for c in MTLS_SERVICES),
+        ("envoy", "envoy-client", "mtls"),
+        ("envoy", "envoy", "internal-tls"),
+    )
+    for component, file, name in volumes:
+        secret = mtls_volume(release, component, name)["secret"]
         assert secret["secretName"] == "tokenmesh-mtls"
         assert secret["items"] == [
             {"key": f"{file}.crt", "path": "tls.crt"},

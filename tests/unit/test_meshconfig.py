@@ -12,7 +12,14 @@ import pytest
 import yaml
 
 from tests.support import ROOT
-from tokenmesh.localstack.certs import EDGE, ENVOY_CLIENT, CertMaker, CertPaths, CertSettings
+from tokenmesh.localstack.certs import (
+    EDGE,
+    ENVOY_CLIENT,
+    ENVOY_INTERNAL,
+    CertMaker,
+    CertPaths,
+    CertSettings,
+)
 from tokenmesh.meshconfig.__main__ import render_yaml
 from tokenmesh.meshconfig.bootstrap import descriptor_set, render
 from tokenmesh.meshconfig.config import MeshSettings, kubernetes_profile
@@ -220,6 +227,8 @@ def mtls_mesh(certs: CertPaths, **overrides: object) -> MeshSettings:
         upstream_tls_cert_file=str(certs.cert(ENVOY_CLIENT)),
         upstream_tls_key_file=str(certs.key(ENVOY_CLIENT)),
         upstream_tls_ca_file=str(certs.ca_cert),
+        internal_tls_cert_file=str(certs.cert(ENVOY_INTERNAL)),
+        internal_tls_key_file=str(certs.key(ENVOY_INTERNAL)),
         **overrides,
     )
 
@@ -262,6 +271,24 @@ def test_upstream_mtls_presents_envoys_certificate_and_checks_each_services_name
     )
     with pytest.raises(ValueError, match="go together"):
         MeshSettings(upstream_tls_cert_file="/tls/envoy.crt")
+
+
+def test_internal_listeners_speak_tls_for_the_gateways_http2_only(certs: CertPaths) -> None:
+    config = render(mtls_mesh(certs))
+    chains = {
+        item["name"]: item["filter_chains"][0] for item in config["static_resources"]["listeners"]
+    }
+    for name in ("worker", "reranker"):
+        context = chains[name]["transport_socket"]["typed_config"]
+        assert context["@type"].endswith("DownstreamTlsContext")
+        tls = context["common_tls_context"]
+        assert tls["alpn_protocols"] == ["h2"]
+        assert tls["tls_certificates"][0]["certificate_chain"]["filename"] == str(
+            certs.cert(ENVOY_INTERNAL)
+        )
+    assert "transport_socket" not in chains["edge"]
+    with pytest.raises(ValueError, match="go together"):
+        MeshSettings(internal_tls_key_file="/tls/envoy.key")
 
 
 def test_envoy_accepts_tls_at_the_edge_and_mtls_to_the_services(

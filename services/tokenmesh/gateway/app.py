@@ -6,6 +6,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
+import grpc
 from grpc import aio
 from prometheus_client import CollectorRegistry
 
@@ -79,8 +80,12 @@ async def serve(settings: GatewaySettings) -> int:
     tracing = Tracing("tokenmesh-gateway", settings.otlp_endpoint)
     metrics = GatewayMetrics(registry)
     calls = standard_client_interceptors(registry, tracing)
-    worker = Dependency("worker", settings.worker_address, settings.max_message_bytes, calls)
-    reranker = Dependency("reranker", settings.reranker_address, settings.max_message_bytes, calls)
+    ca = settings.dependency_tls_ca_file
+    tls = None if ca is None else grpc.ssl_channel_credentials(ca.read_bytes())
+    worker = Dependency("worker", settings.worker_address, settings.max_message_bytes, calls, tls)
+    reranker = Dependency(
+        "reranker", settings.reranker_address, settings.max_message_bytes, calls, tls
+    )
     breaker = CircuitBreaker(settings.breaker, on_transition=metrics.on_transition)
     pipeline = Pipeline(
         DocumentSelector(reranker, breaker, metrics, settings, tracing.tracer),

@@ -22,6 +22,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 SERVICE_KINDS = ("gateway", "worker", "reranker")
 # Envoy's client certificate towards the services (mTLS).
 ENVOY_CLIENT = "envoy-client"
+# Envoy's server certificate on its internal listeners, which the gateways call.
+ENVOY_INTERNAL = "envoy"
 EDGE = "edge"
 LOCAL_NAMES = ("localhost", "127.0.0.1")
 # A set is made again when a certificate expires within this long.
@@ -70,14 +72,17 @@ class CertPaths:
         return self.dir / f"{name}.key"
 
     def leaf_names(self) -> tuple[str, ...]:
-        return (EDGE, *SERVICE_KINDS, ENVOY_CLIENT)
+        return (EDGE, *SERVICE_KINDS, ENVOY_CLIENT, ENVOY_INTERNAL)
 
 
-def service_names(kind: str, fullname: str, namespace: str) -> list[str]:
+def service_names(
+    kind: str, fullname: str, namespace: str, services: tuple[str, ...] = ("", "-headless")
+) -> list[str]:
     """DNS names a service's certificate carries: its kind first (what Envoy checks), then its
-    Kubernetes Service names, then the local names."""
+    Kubernetes Service names (<fullname>-<kind><suffix> for each suffix in services), then the
+    local names."""
     names = [kind]
-    for service in (f"{fullname}-{kind}", f"{fullname}-{kind}-headless"):
+    for service in (f"{fullname}-{kind}{suffix}" for suffix in services):
         names += [service, f"{service}.{namespace}", f"{service}.{namespace}.svc",
                   f"{service}.{namespace}.svc.cluster.local"]  # fmt: skip
     return [*names, *LOCAL_NAMES]
@@ -114,6 +119,8 @@ class CertMaker:
         sans = {EDGE: [*LOCAL_NAMES, *s.edge_names], ENVOY_CLIENT: ["envoy"]}
         for kind in SERVICE_KINDS:
             sans[kind] = service_names(kind, s.fullname, s.namespace)
+        # The gateways reach the internal listeners through the Service <fullname>-envoy-internal.
+        sans[ENVOY_INTERNAL] = service_names("envoy", s.fullname, s.namespace, ("-internal",))
         return sans
 
     def is_current(self) -> bool:

@@ -26,7 +26,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from tokenmesh.localstack.certs import EDGE, ENVOY_CLIENT, CertMaker, CertPaths, CertSettings
+from tokenmesh.localstack.certs import (
+    EDGE,
+    ENVOY_CLIENT,
+    ENVOY_INTERNAL,
+    CertMaker,
+    CertPaths,
+    CertSettings,
+)
 from tokenmesh.meshconfig.bootstrap import render
 from tokenmesh.meshconfig.config import MeshSettings
 
@@ -140,6 +147,7 @@ class StackSettings(BaseSettings):
     tls: bool = False
     # mTLS between Envoy and the gateways, workers and reranker: each service's port speaks
     # only TLS and wants Envoy's client certificate; Envoy checks each service's certificate.
+    # Envoy's internal listeners, which the gateways call, speak TLS too.
     mtls: bool = False
     # The CA, certificates and keys; unset: run_dir/certs (.run/certs, where `make certs`
     # puts them).
@@ -190,6 +198,8 @@ class StackSettings(BaseSettings):
             upstream_tls_cert_file=None if upstream is None else str(upstream.cert(ENVOY_CLIENT)),
             upstream_tls_key_file=None if upstream is None else str(upstream.key(ENVOY_CLIENT)),
             upstream_tls_ca_file=None if upstream is None else str(upstream.ca_cert),
+            internal_tls_cert_file=None if upstream is None else str(upstream.cert(ENVOY_INTERNAL)),
+            internal_tls_key_file=None if upstream is None else str(upstream.key(ENVOY_INTERNAL)),
         )
 
 
@@ -317,8 +327,10 @@ class Stack:
         registration = {"CONSUL_HTTP_ADDR": self.consul_address} if self.consul else {}
         tracing = {"OTLP_ENDPOINT": s.otlp_endpoint} if s.otlp_endpoint else {}
         auth = {"KEYS_FILE": str(self.keys_path)} if self.keys_path else {}
-        # The services' own certificates when Envoy reaches them over mTLS.
+        # The services' own certificates when Envoy reaches them over mTLS; then the gateways
+        # also reach Envoy's internal listeners over TLS.
         mtls = self.certs if s.mtls else None
+        internal_tls = {"DEPENDENCY_TLS_CA_FILE": str(self.certs.ca_cert)} if s.mtls else {}
         programs: list[Program] = []
         if self.consul:
             programs.append(
@@ -393,6 +405,7 @@ class Stack:
                         **registration,
                         **tracing,
                         **auth,
+                        **internal_tls,
                     },
                     mtls,
                 )
@@ -719,7 +732,9 @@ def serving(address: str, credentials: grpc.ChannelCredentials | None = None) ->
     return health(address, credentials) == "SERVING"
 
 
-def health(address: str, credentials: grpc.ChannelCredentials | None = None) -> str:
+def health(
+    address: str, credentials: grpc.ChannelCredentials | None = None, timeout: float = 2.0
+) -> str:
     """The overall grpc.health.v1 status at address (over TLS with credentials), or the error
     code name."""
     with (
@@ -729,7 +744,7 @@ def health(address: str, credentials: grpc.ChannelCredentials | None = None) -> 
     ) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=2
+                health_pb2.HealthCheckRequest(), timeout=timeout
             )
         except grpc.RpcError as err:
             return str(err.code().name)

@@ -215,7 +215,14 @@ def listener(name: str, host: str, port: int, cluster: str, mesh: MeshSettings) 
         ]
     }
     if edge and mesh.edge_tls_cert_file and mesh.edge_tls_key_file:
-        chain["transport_socket"] = edge_tls(mesh.edge_tls_cert_file, mesh.edge_tls_key_file)
+        # HTTP/2 (gRPC) and HTTP/1.1 (REST, gRPC-Web) by ALPN.
+        chain["transport_socket"] = downstream_tls(
+            mesh.edge_tls_cert_file, mesh.edge_tls_key_file, ["h2", "http/1.1"]
+        )
+    if not edge and mesh.internal_tls_cert_file and mesh.internal_tls_key_file:
+        chain["transport_socket"] = downstream_tls(
+            mesh.internal_tls_cert_file, mesh.internal_tls_key_file, ["h2"]
+        )
     return {
         "name": name,
         "address": {"socket_address": {"address": host, "port_value": port}},
@@ -224,15 +231,15 @@ def listener(name: str, host: str, port: int, cluster: str, mesh: MeshSettings) 
     }
 
 
-def edge_tls(cert_file: str, key_file: str) -> Config:
-    """TLS for the edge: HTTP/2 (gRPC) and HTTP/1.1 (REST, gRPC-Web) by ALPN; the files are
-    re-read when their directory changes (a Kubernetes Secret update swaps it atomically)."""
+def downstream_tls(cert_file: str, key_file: str, alpn: list[str]) -> Config:
+    """TLS on a listener, offering the alpn protocols; the files are re-read when their
+    directory changes (a Kubernetes Secret update swaps it atomically)."""
     return {
         "name": "envoy.transport_sockets.tls",
         "typed_config": {
             "@type": TYPE + "envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
             "common_tls_context": {
-                "alpn_protocols": ["h2", "http/1.1"],
+                "alpn_protocols": alpn,
                 "tls_certificates": [
                     {
                         "certificate_chain": {"filename": cert_file},
