@@ -353,17 +353,18 @@ headless Service. Listener and admin ports are read from it, never repeated in v
 {{- end }}
 
 {{/*
-mTLS between Envoy and the services (mtls.enabled). A component's certificate, key and the CA
-are mounted as tls.crt, tls.key and ca.crt: from the shared existingSecret (`make certs` file
-names) or from its own cert-manager Certificate's Secret.
-(dict "root" $ "component" "envoy"|"gateway"|"worker"|"reranker")
+mTLS inside the mesh (mtls.enabled). A certificate, its key and the CA are mounted as tls.crt,
+tls.key and ca.crt: from the shared existingSecret (`make certs` file names: file.crt,
+file.key) or from the Secret of the cert-manager Certificate named after the component.
+(dict "root" $ "component" "envoy"|"envoy-internal"|"gateway"|"worker"|"reranker"
+      "file" "envoy-client"|"envoy"|... "volume" name)
 */}}
 {{- define "tokenmesh.mtlsVolume" -}}
 {{- $mtls := .root.Values.mtls }}
-- name: mtls
+- name: {{ .volume }}
   secret:
     {{- if $mtls.existingSecret }}
-    {{- $file := ternary "envoy-client" .component (eq .component "envoy") }}
+    {{- $file := .file }}
     secretName: {{ $mtls.existingSecret }}
     items:
       - key: {{ $file }}.crt
@@ -404,6 +405,11 @@ chain to, and the plaintext health-only port its probes use. (dict "root" $ "pre
   value: {{ printf "%s/ca.crt" $dir }}
 - name: {{ .prefix }}HEALTH_PORT
   value: {{ .root.Values.mtls.healthPort | quote }}
+{{- if eq .prefix "TOKENMESH_GATEWAY_" }}
+# Envoy's internal listeners speak TLS too, with a certificate from the same CA.
+- name: TOKENMESH_GATEWAY_DEPENDENCY_TLS_CA_FILE
+  value: {{ printf "%s/ca.crt" $dir }}
+{{- end }}
 {{- end }}
 {{- end }}
 
