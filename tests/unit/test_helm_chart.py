@@ -1,9 +1,9 @@
-"""The Helm chart, rendered offline (Helm v4 as a library, PyPI helm-python-sdk) for seven value
+"""The Helm chart, rendered offline (Helm v4 as a library, PyPI helm-python-sdk) for nine value
 sets and every manifest validated strictly against Kubernetes 1.33's schemas (PyPI
 kubernetes-validate); then the facts that matter asserted on the rendered objects: GPUs on
 workers only, native gRPC probes on the right ports, NetworkPolicies that select the right
 pods, an Envoy config the real Envoy accepts, discovery wiring, TLS, API keys, autoscaling,
-monitoring.
+mTLS, monitoring.
 No cluster is involved."""
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from tests.support import ROOT
 from tests.unit.test_meshconfig import envoy_validate
 from tokenmesh.common.auth import KeysFile
 from tokenmesh.common.tenants import Limits
+from tokenmesh.localstack.certs import ENVOY_CLIENT, CertMaker, CertPaths, CertSettings
 
 CHART = ROOT / "helm" / "tokenmesh"
 KUBE_VERSION = "1.33.0"
@@ -72,6 +73,14 @@ VALUE_SETS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
         {"envoy": {"tls": {"enabled": True, "certManager": {"issuerRef": {"name": "ca"}}}}},
         OPERATOR_APIS,
     ),
+    "mtls": (
+        {
+            "envoy": {"tls": {"enabled": True, "certManager": {"issuerRef": {"name": "ca"}}}},
+            "mtls": {"enabled": True, "certManager": {"issuerRef": {"name": "mesh-ca"}}},
+        },
+        OPERATOR_APIS,
+    ),
+    "mtls-secret": ({"mtls": {"enabled": True, "existingSecret": "tokenmesh-mtls"}}, ()),
     "keys-secret": (
         {"gateway": {"auth": {"existingSecret": "tenant-keys", "secretKey": "keys"}}},
         (),
@@ -220,6 +229,9 @@ def test_schema_accepts_the_value_sets_and_rejects_bad_values() -> None:
             ({"discovery": {"mode": "etcd"}}, "/discovery/mode"),
             ({"gateway": {"replicas": "3"}}, "/gateway/replicas"),
             ({"envoy": {"tls": {"enabled": "yes"}}}, "/envoy/tls/enabled"),
+            ({"mtls": {"healthPort": 0}}, "/mtls/healthPort"),
+            ({"mtls": {"certManager": {"duration": "90 days"}}}, "/mtls/certManager/duration"),
+            ({"mtls": {"secret": "x"}}, "/mtls"),
             (
                 {"gateway": {"auth": {"keys": {"tenants": {"a": {"key_sha256": ["k3y"]}}}}}},
                 "/gateway/auth/keys/tenants/a/key_sha256/0",
@@ -561,19 +573,41 @@ def certificate(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-@pytest.mark.parametrize("value_set", ["defaults", "tls"])
+@pytest.fixture(scope="module")
+def mesh_certificates(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Envoy's mTLS client certificate, key and CA as tls.crt, tls.key and ca.crt (the layout
+    of the mounted Secret), made by `make certs`' code."""
+    made = CertPaths(tmp_path_factory.mktemp("certs"))
+    CertMaker(CertSettings(dir=made.dir), made).make()
+    directory = tmp_path_factory.mktemp("mtls")
+    shutil.copy(made.cert(ENVOY_CLIENT), directory / "tls.crt")
+    shutil.copy(made.key(ENVOY_CLIENT), directory / "tls.key")
+    shutil.copy(made.ca_cert, directory / "ca.crt")
+    return directory
+
+
+@pytest.mark.parametrize("value_set", ["defaults", "tls", "mtls", "mtls-secret"])
 def test_envoy_accepts_the_configmap(
-    value_set: str, releases: dict[str, Release], certificate: Path, tmp_path: Path
+    value_set: str,
+    releases: dict[str, Release],
+    certificate: Path,
+    mesh_certificates: Path,
+    tmp_path: Path,
 ) -> None:
     text = releases[value_set].get("ConfigMap", f"{PREFIX}-envoy")["data"]["envoy.yaml"]
     assert "${" not in text, "a placeholder was left in the config"
     config = yaml.safe_load(text)
     edge = next(item for item in config["static_resources"]["listeners"] if item["name"] == "edge")
     tls = edge["filter_chains"][0].get("transport_socket")
-    assert (tls is not None) == (value_set == "tls")
-    if tls is not None:
-        # The mounted Secret's files, here the test certificate.
-        text = text.replace("/etc/envoy/tls", str(certificate))
+    assert (tls is not None) == (value_set in ("tls", "mtls"))
+    upstream = [c for c in config["static_resources"]["clusters"] if "transport_socket" in c]
+    assert [c["name"] for c in upstream] == (
+        ["gateway", "worker", "reranker"] if value_set.startswith("mtls") else []
+    )
+    # The mounted Secrets' files, here test certificates.
+    text = text.replace("/etc/envoy/tls", str(certificate))
+    text = text.replace("/etc/envoy/mtls", str(mesh_certificates))
+    text = text.replace("/etc/envoy/internal-tls", str(mesh_certificates))
     path = tmp_path / "envoy.yaml"
     path.write_text(text)
     result = envoy_validate(path)
@@ -620,6 +654,107 @@ def test_tls_edge_uses_the_certificate_secret(releases: dict[str, Release]) -> N
     assert volumes["tls"]["secret"]["secretName"] == "edge"
     assert releases["defaults"].all("Certificate") == []
     assert "transport_socket" not in json.dumps(releases["defaults"].envoy_config())
+
+
+MTLS_SERVICES = ("gateway", "worker", "reranker")
+
+
+def mtls_volume(release: Release, component: str, name: str = "mtls") -> dict[str, Any]:
+    volumes = release.deployment(component)["spec"]["template"]["spec"]["volumes"]
+    return dict(next(v for v in volumes if v["name"] == name))
+
+
+def test_mtls_certificates_from_cert_manager_reach_envoy_and_every_service(
+    releases: dict[str, Release],
+) -> None:
+    release = releases["mtls"]
+    health_port = 8086
+    for component in MTLS_SERVICES:
+        certificate = release.get("Certificate", f"{PREFIX}-{component}-mtls")["spec"]
+        assert certificate["issuerRef"] == {
+            "name": "mesh-ca",
+            "kind": "Issuer",
+            "group": "cert-manager.io",
+        }
+        # The kind first: the DNS SAN Envoy checks; then the Services' names.
+        assert certificate["dnsNames"][0] == component
+        assert f"{PREFIX}-{component}-headless.{NAMESPACE}.svc" in certificate["dnsNames"]
+        assert certificate["usages"] == ["digital signature", "server auth"]
+        assert (
+            mtls_volume(release, component)["secret"]["secretName"] == (certificate["secretName"])
+        )
+        prefix = f"TOKENMESH_{component.upper()}_"
+        env = release.env(component)
+        assert env[prefix + "TLS_CERT_FILE"] == "/etc/tokenmesh/mtls/tls.crt"
+        assert env[prefix + "TLS_KEY_FILE"] == "/etc/tokenmesh/mtls/tls.key"
+        assert env[prefix + "TLS_CLIENT_CA_FILE"] == "/etc/tokenmesh/mtls/ca.crt"
+        assert env[prefix + "HEALTH_PORT"] == str(health_port)
+        container = release.container(component)
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        assert mounts["mtls"] == "/etc/tokenmesh/mtls"
+        # Kubernetes' gRPC probes cannot do mTLS: they ask the plaintext health-only port.
+        assert port_number(container, "health") == health_port
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert container[kind]["grpc"]["port"] == health_port, (component, kind)
+    envoy = release.get("Certificate", f"{PREFIX}-envoy-mtls")["spec"]
+    assert envoy["usages"] == ["digital signature", "client auth"]
+    assert mtls_volume(release, "envoy")["secret"]["secretName"] == envoy["secretName"]
+    # The internal listeners' certificate names the Service the gateways call.
+    internal = release.get("Certificate", f"{PREFIX}-envoy-internal-mtls")["spec"]
+    assert internal["usages"] == ["digital signature", "server auth"]
+    assert f"{PREFIX}-envoy-internal" in internal["dnsNames"]
+    volume = mtls_volume(release, "envoy", "internal-tls")
+    assert volume["secret"]["secretName"] == internal["secretName"]
+    assert release.env("gateway")["TOKENMESH_GATEWAY_DEPENDENCY_TLS_CA_FILE"] == (
+        "/etc/tokenmesh/mtls/ca.crt"
+    )
+    assert f"{PREFIX}-envoy-internal:" in release.env("gateway")["TOKENMESH_GATEWAY_WORKER_ADDRESS"]
+    mounts = {m["name"]: m["mountPath"] for m in release.container("envoy")["volumeMounts"]}
+    assert mounts["mtls"] == "/etc/envoy/mtls" and mounts["tls"] == "/etc/envoy/tls"
+    assert mounts["internal-tls"] == "/etc/envoy/internal-tls"
+    listeners = {
+        item["name"]: item["filter_chains"][0]
+        for item in release.envoy_config()["static_resources"]["listeners"]
+    }
+    for name in ("worker", "reranker"):
+        context = listeners[name]["transport_socket"]["typed_config"]["common_tls_context"]
+        assert context["alpn_protocols"] == ["h2"]
+        assert context["tls_certificates"][0]["certificate_chain"]["filename"] == (
+            "/etc/envoy/internal-tls/tls.crt"
+        )
+    clusters = {c["name"]: c for c in release.envoy_config()["static_resources"]["clusters"]}
+    context = clusters["worker"]["transport_socket"]["typed_config"]["common_tls_context"]
+    assert context["tls_certificates"][0]["certificate_chain"]["filename"] == (
+        "/etc/envoy/mtls/tls.crt"
+    )
+    assert context["validation_context"]["trusted_ca"]["filename"] == "/etc/envoy/mtls/ca.crt"
+    # The control plane is not part of it.
+    assert not any("TLS" in name for name in release.env("controlplane"))
+    assert "mtls" not in json.dumps(release.deployment("controlplane"))
+
+
+def test_mtls_from_an_existing_secret_mounts_each_components_files(
+    releases: dict[str, Release],
+) -> None:
+    release = releases["mtls-secret"]
+    assert release.all("Certificate") == []
+    volumes = (
+        *((c, c, "mtls") for c in MTLS_SERVICES),
+        ("envoy", "envoy-client", "mtls"),
+        ("envoy", "envoy", "internal-tls"),
+    )
+    for component, file, name in volumes:
+        secret = mtls_volume(release, component, name)["secret"]
+        assert secret["secretName"] == "tokenmesh-mtls"
+        assert secret["items"] == [
+            {"key": f"{file}.crt", "path": "tls.crt"},
+            {"key": f"{file}.key", "path": "tls.key"},
+            {"key": "ca.crt", "path": "ca.crt"},
+        ]
+    # Without mTLS: no mounts, probes on the gRPC port (test_python_services_have_grpc_...).
+    defaults = releases["defaults"]
+    assert "mtls" not in json.dumps(defaults.deployment("worker"))
+    assert "mtls" not in json.dumps(defaults.deployment("envoy"))
 
 
 def keys_volume(release: Release) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:

@@ -12,6 +12,14 @@ import pytest
 import yaml
 
 from tests.support import ROOT
+from tokenmesh.localstack.certs import (
+    EDGE,
+    ENVOY_CLIENT,
+    ENVOY_INTERNAL,
+    CertMaker,
+    CertPaths,
+    CertSettings,
+)
 from tokenmesh.meshconfig.__main__ import render_yaml
 from tokenmesh.meshconfig.bootstrap import descriptor_set, render
 from tokenmesh.meshconfig.config import MeshSettings, kubernetes_profile
@@ -212,3 +220,86 @@ def test_tls_edge_terminates_tls_on_the_edge_only() -> None:
     )
     with pytest.raises(ValueError, match="go together"):
         MeshSettings(edge_tls_cert_file="/tls/tls.crt")
+
+
+def mtls_mesh(certs: CertPaths, **overrides: object) -> MeshSettings:
+    return MeshSettings(
+        upstream_tls_cert_file=str(certs.cert(ENVOY_CLIENT)),
+        upstream_tls_key_file=str(certs.key(ENVOY_CLIENT)),
+        upstream_tls_ca_file=str(certs.ca_cert),
+        internal_tls_cert_file=str(certs.cert(ENVOY_INTERNAL)),
+        internal_tls_key_file=str(certs.key(ENVOY_INTERNAL)),
+        **overrides,
+    )
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> CertPaths:
+    paths = CertPaths(tmp_path_factory.mktemp("certs"))
+    CertMaker(CertSettings(dir=paths.dir), paths).make()
+    return paths
+
+
+def test_upstream_mtls_presents_envoys_certificate_and_checks_each_services_name(
+    certs: CertPaths,
+) -> None:
+    found = clusters(render(mtls_mesh(certs)))
+    for name in ("gateway", "worker", "reranker"):
+        socket = found[name]["transport_socket"]
+        assert socket["name"] == "envoy.transport_sockets.tls"
+        context = socket["typed_config"]
+        assert context["@type"].endswith("UpstreamTlsContext")
+        assert context["sni"] == name
+        tls = context["common_tls_context"]
+        assert tls["alpn_protocols"] == ["h2"]
+        assert tls["tls_certificates"][0]["certificate_chain"]["filename"] == str(
+            certs.cert(ENVOY_CLIENT)
+        )
+        assert tls["tls_certificates"][0]["private_key"]["filename"] == str(certs.key(ENVOY_CLIENT))
+        validation = tls["validation_context"]
+        assert validation["trusted_ca"]["filename"] == str(certs.ca_cert)
+        assert validation["match_typed_subject_alt_names"] == [
+            {"san_type": "DNS", "matcher": {"exact": name}}
+        ]
+        # Health checks use the cluster's transport socket: no plaintext override.
+        assert "transport_socket_match_criteria" not in found[name]["health_checks"][0]
+    # The control plane's clusters stay plaintext.
+    for name in ("xds_cluster", "ops", "ops_page"):
+        assert "transport_socket" not in found[name]
+    assert all(
+        "transport_socket" not in cluster for cluster in clusters(render(MeshSettings())).values()
+    )
+    with pytest.raises(ValueError, match="go together"):
+        MeshSettings(upstream_tls_cert_file="/tls/envoy.crt")
+
+
+def test_internal_listeners_speak_tls_for_the_gateways_http2_only(certs: CertPaths) -> None:
+    config = render(mtls_mesh(certs))
+    chains = {
+        item["name"]: item["filter_chains"][0] for item in config["static_resources"]["listeners"]
+    }
+    for name in ("worker", "reranker"):
+        context = chains[name]["transport_socket"]["typed_config"]
+        assert context["@type"].endswith("DownstreamTlsContext")
+        tls = context["common_tls_context"]
+        assert tls["alpn_protocols"] == ["h2"]
+        assert tls["tls_certificates"][0]["certificate_chain"]["filename"] == str(
+            certs.cert(ENVOY_INTERNAL)
+        )
+    assert "transport_socket" not in chains["edge"]
+    with pytest.raises(ValueError, match="go together"):
+        MeshSettings(internal_tls_key_file="/tls/envoy.key")
+
+
+def test_envoy_accepts_tls_at_the_edge_and_mtls_to_the_services(
+    certs: CertPaths, tmp_path: Path
+) -> None:
+    mesh = mtls_mesh(
+        certs,
+        edge_tls_cert_file=str(certs.cert(EDGE)),
+        edge_tls_key_file=str(certs.key(EDGE)),
+    )
+    path = tmp_path / "envoy.yaml"
+    path.write_text(render_yaml(mesh))
+    result = envoy_validate(path)
+    assert result.returncode == 0, result.stdout + result.stderr

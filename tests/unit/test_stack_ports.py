@@ -1,5 +1,5 @@
 """Private stacks (tests, benchmarks) get ports that are free and never overlap a replica's;
-a keys file reaches every gateway."""
+a keys file reaches every gateway; TLS settings reach Envoy's config and the services."""
 
 from __future__ import annotations
 
@@ -45,3 +45,29 @@ def test_a_keys_file_turns_auth_on_in_every_gateway_and_nothing_else(tmp_path: P
     gateways = {name: path for name, path in keyed.items() if name.startswith("gateway-")}
     assert gateways == {name: str(root / "keys.json") for name in ("gateway-0", "gateway-1")}
     assert all(path is None for name, path in keyed.items() if name not in gateways)
+
+
+def test_tls_and_mtls_reach_envoys_config_and_every_service_but_the_control_plane(
+    tmp_path: Path,
+) -> None:
+    root = Path(__file__).resolve().parents[2]
+    plain = Stack(StackSettings.on_free_ports(tmp_path, gateways=1, workers=1), root)
+    assert not plain.tls and not any(p.mtls for p in plain.programs)
+    edge_only = Stack(StackSettings.on_free_ports(tmp_path, workers=1, tls=True), root)
+    mesh = edge_only.settings.mesh(edge_only.certs)
+    assert mesh.edge_tls_cert_file == str(tmp_path / "certs" / "edge.crt")
+    assert not mesh.upstream_mtls and not any(p.mtls for p in edge_only.programs)
+    both = Stack(StackSettings.on_free_ports(tmp_path, workers=1, tls=True, mtls=True), root)
+    assert both.settings.mesh(both.certs).upstream_tls_ca_file == str(both.certs.ca_cert)
+    for program in both.programs:
+        prefix = f"TOKENMESH_{(program.service or '').upper()}_"
+        if program.service in ("gateway", "worker", "reranker"):
+            assert program.mtls
+            # Gateways reach Envoy's internal listeners over TLS too.
+            assert (prefix + "DEPENDENCY_TLS_CA_FILE" in program.env) == (
+                program.service == "gateway"
+            )
+            assert program.env[prefix + "TLS_CERT_FILE"] == str(both.certs.cert(program.service))
+            assert program.env[prefix + "TLS_CLIENT_CA_FILE"] == str(both.certs.ca_cert)
+        else:
+            assert not program.mtls and not any("TLS" in key for key in program.env)

@@ -295,11 +295,11 @@ spec:
 
 {{/*
 Envoy's configuration, generated from services/tokenmesh/meshconfig (make chart): the edge
-with TLS when envoy.tls.enabled, the control plane's placeholder host replaced by its
+with TLS when envoy.tls.enabled, mTLS to the services when mtls.enabled, the control plane's placeholder host replaced by its
 headless Service. Listener and admin ports are read from it, never repeated in values.
 */}}
 {{- define "tokenmesh.envoyConfig" -}}
-{{- $file := ternary "files/envoy-tls.yaml" "files/envoy.yaml" .Values.envoy.tls.enabled }}
+{{- $file := printf "files/envoy%s%s.yaml" (ternary "-tls" "" .Values.envoy.tls.enabled) (ternary "-mtls" "" .Values.mtls.enabled) }}
 {{- $host := printf "%s.%s.svc.%s" (include "tokenmesh.headlessName" (dict "root" . "component" "controlplane")) .Release.Namespace .Values.clusterDomain }}
 {{- .Files.Get $file | replace "${TOKENMESH_CONTROLPLANE_HOST}" $host }}
 {{- end }}
@@ -350,4 +350,70 @@ headless Service. Listener and admin ports are read from it, never repeated in v
 {{/* The Secret holding the gateways' keys file: gateway.auth.existingSecret or the chart's. */}}
 {{- define "tokenmesh.gatewayKeysSecret" -}}
 {{- .Values.gateway.auth.existingSecret | default (printf "%s-keys" (include "tokenmesh.componentName" (dict "root" . "component" "gateway"))) }}
+{{- end }}
+
+{{/*
+mTLS inside the mesh (mtls.enabled). A certificate, its key and the CA are mounted as tls.crt,
+tls.key and ca.crt: from the shared existingSecret (`make certs` file names: file.crt,
+file.key) or from the Secret of the cert-manager Certificate named after the component.
+(dict "root" $ "component" "envoy"|"envoy-internal"|"gateway"|"worker"|"reranker"
+      "file" "envoy-client"|"envoy"|... "volume" name)
+*/}}
+{{- define "tokenmesh.mtlsVolume" -}}
+{{- $mtls := .root.Values.mtls }}
+- name: {{ .volume }}
+  secret:
+    {{- if $mtls.existingSecret }}
+    {{- $file := .file }}
+    secretName: {{ $mtls.existingSecret }}
+    items:
+      - key: {{ $file }}.crt
+        path: tls.crt
+      - key: {{ $file }}.key
+        path: tls.key
+      - key: ca.crt
+        path: ca.crt
+    {{- else if $mtls.certManager.enabled }}
+    secretName: {{ include "tokenmesh.mtlsSecretName" . }}
+    {{- else }}
+    {{- fail "mtls.enabled needs mtls.existingSecret or mtls.certManager.enabled" }}
+    {{- end }}
+{{- end }}
+
+{{/* The Secret a component's mTLS Certificate writes. (dict "root" $ "component" name) */}}
+{{- define "tokenmesh.mtlsSecretName" -}}
+{{- printf "%s-mtls" (include "tokenmesh.componentName" .) }}
+{{- end }}
+
+{{/* Where a service mounts its mTLS files. */}}
+{{- define "tokenmesh.mtlsDir" -}}
+/etc/tokenmesh/mtls
+{{- end }}
+
+{{/*
+A service's mTLS settings: its certificate, key and the CA its clients' certificates must
+chain to, and the plaintext health-only port its probes use. (dict "root" $ "prefix" P)
+*/}}
+{{- define "tokenmesh.mtlsEnv" -}}
+{{- if .root.Values.mtls.enabled }}
+{{- $dir := include "tokenmesh.mtlsDir" . }}
+- name: {{ .prefix }}TLS_CERT_FILE
+  value: {{ printf "%s/tls.crt" $dir }}
+- name: {{ .prefix }}TLS_KEY_FILE
+  value: {{ printf "%s/tls.key" $dir }}
+- name: {{ .prefix }}TLS_CLIENT_CA_FILE
+  value: {{ printf "%s/ca.crt" $dir }}
+- name: {{ .prefix }}HEALTH_PORT
+  value: {{ .root.Values.mtls.healthPort | quote }}
+{{- if eq .prefix "TOKENMESH_GATEWAY_" }}
+# Envoy's internal listeners speak TLS too, with a certificate from the same CA.
+- name: TOKENMESH_GATEWAY_DEPENDENCY_TLS_CA_FILE
+  value: {{ printf "%s/ca.crt" $dir }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The port a service's probes ask: its gRPC port, or with mTLS the plaintext health port. */}}
+{{- define "tokenmesh.probePort" -}}
+{{- if .root.Values.mtls.enabled }}{{ .root.Values.mtls.healthPort }}{{ else }}{{ .values.port }}{{ end }}
 {{- end }}

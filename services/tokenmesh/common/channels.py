@@ -66,11 +66,18 @@ class Dependency:
         address: str,
         max_message_bytes: int,
         interceptors: Sequence[aio.ClientInterceptor] = (),
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
+        """credentials: TLS towards address (None: plaintext)."""
         self.name = name
         self.address = address
-        self.channel = aio.insecure_channel(
-            address, options=client_options(max_message_bytes), interceptors=list(interceptors)
+        options = client_options(max_message_bytes)
+        self.channel = (
+            aio.insecure_channel(address, options=options, interceptors=list(interceptors))
+            if credentials is None
+            else aio.secure_channel(
+                address, credentials, options=options, interceptors=list(interceptors)
+            )
         )
 
     async def ensure_connected(self, within: float) -> None:

@@ -7,6 +7,7 @@ import signal
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
+import grpc
 import uvloop
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -45,9 +46,30 @@ def build_server(
     return aio.server(interceptors=list(interceptors), options=server_options(settings))
 
 
+def server_credentials(settings: ServiceSettings) -> grpc.ServerCredentials | None:
+    """TLS that requires a client certificate signed by tls_client_ca_file (mTLS with Envoy),
+    or None when no certificate is configured (plaintext)."""
+    if (
+        settings.tls_cert_file is None
+        or settings.tls_key_file is None
+        or settings.tls_client_ca_file is None
+    ):
+        return None
+    return grpc.ssl_server_credentials(
+        [(settings.tls_key_file.read_bytes(), settings.tls_cert_file.read_bytes())],
+        root_certificates=settings.tls_client_ca_file.read_bytes(),
+        require_client_auth=True,
+    )
+
+
 def bind(server: aio.Server, settings: ServiceSettings) -> int:
-    """Listen on settings.host:port (plaintext; Envoy terminates TLS); returns the bound port."""
-    return int(server.add_insecure_port(f"{settings.host}:{settings.port}"))
+    """Listen on settings.host:port, plaintext or, with TLS settings, mTLS only; returns the
+    bound port."""
+    address = f"{settings.host}:{settings.port}"
+    credentials = server_credentials(settings)
+    if credentials is None:
+        return int(server.add_insecure_port(address))
+    return int(server.add_secure_port(address, credentials))
 
 
 class Health:
@@ -69,6 +91,30 @@ class Health:
     async def _set_all(self, status: int) -> None:
         for name in self._names:
             await self.servicer.set(name, status)
+
+
+class ProbePort:
+    """grpc.health.v1 alone on a plaintext port (settings.health_port), for probes that cannot
+    do mTLS; it shares the service's Health, so both ports report the same status."""
+
+    def __init__(self, health: Health, settings: ServiceSettings) -> None:
+        self._health = health
+        self._settings = settings
+        self._server: aio.Server | None = None
+
+    async def start(self) -> int | None:
+        """Listen (if a health port is configured); returns the bound port."""
+        if self._settings.health_port < 0:
+            return None
+        self._server = aio.server(options=server_options(self._settings))
+        self._health.register(self._server)
+        port = self._server.add_insecure_port(f"{self._settings.host}:{self._settings.health_port}")
+        await self._server.start()
+        return int(port)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            await self._server.stop(0)
 
 
 def enable_reflection(server: aio.Server, service_names: Sequence[str]) -> None:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
-from typing import Literal
+from pathlib import Path
+from typing import Literal, Self
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MIB = 1024 * 1024
@@ -46,6 +47,19 @@ class ServiceSettings(BaseSettings):
     # address when host is a wildcard such as 0.0.0.0.
     advertise_host: str | None = None
 
+    # mTLS on the gRPC port (README "Security", TLS): this service's PEM certificate chain and
+    # key, and the CA that signs the certificates clients must present (Envoy's). All three or
+    # none; set, the port speaks only TLS and refuses clients without a certificate from that
+    # CA. Read once at start-up: a renewed certificate takes a restart.
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    tls_client_ca_file: Path | None = None
+    # A plaintext port serving only grpc.health.v1 (the same status as the service port), for
+    # probes that cannot present a client certificate, such as Kubernetes' native gRPC
+    # probes, while the service port wants mTLS. It exposes nothing but that status.
+    # -1: none; 0 picks a free port.
+    health_port: int = Field(default=-1, ge=-1, le=65535)
+
     # Largest protobuf message accepted or sent; bigger ones fail with RESOURCE_EXHAUSTED.
     max_message_bytes: int = Field(default=4 * MIB, ge=1024)
     # HTTP/2 streams one connection may carry at once (Envoy multiplexes many on one).
@@ -66,3 +80,10 @@ class ServiceSettings(BaseSettings):
     max_connection_age_ms: int = Field(default=1_800_000, ge=1)
     # After max_connection_age, in-flight streams get this long to finish before the close.
     max_connection_age_grace_ms: int = Field(default=300_000, ge=0)
+
+    @model_validator(mode="after")
+    def _tls_files_go_together(self) -> Self:
+        files = (self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
+        if any(path is None for path in files) and any(path is not None for path in files):
+            raise ValueError("tls_cert_file, tls_key_file and tls_client_ca_file go together")
+        return self

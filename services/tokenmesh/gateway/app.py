@@ -6,6 +6,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
+import grpc
 from grpc import aio
 from prometheus_client import CollectorRegistry
 
@@ -18,6 +19,7 @@ from tokenmesh.common.metrics import MetricsEndpoint, StreamMetrics
 from tokenmesh.common.registration import ConsulRegistration
 from tokenmesh.common.server import (
     Health,
+    ProbePort,
     bind,
     build_server,
     enable_reflection,
@@ -78,8 +80,12 @@ async def serve(settings: GatewaySettings) -> int:
     tracing = Tracing("tokenmesh-gateway", settings.otlp_endpoint)
     metrics = GatewayMetrics(registry)
     calls = standard_client_interceptors(registry, tracing)
-    worker = Dependency("worker", settings.worker_address, settings.max_message_bytes, calls)
-    reranker = Dependency("reranker", settings.reranker_address, settings.max_message_bytes, calls)
+    ca = settings.dependency_tls_ca_file
+    tls = None if ca is None else grpc.ssl_channel_credentials(ca.read_bytes())
+    worker = Dependency("worker", settings.worker_address, settings.max_message_bytes, calls, tls)
+    reranker = Dependency(
+        "reranker", settings.reranker_address, settings.max_message_bytes, calls, tls
+    )
     breaker = CircuitBreaker(settings.breaker, on_transition=metrics.on_transition)
     pipeline = Pipeline(
         DocumentSelector(reranker, breaker, metrics, settings, tracing.tracer),
@@ -98,6 +104,8 @@ async def serve(settings: GatewaySettings) -> int:
     enable_reflection(server, SERVICE_NAMES)
     port = bind(server, settings)
     await server.start()
+    probes = ProbePort(health, settings)
+    await probes.start()  # no-op without a health port
     endpoint = MetricsEndpoint(registry, settings.metrics_host, settings.metrics_port)
     metrics_port = endpoint.start()
     await health.set_serving()
@@ -122,6 +130,7 @@ async def serve(settings: GatewaySettings) -> int:
     await health.set_not_serving()
     await registration.stop()
     await server.stop(settings.grace_seconds)
+    await probes.stop()
     await worker.close()
     await reranker.close()
     await tracing.shutdown()

@@ -39,6 +39,9 @@ class GatewaySettings(ServiceSettings):
     # Where the workers and the reranker are reached (an Envoy listener in the full mesh).
     worker_address: str = "127.0.0.1:50061"
     reranker_address: str = "127.0.0.1:50071"
+    # TLS to those addresses (Envoy's internal listeners with internal TLS on): the PEM CA that
+    # signed their certificate, which must name the address's host. Unset: plaintext.
+    dependency_tls_ca_file: Path | None = None
     # A dependency that cannot be connected to within this long fails the call UNAVAILABLE.
     connect_timeout_seconds: float = Field(default=2.0, gt=0)
     # Subtracted from the caller's remaining deadline for calls to dependencies, so the

@@ -26,6 +26,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from tokenmesh.localstack.certs import (
+    EDGE,
+    ENVOY_CLIENT,
+    ENVOY_INTERNAL,
+    CertMaker,
+    CertPaths,
+    CertSettings,
+)
 from tokenmesh.meshconfig.bootstrap import render
 from tokenmesh.meshconfig.config import MeshSettings
 
@@ -133,6 +141,20 @@ class StackSettings(BaseSettings):
     # API keys and tenant limits for every gateway (a JSON keys file, see README "Security";
     # relative to the repository root); unset: no authentication, the local default.
     keys_file: Path | None = None
+    # TLS at the edge (README "Security", TLS): the edge speaks only TLS (gRPC over h2,
+    # REST and gRPC-Web over http/1.1 too, by ALPN), with a certificate from the local CA in
+    # certs_dir, made when missing or about to expire (as `make certs` does).
+    tls: bool = False
+    # mTLS between Envoy and the gateways, workers and reranker: each service's port speaks
+    # only TLS and wants Envoy's client certificate; Envoy checks each service's certificate.
+    # Envoy's internal listeners, which the gateways call, speak TLS too.
+    mtls: bool = False
+    # The CA, certificates and keys; unset: run_dir/certs (.run/certs, where `make certs`
+    # puts them).
+    certs_dir: Path | None = None
+    # Extra DNS names or IP addresses on the edge certificate (JSON list), for clients that
+    # reach the edge by another name than localhost or 127.0.0.1.
+    tls_edge_names: tuple[str, ...] = ()
 
     @classmethod
     def on_free_ports(cls, run_dir: Path, **overrides: Any) -> StackSettings:
@@ -159,7 +181,11 @@ class StackSettings(BaseSettings):
             return self.workers
         return 2 if psutil.virtual_memory().available >= 2 * MEMORY_PER_WORKER else 1
 
-    def mesh(self) -> MeshSettings:
+    def mesh(self, certs: CertPaths | None = None) -> MeshSettings:
+        """The mesh Envoy runs; with certs, TLS at the edge and mTLS to the services as the
+        tls and mtls settings ask."""
+        edge = certs if certs is not None and self.tls else None
+        upstream = certs if certs is not None and self.mtls else None
         return MeshSettings(
             edge_port=self.edge_port,
             admin_port=self.envoy_admin_port,
@@ -167,6 +193,13 @@ class StackSettings(BaseSettings):
             reranker_listener_port=self.reranker_listener_port,
             controlplane_port=self.controlplane_port,
             ops_page_port=self.controlplane_ops_page_port,
+            edge_tls_cert_file=None if edge is None else str(edge.cert(EDGE)),
+            edge_tls_key_file=None if edge is None else str(edge.key(EDGE)),
+            upstream_tls_cert_file=None if upstream is None else str(upstream.cert(ENVOY_CLIENT)),
+            upstream_tls_key_file=None if upstream is None else str(upstream.key(ENVOY_CLIENT)),
+            upstream_tls_ca_file=None if upstream is None else str(upstream.ca_cert),
+            internal_tls_cert_file=None if upstream is None else str(upstream.cert(ENVOY_INTERNAL)),
+            internal_tls_key_file=None if upstream is None else str(upstream.key(ENVOY_INTERNAL)),
         )
 
 
@@ -185,6 +218,8 @@ class Program:
     stop_wait_seconds: int = 30
     # For processes without gRPC health: an HTTP URL that answers 200 once ready.
     ready_url: str | None = None
+    # The port speaks only mTLS: health checks present Envoy's client certificate.
+    mtls: bool = False
 
     @property
     def address(self) -> str:
@@ -197,10 +232,18 @@ def tokenmesh_service(
     port: int,
     metrics_port: int,
     settings: dict[str, str] | None = None,
+    certs: CertPaths | None = None,
 ) -> Program:
-    """`python -m tokenmesh.<service>` with its TOKENMESH_<SERVICE>_* settings."""
+    """`python -m tokenmesh.<service>` with its TOKENMESH_<SERVICE>_* settings; with certs,
+    its port speaks only mTLS with its own certificate."""
     prefix = f"TOKENMESH_{service.upper()}_"
     values = {"PORT": str(port), "METRICS_PORT": str(metrics_port), **(settings or {})}
+    if certs is not None:
+        values |= {
+            "TLS_CERT_FILE": str(certs.cert(service)),
+            "TLS_KEY_FILE": str(certs.key(service)),
+            "TLS_CLIENT_CA_FILE": str(certs.ca_cert),
+        }
     return Program(
         name=service if replica is None else f"{service}-{replica}",
         command=[sys.executable, "-m", f"tokenmesh.{service}"],
@@ -208,6 +251,7 @@ def tokenmesh_service(
         port=port,
         metrics_port=metrics_port,
         service=service,
+        mtls=certs is not None,
     )
 
 
@@ -226,6 +270,9 @@ class Stack:
         self.prometheus_config_path = self.run_dir / "prometheus.yml"
         # The settings this stack runs with, so tools can attach to it (e.g. `make chaos`).
         self.settings_path = self.run_dir / "stack-settings.json"
+        self.certs = CertPaths(
+            (root / (settings.certs_dir or settings.run_dir / "certs")).resolve()
+        )
         self.alert_rules_path = (root / ALERT_RULES).resolve()
         self.consul = shutil.which("consul")
         self.prometheus = shutil.which("prometheus")
@@ -243,6 +290,32 @@ class Stack:
         return None if keys_file is None else (self.root / keys_file).resolve()
 
     @property
+    def tls(self) -> bool:
+        """The stack uses certificates (TLS at the edge, mTLS inside, or both)."""
+        return self.settings.tls or self.settings.mtls
+
+    def ensure_certs(self) -> bool:
+        """Make the CA and certificates unless a valid set is there; True if one was made."""
+        settings = CertSettings(dir=self.certs.dir, edge_names=self.settings.tls_edge_names)
+        return CertMaker(settings, self.certs).ensure()
+
+    def client_credentials(self) -> grpc.ChannelCredentials:
+        """What Envoy presents to the services (mTLS): its client certificate, and the CA."""
+        return grpc.ssl_channel_credentials(
+            self.certs.ca_cert.read_bytes(),
+            self.certs.key(ENVOY_CLIENT).read_bytes(),
+            self.certs.cert(ENVOY_CLIENT).read_bytes(),
+        )
+
+    def serving(self, program: Program) -> bool:
+        return self.health(program) == "SERVING"
+
+    def health(self, program: Program) -> str:
+        """The program's overall grpc.health.v1 status, over mTLS when its port wants it."""
+        assert program.port is not None
+        return health(program.address, self.client_credentials() if program.mtls else None)
+
+    @property
     def prometheus_url(self) -> str:
         return f"http://127.0.0.1:{self.settings.prometheus_port}"
 
@@ -254,6 +327,10 @@ class Stack:
         registration = {"CONSUL_HTTP_ADDR": self.consul_address} if self.consul else {}
         tracing = {"OTLP_ENDPOINT": s.otlp_endpoint} if s.otlp_endpoint else {}
         auth = {"KEYS_FILE": str(self.keys_path)} if self.keys_path else {}
+        # The services' own certificates when Envoy reaches them over mTLS; then the gateways
+        # also reach Envoy's internal listeners over TLS.
+        mtls = self.certs if s.mtls else None
+        internal_tls = {"DEPENDENCY_TLS_CA_FILE": str(self.certs.ca_cert)} if s.mtls else {}
         programs: list[Program] = []
         if self.consul:
             programs.append(
@@ -302,6 +379,7 @@ class Stack:
                         **registration,
                         **tracing,
                     },
+                    mtls,
                 )
             )
         programs.append(
@@ -311,6 +389,7 @@ class Stack:
                 s.reranker_port,
                 s.reranker_metrics_port,
                 {**registration, **tracing},
+                mtls,
             )
         )
         for i in range(s.gateways):
@@ -326,7 +405,9 @@ class Stack:
                         **registration,
                         **tracing,
                         **auth,
+                        **internal_tls,
                     },
+                    mtls,
                 )
             )
         if self.prometheus:
@@ -439,7 +520,9 @@ stdout_logfile_backups=2
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(self.supervisord_config())
         self.envoy_config_path.write_text(
-            yaml.safe_dump(render(self.settings.mesh()), sort_keys=False)
+            yaml.safe_dump(
+                render(self.settings.mesh(self.certs if self.tls else None)), sort_keys=False
+            )
         )
         self.endpoints_path.write_text(yaml.safe_dump(self.endpoints(), sort_keys=False))
         self.prometheus_config_path.write_text(
@@ -474,6 +557,9 @@ stdout_logfile_backups=2
             print("no consul binary on PATH: discovery is static (.run/endpoints.yaml)")
         if not self.prometheus:
             print("no prometheus binary on PATH: no metrics storage or alerts (make setup)")
+        if self.tls:
+            made = self.ensure_certs()
+            print(f"{'made' if made else 'using'} TLS certificates in {self.certs.dir}")
         self.write_configs()
         subprocess.run(
             [str(self._bin / "supervisord"), "-c", str(self.config_path)], check=True, cwd=self.root
@@ -483,7 +569,7 @@ stdout_logfile_backups=2
         deadline = started + self.settings.ready_timeout_seconds
         for program in self.programs:
             if program.port is not None:
-                ready = partial(serving, program.address)
+                ready = partial(self.serving, program)
             elif program.ready_url is not None:
                 ready = partial(http_ok, program.ready_url)
             else:
@@ -532,8 +618,10 @@ stdout_logfile_backups=2
 
     def _print_endpoints(self) -> None:
         s = self.settings
-        print(f"  edge (Envoy)  grpc, gRPC-Web, REST  127.0.0.1:{s.edge_port}")
-        print(f"  ops page      http://127.0.0.1:{s.edge_port}/ops/")
+        scheme = "https" if s.tls else "http"
+        edge_tls = f" (TLS only, CA {self.certs.ca_cert})" if s.tls else ""
+        print(f"  edge (Envoy)  grpc, gRPC-Web, REST  127.0.0.1:{s.edge_port}{edge_tls}")
+        print(f"  ops page      {scheme}://127.0.0.1:{s.edge_port}/ops/")
         print(f"  Envoy admin   http://127.0.0.1:{s.envoy_admin_port}/clusters")
         print(f"  Envoy stats   http://127.0.0.1:{s.envoy_admin_port}/stats/prometheus")
         if self.prometheus:
@@ -541,8 +629,8 @@ stdout_logfile_backups=2
         for program in self.programs:
             if program.port is not None:
                 print(
-                    f"  {program.name:13} grpc {program.address}   "
-                    f"metrics http://127.0.0.1:{program.metrics_port}/metrics"
+                    f"  {program.name:13} grpc {program.address}"
+                    f"{' (mTLS)' if program.mtls else ''}   metrics http://127.0.0.1:{program.metrics_port}/metrics"
                 )
         edge = f"127.0.0.1:{s.edge_port}"
         # With keys on, the examples send a key from $TOKENMESH_KEY (double quotes: expanded).
@@ -551,15 +639,18 @@ stdout_logfile_backups=2
             print(f"\nAPI keys on: {self.keys_path}")
             print("  add one: python -m tokenmesh.gateway.keys add --tenant NAME --file FILE")
             header = ' -H "authorization: Bearer $TOKENMESH_KEY"'
+        # With TLS the examples trust the local CA instead of speaking plaintext.
+        grpcurl_tls = f"-cacert {self.certs.ca_cert}" if s.tls else "-plaintext"
+        curl_tls = f" --cacert {self.certs.ca_cert}" if s.tls else ""
         print("\nTry it:")
         print(
-            f"  grpcurl -plaintext{header} -d "
+            f"  grpcurl {grpcurl_tls}{header} -d "
             + shlex.join(['{"prompt":"hello","max_tokens":16}', edge])
             + " tokenmesh.v1.LLMService/Generate"
         )
         print(
-            f'  curl -N{header} -d \'{{"prompt":"hello","max_tokens":16}}\' '
-            f"http://{edge}/tokenmesh.v1.LLMService/Generate"
+            f'  curl -N{curl_tls}{header} -d \'{{"prompt":"hello","max_tokens":16}}\' '
+            f"{scheme}://{edge}/tokenmesh.v1.LLMService/Generate"
         )
         print(f"  (grpcurl is in {self._bin}; `source .venv/bin/activate` puts it on PATH)")
 
@@ -586,7 +677,7 @@ stdout_logfile_backups=2
         print(self.ctl("status").stdout.rstrip())
         for program in self.programs:
             if program.port is not None:
-                print(f"  {program.name:13} health: {health(program.address)}")
+                print(f"  {program.name:13} health: {self.health(program)}")
             elif program.ready_url is not None:
                 state = "ready" if http_ok(program.ready_url) else "NOT READY"
                 print(f"  {program.name:13} {state} ({program.ready_url})")
@@ -637,16 +728,23 @@ def envoy_hosts(admin_port: int) -> dict[str, list[tuple[str, bool]]]:
     return hosts
 
 
-def serving(address: str) -> bool:
-    return health(address) == "SERVING"
+def serving(address: str, credentials: grpc.ChannelCredentials | None = None) -> bool:
+    return health(address, credentials) == "SERVING"
 
 
-def health(address: str) -> str:
-    """The overall grpc.health.v1 status at address, or the error code name."""
-    with grpc.insecure_channel(address) as channel:
+def health(
+    address: str, credentials: grpc.ChannelCredentials | None = None, timeout: float = 2.0
+) -> str:
+    """The overall grpc.health.v1 status at address (over TLS with credentials), or the error
+    code name."""
+    with (
+        grpc.insecure_channel(address)
+        if credentials is None
+        else grpc.secure_channel(address, credentials)
+    ) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=2
+                health_pb2.HealthCheckRequest(), timeout=timeout
             )
         except grpc.RpcError as err:
             return str(err.code().name)

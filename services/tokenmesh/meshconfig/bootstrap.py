@@ -215,7 +215,14 @@ def listener(name: str, host: str, port: int, cluster: str, mesh: MeshSettings) 
         ]
     }
     if edge and mesh.edge_tls_cert_file and mesh.edge_tls_key_file:
-        chain["transport_socket"] = edge_tls(mesh.edge_tls_cert_file, mesh.edge_tls_key_file)
+        # HTTP/2 (gRPC) and HTTP/1.1 (REST, gRPC-Web) by ALPN.
+        chain["transport_socket"] = downstream_tls(
+            mesh.edge_tls_cert_file, mesh.edge_tls_key_file, ["h2", "http/1.1"]
+        )
+    if not edge and mesh.internal_tls_cert_file and mesh.internal_tls_key_file:
+        chain["transport_socket"] = downstream_tls(
+            mesh.internal_tls_cert_file, mesh.internal_tls_key_file, ["h2"]
+        )
     return {
         "name": name,
         "address": {"socket_address": {"address": host, "port_value": port}},
@@ -224,15 +231,15 @@ def listener(name: str, host: str, port: int, cluster: str, mesh: MeshSettings) 
     }
 
 
-def edge_tls(cert_file: str, key_file: str) -> Config:
-    """TLS for the edge: HTTP/2 (gRPC) and HTTP/1.1 (REST, gRPC-Web) by ALPN; the files are
-    re-read when their directory changes (a Kubernetes Secret update swaps it atomically)."""
+def downstream_tls(cert_file: str, key_file: str, alpn: list[str]) -> Config:
+    """TLS on a listener, offering the alpn protocols; the files are re-read when their
+    directory changes (a Kubernetes Secret update swaps it atomically)."""
     return {
         "name": "envoy.transport_sockets.tls",
         "typed_config": {
             "@type": TYPE + "envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
             "common_tls_context": {
-                "alpn_protocols": ["h2", "http/1.1"],
+                "alpn_protocols": alpn,
                 "tls_certificates": [
                     {
                         "certificate_chain": {"filename": cert_file},
@@ -240,6 +247,38 @@ def edge_tls(cert_file: str, key_file: str) -> Config:
                         "watched_directory": {"path": posixpath.dirname(cert_file)},
                     }
                 ],
+            },
+        },
+    }
+
+
+def upstream_tls(name: str, mesh: MeshSettings) -> Config:
+    """mTLS towards a service cluster: Envoy's client certificate, the CA, and the service's
+    certificate must name the cluster (DNS SAN; also sent as SNI). HTTP/2 only, by ALPN. The
+    cluster's gRPC health checks use this transport socket too."""
+    assert mesh.upstream_tls_cert_file and mesh.upstream_tls_key_file and mesh.upstream_tls_ca_file
+    return {
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": {
+            "@type": TYPE + "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+            "sni": name,
+            "common_tls_context": {
+                "alpn_protocols": ["h2"],
+                "tls_certificates": [
+                    {
+                        "certificate_chain": {"filename": mesh.upstream_tls_cert_file},
+                        "private_key": {"filename": mesh.upstream_tls_key_file},
+                        "watched_directory": {
+                            "path": posixpath.dirname(mesh.upstream_tls_cert_file)
+                        },
+                    }
+                ],
+                "validation_context": {
+                    "trusted_ca": {"filename": mesh.upstream_tls_ca_file},
+                    "match_typed_subject_alt_names": [
+                        {"san_type": "DNS", "matcher": {"exact": name}}
+                    ],
+                },
             },
         },
     }
@@ -297,6 +336,8 @@ def service_cluster(name: str, mesh: MeshSettings) -> Config:
             ]
         },
     }
+    if mesh.upstream_mtls:
+        cluster["transport_socket"] = upstream_tls(name, mesh)
     if name == "reranker":
         # Eject a failing reranker host quickly, before the gateway's own breaker opens, and
         # bound what may pile up in front of a slow one.

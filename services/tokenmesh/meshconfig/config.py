@@ -21,6 +21,19 @@ class MeshSettings(BaseSettings):
     # Envoy re-reads them when their directory changes (a renewed Kubernetes Secret).
     edge_tls_cert_file: str | None = None
     edge_tls_key_file: str | None = None
+    # mTLS from Envoy to the services (the gateway, worker and reranker clusters, their health
+    # checks included): Envoy's client certificate and key, and the CA the services'
+    # certificates must chain to. Each service's certificate must carry its cluster's name
+    # (gateway, worker, reranker) as a DNS SAN, which Envoy also sends as SNI. All three or
+    # none; unset: plaintext between Envoy and the services.
+    upstream_tls_cert_file: str | None = None
+    upstream_tls_key_file: str | None = None
+    upstream_tls_ca_file: str | None = None
+    # TLS on the internal listeners (the gateways' calls to workers and the reranker): Envoy's
+    # PEM server certificate chain and key (both or neither), HTTP/2 only; the gateways trust
+    # the CA that signed it (TOKENMESH_GATEWAY_DEPENDENCY_TLS_CA_FILE).
+    internal_tls_cert_file: str | None = None
+    internal_tls_key_file: str | None = None
     admin_host: str = "127.0.0.1"
     admin_port: int = Field(default=9901, ge=1, le=65535)
     # Listeners the gateways use to reach workers and the reranker, so every hop is balanced
@@ -75,7 +88,23 @@ class MeshSettings(BaseSettings):
     def _tls_files_come_in_pairs(self) -> Self:
         if (self.edge_tls_cert_file is None) != (self.edge_tls_key_file is None):
             raise ValueError("edge_tls_cert_file and edge_tls_key_file go together")
+        if (self.internal_tls_cert_file is None) != (self.internal_tls_key_file is None):
+            raise ValueError("internal_tls_cert_file and internal_tls_key_file go together")
+        upstream = (
+            self.upstream_tls_cert_file,
+            self.upstream_tls_key_file,
+            self.upstream_tls_ca_file,
+        )
+        if any(path is None for path in upstream) and any(path is not None for path in upstream):
+            raise ValueError(
+                "upstream_tls_cert_file, upstream_tls_key_file and upstream_tls_ca_file go together"
+            )
         return self
+
+    @property
+    def upstream_mtls(self) -> bool:
+        """Envoy talks to the services over mTLS."""
+        return self.upstream_tls_cert_file is not None
 
 
 # In the Kubernetes profile the control plane's Service name depends on the Helm release, so
@@ -87,14 +116,27 @@ CONTROLPLANE_HOST_PLACEHOLDER = "${TOKENMESH_CONTROLPLANE_HOST}"
 KUBERNETES_TLS_DIR = "/etc/envoy/tls"
 
 
-def kubernetes_profile(tls: bool = False) -> MeshSettings:
+# Where the chart mounts Envoy's client certificate for mTLS to the services (tls.crt, tls.key
+# and the CA, ca.crt: a cert-manager Secret's layout), and its internal listeners' certificate.
+KUBERNETES_MTLS_DIR = "/etc/envoy/mtls"
+KUBERNETES_INTERNAL_TLS_DIR = "/etc/envoy/internal-tls"
+
+
+def kubernetes_profile(tls: bool = False, mtls: bool = False) -> MeshSettings:
     """The mesh as the Helm chart runs it: Envoy in its own pods, listening on every interface
     (the edge for clients, the internal listeners for gateways, admin for probes and metrics),
     and the control plane reached through its Service's DNS name; with tls, the edge speaks
-    TLS with the certificate mounted at KUBERNETES_TLS_DIR."""
+    TLS with the certificate mounted at KUBERNETES_TLS_DIR; with mtls, Envoy reaches the
+    services over mTLS with the client certificate mounted at KUBERNETES_MTLS_DIR, and its
+    internal listeners speak TLS with the one at KUBERNETES_INTERNAL_TLS_DIR."""
     return MeshSettings(
         edge_tls_cert_file=f"{KUBERNETES_TLS_DIR}/tls.crt" if tls else None,
         edge_tls_key_file=f"{KUBERNETES_TLS_DIR}/tls.key" if tls else None,
+        upstream_tls_cert_file=f"{KUBERNETES_MTLS_DIR}/tls.crt" if mtls else None,
+        upstream_tls_key_file=f"{KUBERNETES_MTLS_DIR}/tls.key" if mtls else None,
+        upstream_tls_ca_file=f"{KUBERNETES_MTLS_DIR}/ca.crt" if mtls else None,
+        internal_tls_cert_file=f"{KUBERNETES_INTERNAL_TLS_DIR}/tls.crt" if mtls else None,
+        internal_tls_key_file=f"{KUBERNETES_INTERNAL_TLS_DIR}/tls.key" if mtls else None,
         edge_host="0.0.0.0",
         admin_host="0.0.0.0",
         internal_host="0.0.0.0",

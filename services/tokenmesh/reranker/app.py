@@ -13,6 +13,7 @@ from tokenmesh.common.metrics import MetricsEndpoint
 from tokenmesh.common.registration import ConsulRegistration
 from tokenmesh.common.server import (
     Health,
+    ProbePort,
     bind,
     build_server,
     enable_reflection,
@@ -61,6 +62,8 @@ async def serve(settings: RerankerSettings) -> int:
     port = bind(server, settings)
     await health.set_not_serving()
     await server.start()
+    probes = ProbePort(health, settings)
+    await probes.start()  # no-op without a health port
     metrics = MetricsEndpoint(registry, settings.metrics_host, settings.metrics_port)
     metrics_port = metrics.start()
     log.info(
@@ -102,6 +105,7 @@ async def serve(settings: RerankerSettings) -> int:
     # New RPCs are refused; in-flight reranks get the grace period to finish (the batcher
     # keeps running meanwhile), then are cancelled.
     await server.stop(settings.grace_seconds)
+    await probes.stop()
     if batcher is not None:
         await batcher.close()
     await tracing.shutdown()

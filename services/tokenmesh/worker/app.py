@@ -15,6 +15,7 @@ from tokenmesh.common.metrics import MetricsEndpoint, StreamMetrics
 from tokenmesh.common.registration import ConsulRegistration
 from tokenmesh.common.server import (
     Health,
+    ProbePort,
     bind,
     build_server,
     enable_reflection,
@@ -98,6 +99,8 @@ async def serve(settings: WorkerSettings) -> int:
     port = bind(server, settings)
     await health.set_not_serving()
     await server.start()
+    probes = ProbePort(health, settings)
+    await probes.start()  # no-op without a health port
     metrics = MetricsEndpoint(registry, settings.metrics_host, settings.metrics_port)
     metrics_port = metrics.start()
     log.info(
@@ -138,6 +141,7 @@ async def serve(settings: WorkerSettings) -> int:
     # New RPCs are refused; in-flight streams get the grace period, then are cancelled, which
     # aborts their engine requests.
     await server.stop(settings.grace_seconds)
+    await probes.stop()
     if watchdog is not None:
         watchdog.cancel()
     if engine is not None:

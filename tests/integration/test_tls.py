@@ -1,0 +1,159 @@
+"""TLS on a real mesh (1 gateway, 1 worker, the reranker, Envoy) started with `tls` and `mtls`:
+the edge speaks only TLS (grpcurl and Python with the local CA stream tokens, plaintext and a
+wrong CA are refused, REST over https/1.1), the services speak only mTLS (a direct call
+without Envoy's client certificate is refused, while Envoy's health checks over TLS pass), and
+the gateways reach Envoy's internal listeners over TLS."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import ssl
+import urllib.request
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from grpc import aio
+
+from tests.support import ROOT, grpcurl
+from tokenmesh.localstack.certs import CertMaker, CertPaths, CertSettings
+from tokenmesh.localstack.stack import Stack, StackSettings, health
+from tokenmesh.v1 import llm_pb2, llm_pb2_grpc
+
+# The stack's start (vLLM loading) counts against the first test's timeout: on a busy 2-core
+# machine it alone has taken over 3 minutes.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+BODY = '{"prompt":"hello","max_tokens":16,"ignore_eos":true}'
+GENERATE = "tokenmesh.v1.LLMService/Generate"
+# Seconds a direct health check may take (TLS handshakes on a busy machine).
+TIMEOUT = 10.0
+
+
+@pytest.fixture(scope="module")
+def tls_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    stack = Stack(
+        StackSettings.on_free_ports(
+            tmp_path_factory.mktemp("tls"), gateways=1, workers=1, tls=True, mtls=True
+        ),
+        root=ROOT,
+    )
+    try:
+        assert stack.up() == 0, "the mesh did not come up (see the logs above)"
+        yield stack
+    finally:
+        stack.down()
+
+
+@pytest.fixture(scope="module")
+def other_ca(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    """A CA (PEM) that signed none of the mesh's certificates."""
+    paths = CertPaths(tmp_path_factory.mktemp("other-ca"))
+    CertMaker(CertSettings(dir=paths.dir), paths).make()
+    return paths.ca_cert.read_bytes()
+
+
+def edge(stack: Stack) -> str:
+    return f"127.0.0.1:{stack.settings.edge_port}"
+
+
+def test_grpcurl_with_the_ca_lists_and_streams_tokens_from_the_edge(tls_mesh: Stack) -> None:
+    ca = str(tls_mesh.certs.ca_cert)
+    listed = grpcurl("-cacert", ca, edge(tls_mesh), "list", plaintext=False)
+    assert "tokenmesh.v1.LLMService" in listed.stdout.split(), listed.stderr
+    streamed = grpcurl("-cacert", ca, "-d", BODY, edge(tls_mesh), GENERATE, plaintext=False)
+    assert streamed.returncode == 0, streamed.stderr
+    assert streamed.stdout.count('"tokenId"') + streamed.stdout.count('"token_id"') >= 15
+
+
+def test_a_plaintext_client_is_refused_at_the_tls_edge(tls_mesh: Stack) -> None:
+    refused = grpcurl("-d", BODY, edge(tls_mesh), GENERATE)
+    assert refused.returncode != 0
+    assert "tokenId" not in refused.stdout
+    print(refused.stderr)
+
+
+def test_grpcurl_without_the_ca_does_not_trust_the_edge(tls_mesh: Stack) -> None:
+    refused = grpcurl("-d", BODY, edge(tls_mesh), GENERATE, plaintext=False)
+    assert refused.returncode != 0
+    assert "certificate" in refused.stderr, refused.stderr
+
+
+async def test_python_with_the_ca_streams_and_with_another_ca_is_unavailable(
+    tls_mesh: Stack, other_ca: bytes
+) -> None:
+    request = llm_pb2.GenerateRequest(prompt="hello", max_tokens=8, ignore_eos=True)
+    trusted = grpc.ssl_channel_credentials(tls_mesh.certs.ca_cert.read_bytes())
+    async with aio.secure_channel(edge(tls_mesh), trusted) as channel:
+        tokens = [t async for t in llm_pb2_grpc.LLMServiceStub(channel).Generate(request)]
+    assert len(tokens) == 8
+    untrusted = grpc.ssl_channel_credentials(other_ca)
+    for credentials in (untrusted, None):
+        channel = (
+            aio.insecure_channel(edge(tls_mesh))
+            if credentials is None
+            else aio.secure_channel(edge(tls_mesh), credentials)
+        )
+        async with channel:
+            call = llm_pb2_grpc.LLMServiceStub(channel).Generate(request, timeout=10)
+            with pytest.raises(aio.AioRpcError) as refused:
+                _ = [t async for t in call]
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
+
+
+def test_the_edge_offers_h2_and_http11_and_rest_works_over_https(tls_mesh: Stack) -> None:
+    context = ssl.create_default_context(cafile=str(tls_mesh.certs.ca_cert))
+    for offered, chosen in ((["h2", "http/1.1"], "h2"), (["http/1.1"], "http/1.1")):
+        context.set_alpn_protocols(offered)
+        port = tls_mesh.settings.edge_port
+        with (
+            socket.create_connection(("127.0.0.1", port), timeout=10) as raw,
+            context.wrap_socket(raw, server_hostname="localhost") as tls,
+        ):
+            assert tls.selected_alpn_protocol() == chosen
+    context = ssl.create_default_context(cafile=str(tls_mesh.certs.ca_cert))
+    connection = http.client.HTTPSConnection(
+        "127.0.0.1", tls_mesh.settings.edge_port, timeout=60, context=context
+    )
+    body = json.dumps({"prompt": "hello", "max_tokens": 4, "ignore_eos": True})
+    connection.request("POST", "/" + GENERATE, body, {"content-type": "application/json"})
+    reply = connection.getresponse()
+    lines = [line for line in reply.read().decode().splitlines() if line.strip()]
+    connection.close()
+    assert reply.status == 200 and len(lines) == 4, lines
+
+
+def test_services_refuse_callers_without_envoys_client_certificate(tls_mesh: Stack) -> None:
+    ca = tls_mesh.certs.ca_cert.read_bytes()
+    services = [program for program in tls_mesh.programs if program.mtls]
+    assert {program.service for program in services} == {"gateway", "worker", "reranker"}
+    for program in services:
+        # Plaintext, and TLS that trusts the CA but presents no certificate: refused.
+        without_certificate = grpc.ssl_channel_credentials(ca)
+        assert health(program.address, None, TIMEOUT) == "UNAVAILABLE"
+        assert health(program.address, without_certificate, TIMEOUT) == "UNAVAILABLE"
+        assert health(program.address, tls_mesh.client_credentials(), TIMEOUT) == "SERVING"
+
+
+def test_envoys_health_checks_pass_over_mtls(tls_mesh: Stack) -> None:
+    assert tls_mesh.envoy_ready(), tls_mesh.envoy_hosts()
+    url = f"http://127.0.0.1:{tls_mesh.settings.envoy_admin_port}/stats?filter=ssl.handshake$"
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        stats = dict(line.split(": ") for line in reply.read().decode().splitlines())
+    # Every service cluster's connections (health checks and streams) are TLS handshakes.
+    for cluster in ("gateway", "worker", "reranker"):
+        assert int(stats[f"cluster.{cluster}.ssl.handshake"]) > 0, stats
+
+
+def test_envoys_internal_listeners_speak_tls_to_the_gateways(tls_mesh: Stack) -> None:
+    """The gateways' hop to workers goes through Envoy's internal listener over TLS (the
+    streams above passed through it); a plaintext caller there is refused."""
+    listener = f"127.0.0.1:{tls_mesh.settings.worker_listener_port}"
+    trusted = grpc.ssl_channel_credentials(tls_mesh.certs.ca_cert.read_bytes())
+    # Health through the listener reaches a worker (over Envoy's mTLS to it).
+    assert health(listener, trusted, TIMEOUT) == "SERVING"
+    assert health(listener, None, TIMEOUT) == "UNAVAILABLE"
+    gateway = next(p for p in tls_mesh.programs if p.service == "gateway")
+    assert gateway.env["TOKENMESH_GATEWAY_DEPENDENCY_TLS_CA_FILE"] == str(tls_mesh.certs.ca_cert)
