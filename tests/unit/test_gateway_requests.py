@@ -45,6 +45,15 @@ def test_defaults_and_sampling_pass_through() -> None:
         ({"top_k_documents": -1}, "top_k_documents", "[0, 3]"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "[0, 20]"),
         ({"top_logprobs": 2}, "top_logprobs", "needs logprobs set to true"),
+        ({"max_tokens": -5}, "max_tokens", "[1, 4096]"),
+        ({"temperature": float("nan")}, "temperature", "[0, 2]"),
+        ({"temperature": float("-inf")}, "temperature", "[0, 2]"),
+        ({"top_p": float("inf")}, "top_p", "(0, 1]"),
+        ({"top_p": 0.0}, "top_p", "(0, 1]"),
+        ({"stop": ["s"] * 9}, "stop", "over the limit of 8"),
+        ({"stop": ["ok", ""]}, "stop[1]", "must be 1..256 bytes"),
+        ({"stop": ["é" * 129]}, "stop[0]", "must be 1..256 bytes, got 258"),
+        ({"prompt": "x" * (32 * 1024 + 1)}, "prompt", "over the limit of 32768"),
     ],
 )
 def test_invalid_fields_name_field_and_limit(

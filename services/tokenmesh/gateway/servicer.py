@@ -10,7 +10,7 @@ from typing import Any, TypeAlias
 
 from grpc import aio
 
-from tokenmesh.common.errors import InvalidArgument
+from tokenmesh.common.errors import InvalidArgument, ResourceExhausted
 from tokenmesh.common.metrics import StreamMetrics
 from tokenmesh.common.tenants import current_tenant
 from tokenmesh.common.validation import check_text
@@ -18,7 +18,7 @@ from tokenmesh.gateway.config import GatewaySettings
 from tokenmesh.gateway.pipeline import DEGRADED_HEADER, Pipeline, PreparedPrompt
 from tokenmesh.gateway.prompts import ChatHistory, ChatTurn, summary_request
 from tokenmesh.gateway.requests import generation_job, sampling_params
-from tokenmesh.v1 import llm_pb2, llm_pb2_grpc, token_pb2
+from tokenmesh.v1 import inference_pb2, llm_pb2, llm_pb2_grpc, token_pb2
 
 Context: TypeAlias = aio.ServicerContext[Any, Any]
 
@@ -87,7 +87,11 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         parts: list[str] = []
         size = 0
         async for chunk in request_iterator:
-            first = first or chunk
+            if first is None:
+                # The options are checked as they arrive, not after the whole text.
+                first = chunk
+                sampling_params(first, limits)
+                check_text("instruction", first.instruction, limits.max_prompt_bytes, False)
             if len(parts) >= limits.max_summarize_chunks:
                 raise InvalidArgument(
                     "chunks", f"more than the limit of {limits.max_summarize_chunks} chunks"
@@ -115,6 +119,13 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         session = ChatSession(self._pipeline, self._limits, context)
         async for event in session.run(request_iterator):
             yield event
+
+
+def check_user_turn(
+    user: llm_pb2.UserTurn, limits: GatewaySettings
+) -> inference_pb2.SamplingParams:
+    check_text("user.content", user.content, limits.max_chat_message_bytes)
+    return sampling_params(user, limits)
 
 
 class ChatSession:
@@ -166,9 +177,21 @@ class ChatSession:
             if message is None:
                 self._half_closed = True
             elif message.HasField("user"):
-                self._backlog.append(message.user)
+                self._enqueue(message.user)
             # A cancel with no turn running has nothing to stop.
         return self._backlog.popleft()
+
+    def _enqueue(self, user: llm_pb2.UserTurn) -> None:
+        """Queue a user turn behind the running one, checked now: a bad turn or one too many
+        ends the stream before it waits."""
+        limits = self._limits
+        if len(self._backlog) >= limits.max_chat_pending_turns:
+            raise ResourceExhausted(
+                f"chat: more than {limits.max_chat_pending_turns} user turns waiting for an "
+                "answer (max_chat_pending_turns); send the next turn after turn_end"
+            )
+        check_user_turn(user, limits)
+        self._backlog.append(user)
 
     def _keep_unread(self, pending: asyncio.Future[llm_pb2.ChatMessage | None]) -> None:
         """A message read while a turn was ending still counts; otherwise stop the read."""
@@ -186,8 +209,7 @@ class ChatSession:
     async def _run_turn(
         self, turn: int, user: llm_pb2.UserTurn
     ) -> AsyncGenerator[llm_pb2.ChatEvent, None]:
-        check_text("user.content", user.content, self._limits.max_chat_message_bytes)
-        sampling = sampling_params(user, self._limits)
+        sampling = check_user_turn(user, self._limits)
         tokens = self._pipeline.stream(
             self._history.prompt(user.content),
             sampling,
@@ -213,7 +235,7 @@ class ChatSession:
                         end.usage.completion_tokens = len(answer)
                         break
                     elif message.HasField("user"):
-                        self._backlog.append(message.user)
+                        self._enqueue(message.user)
                     # A cancel after the last token has nothing left to stop.
                     if not self._half_closed:
                         next_message = asyncio.ensure_future(self._inbox.get())
