@@ -65,6 +65,11 @@ class GatewaySettings(ServiceSettings):
     # its streams will end is not known; rate and quota refusals compute theirs).
     concurrency_retry_after_ms: int = Field(default=1000, ge=0)
 
+    # Log every prompt as sent to a worker (with its context documents or chat history), at
+    # INFO on logger tokenmesh.gateway.prompts, to debug prompt assembly. Prompts are user data:
+    # off by default, never on in production; nothing else ever logs request text.
+    log_prompts: bool = False
+
     # Request limits; anything past them is rejected with INVALID_ARGUMENT naming the limit.
     max_prompt_bytes: int = Field(default=32 * 1024, ge=1)
     max_tokens_cap: int = Field(default=4096, ge=1)

@@ -139,8 +139,9 @@ class ChatSession:
         # The RPC's tenant (None: auth off), read once in the RPC's own task.
         self._tenant = current_tenant()
         self._history = ChatHistory(limits.max_chat_turns, limits.max_chat_history_tokens)
-        # Messages read from the client; None marks its half-close.
-        self._inbox: asyncio.Queue[llm_pb2.ChatMessage | None] = asyncio.Queue()
+        # Messages read from the client; None marks its half-close, an exception a message
+        # that could not be read (malformed), which ends the stream with its status.
+        self._inbox: asyncio.Queue[llm_pb2.ChatMessage | Exception | None] = asyncio.Queue()
         # User turns that arrived while another turn was running.
         self._backlog: deque[llm_pb2.UserTurn] = deque()
         self._half_closed = False
@@ -164,16 +165,26 @@ class ChatSession:
                 await reader
 
     async def _read(self, requests: AsyncIterator[llm_pb2.ChatMessage]) -> None:
-        async for message in requests:
-            await self._inbox.put(message)
+        try:
+            async for message in requests:
+                await self._inbox.put(message)
+        except Exception as exc:  # the stream's reader must not wait forever for a message
+            await self._inbox.put(exc)
+            return
         await self._inbox.put(None)
+
+    @staticmethod
+    def _message(item: llm_pb2.ChatMessage | Exception | None) -> llm_pb2.ChatMessage | None:
+        if isinstance(item, Exception):
+            raise item
+        return item
 
     async def _next_user_turn(self) -> llm_pb2.UserTurn | None:
         """The next user turn to answer, or None once the client has half-closed."""
         while not self._backlog:
             if self._half_closed:
                 return None
-            message = await self._inbox.get()
+            message = self._message(await self._inbox.get())
             if message is None:
                 self._half_closed = True
             elif message.HasField("user"):
@@ -193,7 +204,7 @@ class ChatSession:
         check_user_turn(user, limits)
         self._backlog.append(user)
 
-    def _keep_unread(self, pending: asyncio.Future[llm_pb2.ChatMessage | None]) -> None:
+    def _keep_unread(self, pending: asyncio.Future[llm_pb2.ChatMessage | Exception | None]) -> None:
         """A message read while a turn was ending still counts; otherwise stop the read."""
         if not pending.done():
             pending.cancel()
@@ -201,7 +212,9 @@ class ChatSession:
         if pending.cancelled():
             return
         message = pending.result()
-        if message is None:
+        if isinstance(message, Exception):
+            self._inbox.put_nowait(message)  # raised by the next read
+        elif message is None:
             self._half_closed = True
         elif message.HasField("user"):
             self._backlog.append(message.user)
@@ -225,7 +238,7 @@ class ChatSession:
                 waiting = {next_token} | ({next_message} if next_message else set())
                 done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
                 if next_message in done:
-                    message = next_message.result()
+                    message = self._message(next_message.result())
                     next_message = None
                     if message is None:
                         self._half_closed = True
