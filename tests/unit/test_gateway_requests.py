@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from tokenmesh.common.errors import InvalidArgument
 from tokenmesh.gateway.config import GatewaySettings
+from tokenmesh.gateway.pipeline import PROMPT_LOGGER, Pipeline
 from tokenmesh.gateway.prompts import ChatHistory, ChatTurn, with_context
 from tokenmesh.gateway.requests import generation_job
-from tokenmesh.v1 import llm_pb2
+from tokenmesh.v1 import inference_pb2, llm_pb2
 
 LIMITS = GatewaySettings(
     max_documents=4, max_document_bytes=10, max_top_k_documents=3, default_top_k_documents=2
@@ -45,6 +48,15 @@ def test_defaults_and_sampling_pass_through() -> None:
         ({"top_k_documents": -1}, "top_k_documents", "[0, 3]"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "[0, 20]"),
         ({"top_logprobs": 2}, "top_logprobs", "needs logprobs set to true"),
+        ({"max_tokens": -5}, "max_tokens", "[1, 4096]"),
+        ({"temperature": float("nan")}, "temperature", "[0, 2]"),
+        ({"temperature": float("-inf")}, "temperature", "[0, 2]"),
+        ({"top_p": float("inf")}, "top_p", "(0, 1]"),
+        ({"top_p": 0.0}, "top_p", "(0, 1]"),
+        ({"stop": ["s"] * 9}, "stop", "over the limit of 8"),
+        ({"stop": ["ok", ""]}, "stop[1]", "must be 1..256 bytes"),
+        ({"stop": ["é" * 129]}, "stop[0]", "must be 1..256 bytes, got 258"),
+        ({"prompt": "x" * (32 * 1024 + 1)}, "prompt", "over the limit of 32768"),
     ],
 )
 def test_invalid_fields_name_field_and_limit(
@@ -78,3 +90,19 @@ def test_chat_history_drops_oldest_turns_past_the_token_bound() -> None:
     history.add(ChatTurn("u2", "a2", 10))
     assert history.add(ChatTurn("u3", "a3", 10)) == 1
     assert history.tokens == 20 and len(history) == 2
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_prompts_are_logged_only_when_log_prompts_is_on(
+    enabled: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    class Worker:
+        def stream(self, request: object, time_limit: object, metadata: object = ()) -> None:
+            return None
+
+    pipeline = Pipeline(None, Worker(), GatewaySettings(log_prompts=enabled))  # type: ignore[arg-type]
+    with caplog.at_level(logging.DEBUG):
+        pipeline.stream("the secret prompt", inference_pb2.SamplingParams(max_tokens=1), None)
+    logged = [getattr(record, "prompt", "") for record in caplog.records]
+    assert ("the secret prompt" in logged) is enabled
+    assert all(record.name == PROMPT_LOGGER for record in caplog.records)

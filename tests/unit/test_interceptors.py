@@ -149,3 +149,25 @@ async def test_deadline_is_counted_as_deadline_exceeded(server_and_registry) -> 
     )
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert await _wait_handled(registry, "DEADLINE_EXCEEDED") == 1
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"\xff\xff\xff", b"\x12\x03\xff\xfe\xfd"],  # not protobuf; a prompt of invalid UTF-8
+    ids=["garbage", "invalid-utf8"],
+)
+async def test_a_request_that_does_not_parse_is_invalid_argument(body: bytes) -> None:
+    server = aio.server(interceptors=[ErrorMappingInterceptor()])
+    inference_pb2_grpc.add_InferenceServiceServicer_to_server(ScriptedServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            # Raw bytes instead of a serialized InferenceRequest.
+            generate = channel.unary_stream(f"/{SERVICE}/Generate")
+            with pytest.raises(aio.AioRpcError) as error:
+                [message async for message in generate(body, timeout=5)]
+    finally:
+        await server.stop(0)
+    assert error.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "request: not a valid message" in (error.value.details() or "")

@@ -116,6 +116,7 @@ def test_listeners_are_safe_for_long_streams_and_push_back() -> None:
     assert edge_filters == [
         "envoy.filters.http.grpc_web",
         "envoy.filters.http.cors",
+        "envoy.filters.http.local_ratelimit",
         "envoy.filters.http.grpc_json_transcoder",
         "envoy.filters.http.router",
     ]
@@ -303,3 +304,44 @@ def test_envoy_accepts_tls_at_the_edge_and_mtls_to_the_services(
     path.write_text(render_yaml(mesh))
     result = envoy_validate(path)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_listener_bounds_request_headers() -> None:
+    found = listeners(render(MeshSettings(max_request_headers_kib=16, max_headers_count=50)))
+    for manager in found.values():
+        assert manager["max_request_headers_kb"] == 16
+        assert manager["common_http_protocol_options"]["max_headers_count"] == 50
+        assert manager["request_headers_timeout"] == "10s"
+        # The edge's per-connection stream bound (one client channel multiplexes streams).
+        assert manager["http2_protocol_options"]["max_concurrent_streams"] == 2048
+
+
+def test_edge_connections_are_limited_but_internal_listeners_and_admin_are_not() -> None:
+    config = render(MeshSettings(max_edge_connections=500))
+    monitor = config["overload_manager"]["resource_monitors"][0]
+    assert monitor["name"] == "envoy.resource_monitors.global_downstream_max_connections"
+    assert monitor["typed_config"]["max_active_downstream_connections"] == 500
+    ignored = {
+        listener["name"]: listener["ignore_global_conn_limit"]
+        for listener in config["static_resources"]["listeners"]
+    }
+    assert ignored == {"edge": False, "worker": True, "reranker": True}
+    assert config["admin"]["ignore_global_conn_limit"] is True
+
+
+def test_edge_rate_limit_is_a_shared_bucket_refusing_grpc_with_resource_exhausted() -> None:
+    found = listeners(render(MeshSettings(edge_rate_limit_per_second=50, edge_rate_burst=80)))
+    (limit,) = [
+        f["typed_config"]
+        for f in found["edge"]["http_filters"]
+        if f["name"] == "envoy.filters.http.local_ratelimit"
+    ]
+    assert limit["token_bucket"] == {"max_tokens": 80, "tokens_per_fill": 50, "fill_interval": "1s"}
+    # Unset, both fractions are 0 %: the filter would count nothing and refuse nothing.
+    for key in ("filter_enabled", "filter_enforced"):
+        assert limit[key]["default_value"] == {"numerator": 100, "denominator": "HUNDRED"}
+    assert limit["rate_limited_as_resource_exhausted"] is True
+    for name in ("worker", "reranker"):
+        assert all("ratelimit" not in f["name"] for f in found[name]["http_filters"])
+    off = listeners(render(MeshSettings(edge_rate_limit_per_second=0)))["edge"]
+    assert all("ratelimit" not in f["name"] for f in off["http_filters"])

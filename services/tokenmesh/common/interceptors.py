@@ -20,7 +20,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, StatusCode, Tracer
 from prometheus_client import CollectorRegistry
 
-from tokenmesh.common.errors import ServiceError
+from tokenmesh.common.errors import InvalidArgument, ServiceError
 from tokenmesh.common.metrics import DEADLINE_SLACK_SECONDS, GrpcServerMetrics, MethodMetrics
 from tokenmesh.common.tenants import current_tenant
 from tokenmesh.common.tracing import extract, trace_id_hex
@@ -55,11 +55,12 @@ def rewrap(
     handler: grpc.RpcMethodHandler,
     wrap_unary: Callable[[UnaryBehaviour], UnaryBehaviour],
     wrap_stream: Callable[[StreamBehaviour], StreamBehaviour],
+    request_deserializer: Callable[[bytes], Any] | None = None,
 ) -> grpc.RpcMethodHandler:
     """A copy of handler whose behaviour is wrapped: wrap_unary for unary responses,
-    wrap_stream for streamed responses."""
+    wrap_stream for streamed responses; request_deserializer replaces the handler's."""
     serializers = {
-        "request_deserializer": handler.request_deserializer,
+        "request_deserializer": request_deserializer or handler.request_deserializer,
         "response_serializer": handler.response_serializer,
     }
     if handler.unary_unary:
@@ -111,6 +112,58 @@ def admitted(handler: grpc.RpcMethodHandler, admit: Admit) -> grpc.RpcMethodHand
     return rewrap(handler, wrap_unary, wrap_stream)
 
 
+class Malformed:
+    """A request message that did not parse (not protobuf, or not this method's message)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+    def invalid(self) -> InvalidArgument:
+        return InvalidArgument("request", f"not a valid message for this method ({self.error})")
+
+
+def lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """deserializer, returning Malformed instead of raising: gRPC itself would end the call
+    UNKNOWN, where the caller's garbage deserves INVALID_ARGUMENT."""
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:
+            return Malformed(f"{type(exc).__name__}: {exc}")
+
+    return parse
+
+
+class _CheckedRequests:
+    """A request stream that raises InvalidArgument at its first malformed message."""
+
+    def __init__(self, requests: AsyncIterator[Any]) -> None:
+        self._requests = requests
+
+    def __aiter__(self) -> _CheckedRequests:
+        return self
+
+    async def __anext__(self) -> Any:
+        message = await self._requests.__anext__()
+        if isinstance(message, Malformed):
+            raise message.invalid()
+        return message
+
+
+def checked(request: Any, streaming: bool) -> Any:
+    """The request (or request stream), refusing malformed messages."""
+    if streaming:
+        return _CheckedRequests(request)
+    if isinstance(request, Malformed):
+        raise request.invalid()
+    return request
+
+
 async def _abort_for(exc: Exception, context: aio.ServicerContext[Any, Any], method: str) -> None:
     """End the RPC with the status that exc stands for."""
     if isinstance(exc, ServiceError):
@@ -122,7 +175,8 @@ async def _abort_for(exc: Exception, context: aio.ServicerContext[Any, Any], met
 
 class ErrorMappingInterceptor(aio.ServerInterceptor):
     """Turns ServiceError into its status code and any other exception into INTERNAL, so
-    handlers raise domain errors and never pick status codes themselves."""
+    handlers raise domain errors and never pick status codes themselves; a request message
+    that does not parse is INVALID_ARGUMENT."""
 
     async def intercept_service(
         self,
@@ -133,11 +187,12 @@ class ErrorMappingInterceptor(aio.ServerInterceptor):
         if handler is None:
             return None
         method = handler_call_details.method
+        streaming = handler.request_streaming
 
         def wrap_unary(behaviour: UnaryBehaviour) -> UnaryBehaviour:
             async def unary(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
                 try:
-                    return await behaviour(request, context)
+                    return await behaviour(checked(request, streaming), context)
                 except aio.AbortError:
                     raise
                 except Exception as exc:
@@ -147,8 +202,9 @@ class ErrorMappingInterceptor(aio.ServerInterceptor):
 
         def wrap_stream(behaviour: StreamBehaviour) -> StreamBehaviour:
             async def stream(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
-                responses = behaviour(request, context)
+                responses = None
                 try:
+                    responses = behaviour(checked(request, streaming), context)
                     async for response in responses:
                         yield response
                 except aio.AbortError:
@@ -156,11 +212,12 @@ class ErrorMappingInterceptor(aio.ServerInterceptor):
                 except Exception as exc:
                     await _abort_for(exc, context, method)
                 finally:
-                    await close(responses)
+                    if responses is not None:
+                        await close(responses)
 
             return stream
 
-        return rewrap(handler, wrap_unary, wrap_stream)
+        return rewrap(handler, wrap_unary, wrap_stream, lenient(handler.request_deserializer))
 
 
 class Deadline:

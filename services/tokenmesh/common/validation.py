@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from tokenmesh.common.errors import InvalidArgument
 
@@ -27,6 +28,17 @@ def check_text(field: str, value: str, max_bytes: int, required: bool = True) ->
 def check_count(field: str, count: int, limit: int, what: str) -> None:
     if count > limit:
         raise InvalidArgument(field, f"has {count} {what}, over the limit of {limit}")
+
+
+def check_stop(field: str, stops: Sequence[str], max_count: int, max_bytes: int) -> None:
+    """At most max_count stop strings, each 1..max_bytes of UTF-8."""
+    check_count(field, len(stops), max_count, "sequences")
+    for position, stop in enumerate(stops):
+        size = len(stop.encode())
+        if not stop or size > max_bytes:
+            raise InvalidArgument(
+                f"{field}[{position}]", f"must be 1..{max_bytes} bytes, got {size}"
+            )
 
 
 def check_logprobs(prefix: str, logprobs: bool, top_logprobs: int, cap: int) -> None:

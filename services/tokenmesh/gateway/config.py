@@ -7,7 +7,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 from pydantic_settings import SettingsConfigDict
 
-from tokenmesh.common.settings import ServiceSettings
+from tokenmesh.common.settings import MIB, ServiceSettings
 
 
 class BreakerSettings(BaseModel):
@@ -35,6 +35,10 @@ class GatewaySettings(ServiceSettings):
 
     port: int = Field(default=50050, ge=0, le=65535)
     metrics_port: int = Field(default=9450, ge=-1, le=65535)
+    # Largest protobuf message accepted or sent: the largest valid request (a 32 KiB prompt
+    # with 32 documents of 8 KiB) is about 300 KiB; bigger ones fail RESOURCE_EXHAUSTED as
+    # soon as their length is read. Also the size of Envoy's REST/JSON body buffer.
+    max_message_bytes: int = Field(default=1 * MIB, ge=1024)
 
     # Where the workers and the reranker are reached (an Envoy listener in the full mesh).
     worker_address: str = "127.0.0.1:50061"
@@ -64,6 +68,11 @@ class GatewaySettings(ServiceSettings):
     # its streams will end is not known; rate and quota refusals compute theirs).
     concurrency_retry_after_ms: int = Field(default=1000, ge=0)
 
+    # Log every prompt as sent to a worker (with its context documents or chat history), at
+    # INFO on logger tokenmesh.gateway.prompts, to debug prompt assembly. Prompts are user data:
+    # off by default, never on in production; nothing else ever logs request text.
+    log_prompts: bool = False
+
     # Request limits; anything past them is rejected with INVALID_ARGUMENT naming the limit.
     max_prompt_bytes: int = Field(default=32 * 1024, ge=1)
     max_tokens_cap: int = Field(default=4096, ge=1)
@@ -73,6 +82,8 @@ class GatewaySettings(ServiceSettings):
     # Documents used as context when a request does not say.
     default_top_k_documents: int = Field(default=3, ge=1)
     max_stop_sequences: int = Field(default=8, ge=0)
+    # Each stop string: 1 byte .. this (UTF-8); the workers' own limit is the same.
+    max_stop_sequence_bytes: int = Field(default=256, ge=1)
     # Alternatives per token a request may ask for (top_logprobs); at most the workers' cap.
     max_top_logprobs: int = Field(default=20, ge=0)
     # Summarize: the whole text sent in chunks, and how many chunks.
@@ -83,3 +94,7 @@ class GatewaySettings(ServiceSettings):
     max_chat_turns: int = Field(default=16, ge=1)
     max_chat_history_tokens: int = Field(default=1024, ge=1)
     max_chat_message_bytes: int = Field(default=8 * 1024, ge=1)
+    # User turns a Chat stream may send ahead of the one being answered (they wait their
+    # turn); one more ends the stream with RESOURCE_EXHAUSTED, so a client cannot pile up
+    # work in a gateway's memory.
+    max_chat_pending_turns: int = Field(default=8, ge=0)

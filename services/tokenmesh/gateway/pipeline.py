@@ -28,6 +28,8 @@ from tokenmesh.gateway.requests import GenerationJob
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, rerank_pb2, rerank_pb2_grpc, token_pb2
 
 log = logging.getLogger(__name__)
+# Where prompts go when GatewaySettings.log_prompts is on (and nowhere otherwise).
+PROMPT_LOGGER = "tokenmesh.gateway.prompts"
 
 # Reranker outcomes that count against its circuit: it is down, slow or broken. A rejected
 # request (INVALID_ARGUMENT) or a caller who went away says nothing about its health.
@@ -236,6 +238,7 @@ class Pipeline:
         self._margin = settings.deadline_margin_seconds
         # Token quotas (auth on); None: tokens are not metered.
         self._meter = meter
+        self._prompt_log = logging.getLogger(PROMPT_LOGGER) if settings.log_prompts else None
 
     async def prepare(self, job: GenerationJob, remaining: float | None) -> PreparedPrompt:
         selection = await self._selector.select(
@@ -260,6 +263,10 @@ class Pipeline:
         request = inference_pb2.InferenceRequest(
             request_id=uuid.uuid4().hex[:16], prompt=prompt, sampling=sampling
         )
+        if self._prompt_log is not None:
+            self._prompt_log.info(
+                "prompt", extra={"request_id": request.request_id, "prompt": prompt}
+            )
         time_limit = remaining_after_margin(remaining, self._margin)
         if tenant is None:
             return self._worker.stream(request, time_limit)

@@ -5,7 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tokenmesh.common.errors import InvalidArgument
-from tokenmesh.common.validation import check_count, check_logprobs, check_range, check_text
+from tokenmesh.common.validation import (
+    check_count,
+    check_logprobs,
+    check_range,
+    check_stop,
+    check_text,
+)
 from tokenmesh.gateway.config import GatewaySettings
 from tokenmesh.v1 import inference_pb2, llm_pb2
 
@@ -41,7 +47,7 @@ def sampling_params(
             sampling.top_p = request.top_p
         if request.HasField("seed"):
             sampling.seed = request.seed
-        check_count("stop", len(request.stop), limits.max_stop_sequences, "sequences")
+        check_stop("stop", request.stop, limits.max_stop_sequences, limits.max_stop_sequence_bytes)
         sampling.stop.extend(request.stop)
     if isinstance(request, llm_pb2.GenerateRequest):
         check_logprobs("", request.logprobs, request.top_logprobs, limits.max_top_logprobs)

@@ -10,7 +10,7 @@ from typing import Any, TypeAlias
 
 from grpc import aio
 
-from tokenmesh.common.errors import InvalidArgument
+from tokenmesh.common.errors import InvalidArgument, ResourceExhausted
 from tokenmesh.common.metrics import StreamMetrics
 from tokenmesh.common.tenants import current_tenant
 from tokenmesh.common.validation import check_text
@@ -18,7 +18,7 @@ from tokenmesh.gateway.config import GatewaySettings
 from tokenmesh.gateway.pipeline import DEGRADED_HEADER, Pipeline, PreparedPrompt
 from tokenmesh.gateway.prompts import ChatHistory, ChatTurn, summary_request
 from tokenmesh.gateway.requests import generation_job, sampling_params
-from tokenmesh.v1 import llm_pb2, llm_pb2_grpc, token_pb2
+from tokenmesh.v1 import inference_pb2, llm_pb2, llm_pb2_grpc, token_pb2
 
 Context: TypeAlias = aio.ServicerContext[Any, Any]
 
@@ -87,7 +87,11 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         parts: list[str] = []
         size = 0
         async for chunk in request_iterator:
-            first = first or chunk
+            if first is None:
+                # The options are checked as they arrive, not after the whole text.
+                first = chunk
+                sampling_params(first, limits)
+                check_text("instruction", first.instruction, limits.max_prompt_bytes, False)
             if len(parts) >= limits.max_summarize_chunks:
                 raise InvalidArgument(
                     "chunks", f"more than the limit of {limits.max_summarize_chunks} chunks"
@@ -117,6 +121,13 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
             yield event
 
 
+def check_user_turn(
+    user: llm_pb2.UserTurn, limits: GatewaySettings
+) -> inference_pb2.SamplingParams:
+    check_text("user.content", user.content, limits.max_chat_message_bytes)
+    return sampling_params(user, limits)
+
+
 class ChatSession:
     """One Chat stream: user turns run one at a time, each streaming its tokens back; a cancel
     message stops the running turn at once; half-close ends the stream after the running turn."""
@@ -128,8 +139,9 @@ class ChatSession:
         # The RPC's tenant (None: auth off), read once in the RPC's own task.
         self._tenant = current_tenant()
         self._history = ChatHistory(limits.max_chat_turns, limits.max_chat_history_tokens)
-        # Messages read from the client; None marks its half-close.
-        self._inbox: asyncio.Queue[llm_pb2.ChatMessage | None] = asyncio.Queue()
+        # Messages read from the client; None marks its half-close, an exception a message
+        # that could not be read (malformed), which ends the stream with its status.
+        self._inbox: asyncio.Queue[llm_pb2.ChatMessage | Exception | None] = asyncio.Queue()
         # User turns that arrived while another turn was running.
         self._backlog: deque[llm_pb2.UserTurn] = deque()
         self._half_closed = False
@@ -153,24 +165,46 @@ class ChatSession:
                 await reader
 
     async def _read(self, requests: AsyncIterator[llm_pb2.ChatMessage]) -> None:
-        async for message in requests:
-            await self._inbox.put(message)
+        try:
+            async for message in requests:
+                await self._inbox.put(message)
+        except Exception as exc:  # the stream's reader must not wait forever for a message
+            await self._inbox.put(exc)
+            return
         await self._inbox.put(None)
+
+    @staticmethod
+    def _message(item: llm_pb2.ChatMessage | Exception | None) -> llm_pb2.ChatMessage | None:
+        if isinstance(item, Exception):
+            raise item
+        return item
 
     async def _next_user_turn(self) -> llm_pb2.UserTurn | None:
         """The next user turn to answer, or None once the client has half-closed."""
         while not self._backlog:
             if self._half_closed:
                 return None
-            message = await self._inbox.get()
+            message = self._message(await self._inbox.get())
             if message is None:
                 self._half_closed = True
             elif message.HasField("user"):
-                self._backlog.append(message.user)
+                self._enqueue(message.user)
             # A cancel with no turn running has nothing to stop.
         return self._backlog.popleft()
 
-    def _keep_unread(self, pending: asyncio.Future[llm_pb2.ChatMessage | None]) -> None:
+    def _enqueue(self, user: llm_pb2.UserTurn) -> None:
+        """Queue a user turn behind the running one, checked now: a bad turn or one too many
+        ends the stream before it waits."""
+        limits = self._limits
+        if len(self._backlog) >= limits.max_chat_pending_turns:
+            raise ResourceExhausted(
+                f"chat: more than {limits.max_chat_pending_turns} user turns waiting for an "
+                "answer (max_chat_pending_turns); send the next turn after turn_end"
+            )
+        check_user_turn(user, limits)
+        self._backlog.append(user)
+
+    def _keep_unread(self, pending: asyncio.Future[llm_pb2.ChatMessage | Exception | None]) -> None:
         """A message read while a turn was ending still counts; otherwise stop the read."""
         if not pending.done():
             pending.cancel()
@@ -178,7 +212,9 @@ class ChatSession:
         if pending.cancelled():
             return
         message = pending.result()
-        if message is None:
+        if isinstance(message, Exception):
+            self._inbox.put_nowait(message)  # raised by the next read
+        elif message is None:
             self._half_closed = True
         elif message.HasField("user"):
             self._backlog.append(message.user)
@@ -186,8 +222,7 @@ class ChatSession:
     async def _run_turn(
         self, turn: int, user: llm_pb2.UserTurn
     ) -> AsyncGenerator[llm_pb2.ChatEvent, None]:
-        check_text("user.content", user.content, self._limits.max_chat_message_bytes)
-        sampling = sampling_params(user, self._limits)
+        sampling = check_user_turn(user, self._limits)
         tokens = self._pipeline.stream(
             self._history.prompt(user.content),
             sampling,
@@ -203,7 +238,7 @@ class ChatSession:
                 waiting = {next_token} | ({next_message} if next_message else set())
                 done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
                 if next_message in done:
-                    message = next_message.result()
+                    message = self._message(next_message.result())
                     next_message = None
                     if message is None:
                         self._half_closed = True
@@ -213,7 +248,7 @@ class ChatSession:
                         end.usage.completion_tokens = len(answer)
                         break
                     elif message.HasField("user"):
-                        self._backlog.append(message.user)
+                        self._enqueue(message.user)
                     # A cancel after the last token has nothing left to stop.
                     if not self._half_closed:
                         next_message = asyncio.ensure_future(self._inbox.get())

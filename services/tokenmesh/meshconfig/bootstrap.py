@@ -22,6 +22,11 @@ TYPE = "type.googleapis.com/"
 HCM = TYPE + "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 ROUTER = TYPE + "envoy.extensions.filters.http.router.v3.Router"
 HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+LOCAL_RATE_LIMIT = TYPE + "envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit"
+DOWNSTREAM_CONNECTIONS = (
+    TYPE
+    + "envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig"
+)
 
 # The services behind each cluster, and the gRPC service each one's health check asks about.
 HEALTH_SERVICES = {
@@ -120,8 +125,46 @@ def access_log(listener: str) -> list[Config]:
     ]
 
 
+def always() -> Config:
+    return {"default_value": {"numerator": 100, "denominator": "HUNDRED"}}
+
+
+def edge_rate_limit(mesh: MeshSettings) -> list[Config]:
+    """One token bucket for every request at the edge (none when the rate is 0). Placed after
+    gRPC-Web (so its refusals reach browsers as gRPC-Web) and CORS (preflights are free)."""
+    if not mesh.edge_rate_limit_per_second:
+        return []
+    return [
+        {
+            "name": "envoy.filters.http.local_ratelimit",
+            "typed_config": {
+                "@type": LOCAL_RATE_LIMIT,
+                "stat_prefix": "edge_rate_limit",
+                "token_bucket": {
+                    "max_tokens": mesh.edge_rate_burst,
+                    "tokens_per_fill": mesh.edge_rate_limit_per_second,
+                    "fill_interval": "1s",
+                },
+                # Without these two the filter does nothing (both default to 0 %).
+                "filter_enabled": {"runtime_key": "edge_rate_limit_enabled", **always()},
+                "filter_enforced": {"runtime_key": "edge_rate_limit_enforced", **always()},
+                # HTTP 429 maps to UNAVAILABLE for gRPC, which clients retry at once;
+                # RESOURCE_EXHAUSTED says "back off", like the gateways' own limits.
+                "rate_limited_as_resource_exhausted": True,
+                "response_headers_to_add": [
+                    {
+                        "header": {"key": "retry-after-ms", "value": "1000"},
+                        "append_action": ("OVERWRITE_IF_EXISTS_OR_ADD"),
+                    }
+                ],
+            },
+        }
+    ]
+
+
 def edge_filters(mesh: MeshSettings) -> list[Config]:
-    """gRPC-Web and CORS for browsers, REST/JSON transcoding, then routing."""
+    """gRPC-Web and CORS for browsers, the edge rate limit, REST/JSON transcoding, then
+    routing."""
     return [
         {
             "name": "envoy.filters.http.grpc_web",
@@ -133,6 +176,7 @@ def edge_filters(mesh: MeshSettings) -> list[Config]:
                 "@type": "type.googleapis.com/envoy.extensions.filters.http.cors.v3.Cors"
             },
         },
+        *edge_rate_limit(mesh),
         {
             "name": "envoy.filters.http.grpc_json_transcoder",
             "typed_config": {
@@ -200,6 +244,10 @@ def listener(name: str, host: str, port: int, cluster: str, mesh: MeshSettings) 
         "codec_type": "AUTO" if edge else "HTTP2",
         "http2_protocol_options": http2_options(mesh),
         "stream_idle_timeout": seconds(mesh.stream_idle_timeout_seconds),
+        # Bounds on what a request's headers may cost (README "Edge protections").
+        "max_request_headers_kb": mesh.max_request_headers_kib,
+        "common_http_protocol_options": {"max_headers_count": mesh.max_headers_count},
+        "request_headers_timeout": seconds(mesh.request_headers_timeout_seconds),
         "access_log": access_log(name),
         "route_config": {"name": name, "virtual_hosts": [virtual_host]},
         "http_filters": edge_filters(mesh)
@@ -227,6 +275,9 @@ def listener(name: str, host: str, port: int, cluster: str, mesh: MeshSettings) 
         "name": name,
         "address": {"socket_address": {"address": host, "port_value": port}},
         "per_connection_buffer_limit_bytes": mesh.buffer_limit_bytes,
+        # Only client connections count towards max_edge_connections: gateways keep reaching
+        # workers and the reranker when the edge is full.
+        "ignore_global_conn_limit": not edge,
         "filter_chains": [chain],
     }
 
@@ -387,7 +438,20 @@ def render(mesh: MeshSettings) -> Config:
         "admin": {
             "address": {
                 "socket_address": {"address": mesh.admin_host, "port_value": mesh.admin_port}
-            }
+            },
+            # Probes and metrics scrapes get through when the edge is at its connection limit.
+            "ignore_global_conn_limit": True,
+        },
+        "overload_manager": {
+            "resource_monitors": [
+                {
+                    "name": "envoy.resource_monitors.global_downstream_max_connections",
+                    "typed_config": {
+                        "@type": DOWNSTREAM_CONNECTIONS,
+                        "max_active_downstream_connections": mesh.max_edge_connections,
+                    },
+                }
+            ]
         },
         "dynamic_resources": {
             "ads_config": {

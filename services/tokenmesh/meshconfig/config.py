@@ -81,6 +81,25 @@ class MeshSettings(BaseSettings):
     # A check unanswered this long fails; two failures in a row take a host out (a host that
     # says NOT_SERVING is out after two intervals, one that hangs after about 2-3 s).
     health_check_timeout_seconds: float = Field(default=1.0, gt=0)
+    # Edge protections (README "Edge protections"). Request headers, all of them together,
+    # larger than this are refused (HTTP/2: the stream is reset; HTTP/1.1: 431). gRPC clients
+    # send a few hundred bytes; Envoy's own default is the same 60 KiB.
+    max_request_headers_kib: int = Field(default=60, ge=1, le=8192)
+    # Request headers (name/value pairs) per request; more are refused like oversized ones.
+    max_headers_count: int = Field(default=100, ge=1)
+    # A client must send its whole request headers within this long of opening the stream
+    # (slowloris); streaming bodies are not affected.
+    request_headers_timeout_seconds: float = Field(default=10.0, gt=0)
+    # Client connections open at once on the edge (Envoy's overload manager); more are closed
+    # as soon as they are accepted. The internal listeners and admin are not counted, so the
+    # gateways' calls and health checks still get through when the edge is full.
+    max_edge_connections: int = Field(default=10_000, ge=1)
+    # The edge's last line of defence against floods: a token bucket shared by every client,
+    # refilled with this many requests each second (0: off), holding at most edge_rate_burst.
+    # Far above what the gateways can serve; per-tenant limits are the gateways' job. A refused
+    # request gets RESOURCE_EXHAUSTED (HTTP 429 for REST) before reaching a gateway.
+    edge_rate_limit_per_second: int = Field(default=1000, ge=0)
+    edge_rate_burst: int = Field(default=2000, ge=1)
     # CORS origins allowed to call the edge with gRPC-Web (regular expressions).
     cors_allowed_origins: list[str] = [r"https?://(localhost|127\.0\.0\.1)(:[0-9]+)?"]
 

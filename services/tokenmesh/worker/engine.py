@@ -127,6 +127,9 @@ def engine_args(settings: WorkerSettings) -> AsyncEngineArgs:
         tensor_parallel_size=settings.tensor_parallel_size,
         trust_remote_code=settings.trust_remote_code,
         max_logprobs=settings.max_top_logprobs,
+        # vLLM's per-request log lines stay off (its default, stated here because prompts
+        # must never reach the logs; README "No prompt text in logs").
+        enable_log_requests=False,
     )
 
 

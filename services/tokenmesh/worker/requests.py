@@ -6,7 +6,7 @@ import uuid
 from dataclasses import dataclass
 
 from tokenmesh.common.errors import InvalidArgument
-from tokenmesh.common.validation import check_count, check_logprobs, check_range, check_text
+from tokenmesh.common.validation import check_logprobs, check_range, check_stop, check_text
 from tokenmesh.v1 import inference_pb2
 from tokenmesh.worker.config import WorkerSettings
 
@@ -52,14 +52,9 @@ def validate(request: inference_pb2.InferenceRequest, limits: WorkerSettings) ->
         top_k = sampling.top_k
         if top_k == 0 or top_k < -1:
             raise InvalidArgument("sampling.top_k", f"must be -1 (off) or >= 1, got {top_k}")
-    check_count("sampling.stop", len(sampling.stop), limits.max_stop_sequences, "sequences")
-    for position, stop in enumerate(sampling.stop):
-        size = len(stop.encode())
-        if not stop or size > limits.max_stop_sequence_bytes:
-            raise InvalidArgument(
-                f"sampling.stop[{position}]",
-                f"must be 1..{limits.max_stop_sequence_bytes} bytes, got {size}",
-            )
+    check_stop(
+        "sampling.stop", sampling.stop, limits.max_stop_sequences, limits.max_stop_sequence_bytes
+    )
     check_logprobs("sampling.", sampling.logprobs, sampling.top_logprobs, limits.max_top_logprobs)
     if len(request.request_id) > limits.max_request_id_chars:
         raise InvalidArgument(
