@@ -76,14 +76,32 @@ def markdown_table(results: Iterable[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_cdfs(results: Sequence[dict[str, Any]], metric: str, path: Path, title: str) -> None:
-    """CDF of one latency (ttft, itl or e2e) for each run, from its stored HDR histogram."""
+def new_plot() -> tuple[Any, Any]:
+    """A figure and its axes, drawn without a display (matplotlib imported only when plotting)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(7, 4.2))
+    return plt.subplots(figsize=(7, 4.2))
+
+
+def save_plot(figure: Any, axes: Any, path: Path, title: str, grid: str = "major") -> None:
+    """Title, grid and legend, then the PNG at path; the figure is closed."""
+    import matplotlib.pyplot as plt
+
+    axes.set_title(title)
+    axes.grid(True, which=grid, alpha=0.3)
+    axes.legend(fontsize=7)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=90)
+    plt.close(figure)
+
+
+def plot_cdfs(results: Sequence[dict[str, Any]], metric: str, path: Path, title: str) -> None:
+    """CDF of one latency (ttft, itl or e2e) for each run, from its stored HDR histogram."""
+    figure, axes = new_plot()
     for result in results:
         points = Latencies.decode(result["histograms"][metric]).cdf()
         if points:
@@ -92,13 +110,7 @@ def plot_cdfs(results: Sequence[dict[str, Any]], metric: str, path: Path, title:
     axes.set_xscale("log")
     axes.set_xlabel(f"{metric.upper()} (ms, log scale)")
     axes.set_ylabel("fraction of requests" if metric != "itl" else "fraction of token gaps")
-    axes.set_title(title)
-    axes.grid(True, which="both", alpha=0.3)
-    axes.legend(fontsize=7)
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=90)
-    plt.close(figure)
+    save_plot(figure, axes, path, title, grid="both")
 
 
 def plot_throughput(
@@ -106,12 +118,7 @@ def plot_throughput(
 ) -> None:
     """tokens/s against concurrency, one line per target; the engine's in-process figure as
     a horizontal line when known."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(7, 4.2))
+    figure, axes = new_plot()
     ticks: set[int] = set()
     for name, points in series.items():
         xs, ys = zip(*sorted(points), strict=True)
@@ -123,24 +130,13 @@ def plot_throughput(
     axes.set_xticks(sorted(ticks), [str(tick) for tick in sorted(ticks)])
     axes.set_xlabel("concurrent streams (engine: batch size)")
     axes.set_ylabel("tokens/s")
-    axes.set_title(title)
-    axes.grid(True, alpha=0.3)
-    axes.legend(fontsize=7)
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=90)
-    plt.close(figure)
+    save_plot(figure, axes, path, title)
 
 
 def plot_timeline(result: dict[str, Any], path: Path, title: str, marker: float | None) -> None:
     """Each request's TTFT against when it was sent (scenario 6: the reranker killed at
     `marker` seconds)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(7, 4.2))
+    figure, axes = new_plot()
     groups: dict[str, tuple[list[float], list[float]]] = {}
     for start, ttft, _e2e, status, warning in result["timeline"]:
         if ttft < 0:
@@ -158,10 +154,4 @@ def plot_timeline(result: dict[str, Any], path: Path, title: str, marker: float 
     axes.set_yscale("log")
     axes.set_xlabel("request sent at (s into the measurement)")
     axes.set_ylabel("TTFT (ms, log scale)")
-    axes.set_title(title)
-    axes.grid(True, alpha=0.3)
-    axes.legend(fontsize=7)
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=90)
-    plt.close(figure)
+    save_plot(figure, axes, path, title)
