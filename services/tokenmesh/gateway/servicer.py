@@ -84,13 +84,14 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
     ) -> llm_pb2.Answer:
         limits = self._limits
         first: llm_pb2.DocumentChunk | None = None
+        sampling: inference_pb2.SamplingParams | None = None
         parts: list[str] = []
         size = 0
         async for chunk in request_iterator:
             if first is None:
                 # The options are checked as they arrive, not after the whole text.
                 first = chunk
-                sampling_params(first, limits)
+                sampling = sampling_params(first, limits)
                 check_text("instruction", first.instruction, limits.max_prompt_bytes, False)
             if len(parts) >= limits.max_summarize_chunks:
                 raise InvalidArgument(
@@ -104,9 +105,8 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
                     "bytes",
                 )
             parts.append(chunk.text)
-        if first is None or not size:
+        if first is None or sampling is None or not size:
             raise InvalidArgument("text", "no text received before the stream was closed")
-        sampling = sampling_params(first, limits)
         instruction = first.instruction or limits.summarize_instruction
         check_text("instruction", instruction, limits.max_prompt_bytes)
         prompt = summary_request(instruction, "".join(parts))
