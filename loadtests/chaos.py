@@ -331,9 +331,11 @@ async def worker_kill(mesh: Mesh, short: bool) -> Row:
         f"in-flight streams on the killed worker end UNAVAILABLE with a message: "
         f"{sorted({(o.code, o.details[:80]) for o in failed})}",
     )
+    # Typically 0.6 s; the bound tells a prompt end from one at the 60 s stream idle timeout
+    # with room for a busy box (5.4 s seen with a test suite running beside the mesh).
     row.check(
-        ended_within <= 5,
-        f"they end within 5 s of the kill, not at an idle timeout ({ended_within:.1f}s)",
+        ended_within <= 10,
+        f"they end within 10 s of the kill, not at an idle timeout ({ended_within:.1f}s)",
     )
     row.check(
         all(o.tokens > 0 for o in failed), "only streams that had begun fail (others are retried)"

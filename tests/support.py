@@ -226,6 +226,17 @@ def aborted_total(worker: ServiceProcess, reason: str) -> float:
     )
 
 
+def generations_finished(worker: ServiceProcess) -> float:
+    """Generate RPCs the worker has answered in full (status OK)."""
+    return metric_value(
+        scrape_metrics(worker.metrics_port),
+        "grpc_server_handled_total",
+        0.0,
+        grpc_method="Generate",
+        grpc_code="OK",
+    )
+
+
 async def aborted_since(
     worker: ServiceProcess, reason: str, before: float, expected: int, within: float = 5.0
 ) -> float:

@@ -134,35 +134,45 @@ async def test_sigterm_lets_the_in_flight_stream_finish_then_exits_0(
 
 @pytest.mark.stops_worker
 async def test_engine_death_fails_streams_with_unavailable_and_exits_1(tmp_path: Path) -> None:
-    """Kill vLLM's engine process mid-stream: the caller gets UNAVAILABLE with a message, not
+    """Kill vLLM's engine process mid-stream: the callers get UNAVAILABLE with a message, not
     a hang; the worker reports NOT_SERVING and exits non-zero for its supervisor."""
     worker = worker_process(ROOT / ".run" / "test-logs", name="worker-engine-death")
     worker.start()
     try:
         worker.wait_serving(300)
+        assert worker.process is not None
+        # Found before any stream starts, so the kill follows the first tokens at once.
+        engine_cores = [
+            child
+            for child in psutil.Process(worker.process.pid).children(recursive=True)
+            if "EngineCore" in " ".join(child.cmdline()) or "EngineCore" in child.name()
+        ]
+        assert engine_cores, "no EngineCore child process found"
         async with aio.insecure_channel(worker.address) as channel:
             stub = inference_pb2_grpc.InferenceServiceStub(channel)
-            request = inference_pb2.InferenceRequest(
-                prompt="doomed",
-                sampling=inference_pb2.SamplingParams(max_tokens=2000, ignore_eos=True),
-            )
-            call = stub.Generate(request, timeout=60)
-            await call.read()
-            assert worker.process is not None
-            engine_cores = [
-                child
-                for child in psutil.Process(worker.process.pid).children(recursive=True)
-                if "EngineCore" in " ".join(child.cmdline()) or "EngineCore" in child.name()
+            # Enough work that no stream can finish before the kill, however slowly this test
+            # process is scheduled: one lone 2,000-token stream once did, on a loaded machine.
+            calls = [
+                stub.Generate(
+                    inference_pb2.InferenceRequest(
+                        prompt=f"doomed {i}",
+                        sampling=inference_pb2.SamplingParams(max_tokens=2000, ignore_eos=True),
+                    ),
+                    timeout=60,
+                )
+                for i in range(16)
             ]
-            assert engine_cores, "no EngineCore child process found"
+            for call in calls:
+                await call.read()
             killed_at = time.monotonic()
             for child in engine_cores:
                 os.kill(child.pid, signal.SIGKILL)
-            with pytest.raises(aio.AioRpcError) as error:
-                await read_rest(call)
+            for call in calls:
+                with pytest.raises(aio.AioRpcError) as error:
+                    await read_rest(call)
+                assert error.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL)
+                assert error.value.details()
             assert time.monotonic() - killed_at < 30
-            assert error.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL)
-            assert error.value.details()
         assert await asyncio.to_thread(worker.process.wait, 60) == 1
     finally:
         worker.stop()

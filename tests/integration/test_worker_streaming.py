@@ -14,6 +14,7 @@ from tests.support import (
     aborted_since,
     aborted_total,
     engine_empty_at,
+    generations_finished,
     metric_value,
     read_rest,
     scrape_metrics,
@@ -150,17 +151,6 @@ async def _start_streams(inference, count: int) -> tuple[list[grpc.aio.UnaryStre
             call.cancel()
         raise
     return calls, max(token.emitted_unix_nanos for token in firsts)
-
-
-def generations_finished(worker: ServiceProcess) -> float:
-    """Generate RPCs the worker has answered in full (status OK)."""
-    return metric_value(
-        scrape_metrics(worker.metrics_port),
-        "grpc_server_handled_total",
-        0.0,
-        grpc_method="Generate",
-        grpc_code="OK",
-    )
 
 
 async def test_cancel_frees_engine_within_100ms(inference, worker: ServiceProcess) -> None:

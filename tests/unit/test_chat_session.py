@@ -25,6 +25,21 @@ class SlowPipeline:
         return tokens()
 
 
+class QuickPipeline:
+    """Every turn streams one last token at once; the prompts it was given are kept."""
+
+    def __init__(self) -> None:
+        self.prompts: list[str] = []
+
+    def stream(self, prompt: str, *args: Any) -> AsyncIterator[token_pb2.Token]:
+        self.prompts.append(prompt)
+
+        async def tokens() -> AsyncIterator[token_pb2.Token]:
+            yield token_pb2.Token(text="a", finish_reason=token_pb2.FINISH_REASON_STOP)
+
+        return tokens()
+
+
 class Context:
     def time_remaining(self) -> None:
         return None
@@ -42,11 +57,17 @@ async def messages(*items: llm_pb2.ChatMessage | Exception) -> AsyncIterator[Any
     await asyncio.sleep(30)  # the client keeps the stream open
 
 
-async def run(limits: GatewaySettings, *items: llm_pb2.ChatMessage | Exception) -> None:
-    session = ChatSession(SlowPipeline(), limits, Context())  # type: ignore[arg-type]
+async def run(
+    limits: GatewaySettings, *items: llm_pb2.ChatMessage | Exception, pipeline: Any = None
+) -> list[llm_pb2.ChatEvent]:
+    session = ChatSession(pipeline or SlowPipeline(), limits, Context())
     async with asyncio.timeout(5):
-        async for _ in session.run(messages(*items)):
-            pass
+        return [event async for event in session.run(messages(*items))]
+
+
+async def half_closed(*items: llm_pb2.ChatMessage) -> AsyncIterator[llm_pb2.ChatMessage]:
+    for item in items:
+        yield item
 
 
 async def test_one_turn_too_many_waiting_ends_the_stream_resource_exhausted() -> None:
@@ -63,3 +84,24 @@ async def test_a_bad_turn_is_refused_as_it_arrives_not_when_its_turn_comes() -> 
 async def test_a_malformed_message_ends_the_stream_instead_of_hanging() -> None:
     with pytest.raises(InvalidArgument, match="request"):
         await run(GatewaySettings(), user(), InvalidArgument("request", "not a valid message"))
+
+
+async def test_turns_sent_together_are_answered_in_order_then_the_stream_ends() -> None:
+    # Turns read while the one before ends (as the quick pipeline's do) keep their place.
+    pipeline = QuickPipeline()
+    session = ChatSession(pipeline, GatewaySettings(), Context())  # type: ignore[arg-type]
+    contents = ["one", "two", "three", "four"]
+    async with asyncio.timeout(5):
+        events = [e async for e in session.run(half_closed(*(user(c) for c in contents)))]
+    asked = [
+        prompt.rsplit("User: ", 1)[1].removesuffix("\nAssistant:") for prompt in pipeline.prompts
+    ]
+    assert asked == contents
+    assert [e.turn for e in events if e.HasField("turn_end")] == [0, 1, 2, 3]
+
+
+async def test_a_bad_turn_read_as_a_turn_ends_is_refused_and_never_run() -> None:
+    pipeline = QuickPipeline()
+    with pytest.raises(InvalidArgument, match=r"user\.content"):
+        await run(GatewaySettings(), user("fine"), user(""), user("never"), pipeline=pipeline)
+    assert len(pipeline.prompts) <= 1

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from tokenmesh.common.errors import RETRY_AFTER_HEADER
 from tokenmesh.common.interceptors import admitted, standard_interceptors
-from tokenmesh.common.limits import LimitExceeded, LimitsInterceptor, TenantLimiter
+from tokenmesh.common.limits import Charge, LimitExceeded, LimitsInterceptor, TenantLimiter
 from tokenmesh.common.tenants import Limits, Tenant, TenantMetrics, enter_tenant
 from tokenmesh.gateway.quota import QuotaMeter
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
@@ -37,7 +37,8 @@ async def test_no_limits_admit_everything() -> None:
     limiter = TenantLimiter(1000)
     for _ in range(1000):
         await limiter.admit(tenant())
-    assert limiter.charge(tenant(), 10**9) and limiter.quota_left(tenant()) is None
+    assert limiter.charge(tenant(), 10**9) == Charge(True, None)
+    assert limiter.quota_left(tenant()) is None
 
 
 async def test_the_rate_bucket_lets_a_burst_through_then_refuses_with_a_hint() -> None:
@@ -92,9 +93,10 @@ async def test_the_token_quota_is_a_fixed_window_aligned_to_the_epoch() -> None:
     clock = FakeClock(now=999_995.0)  # 35 s into the window from 999_960 (16_666 x 60)
     limiter = TenantLimiter(1000, clock)
     quota = tenant(tokens_per_window=10, window_seconds=60)
-    assert limiter.charge(quota, 7) and limiter.quota_left(quota) == 3
-    assert not limiter.charge(quota, 4) and limiter.quota_left(quota) == 3
-    assert limiter.charge(quota, 3) and limiter.quota_left(quota) == 0
+    assert limiter.charge(quota, 7) == Charge(True, 3)
+    assert limiter.charge(quota, 4) == Charge(False, 3)
+    assert limiter.charge(quota, 3) == Charge(True, 0)
+    assert limiter.quota_left(quota) == 0
     with pytest.raises(LimitExceeded) as refused:
         await limiter.admit(quota)
     assert refused.value.outcome == "quota_exhausted"
@@ -110,7 +112,7 @@ async def test_a_reload_applies_new_limits_and_keeps_what_is_used() -> None:
     limiter = TenantLimiter(1000, clock)
     before = tenant(tokens_per_window=10, max_concurrent_streams=1)
     await limiter.admit(before)
-    assert limiter.charge(before, 10)
+    assert limiter.charge(before, 10).fitted
     after = tenant(tokens_per_window=15, max_concurrent_streams=2)
     assert limiter.quota_left(after) == 5
     await limiter.admit(after)  # the first stream is still counted: 2 of 2

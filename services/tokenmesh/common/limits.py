@@ -11,7 +11,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 from aiolimiter import AsyncLimiter
@@ -33,6 +33,14 @@ class LimitExceeded(ResourceExhausted):
     def __init__(self, outcome: str, message: str, retry_after_ms: int) -> None:
         super().__init__(message, retry_after_ms)
         self.outcome = outcome
+
+
+class Charge(NamedTuple):
+    """What charging generated tokens did: whether they fitted in the quota (nothing is charged
+    when they do not), and the tokens left after it (None: the tenant has no quota)."""
+
+    fitted: bool
+    left: int | None
 
 
 @dataclass
@@ -114,18 +122,18 @@ class TenantLimiter:
                 math.ceil(seconds_left * 1000),
             )
 
-    def charge(self, tenant: Tenant, tokens: int = 1) -> bool:
-        """Charge generated tokens to the tenant's quota; False (nothing charged) when they
-        do not fit in what is left."""
+    def charge(self, tenant: Tenant, tokens: int = 1) -> Charge:
+        """Charge generated tokens to the tenant's quota, saying in the same look-up what is
+        left (the quota meter asks after every token)."""
         state = self._state(tenant)
         quota = state.limits.tokens_per_window
         if quota is None:
-            return True
+            return Charge(True, None)
         self._roll(state)
         if state.used + tokens > quota:
-            return False
+            return Charge(False, quota - state.used)
         state.used += tokens
-        return True
+        return Charge(True, quota - state.used)
 
     async def admit(self, tenant: Tenant) -> None:
         """Count a new RPC of the tenant in, or refuse it at once with LimitExceeded: at its

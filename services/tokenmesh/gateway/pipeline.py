@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from tokenmesh.common.channels import Dependency
 from tokenmesh.common.errors import DependencyError
 from tokenmesh.common.metrics import RPC_BUCKETS
-from tokenmesh.common.tenants import TENANT_HEADER, Tenant
+from tokenmesh.common.tenants import TENANT_HEADER, current_tenant
 from tokenmesh.gateway.breaker import CircuitBreaker, CircuitOpenError, CircuitState
 from tokenmesh.gateway.config import GatewaySettings
 from tokenmesh.gateway.prompts import with_context
@@ -256,10 +256,11 @@ class Pipeline:
         prompt: str,
         sampling: inference_pb2.SamplingParams,
         remaining: float | None,
-        tenant: Tenant | None = None,
     ) -> AsyncGenerator[token_pb2.Token, None]:
-        """The worker's tokens; for a tenant, charged to its quota, and the worker told whose
-        request it is (x-tenant-id: the gateway's own metadata, never a caller's)."""
+        """The worker's tokens. For the RPC's tenant (set by the auth interceptor in the RPC's
+        context; none with auth off), they are charged to its quota and the worker is told
+        whose request it is (x-tenant-id: the gateway's own metadata, never a caller's)."""
+        tenant = current_tenant()
         request = inference_pb2.InferenceRequest(
             request_id=uuid.uuid4().hex[:16], prompt=prompt, sampling=sampling
         )

@@ -28,14 +28,15 @@ class QuotaMeter:
         self._limiter.check_quota(tenant)
         try:
             async for token in tokens:
-                if not self._limiter.charge(tenant):
+                charge = self._limiter.charge(tenant)
+                if not charge.fitted:
                     # Another stream of the tenant used the rest: end with a message that is
                     # not a token (token_id -1, no text), like the worker's end-only message.
                     self._metrics.quota_cutoff(tenant)
                     yield self._end(token.index, token.emitted_unix_nanos)
                     return
                 self._metrics.tokens(tenant)
-                if not token.finish_reason and self._limiter.quota_left(tenant) == 0:
+                if not token.finish_reason and charge.left == 0:
                     self._metrics.quota_cutoff(tenant)
                     token.finish_reason = token_pb2.FINISH_REASON_QUOTA_EXHAUSTED
                     token.usage.completion_tokens = token.index + 1

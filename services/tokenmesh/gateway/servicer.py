@@ -12,7 +12,6 @@ from grpc import aio
 
 from tokenmesh.common.errors import InvalidArgument, ResourceExhausted
 from tokenmesh.common.metrics import StreamMetrics
-from tokenmesh.common.tenants import current_tenant
 from tokenmesh.common.validation import check_text
 from tokenmesh.gateway.config import GatewaySettings
 from tokenmesh.gateway.pipeline import DEGRADED_HEADER, Pipeline, PreparedPrompt
@@ -60,7 +59,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         flag_degraded(context, prepared)
         first = True
         async for token in self._pipeline.stream(
-            prepared.prompt, job.sampling, context.time_remaining(), current_tenant()
+            prepared.prompt, job.sampling, context.time_remaining()
         ):
             if first:
                 token.warnings.extend(prepared.warnings)
@@ -72,9 +71,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         job = generation_job(request, self._limits)
         prepared = await self._pipeline.prepare(job, context.time_remaining())
         flag_degraded(context, prepared)
-        tokens = self._pipeline.stream(
-            prepared.prompt, job.sampling, context.time_remaining(), current_tenant()
-        )
+        tokens = self._pipeline.stream(prepared.prompt, job.sampling, context.time_remaining())
         answer = await collect(tokens, prepared.warnings)
         answer.used_document_indices.extend(prepared.used_document_indices)
         return answer
@@ -110,7 +107,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         instruction = first.instruction or limits.summarize_instruction
         check_text("instruction", instruction, limits.max_prompt_bytes)
         prompt = summary_request(instruction, "".join(parts))
-        tokens = self._pipeline.stream(prompt, sampling, context.time_remaining(), current_tenant())
+        tokens = self._pipeline.stream(prompt, sampling, context.time_remaining())
         return await collect(tokens)
 
     async def Chat(
@@ -136,14 +133,15 @@ class ChatSession:
         self._pipeline = pipeline
         self._limits = limits
         self._context = context
-        # The RPC's tenant (None: auth off), read once in the RPC's own task.
-        self._tenant = current_tenant()
         self._history = ChatHistory(limits.max_chat_turns, limits.max_chat_history_tokens)
         # Messages read from the client; None marks its half-close, an exception a message
         # that could not be read (malformed), which ends the stream with its status.
         self._inbox: asyncio.Queue[llm_pb2.ChatMessage | Exception | None] = asyncio.Queue()
-        # User turns that arrived while another turn was running.
-        self._backlog: deque[llm_pb2.UserTurn] = deque()
+        # A message taken from the inbox as a turn ended, handled before the inbox's next one
+        # (at most one; a deque because None, the half-close, is a message too).
+        self._unread: deque[llm_pb2.ChatMessage | Exception | None] = deque()
+        # User turns that arrived while another turn was running, checked, with their sampling.
+        self._backlog: deque[tuple[llm_pb2.UserTurn, inference_pb2.SamplingParams]] = deque()
         self._half_closed = False
 
     async def run(
@@ -153,10 +151,10 @@ class ChatSession:
         try:
             turn = 0
             while True:
-                user = await self._next_user_turn()
-                if user is None:
+                queued = await self._next_user_turn()
+                if queued is None:
                     return
-                async for event in self._run_turn(turn, user):
+                async for event in self._run_turn(turn, *queued):
                     yield event
                 turn += 1
         finally:
@@ -179,12 +177,20 @@ class ChatSession:
             raise item
         return item
 
-    async def _next_user_turn(self) -> llm_pb2.UserTurn | None:
-        """The next user turn to answer, or None once the client has half-closed."""
+    async def _next_message(self) -> llm_pb2.ChatMessage | Exception | None:
+        if self._unread:
+            return self._unread.popleft()
+        return await self._inbox.get()
+
+    async def _next_user_turn(
+        self,
+    ) -> tuple[llm_pb2.UserTurn, inference_pb2.SamplingParams] | None:
+        """The next user turn to answer, with its sampling, or None once the client has
+        half-closed."""
         while not self._backlog:
             if self._half_closed:
                 return None
-            message = self._message(await self._inbox.get())
+            message = self._message(await self._next_message())
             if message is None:
                 self._half_closed = True
             elif message.HasField("user"):
@@ -201,38 +207,26 @@ class ChatSession:
                 f"chat: more than {limits.max_chat_pending_turns} user turns waiting for an "
                 "answer (max_chat_pending_turns); send the next turn after turn_end"
             )
-        check_user_turn(user, limits)
-        self._backlog.append(user)
+        self._backlog.append((user, check_user_turn(user, limits)))
 
     def _keep_unread(self, pending: asyncio.Future[llm_pb2.ChatMessage | Exception | None]) -> None:
-        """A message read while a turn was ending still counts; otherwise stop the read."""
+        """A message read while a turn was ending is handled next, in its turn; a read still
+        waiting is stopped."""
         if not pending.done():
             pending.cancel()
-            return
-        if pending.cancelled():
-            return
-        message = pending.result()
-        if isinstance(message, Exception):
-            self._inbox.put_nowait(message)  # raised by the next read
-        elif message is None:
-            self._half_closed = True
-        elif message.HasField("user"):
-            self._backlog.append(message.user)
+        elif not pending.cancelled():
+            self._unread.append(pending.result())
 
     async def _run_turn(
-        self, turn: int, user: llm_pb2.UserTurn
+        self, turn: int, user: llm_pb2.UserTurn, sampling: inference_pb2.SamplingParams
     ) -> AsyncGenerator[llm_pb2.ChatEvent, None]:
-        sampling = check_user_turn(user, self._limits)
         tokens = self._pipeline.stream(
-            self._history.prompt(user.content),
-            sampling,
-            self._context.time_remaining(),
-            self._tenant,
+            self._history.prompt(user.content), sampling, self._context.time_remaining()
         )
         answer: list[str] = []
         end = llm_pb2.TurnEnd()
         next_token = asyncio.ensure_future(anext(tokens))
-        next_message = None if self._half_closed else asyncio.ensure_future(self._inbox.get())
+        next_message = None if self._half_closed else asyncio.ensure_future(self._next_message())
         try:
             while True:
                 waiting = {next_token} | ({next_message} if next_message else set())
@@ -251,7 +245,7 @@ class ChatSession:
                         self._enqueue(message.user)
                     # A cancel after the last token has nothing left to stop.
                     if not self._half_closed:
-                        next_message = asyncio.ensure_future(self._inbox.get())
+                        next_message = asyncio.ensure_future(self._next_message())
                 if next_token in done:
                     try:
                         token = next_token.result()

@@ -52,6 +52,9 @@ ACCESS_LOG_FIELDS = {
     "response_code": "%RESPONSE_CODE%",
     "grpc_status": "%GRPC_STATUS%",
     "flags": "%RESPONSE_FLAGS%",
+    # Why Envoy ended the stream as it did (e.g. max_duration_timeout,
+    # upstream_reset_after_response_started{remote_reset}): the flags alone don't say.
+    "details": "%RESPONSE_CODE_DETAILS%",
     "upstream_cluster": "%UPSTREAM_CLUSTER%",
     "upstream_host": "%UPSTREAM_HOST%",
     "duration_ms": "%DURATION%",
