@@ -181,7 +181,7 @@ async def test_ops_page_follows_load_and_shows_the_circuit_opening(
                     )
                     await poll(lambda: any_running(page), 30, "running requests on a worker")
                     await expect(page.locator("#ttft-p50")).not_to_have_text(NO_VALUE)
-                    await page.screenshot(path=tmp_path / "ops-page-load.png", full_page=True)
+                    await snapshot(page, tmp_path / "ops-page-load.png")
 
                     # The reranker stopped: reranked answers fail over to degraded ones until
                     # the gateways' breakers open, and the page shows it.
@@ -191,9 +191,12 @@ async def test_ops_page_follows_load_and_shows_the_circuit_opening(
                     loop = asyncio.get_running_loop()
                     since = loop.time()
                     attempt = 0
-                    while await circuit_shown(page) != "open":
+                    gateways = [p for p in mesh.programs if p.service == "gateway"]
+                    # Answers go on until every gateway's breaker is shown open: Envoy spreads
+                    # them over the gateways, so one can open while another is a failure short.
+                    while not await all_circuits_shown_open(page, len(gateways)):
                         assert loop.time() - since < OPEN_WITHIN_SECONDS, (
-                            f"circuit indicator not open within {OPEN_WITHIN_SECONDS}s of "
+                            f"circuit indicators not all open within {OPEN_WITHIN_SECONDS}s of "
                             f"stopping the reranker; gateways say {circuit_states(mesh)}"
                         )
                         attempt += 1
@@ -201,13 +204,9 @@ async def test_ops_page_follows_load_and_shows_the_circuit_opening(
                             *(answer(edge, 1000 + attempt * 10 + n) for n in range(4))
                         )
                         assert all(reply.text for reply in answers), "degraded answers answer"
-                    print(f"circuit shown open {loop.time() - since:.1f}s after the stop")
-                    gateways = [p for p in mesh.programs if p.service == "gateway"]
-                    await expect(
-                        page.locator('#gateway-circuits li[data-state="open"]')
-                    ).to_have_count(len(gateways), timeout=15_000)
+                    print(f"circuits shown open {loop.time() - since:.1f}s after the stop")
                     await poll(lambda: positive(page, "#degraded"), 15, "degraded answers counted")
-                    await page.screenshot(path=tmp_path / "ops-page-open.png", full_page=True)
+                    await snapshot(page, tmp_path / "ops-page-open.png")
                     if UPDATE_SCREENSHOT:
                         SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
                         shutil.copyfile(tmp_path / "ops-page-open.png", SCREENSHOT)
@@ -223,6 +222,20 @@ async def test_ops_page_follows_load_and_shows_the_circuit_opening(
     assert not [line for line in console if line.startswith(("page error", "error"))], console
 
 
+async def snapshot(page: Page, path: Path) -> None:
+    """A full-page screenshot for whoever reads the test's output; not a check. A live page on
+    a starved machine can take over 30 s to capture (seen once in CI), so a screenshot that
+    times out is reported and skipped, unless it is the README's being refreshed."""
+    from playwright.async_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        await page.screenshot(path=path, full_page=True, timeout=20_000)
+    except PlaywrightTimeout as timed_out:
+        if UPDATE_SCREENSHOT:
+            raise
+        print(f"screenshot {path.name} not taken: {timed_out.message.splitlines()[0]}")
+
+
 async def idle(page: Page) -> bool:
     return await number(page, "#tokens-per-second") == 0 and not any(await running_requests(page))
 
@@ -233,6 +246,13 @@ async def positive(page: Page, selector: str) -> bool:
 
 async def any_running(page: Page) -> bool:
     return any(count > 0 for count in await running_requests(page))
+
+
+async def all_circuits_shown_open(page: Page, gateways: int) -> bool:
+    """The page's circuit indicator open, and each gateway's breaker listed open."""
+    if await circuit_shown(page) != "open":
+        return False
+    return await page.locator('#gateway-circuits li[data-state="open"]').count() == gateways
 
 
 async def circuit_shown(page: Page) -> str | None:

@@ -52,7 +52,7 @@ class GatewaySettings(ServiceSettings):
     # ends a stream with DEADLINE_EXCEEDED itself before the edge Envoy's timer for the same
     # deadline fires: Envoy can only reset a stream whose response has started, which a client
     # slow to see its own deadline reports as INTERNAL. Measured in a deadline storm on two busy
-    # cores: 50 ms left 6% of streams to Envoy's timer (some after their first token), 150 ms
+    # cores: 50 ms left 7% of streams to Envoy's timer (some after their first token), 150 ms
     # left 3% (all before it, answered DEADLINE_EXCEEDED).
     deadline_margin_seconds: float = Field(default=0.15, ge=0)
     # Longest a rerank may take even when the caller allows more; then the answer degrades.
