@@ -200,6 +200,23 @@ class Mesh:
     def healthy(self, cluster: str) -> set[str]:
         return {address for address, ok in self.stack.envoy_hosts().get(cluster, []) if ok}
 
+    def open_streams(self, cluster: str) -> dict[str, int]:
+        """Streams Envoy has open to each host of the cluster (its rq_active gauge)."""
+        url = f"http://127.0.0.1:{self.stack.settings.envoy_admin_port}/clusters?format=json"
+        with urllib.request.urlopen(url, timeout=BUSY_CALL_TIMEOUT_SECONDS) as reply:
+            statuses = json.load(reply).get("cluster_statuses", [])
+        streams: dict[str, int] = {}
+        for status in statuses:
+            if status["name"] != cluster:
+                continue
+            for host in status.get("host_statuses", []):
+                socket = host["address"]["socket_address"]
+                active = [s for s in host.get("stats", []) if s.get("name") == "rq_active"]
+                # Protobuf JSON leaves out a zero value.
+                count = int(active[0].get("value", 0)) if active else 0
+                streams[f"{socket['address']}:{socket['port_value']}"] = count
+        return streams
+
     def known(self, cluster: str) -> set[str]:
         return {address for address, _ in self.stack.envoy_hosts().get(cluster, [])}
 
@@ -248,15 +265,6 @@ class Mesh:
         took = await self.wait_until(lambda: program.address in self.healthy(cluster), within, 1)
         return took is not None
 
-    async def running(self, worker: Program) -> int:
-        """Requests running or waiting in the worker's engine (its scheduler's latest report)."""
-        async with aio.insecure_channel(worker.address) as channel:
-            stub = inference_pb2_grpc.InferenceServiceStub(channel)
-            report = await stub.GetEngineStats(
-                inference_pb2.EngineStatsRequest(), timeout=BUSY_CALL_TIMEOUT_SECONDS
-            )
-        return int(report.running_requests + report.waiting_requests)
-
     async def engine_empty_since(self, worker: Program, within: float) -> int | None:
         """Since when (ns since the epoch) the worker's vLLM scheduler has reported nothing
         running or waiting: the time of its latest report once that says empty (vLLM reports
@@ -299,9 +307,10 @@ async def worker_kill(mesh: Mesh, short: bool) -> Row:
             for i in range(streams)
         ]
         await asyncio.wait_for(asyncio.gather(*(event.wait() for event in events)), 60)
-        # The victim: the worker with the most streams in its engine right now (vLLM's own
-        # scheduler figures), so the kill surely lands mid-stream.
-        running_now = {w.name: await mesh.running(w) for w in workers}
+        # The victim: the worker with the most streams open right now, by Envoy's count (asking
+        # a busy worker's engine took long enough once for every stream to finish first).
+        open_now = await asyncio.to_thread(mesh.open_streams, "worker")
+        running_now = {w.name: open_now.get(w.address, 0) for w in workers}
         victim = max(workers, key=lambda w: running_now[w.name])
         done_before_kill = sum(task.done() for task in running)
         killed_at = time.monotonic()
@@ -319,7 +328,7 @@ async def worker_kill(mesh: Mesh, short: bool) -> Row:
     row.add(after)
     failed = [o for o in in_flight if o.code != OK]
     ended_within = max((o.ended - killed_at for o in failed), default=0.0)
-    row.notes["running_per_worker_at_kill"] = running_now
+    row.notes["streams_per_worker_at_kill"] = running_now
     row.notes["killed"] = victim.name
     row.notes["in_flight_failed"] = len(failed)
     row.notes["done_before_kill"] = done_before_kill
