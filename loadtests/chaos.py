@@ -32,7 +32,7 @@ import psutil
 import yaml
 from grpc import aio
 
-from tokenmesh.localstack.stack import Program, Stack, StackSettings
+from tokenmesh.localstack.stack import Program, Stack, StackSettings, envoy_host_statuses
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, llm_pb2, llm_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -202,19 +202,12 @@ class Mesh:
 
     def open_streams(self, cluster: str) -> dict[str, int]:
         """Streams Envoy has open to each host of the cluster (its rq_active gauge)."""
-        url = f"http://127.0.0.1:{self.stack.settings.envoy_admin_port}/clusters?format=json"
-        with urllib.request.urlopen(url, timeout=BUSY_CALL_TIMEOUT_SECONDS) as reply:
-            statuses = json.load(reply).get("cluster_statuses", [])
         streams: dict[str, int] = {}
-        for status in statuses:
-            if status["name"] != cluster:
-                continue
-            for host in status.get("host_statuses", []):
-                socket = host["address"]["socket_address"]
+        for name, address, host in envoy_host_statuses(self.stack.settings.envoy_admin_port):
+            if name == cluster:
                 active = [s for s in host.get("stats", []) if s.get("name") == "rq_active"]
                 # Protobuf JSON leaves out a zero value.
-                count = int(active[0].get("value", 0)) if active else 0
-                streams[f"{socket['address']}:{socket['port_value']}"] = count
+                streams[address] = int(active[0].get("value", 0)) if active else 0
         return streams
 
     def known(self, cluster: str) -> set[str]:

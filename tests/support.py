@@ -12,12 +12,15 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tokenmesh.localstack.stack import Stack, StackSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL = ROOT / "models" / "tiny-llama"
@@ -273,3 +276,14 @@ def grpcurl(*args: str, plaintext: bool = True) -> subprocess.CompletedProcess[s
         timeout=60,
         check=False,
     )
+
+
+@contextlib.contextmanager
+def running_stack(settings: StackSettings) -> Iterator[Stack]:
+    """A mesh of its own, up for the block's duration (a test module's or the session's)."""
+    stack = Stack(settings, root=ROOT)
+    try:
+        assert stack.up() == 0, "the mesh did not come up (see the logs above)"
+        yield stack
+    finally:
+        stack.down()

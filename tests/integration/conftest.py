@@ -4,10 +4,10 @@ takes about a minute), and stopped as soon as the last test using it is done."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
+from tests.support import running_stack
 from tokenmesh.localstack.stack import Stack, StackSettings
 
 MESH_KEY = pytest.StashKey[Stack]()
@@ -22,13 +22,9 @@ def mesh(
     settings = StackSettings.on_free_ports(
         tmp_path_factory.mktemp("mesh"), gateways=2, workers=2, ready_timeout_seconds=600
     )
-    stack = Stack(settings, root=Path(__file__).resolve().parents[2])
-    request.config.stash[MESH_KEY] = stack
-    try:
-        assert stack.up() == 0, "the mesh did not come up (see the logs above)"
+    with running_stack(settings) as stack:
+        request.config.stash[MESH_KEY] = stack
         yield stack
-    finally:
-        stack.down()
 
 
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:

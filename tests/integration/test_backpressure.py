@@ -8,7 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from loadtests.slow_consumer_bench import ROOT, SlowConsumerProbe
+from loadtests.slow_consumer_bench import SlowConsumerProbe
+from tests.support import running_stack
 from tokenmesh.localstack.stack import Stack, StackSettings
 from tokenmesh.meshconfig.config import MeshSettings
 
@@ -24,15 +25,9 @@ HOPS = 2  # edge -> gateway, and gateway -> worker listener -> worker
 
 @pytest.fixture(scope="module")
 def slow_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    stack = Stack(
-        StackSettings.on_free_ports(tmp_path_factory.mktemp("slow"), gateways=1, workers=1),
-        root=ROOT,
-    )
-    try:
-        assert stack.up() == 0, "the mesh did not come up (see the logs above)"
+    settings = StackSettings.on_free_ports(tmp_path_factory.mktemp("slow"), gateways=1, workers=1)
+    with running_stack(settings) as stack:
         yield stack
-    finally:
-        stack.down()
 
 
 async def test_slow_reader_stops_the_senders_and_bounds_memory(slow_mesh: Stack) -> None:

@@ -17,7 +17,7 @@ import grpc
 import pytest
 from grpc import aio
 
-from tests.support import ROOT, grpcurl
+from tests.support import grpcurl, running_stack
 from tokenmesh.localstack.certs import CertMaker, CertPaths, CertSettings
 from tokenmesh.localstack.stack import Stack, StackSettings, health
 from tokenmesh.v1 import llm_pb2, llm_pb2_grpc
@@ -34,17 +34,11 @@ TIMEOUT = 10.0
 
 @pytest.fixture(scope="module")
 def tls_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    stack = Stack(
-        StackSettings.on_free_ports(
-            tmp_path_factory.mktemp("tls"), gateways=1, workers=1, tls=True, mtls=True
-        ),
-        root=ROOT,
+    settings = StackSettings.on_free_ports(
+        tmp_path_factory.mktemp("tls"), gateways=1, workers=1, tls=True, mtls=True
     )
-    try:
-        assert stack.up() == 0, "the mesh did not come up (see the logs above)"
+    with running_stack(settings) as stack:
         yield stack
-    finally:
-        stack.down()
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -703,28 +703,33 @@ def http_ok(url: str) -> bool:
         return False
 
 
-def envoy_hosts(admin_port: int) -> dict[str, list[tuple[str, bool]]]:
-    """The view of the Envoy whose admin listens on admin_port: (address, healthy) of each
-    host, by cluster; empty when Envoy does not answer."""
+def envoy_host_statuses(admin_port: int) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """(cluster, address, host status from /clusters?format=json) of every host the Envoy whose
+    admin listens on admin_port knows; nothing when Envoy does not answer."""
     url = f"http://127.0.0.1:{admin_port}/clusters?format=json"
     try:
         with urllib.request.urlopen(url, timeout=2) as reply:
             statuses = json.load(reply).get("cluster_statuses", [])
     except (urllib.error.URLError, OSError, ValueError):
-        return {}
-    hosts: dict[str, list[tuple[str, bool]]] = {}
+        return
     for cluster in statuses:
         for host in cluster.get("host_statuses", []):
             address = host["address"]["socket_address"]
-            flags = host.get("health_status", {})
-            # Any true flag (failed_active_health_check, pending_active_hc, ...) keeps
-            # Envoy from routing to the host.
-            healthy = flags.get("eds_health_status") == "HEALTHY" and not any(
-                value is True for value in flags.values()
-            )
-            hosts.setdefault(cluster["name"], []).append(
-                (f"{address['address']}:{address['port_value']}", healthy)
-            )
+            yield cluster["name"], f"{address['address']}:{address['port_value']}", host
+
+
+def envoy_hosts(admin_port: int) -> dict[str, list[tuple[str, bool]]]:
+    """The view of the Envoy whose admin listens on admin_port: (address, healthy) of each
+    host, by cluster; empty when Envoy does not answer."""
+    hosts: dict[str, list[tuple[str, bool]]] = {}
+    for cluster, address, host in envoy_host_statuses(admin_port):
+        flags = host.get("health_status", {})
+        # Any true flag (failed_active_health_check, pending_active_hc, ...) keeps
+        # Envoy from routing to the host.
+        healthy = flags.get("eds_health_status") == "HEALTHY" and not any(
+            value is True for value in flags.values()
+        )
+        hosts.setdefault(cluster, []).append((address, healthy))
     return hosts
 
 
