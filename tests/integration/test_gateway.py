@@ -18,13 +18,13 @@ from tests.support import (
     free_port,
     gateway_process,
     read_rest,
+    within_budget,
 )
 from tokenmesh.v1 import llm_pb2, llm_pb2_grpc, token_pb2
 
 pytestmark = pytest.mark.integration
 
 LOG_DIR = ROOT / ".run" / "test-logs"
-CANCEL_BUDGET_SECONDS = 0.100
 FRANCE = [
     "Bananas are yellow and rich in potassium.",
     "The Great Barrier Reef lies off the coast of Australia.",
@@ -175,18 +175,25 @@ async def test_chat_cancel_stops_the_generation_and_the_chat_goes_on(
     llm, inference, worker: ServiceProcess
 ) -> None:
     chat = ChatClient(llm)
-    await chat.say("Talk for a long time", max_tokens=1900)
-    first = await chat.call.read()
-    assert first.HasField("token")
-    cancelled_at = time.time_ns()
-    await chat.cancel()
-    _, end, _ = await chat.until_turn_end()
-    assert end.finish_reason == token_pb2.FINISH_REASON_CANCELLED
-    empty_at = await engine_empty_at(inference, first.token.emitted_unix_nanos)
-    assert (empty_at - cancelled_at) / 1e9 <= CANCEL_BUDGET_SECONDS
+    cancelled_turns = 0
+
+    async def cancel_round() -> float:
+        nonlocal cancelled_turns
+        await chat.say("Talk for a long time", max_tokens=1900)
+        first = await chat.call.read()
+        assert first.HasField("token")
+        cancelled_at = time.time_ns()
+        await chat.cancel()
+        _, end, _ = await chat.until_turn_end()
+        assert end.finish_reason == token_pb2.FINISH_REASON_CANCELLED
+        cancelled_turns += 1
+        empty_at = await engine_empty_at(inference, first.token.emitted_unix_nanos)
+        return (empty_at - cancelled_at) / 1e9
+
+    await within_budget("engine empty after the turn's cancel", cancel_round)
     await chat.say("Still there?", max_tokens=4)
     _, end, turn = await chat.until_turn_end()
-    assert turn == 1 and end.finish_reason != token_pb2.FINISH_REASON_CANCELLED
+    assert turn == cancelled_turns and end.finish_reason != token_pb2.FINISH_REASON_CANCELLED
     await chat.call.done_writing()
     assert await chat.call.read() is grpc.aio.EOF
 
@@ -194,36 +201,46 @@ async def test_chat_cancel_stops_the_generation_and_the_chat_goes_on(
 async def test_client_cancel_through_the_gateway_frees_the_engine(
     llm, inference, worker: ServiceProcess
 ) -> None:
-    calls = [
-        llm.Generate(llm_pb2.GenerateRequest(prompt=f"long {i}", max_tokens=2000, ignore_eos=True))
-        for i in range(4)
-    ]
-    firsts = [await call.read() for call in calls]
-    cancelled_at = time.time_ns()
-    for call in calls:
-        call.cancel()
-    empty_at = await engine_empty_at(inference, max(t.emitted_unix_nanos for t in firsts))
-    assert (empty_at - cancelled_at) / 1e9 <= CANCEL_BUDGET_SECONDS
+    async def cancel_round() -> float:
+        calls = [
+            llm.Generate(
+                llm_pb2.GenerateRequest(prompt=f"long {i}", max_tokens=2000, ignore_eos=True)
+            )
+            for i in range(4)
+        ]
+        firsts = [await call.read() for call in calls]
+        cancelled_at = time.time_ns()
+        for call in calls:
+            call.cancel()
+        empty_at = await engine_empty_at(inference, max(t.emitted_unix_nanos for t in firsts))
+        return (empty_at - cancelled_at) / 1e9
+
+    await within_budget("engine empty after the cancel", cancel_round)
 
 
 async def test_deadline_through_the_gateway_ends_the_stream_and_frees_the_engine(
     llm, inference, worker: ServiceProcess
 ) -> None:
     timeout = 1.0
-    started = time.time_ns()
-    call = llm.Generate(
-        llm_pb2.GenerateRequest(prompt="too long", max_tokens=2000, ignore_eos=True),
-        timeout=timeout,
-    )
-    with pytest.raises(aio.AioRpcError) as error:
-        await read_rest(call)
-    assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    # The gateway gives the worker the caller's deadline less a margin, so the engine may be
-    # empty a little before the caller's deadline: never more than the budget after it. The
-    # engine was idle before this call, so its first "empty" report after the start is ours.
-    expired = started + int(timeout * 1e9)
-    empty_at = await engine_empty_at(inference, started)
-    assert (empty_at - expired) / 1e9 <= CANCEL_BUDGET_SECONDS
+
+    async def deadline_round() -> float:
+        started = time.time_ns()
+        call = llm.Generate(
+            llm_pb2.GenerateRequest(prompt="too long", max_tokens=2000, ignore_eos=True),
+            timeout=timeout,
+        )
+        with pytest.raises(aio.AioRpcError) as error:
+            await read_rest(call)
+        assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        # The gateway gives the worker the caller's deadline less a margin, so the engine may
+        # be empty a little before the caller's deadline: never more than the budget after it.
+        # The engine was idle before this call, so its first "empty" report after the start is
+        # ours.
+        expired = started + int(timeout * 1e9)
+        empty_at = await engine_empty_at(inference, started)
+        return (empty_at - expired) / 1e9
+
+    await within_budget("engine empty after the deadline", deadline_round)
 
 
 LIMIT_CASES = {

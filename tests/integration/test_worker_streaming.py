@@ -4,6 +4,7 @@ when a caller cancels or runs out of deadline."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 import grpc
@@ -18,6 +19,7 @@ from tests.support import (
     metric_value,
     read_rest,
     scrape_metrics,
+    within_budget,
 )
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
 
@@ -25,7 +27,6 @@ pytestmark = pytest.mark.integration
 
 # Long enough that a stream is still running when the test cancels it.
 LONG_GENERATION = 2000
-CANCEL_BUDGET_SECONDS = 0.100
 
 
 def generate_request(prompt: str = "hello", max_tokens: int = 16, **sampling: object):
@@ -36,7 +37,7 @@ def generate_request(prompt: str = "hello", max_tokens: int = 16, **sampling: ob
 
 
 async def stats(stub: inference_pb2_grpc.InferenceServiceStub) -> inference_pb2.EngineStats:
-    return await stub.GetEngineStats(inference_pb2.EngineStatsRequest(), timeout=5)
+    return await stub.GetEngineStats(inference_pb2.EngineStatsRequest(), timeout=30)
 
 
 async def test_stream_has_exactly_max_tokens_with_contiguous_indexes(inference) -> None:
@@ -155,9 +156,8 @@ async def _start_streams(inference, count: int) -> tuple[list[grpc.aio.UnaryStre
 
 async def test_cancel_frees_engine_within_100ms(inference, worker: ServiceProcess) -> None:
     streams = 8
-    # On a loaded machine a stream can be sent whole before the test has seen every first
-    # token, leaving nothing to cancel; such a round proves nothing and runs again.
-    for _ in range(3):
+
+    async def cancel_round() -> float:
         aborted_before = aborted_total(worker, "cancelled")
         finished_before = generations_finished(worker)
         calls, busy_ns = await _start_streams(inference, streams)
@@ -166,40 +166,47 @@ async def test_cancel_frees_engine_within_100ms(inference, worker: ServiceProces
             call.cancel()
         empty_at = await engine_empty_at(inference, busy_ns)
         assert all(call.cancelled() for call in calls)
-        assert (empty_at - cancelled_at) / 1e9 <= CANCEL_BUDGET_SECONDS
         aborted = await aborted_since(worker, "cancelled", aborted_before, streams)
         finished = generations_finished(worker) - finished_before
         # Every stream either ran to its end before the cancel reached it or was aborted.
         assert aborted + finished == streams, (aborted, finished)
-        if aborted:
-            return
-    pytest.fail(f"every stream had finished before its cancel in 3 rounds of {streams}")
+        # On a loaded machine a stream can be sent whole before the test has seen every first
+        # token, leaving nothing to cancel: such a round proves nothing and counts as a miss.
+        return (empty_at - cancelled_at) / 1e9 if aborted else math.inf
+
+    await within_budget("engine empty after the cancel", cancel_round)
 
 
 async def test_deadline_frees_engine_within_100ms(inference, worker: ServiceProcess) -> None:
-    aborted_before = aborted_total(worker, "any")
     timeout = 1.0
-    started_ns = time.time_ns()
-    calls = [
-        inference.Generate(
-            generate_request(prompt=f"expiring {i}", max_tokens=LONG_GENERATION, ignore_eos=True),
-            timeout=timeout,
-        )
-        for i in range(4)
-    ]
-    codes = []
-    for call in calls:
-        with pytest.raises(grpc.aio.AioRpcError) as error:
-            await read_rest(call)
-        codes.append(error.value.code())
-    assert codes == [grpc.StatusCode.DEADLINE_EXCEEDED] * 4
-    # Every deadline passed at or after started + timeout, so measuring from there can only
-    # overstate the time the engine took to empty. The engine was idle before these streams,
-    # so its first "empty" report after they started is about them.
-    expired_ns = started_ns + int(timeout * 1e9)
-    empty_at = await engine_empty_at(inference, started_ns)
-    assert (empty_at - expired_ns) / 1e9 <= CANCEL_BUDGET_SECONDS
-    assert await aborted_since(worker, "any", aborted_before, 4) == 4
+
+    async def deadline_round() -> float:
+        aborted_before = aborted_total(worker, "any")
+        started_ns = time.time_ns()
+        calls = [
+            inference.Generate(
+                generate_request(
+                    prompt=f"expiring {i}", max_tokens=LONG_GENERATION, ignore_eos=True
+                ),
+                timeout=timeout,
+            )
+            for i in range(4)
+        ]
+        codes = []
+        for call in calls:
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await read_rest(call)
+            codes.append(error.value.code())
+        assert codes == [grpc.StatusCode.DEADLINE_EXCEEDED] * 4
+        # Every deadline passed at or after started + timeout, so measuring from there can only
+        # overstate the time the engine took to empty. The engine was idle before these
+        # streams, so its first "empty" report after they started is about them.
+        expired_ns = started_ns + int(timeout * 1e9)
+        empty_at = await engine_empty_at(inference, started_ns)
+        assert await aborted_since(worker, "any", aborted_before, 4) == 4
+        return (empty_at - expired_ns) / 1e9
+
+    await within_budget("engine empty after the deadline", deadline_round)
 
 
 async def test_engine_stats_report_model_and_context(inference, worker: ServiceProcess) -> None:

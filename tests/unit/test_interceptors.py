@@ -6,6 +6,7 @@ the handlers do, only on how they end."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -81,7 +82,7 @@ async def test_ok_stream_counts_started_handled_and_messages(server_and_registry
     stub, registry = server_and_registry
     tokens, code = await collect(stub.Generate(inference_pb2.InferenceRequest(prompt="ok")))
     assert code == grpc.StatusCode.OK and len(tokens) == 3
-    assert await _wait_handled(registry, "OK") == 1
+    assert await _handled(registry) == {"OK": 1}
     assert value(registry, "grpc_server_started_total", "Generate") == 1
     assert value(registry, "grpc_server_stream_msg_sent_total", "Generate") == 3
     assert value(registry, "grpc_server_stream_msg_received_total", "Generate") == 1
@@ -95,7 +96,7 @@ async def test_service_error_mid_stream_becomes_its_status(server_and_registry) 
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert await call.details() == "prompt: is not allowed"
     assert len(tokens) == 1
-    assert await _wait_handled(registry, "INVALID_ARGUMENT") == 1
+    assert await _handled(registry) == {"INVALID_ARGUMENT": 1}
 
 
 async def test_unexpected_exception_becomes_internal_with_message(server_and_registry) -> None:
@@ -104,7 +105,7 @@ async def test_unexpected_exception_becomes_internal_with_message(server_and_reg
     _, code = await collect(call)
     assert code == grpc.StatusCode.INTERNAL
     assert "RuntimeError: boom" in await call.details()
-    assert await _wait_handled(registry, "INTERNAL") == 1
+    assert await _handled(registry) == {"INTERNAL": 1}
 
 
 async def test_unary_service_error_maps_and_counts(server_and_registry) -> None:
@@ -125,30 +126,44 @@ async def test_unary_service_error_maps_and_counts(server_and_registry) -> None:
     )
 
 
-async def _wait_handled(registry: CollectorRegistry, code: str) -> float:
-    for _ in range(200):
-        count = value(registry, "grpc_server_handled_total", "Generate", grpc_code=code)
-        if count:
-            return count
+async def _handled(registry: CollectorRegistry, within: float = 10.0) -> dict[str, float]:
+    """Generate's grpc_server_handled_total by code, once the RPC has been counted (the server
+    counts it after the client has seen its end); all codes, so a failure shows what was."""
+    give_up = time.monotonic() + within
+    while True:
+        counts = {
+            sample.labels["grpc_code"]: sample.value
+            for metric in registry.collect()
+            for sample in metric.samples
+            if sample.name == "grpc_server_handled_total"
+            and sample.labels["grpc_method"] == "Generate"
+        }
+        if counts or time.monotonic() > give_up:
+            return counts
         await asyncio.sleep(0.01)
-    return 0.0
 
 
 async def test_client_cancel_is_counted_as_cancelled(server_and_registry) -> None:
     stub, registry = server_and_registry
     call = stub.Generate(inference_pb2.InferenceRequest(prompt="slow"))
-    await asyncio.sleep(0.2)
+    # Cancelled once the handler runs: a call cancelled before that is never seen by it.
+    give_up = time.monotonic() + 10
+    while not value(registry, "grpc_server_started_total", "Generate"):
+        assert time.monotonic() < give_up, "the handler never started"
+        await asyncio.sleep(0.01)
     call.cancel()
-    assert await _wait_handled(registry, "CANCELLED") == 1
+    assert await _handled(registry) == {"CANCELLED": 1}
 
 
 async def test_deadline_is_counted_as_deadline_exceeded(server_and_registry) -> None:
     stub, registry = server_and_registry
+    # Long enough for the handler to have started on a busy machine: a call that ends before
+    # its handler runs is never seen by the interceptor.
     _, code = await collect(
-        stub.Generate(inference_pb2.InferenceRequest(prompt="slow"), timeout=0.3)
+        stub.Generate(inference_pb2.InferenceRequest(prompt="slow"), timeout=1.0)
     )
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert await _wait_handled(registry, "DEADLINE_EXCEEDED") == 1
+    assert await _handled(registry) == {"DEADLINE_EXCEEDED": 1}
 
 
 @pytest.mark.parametrize(
