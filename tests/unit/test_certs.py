@@ -30,6 +30,10 @@ from tokenmesh.localstack.certs import (
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
 from tokenmesh.worker.config import WorkerSettings
 
+# Generous: each call below may first connect (and handshake TLS), which a loaded machine can be
+# slow to do; a refused handshake still fails at once.
+RPC_TIMEOUT = 20.0
+
 
 def load(path: Path) -> x509.Certificate:
     return x509.load_pem_x509_certificate(path.read_bytes())
@@ -155,7 +159,7 @@ async def test_a_tls_service_refuses_callers_without_a_certificate_and_probes_st
     request = health_pb2.HealthCheckRequest()
     try:
         async with aio.secure_channel(address, envoy) as channel:
-            reply = await health_pb2_grpc.HealthStub(channel).Check(request, timeout=5)
+            reply = await health_pb2_grpc.HealthStub(channel).Check(request, timeout=RPC_TIMEOUT)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
         for credentials in (None, grpc.ssl_channel_credentials(ca)):  # plaintext; no client cert
             channel = (
@@ -165,19 +169,19 @@ async def test_a_tls_service_refuses_callers_without_a_certificate_and_probes_st
             )
             async with channel:
                 with pytest.raises(aio.AioRpcError) as refused:
-                    await health_pb2_grpc.HealthStub(channel).Check(request, timeout=5)
+                    await health_pb2_grpc.HealthStub(channel).Check(request, timeout=RPC_TIMEOUT)
                 assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         # The plaintext probe port (for Kubernetes' gRPC probes) tells the same status, and
         # serves nothing else.
         async with aio.insecure_channel(f"127.0.0.1:{probe_port}") as channel:
-            reply = await health_pb2_grpc.HealthStub(channel).Check(request, timeout=5)
+            reply = await health_pb2_grpc.HealthStub(channel).Check(request, timeout=RPC_TIMEOUT)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
             await health.set_not_serving()
-            reply = await health_pb2_grpc.HealthStub(channel).Check(request, timeout=5)
+            reply = await health_pb2_grpc.HealthStub(channel).Check(request, timeout=RPC_TIMEOUT)
             assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
             with pytest.raises(aio.AioRpcError) as unknown:
                 await inference_pb2_grpc.InferenceServiceStub(channel).GetEngineStats(
-                    inference_pb2.EngineStatsRequest(), timeout=5
+                    inference_pb2.EngineStatsRequest(), timeout=RPC_TIMEOUT
                 )
             assert unknown.value.code() == grpc.StatusCode.UNIMPLEMENTED
     finally:

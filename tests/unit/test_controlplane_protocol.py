@@ -73,7 +73,7 @@ async def plane() -> AsyncIterator[Plane]:
         await server.stop(0)
 
 
-async def until(condition: Callable[[], bool], within: float = 5.0) -> None:
+async def until(condition: Callable[[], bool], within: float = 10.0) -> None:
     deadline = time.monotonic() + within
     while not condition():
         assert time.monotonic() < deadline, f"not true within {within}s"
@@ -119,6 +119,7 @@ async def test_ack_is_counted_and_not_answered(plane: Plane) -> None:
     await client.send(["worker"])
     await client.receive()
     await client.ack(["worker"])
+    await until(lambda: plane.metric("tokenmesh_xds_acks_total") == 1)
     await client.nothing_within(QUIET)
     assert plane.metric("tokenmesh_xds_acks_total") == 1
     assert plane.metric("tokenmesh_xds_pushes_total", reason="request") == 1
@@ -140,6 +141,7 @@ async def test_nack_is_counted_not_resent_and_later_changes_still_pushed(plane: 
     await client.send(
         ["worker"], version=first.version_info, nonce=rejected.nonce, error="bad endpoint"
     )
+    await until(lambda: plane.metric("tokenmesh_xds_nacks_total") == 1)
     await client.nothing_within(QUIET)  # no resend loop
     assert plane.metric("tokenmesh_xds_nacks_total") == 1
     assert plane.metric("tokenmesh_xds_acks_total") == 1  # the NACK is no ACK
@@ -186,6 +188,7 @@ async def test_stale_nonce_is_ignored_and_the_latest_nonce_answered(plane: Plane
     # A request answering the older response, even one naming new resources, is stale: the
     # client has not seen the latest response yet and will answer it.
     await client.send(["worker", "gateway"], version=old.version_info, nonce=old.nonce)
+    await until(lambda: plane.metric("tokenmesh_xds_stale_requests_total") == 1)
     await client.nothing_within(QUIET)
     assert plane.metric("tokenmesh_xds_stale_requests_total") == 1
     await client.send(["worker", "gateway"], version=new.version_info, nonce=new.nonce)

@@ -121,10 +121,12 @@ def test_empty_histogram_reports_zeros() -> None:
 
 
 def config(address: str, **overrides: Any) -> RunConfig:
+    # Runs end at the request budget, well within the duration, which only bounds a run on a
+    # heavily loaded machine (a request must still start after the warm-up to be measured).
     values: dict[str, Any] = {
         "target": "worker",
         "address": address,
-        "duration": 1.0,
+        "duration": 3.0,
         "warmup": 0.3,
         "requests": 40,
         "concurrency": 4,
@@ -215,7 +217,7 @@ async def test_bench_summary_and_key_ratios_come_from_the_result_files(
 ) -> None:
     from loadtests.summary import write_summary
 
-    base = config(fake_worker, duration=0.5, warmup=0.1)
+    base = config(fake_worker, duration=2.0, warmup=0.1)
     for label in ("worker c=1", "envoy>worker c=1"):
         cfg = replace(base, label=label, concurrency=1)
         report.write_json(merge(cfg, [await run_shard(cfg, 0)], _now()), _file(tmp_path, label))

@@ -91,7 +91,9 @@ async def test_callers_further_apart_than_max_wait_get_separate_calls(
 ) -> None:
     batcher = make(max_wait_seconds=0.05)
     first = asyncio.create_task(batcher.submit("a"))
-    await asyncio.sleep(0.5)
+    # b arrives once a's window has closed by itself (no other caller, far from max_size),
+    # however late a slow machine runs the batcher.
+    await wait_for_a_call(model)
     second = asyncio.create_task(batcher.submit("b"))
     async with asyncio.timeout(HANG):
         assert await asyncio.gather(first, second) == ["A", "B"]
@@ -103,15 +105,20 @@ async def test_the_window_is_timed_from_the_oldest_waiting_caller(
 ) -> None:
     """Later arrivals join the batch but do not push its deadline back, so a steady trickle
     of callers cannot hold the first one indefinitely."""
-    batcher = make(max_wait_seconds=0.6)
-    tasks = [asyncio.create_task(batcher.submit("a"))]
-    await asyncio.sleep(0.3)  # within a's window: joins it
-    tasks.append(asyncio.create_task(batcher.submit("b")))
-    await asyncio.sleep(0.5)  # past a's window (0.6 s), within what b's would be (0.9 s)
-    tasks.append(asyncio.create_task(batcher.submit("c")))
+    batcher = make(max_wait_seconds=1.0, max_size=1_000_000)  # only the window closes it
+    tasks: list[asyncio.Task[str]] = []
+    # A caller every 20 ms, far inside the 1 s window, until the model is called: were the
+    # window timed from the newest caller, it would never close and this would time out.
     async with asyncio.timeout(HANG):
-        assert await asyncio.gather(*tasks) == ["A", "B", "C"]
-    assert model.calls == [["a", "b"], ["c"]]
+        while not model.entered.is_set():
+            tasks.append(asyncio.create_task(batcher.submit(f"item-{len(tasks)}")))
+            await asyncio.sleep(0.02)
+        results = await asyncio.gather(*tasks)
+    items = [f"item-{n}" for n in range(len(tasks))]
+    assert results == [item.upper() for item in items]
+    first = model.calls[0]
+    assert len(first) > 1 and first == items[: len(first)], model.calls  # later arrivals joined
+    assert [item for call in model.calls for item in call] == items
 
 
 async def test_a_batch_waits_out_max_wait_unless_it_fills_up(make: Make, model: FakeModel) -> None:

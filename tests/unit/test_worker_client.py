@@ -15,6 +15,9 @@ from tokenmesh.common.errors import DependencyError
 from tokenmesh.gateway.pipeline import WorkerClient
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
 
+# Generous bound on connecting to the in-process server.
+CONNECT_WITHIN = 10.0
+
 
 class BreakingWorker(inference_pb2_grpc.InferenceServiceServicer):
     """Sends two tokens, then fails as Envoy's reset looks to gRPC, `fail_before_deadline`
@@ -44,6 +47,8 @@ async def stream_until_broken(fail_before_deadline: float, time_limit: float) ->
     await server.start()
     worker = Dependency("worker", f"127.0.0.1:{port}", 1024 * 1024)
     try:
+        # Connected first, so a loaded machine's slow connect takes nothing from time_limit.
+        await worker.ensure_connected(CONNECT_WITHIN)
         client = WorkerClient(worker, connect_timeout=5)
         tokens = []
         with pytest.raises(DependencyError) as raised:
