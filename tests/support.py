@@ -60,6 +60,14 @@ class ServiceProcess:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    @property
+    def health_answers(self) -> list[str]:
+        """The statuses the health service itself gave while starting, repeats collapsed:
+        polls nobody answered (the port not open yet, or a check timing out on a busy machine)
+        say nothing either way."""
+        answers = [s for s in self.health_history if s not in ("UNAVAILABLE", "DEADLINE_EXCEEDED")]
+        return [s for i, s in enumerate(answers) if i == 0 or s != answers[i - 1]]
+
     def start(self) -> None:
         env = {**os.environ, **self.env}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -242,6 +250,18 @@ async def within_budget(
         f"{what}: over {budget * 1000:.0f} ms in all {BUDGET_ATTEMPTS} rounds: "
         + ", ".join(f"{seconds * 1000:.0f} ms" for seconds in taken)
     )
+
+
+async def cancel_until_empty(calls: list[Any], engines: list[Any]) -> float:
+    """Seconds from cancelling calls, once each has sent a token, until every engine (an
+    InferenceService stub) has reported itself empty."""
+    firsts = [await call.read() for call in calls]
+    busy_since = max(token.emitted_unix_nanos for token in firsts)
+    cancelled_at = time.time_ns()
+    for call in calls:
+        call.cancel()
+    empty_at = [await engine_empty_at(engine, busy_since) for engine in engines]
+    return (max(empty_at) - cancelled_at) / 1e9
 
 
 def aborted_total(worker: ServiceProcess, reason: str) -> float:

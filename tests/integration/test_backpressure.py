@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from loadtests.slow_consumer_bench import SlowConsumerProbe
+from loadtests.slow_consumer_bench import SlowConsumerProbe, slow_consumer_env
 from tests.support import running_stack
 from tokenmesh.localstack.stack import Stack, StackSettings
 from tokenmesh.meshconfig.config import MeshSettings
@@ -26,7 +26,7 @@ HOPS = 2  # edge -> gateway, and gateway -> worker listener -> worker
 @pytest.fixture(scope="module")
 def slow_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     settings = StackSettings.on_free_ports(tmp_path_factory.mktemp("slow"), gateways=1, workers=1)
-    with running_stack(settings) as stack:
+    with slow_consumer_env(), running_stack(settings) as stack:
         yield stack
 
 

@@ -5,6 +5,7 @@ cancellation through every hop, and gRPC, gRPC-Web and REST at the edge."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import json
 import signal
@@ -18,7 +19,7 @@ import pytest
 import yaml
 from grpc import aio
 
-from tests.support import engine_empty_at, grpcurl, metric_value, scrape_metrics, within_budget
+from tests.support import cancel_until_empty, grpcurl, metric_value, scrape_metrics, within_budget
 from tokenmesh.localstack.stack import Program, Stack
 from tokenmesh.v1 import inference_pb2_grpc, llm_pb2, llm_pb2_grpc, token_pb2
 
@@ -163,17 +164,14 @@ async def test_client_cancel_through_the_edge_frees_every_engine(stack: Stack, e
             )
             for i in range(8)
         ]
-        firsts = [await call.read() for call in calls]
-        busy_since = max(token.emitted_unix_nanos for token in firsts)
-        cancelled_at = time.time_ns()
-        for call in calls:
-            call.cancel()
-        empty_at = []
-        for worker in replicas(stack, "worker"):
-            async with aio.insecure_channel(worker.address) as channel:
-                stub = inference_pb2_grpc.InferenceServiceStub(channel)
-                empty_at.append(await engine_empty_at(stub, busy_since))
-        return (max(empty_at) - cancelled_at) / 1e9
+        async with contextlib.AsyncExitStack() as channels:
+            engines = [
+                inference_pb2_grpc.InferenceServiceStub(
+                    await channels.enter_async_context(aio.insecure_channel(worker.address))
+                )
+                for worker in replicas(stack, "worker")
+            ]
+            return await cancel_until_empty(calls, engines)
 
     await within_budget("every engine empty after the cancel", cancel_round)
 
