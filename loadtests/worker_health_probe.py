@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -20,9 +19,9 @@ from pathlib import Path
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from loadtests.chaos import environment
-from loadtests.slow_consumer_bench import ROOT, SlowConsumerProbe
-from tokenmesh.localstack.stack import Stack, StackSettings
+from loadtests.chaos import environment, own_stack
+from loadtests.slow_consumer_bench import SlowConsumerProbe
+from tokenmesh.localstack.stack import Stack
 from tokenmesh.meshconfig.config import MeshSettings
 
 STREAMS, MAX_TOKENS = 16, 1900
@@ -92,16 +91,13 @@ def main() -> None:
         if args.health_check_timeout is None
         else {"TOKENMESH_MESH_HEALTH_CHECK_TIMEOUT_SECONDS": str(args.health_check_timeout)}
     )
-    with tempfile.TemporaryDirectory(prefix="worker-health-") as run_dir, environment(settings):
-        stack = Stack(StackSettings.on_free_ports(Path(run_dir), gateways=1, workers=1), root=ROOT)
-        try:
-            if stack.up() != 0:
-                raise SystemExit("the mesh did not come up")
-            timeout = MeshSettings().health_check_timeout_seconds
-            row: dict[str, object] = {"health_check_timeout_s": timeout}
-            row.update(asyncio.run(probe(stack)))
-        finally:
-            stack.down()
+    with environment(settings), own_stack(gateways=1, workers=1) as stack:
+        if stack is None:
+            raise SystemExit("the mesh did not come up")
+        row: dict[str, object] = {
+            "health_check_timeout_s": MeshSettings().health_check_timeout_seconds
+        }
+        row.update(asyncio.run(probe(stack)))
     print(json.dumps(row))
     if args.out is not None:
         with args.out.open("a") as out:
