@@ -80,10 +80,18 @@ async def test_metrics_count_rpcs_messages_and_tokens(inference, worker: Service
         bad = inference_pb2.InferenceRequest(prompt="", sampling=request.sampling)
         async for _ in inference.Generate(bad):
             pass
-    after = scrape_metrics(worker.metrics_port)
 
     def delta(name: str, **labels: str) -> float:
         return value(after, name, **labels) - value(before, name, **labels)
+
+    # The status reaches the client before the server's interceptor counts the call (it is
+    # sent from inside the handler), so wait until both calls are counted.
+    counted_by = time.monotonic() + 10
+    while True:
+        after = scrape_metrics(worker.metrics_port)
+        if delta("grpc_server_handling_seconds_count") >= 2 or time.monotonic() > counted_by:
+            break
+        await asyncio.sleep(0.05)
 
     assert delta("grpc_server_started_total", grpc_type="server_stream") == 2
     assert delta("grpc_server_handled_total", grpc_code="OK") == 1

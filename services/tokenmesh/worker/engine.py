@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import os
+import threading
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
+import uvloop
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import RequestOutputKind
+from vllm.utils.gc_utils import freeze_gc_heap
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 from vllm.v1.metrics.loggers import StatLoggerBase
@@ -25,6 +29,8 @@ from tokenmesh.worker.config import WorkerSettings
 from tokenmesh.worker.requests import GenerationSpec
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 FINISH_REASONS = {
     "stop": token_pb2.FINISH_REASON_STOP,
@@ -142,11 +148,58 @@ def configure_cpu_backend(settings: WorkerSettings) -> None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = settings.cpu_threads_bind
 
 
-class VllmEngine:
-    """One vLLM AsyncLLM shared by every stream of the worker (continuous batching)."""
+class EngineThread:
+    """A thread with an event loop of its own, where AsyncLLM and its output tasks run.
 
-    def __init__(self, llm: AsyncLLM, load: EngineLoad, settings: WorkerSettings) -> None:
+    vLLM's output handler holds its loop for as long as engine steps are queued (it takes each
+    without yielding), which with logprob-heavy streams is seconds: on a loop of its own it
+    never delays the gRPC server's (health checks, token writes, cancels). The engine's
+    processes are started from this thread, which lives until the engine is shut down, so
+    their parent-death signal (lifetime.py) fires exactly when the worker process dies.
+    """
+
+    def __init__(self) -> None:
+        self._loop = uvloop.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="vllm-engine", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, work: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(work, self._loop)
+
+    async def call(self, work: Coroutine[Any, Any, T]) -> T:
+        """Run `work` on the engine's loop and wait for it from the caller's loop."""
+        return await asyncio.wrap_future(self.submit(work))
+
+    def stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+
+def _mapped(error: Exception) -> Exception:
+    """vLLM's errors as the status errors the caller gets."""
+    if isinstance(error, EngineDeadError):
+        return Unavailable(f"inference engine is down: {error}")
+    if isinstance(error, VLLMValidationError):
+        return InvalidArgument(error.parameter or "request", str(error))
+    if isinstance(error, EngineGenerateError):
+        return Internal(f"inference engine failed the request: {error}")
+    return error
+
+
+class VllmEngine:
+    """One vLLM AsyncLLM shared by every stream of the worker (continuous batching), running on
+    its own thread; its methods are called from the gRPC server's loop."""
+
+    def __init__(
+        self, llm: AsyncLLM, load: EngineLoad, settings: WorkerSettings, thread: EngineThread
+    ) -> None:
         self._llm = llm
+        self._thread = thread
         self.load = load
         self.model_name = settings.model_name
         self.max_model_len = settings.max_model_len
@@ -157,20 +210,36 @@ class VllmEngine:
 
     @classmethod
     async def start(cls, settings: WorkerSettings) -> VllmEngine:
-        """Load the model (in a thread, so the server keeps answering health checks) and warm up."""
+        """Load the model on the engine's thread (the server keeps answering health checks
+        meanwhile) and warm up."""
         configure_cpu_backend(settings)
         load = EngineLoad()
-        llm = await asyncio.to_thread(
-            AsyncLLM.from_engine_args,
-            engine_args(settings),
-            stat_loggers=[lambda _config, _index: _LoadStatLogger(load)],
-        )
-        engine = cls(llm, load, settings)
+        thread = EngineThread()
+        thread.start()
+
+        async def build() -> AsyncLLM:
+            # Blocks the engine's loop for the load, when nothing else runs on it; built inside
+            # the running loop, AsyncLLM starts its output tasks there.
+            return AsyncLLM.from_engine_args(
+                engine_args(settings),
+                stat_loggers=[lambda _config, _index: _LoadStatLogger(load)],
+            )
+
+        try:
+            llm = await thread.call(build())
+        except BaseException:
+            thread.stop()
+            raise
+        engine = cls(llm, load, settings, thread)
         await engine.warm_up()
+        # As vLLM's own server does once started: the start-up heap (torch, transformers, the
+        # model's Python objects) leaves the collector's view, so a full collection no longer
+        # walks it and stops both loops for a second.
+        freeze_gc_heap()
         return engine
 
     async def warm_up(self) -> None:
-        """Generate one token, which also starts AsyncLLM's output tasks on this event loop."""
+        """Generate one token through the whole path."""
         spec = GenerationSpec(
             request_id="warm-up",
             prompt="warm up",
@@ -223,67 +292,108 @@ class VllmEngine:
             output_kind=RequestOutputKind.DELTA,
         )
 
+    async def _produce(
+        self, spec: GenerationSpec, post: Callable[[list[TokenDelta] | Exception | None], None]
+    ) -> None:
+        """On the engine's loop: post each output's tokens as one list, then None at the end, or
+        the error that ended the request. Cancelling this aborts the engine request (vLLM's
+        generate() does so when cancelled)."""
+        try:
+            engine_input = await self._tokenize(spec)
+            prompt_tokens = len(engine_input["prompt_token_ids"])
+            index = 0
+            async for output in self._llm.generate(
+                engine_input, self._sampling_params(spec), spec.request_id
+            ):
+                deltas = output_deltas(output, index, prompt_tokens, spec.top_logprobs)
+                index += len(output.outputs[0].token_ids)
+                post(deltas)
+            post(None)
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            post(_mapped(error))
+
     async def stream(
         self, spec: GenerationSpec, on_abort: Callable[[], None] | None = None
     ) -> AsyncGenerator[TokenDelta, None]:
         """Yield each token the moment vLLM produces it. Closing or cancelling the iterator
         before the last token aborts the engine request, and calls on_abort once."""
-        engine_input = await self._tokenize(spec)
-        prompt_tokens = len(engine_input["prompt_token_ids"])
-        index = 0
+        caller = asyncio.get_running_loop()
+        inbox: asyncio.Queue[list[TokenDelta] | Exception | None] = asyncio.Queue()
+
+        def post(item: list[TokenDelta] | Exception | None) -> None:
+            caller.call_soon_threadsafe(inbox.put_nowait, item)
+
+        producer = self._thread.submit(self._produce(spec, post))
         try:
-            async for output in self._llm.generate(
-                engine_input, self._sampling_params(spec), spec.request_id
-            ):
-                completion = output.outputs[0]
-                token_ids = completion.token_ids
-                finish = FINISH_REASONS.get(completion.finish_reason or "", 0)
-                last = len(token_ids) - 1
-                for position, token_id in enumerate(token_ids):
-                    logprob, top = (
-                        token_logprobs(completion.logprobs[position], token_id, spec.top_logprobs)
-                        if completion.logprobs
-                        else (None, ())
-                    )
-                    # A step normally yields one token; if it yields several, the new text
-                    # cannot be split between them and rides on the last one.
-                    yield TokenDelta(
-                        index=index,
-                        token_id=token_id,
-                        text=completion.text if position == last else "",
-                        finish_reason=finish if position == last and output.finished else 0,
-                        prompt_tokens=prompt_tokens,
-                        logprob=logprob,
-                        top_logprobs=top,
-                    )
-                    index += 1
-                if output.finished and not token_ids:
-                    # Nothing new but the end (e.g. the engine aborted the request): report the
-                    # finish on a message that is not a token (token_id -1).
-                    yield TokenDelta(
-                        index,
-                        -1,
-                        completion.text,
-                        finish or token_pb2.FINISH_REASON_ABORTED,
-                        prompt_tokens,
-                    )
+            while (item := await inbox.get()) is not None:
+                if isinstance(item, Exception):
+                    raise item
+                for delta in item:
+                    yield delta
         except (asyncio.CancelledError, GeneratorExit):
             await self.abort(spec.request_id)
             if on_abort is not None:
                 on_abort()
             raise
-        except EngineDeadError as exc:
-            raise Unavailable(f"inference engine is down: {exc}") from exc
-        except VLLMValidationError as exc:
-            raise InvalidArgument(exc.parameter or "request", str(exc)) from exc
-        except EngineGenerateError as exc:
-            raise Internal(f"inference engine failed the request: {exc}") from exc
+        finally:
+            producer.cancel()
 
     async def abort(self, request_id: str) -> None:
-        await self._llm.abort(request_id)
+        await self._thread.call(self._llm.abort(request_id))
 
     def close(self) -> None:
-        self._llm.shutdown()
+        """Shut the engine down (its processes end) and stop its thread; blocks."""
+
+        async def shutdown() -> None:
+            self._llm.shutdown()
+
+        self._thread.submit(shutdown()).result()
+        self._thread.stop()
+
+
+def output_deltas(
+    output: Any, first_index: int, prompt_tokens: int, top_logprobs: int
+) -> list[TokenDelta]:
+    """The tokens of one vLLM RequestOutput (DELTA kind), numbered from first_index."""
+    completion = output.outputs[0]
+    token_ids = completion.token_ids
+    finish = FINISH_REASONS.get(completion.finish_reason or "", 0)
+    last = len(token_ids) - 1
+    deltas = []
+    for position, token_id in enumerate(token_ids):
+        logprob, top = (
+            token_logprobs(completion.logprobs[position], token_id, top_logprobs)
+            if completion.logprobs
+            else (None, ())
+        )
+        # A step normally yields one token; if it yields several, the new text cannot be split
+        # between them and rides on the last one.
+        deltas.append(
+            TokenDelta(
+                index=first_index + position,
+                token_id=token_id,
+                text=completion.text if position == last else "",
+                finish_reason=finish if position == last and output.finished else 0,
+                prompt_tokens=prompt_tokens,
+                logprob=logprob,
+                top_logprobs=top,
+            )
+        )
+    if output.finished and not token_ids:
+        # Nothing new but the end (e.g. the engine aborted the request): report the finish on
+        # a message that is not a token (token_id -1).
+        deltas.append(
+            TokenDelta(
+                first_index,
+                -1,
+                completion.text,
+                finish or token_pb2.FINISH_REASON_ABORTED,
+                prompt_tokens,
+            )
+        )
+    return deltas
 
 
 class EngineSlot:
