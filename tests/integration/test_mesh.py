@@ -19,6 +19,7 @@ import pytest
 import yaml
 from grpc import aio
 
+from loadtests import worker_health_probe
 from tests.support import cancel_until_empty, grpcurl, metric_value, scrape_metrics, within_budget
 from tokenmesh.localstack.stack import Program, Stack
 from tokenmesh.v1 import inference_pb2_grpc, llm_pb2, llm_pb2_grpc, token_pb2
@@ -209,8 +210,13 @@ async def test_discovery_change_reaches_envoy(stack: Stack, edge) -> None:
     took = wait_until(lambda: removed in healthy_hosts(stack, "worker"), 10)
     print(f"worker added back to discovery was healthy in Envoy in {took:.2f}s")
     assert took <= 3.5
-    results = await asyncio.gather(*(generate(edge, i, tokens=4) for i in range(4)))
-    assert all(indexes == list(range(4)) for indexes in results)
+    # Once Envoy reports it healthy, its load balancers use it at once (no merge window): the
+    # first streams after that already reach it.
+    back = next(worker for worker in replicas(stack, "worker") if worker.address == removed)
+    before = started_on(back, INFERENCE)
+    results = await asyncio.gather(*(generate(edge, i, tokens=32) for i in range(8)))
+    assert all(indexes == list(range(32)) for indexes in results)
+    assert started_on(back, INFERENCE) - before > 0
 
 
 def test_sigterm_drains_a_worker_while_its_stream_finishes(stack: Stack) -> None:
@@ -239,3 +245,17 @@ def test_sigterm_drains_a_worker_while_its_stream_finishes(stack: Stack) -> None
         assert [first.index] + [token.index for token in rest] == list(range(600))
     # supervisord restarts it; it rejoins once its model has loaded again.
     wait_until(lambda: worker.address in healthy_hosts(stack, "worker"), 300, every=1)
+
+
+async def test_workers_saturated_by_logprob_streams_stay_in_envoys_rotation(stack: Stack) -> None:
+    """The short version of loadtests/worker_health_probe.py: 32 streams of 1,800 tokens with 20
+    logprobs each keep both workers' Python processes busy (vLLM's logprob processing), and
+    Envoy's active health checks (1 s timeout) of both still all pass, so neither worker ever
+    leaves the rotation."""
+    row = await worker_health_probe.probe(stack, streams=32, tokens=1800)
+    print(json.dumps(row))
+    assert row["outcomes"] == {"OK": 32} and row["tokens_received"] == 32 * 1800, row
+    envoy = row["envoy_worker_cluster"]
+    assert envoy["health_check.attempt"] > 0, row
+    assert envoy["health_check.failure"] == 0, row
+    assert row["samples_with_a_worker_out_of_rotation"] == 0, row

@@ -369,8 +369,14 @@ def service_cluster(name: str, mesh: MeshSettings) -> Config:
                 "grpc_health_check": {"service_name": HEALTH_SERVICES[name]},
             }
         ],
-        # With the default 50 %, Envoy sends to unhealthy hosts when most are down.
-        "common_lb_config": {"healthy_panic_threshold": {"value": 0}},
+        "common_lb_config": {
+            # With the default 50 %, Envoy sends to unhealthy hosts when most are down.
+            "healthy_panic_threshold": {"value": 0},
+            # Health changes reach the load balancers at once. By default Envoy merges them for
+            # up to 1 s (a window meant for clusters of thousands of hosts), so a worker that
+            # had just passed its first check got no stream for a second while another died.
+            "update_merge_window": "0s",
+        },
         # A host removed by discovery stops getting streams even while it still passes checks.
         "ignore_health_on_host_removal": True,
         # Per-host request, error and active-request stats (envoy_cluster_endpoint_* at
