@@ -277,16 +277,16 @@ class Mesh:
 
 
 def killpg(pid: int, sig: signal.Signals) -> None:
-    """sig to the program's whole process group (a worker's vLLM engine process too), as when
-    its container or host dies."""
+    """sig to the program's whole process group, as when its container or host dies."""
     os.killpg(pid, sig)
 
 
 async def worker_kill(mesh: Mesh, short: bool) -> Row:
-    """SIGKILL a worker (and its engine) while streams run on it: its streams end UNAVAILABLE
-    promptly, the other worker's complete, requests sent meanwhile all succeed (Envoy retries
-    them on the other worker before their first token), Envoy stops routing to the dead worker
-    within seconds, and it rejoins once supervisord has restarted it."""
+    """SIGKILL a worker's own process (as the OOM killer or a crash would) while streams run on
+    it: its engine's processes end within 5 s, its streams end UNAVAILABLE promptly, the other
+    worker's complete, requests sent meanwhile all succeed (Envoy retries them on the other
+    worker before their first token), Envoy stops routing to the dead worker within seconds,
+    and it rejoins once supervisord has restarted it, with one engine's memory, not two."""
     row = Row("worker_kill")
     workers = mesh.replicas("worker")
     pids = {worker.name: mesh.pid(worker.name) for worker in workers}
@@ -302,15 +302,20 @@ async def worker_kill(mesh: Mesh, short: bool) -> Row:
         # Every stream has its first token before the kill. A fresh-clone CI run here once
         # needed more than 60 s for that: Envoy saw the 24 streams start over more than a
         # minute (why is not known yet).
+        started = time.monotonic()
         await asyncio.wait_for(asyncio.gather(*(event.wait() for event in events)), 180)
+        row.notes["all_first_tokens_after_s"] = round(time.monotonic() - started, 2)
         # The victim: the worker with the most streams open right now, by Envoy's count (asking
         # a busy worker's engine took long enough once for every stream to finish first).
         open_now = await asyncio.to_thread(mesh.open_streams, "worker")
         running_now = {w.name: open_now.get(w.address, 0) for w in workers}
         victim = max(workers, key=lambda w: running_now[w.name])
         done_before_kill = sum(task.done() for task in running)
+        engine = process_tree(pids[victim.name])
+        rss_before = tree_rss(engine)
         killed_at = time.monotonic()
-        killpg(pids[victim.name], signal.SIGKILL)
+        os.kill(pids[victim.name], signal.SIGKILL)
+        engine_gone = await mesh.wait_until(lambda: not alive(engine[1:]), 15, 0.05)
         # New requests right after the kill: some are routed to the dead worker before Envoy's
         # health checks notice, and must be retried on the other one before their first token.
         fresh = [
@@ -324,6 +329,8 @@ async def worker_kill(mesh: Mesh, short: bool) -> Row:
     row.add(after)
     failed = [o for o in in_flight if o.code != OK]
     ended_within = max((o.ended - killed_at for o in failed), default=0.0)
+    row.notes["engine_processes"] = len(engine) - 1
+    row.notes["engine_gone_after_s"] = None if engine_gone is None else round(engine_gone, 2)
     row.notes["streams_per_worker_at_kill"] = running_now
     row.notes["killed"] = victim.name
     row.notes["in_flight_failed"] = len(failed)
@@ -347,11 +354,55 @@ async def worker_kill(mesh: Mesh, short: bool) -> Row:
     )
     row.check(all(o.code == OK for o in after), "requests sent after the kill all succeed")
     row.check(left is not None and left <= 5, f"dead worker out of Envoy within 5 s ({left})")
+    row.check(
+        len(engine) > 1 and engine_gone is not None and engine_gone <= 5,
+        f"the killed worker's {len(engine) - 1} engine processes end within 5 s ({engine_gone})",
+    )
     rejoin_started = time.monotonic()
     row.check(await mesh.rejoined(victim), "the restarted worker rejoins Envoy's healthy set")
     row.recovered(time.monotonic() - killed_at)
     row.notes["rejoined_after_restart_s"] = round(time.monotonic() - rejoin_started, 1)
+    # What the worker holds now: its restarted tree, plus anything of the old one still running
+    # (an orphaned engine would double it).
+    restarted = process_tree(mesh.pid(victim.name))
+    rss_after = tree_rss(restarted) + tree_rss([p for p in engine if alive([p])])
+    row.notes["worker_rss_mib_before_after"] = [rss_before >> 20, rss_after >> 20]
+    row.check(
+        len(restarted) == len(engine) and rss_after < 1.5 * rss_before,
+        f"memory back to one engine's worth: {len(engine)} processes, {rss_before >> 20} MiB "
+        f"before the kill; {len(restarted)} processes, {rss_after >> 20} MiB after",
+    )
     return row
+
+
+def process_tree(pid: int) -> list[psutil.Process]:
+    """The process and all its descendants (a worker: its engine core and that core's workers)."""
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def alive(processes: Sequence[psutil.Process]) -> bool:
+    """Whether any of them still runs (a killed process waiting to be reaped does not)."""
+    for process in processes:
+        try:
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            continue
+    return False
+
+
+def tree_rss(processes: Sequence[psutil.Process]) -> int:
+    total = 0
+    for process in processes:
+        try:
+            total += process.memory_info().rss
+        except psutil.NoSuchProcess:
+            continue
+    return total
 
 
 async def steady_load(

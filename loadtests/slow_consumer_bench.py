@@ -60,29 +60,16 @@ class SlowConsumerResult:
     seconds_to_stall: float
 
 
-# Streams with 20 logprobs a token saturate the worker's Python process (vLLM detokenizes every
-# candidate), and its health checks then take seconds (loadtests/worker_health_probe.py): at the
-# mesh's 1 s timeout Envoy fails some and takes the only worker out of rotation for a moment,
-# and the bystander once got `no healthy upstream`. That is a known limit (README, Failure
-# behaviour), not what this probe measures: its meshes give health checks this long.
-SATURATED_WORKER_HEALTH_CHECK_TIMEOUT = {"TOKENMESH_MESH_HEALTH_CHECK_TIMEOUT_SECONDS": "10"}
-
-
 def slow_consumer_env(
     stream_window: int | None = None, connection_window: int | None = None
 ) -> AbstractContextManager[None]:
     """The settings of a mesh rendered inside this block (TOKENMESH_MESH_*): Envoy's windows,
-    when given, and the health-check timeout above."""
+    when given."""
     windows = {
         "TOKENMESH_MESH_STREAM_WINDOW_BYTES": stream_window,
         "TOKENMESH_MESH_CONNECTION_WINDOW_BYTES": connection_window,
     }
-    return environment(
-        {
-            **SATURATED_WORKER_HEALTH_CHECK_TIMEOUT,
-            **{name: str(value) for name, value in windows.items() if value is not None},
-        }
-    )
+    return environment({name: str(value) for name, value in windows.items() if value is not None})
 
 
 def messages_sent(metrics_port: int, service: str) -> float:
