@@ -193,13 +193,18 @@ async def test_a_cancelled_stream_records_the_cancellation_in_gateway_and_worker
     edge, otlp_collector: OtlpCollector
 ) -> None:
     traceparent, trace_id, _ = client_traceparent()
-    call = edge.Generate(
-        llm_pb2.GenerateRequest(prompt="a long story", max_tokens=2000, ignore_eos=True),
-        metadata=(("traceparent", traceparent),),
+    # 20 logprobs a token make the 2,000 tokens take the worker ~9 s instead of ~3 s: a cancel
+    # that reached this mesh's edge only as the worker's stream ended, ~2.9 s after it was sent,
+    # once let the worker finish first (not explained yet; make up's mesh: 13-22 ms).
+    request = llm_pb2.GenerateRequest(
+        prompt="a long story", max_tokens=2000, ignore_eos=True, logprobs=True, top_logprobs=20
     )
+    call = edge.Generate(request, metadata=(("traceparent", traceparent),))
+    began = time.monotonic()
     for _ in range(3):
         await call.read()
     call.cancel()
+    print(f"cancelled {time.monotonic() - began:.3f} s after the call began")
     generate = ("tokenmesh-gateway", "tokenmesh.v1.LLMService/Generate")
     spans = await otlp_collector.wait_for(
         trace_id, lambda found: has(found, generate, WORKER, DECODE)
