@@ -311,6 +311,7 @@ async def worker_kill(mesh: Mesh, short: bool) -> Row:
         running_now = {w.name: open_now.get(w.address, 0) for w in workers}
         victim = max(workers, key=lambda w: running_now[w.name])
         done_before_kill = sum(task.done() for task in running)
+        # The worker and its children: vLLM's engine core and workers, multiprocessing's tracker.
         engine = process_tree(pids[victim.name])
         rss_before = tree_rss(engine)
         killed_at = time.monotonic()
@@ -329,8 +330,8 @@ async def worker_kill(mesh: Mesh, short: bool) -> Row:
     row.add(after)
     failed = [o for o in in_flight if o.code != OK]
     ended_within = max((o.ended - killed_at for o in failed), default=0.0)
-    row.notes["engine_processes"] = len(engine) - 1
-    row.notes["engine_gone_after_s"] = None if engine_gone is None else round(engine_gone, 2)
+    row.notes["child_processes"] = len(engine) - 1
+    row.notes["children_gone_after_s"] = None if engine_gone is None else round(engine_gone, 2)
     row.notes["streams_per_worker_at_kill"] = running_now
     row.notes["killed"] = victim.name
     row.notes["in_flight_failed"] = len(failed)
@@ -356,7 +357,8 @@ async def worker_kill(mesh: Mesh, short: bool) -> Row:
     row.check(left is not None and left <= 5, f"dead worker out of Envoy within 5 s ({left})")
     row.check(
         len(engine) > 1 and engine_gone is not None and engine_gone <= 5,
-        f"the killed worker's {len(engine) - 1} engine processes end within 5 s ({engine_gone})",
+        f"the killed worker's {len(engine) - 1} child processes (engine core, its workers, "
+        f"multiprocessing's tracker) end within 5 s ({engine_gone})",
     )
     rejoin_started = time.monotonic()
     row.check(await mesh.rejoined(victim), "the restarted worker rejoins Envoy's healthy set")
