@@ -5,7 +5,7 @@ machine's own floor; reports those checks' latency p50/p99/max, Envoy's own heal
 attempts and failures and its membership changes for the worker cluster, and every stream's end.
 
     python -m loadtests.worker_health_probe [--streams 32 --tokens 1800] [--attach RUN_DIR]
-        [--out FILE]
+        [--out FILE] [--realtime-checker]
 
 All traffic goes to 127.0.0.1; every wait is bounded.
 """
@@ -78,11 +78,17 @@ async def _check_loop(
     return took
 
 
-def _checker(addresses: Sequence[str], limit: float, ready: Any, stop: Any, results: Any) -> None:
+def _checker(
+    addresses: Sequence[str], limit: float, realtime: bool, ready: Any, stop: Any, results: Any
+) -> None:
     # A session of its own: under the kernel's autogroup scheduling (on here) a session's
     # processes share one slice of the CPU, and the checker must not wait behind the load
     # generator's, as a prober on another host would not.
     os.setsid()
+    if realtime:
+        # SCHED_FIFO: the checker runs the moment an answer arrives, so what it times is the
+        # worker's answer, not this 2-core machine's run queue (a prober on another host).
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
     results.send(asyncio.run(_check_loop(addresses, limit, ready, stop)))
 
 
@@ -134,7 +140,7 @@ async def count_out_of_rotation(admin_port: int, workers: int, stop: asyncio.Eve
     return short
 
 
-async def probe(stack: Stack, streams: int, tokens: int) -> dict[str, Any]:
+async def probe(stack: Stack, streams: int, tokens: int, realtime: bool = False) -> dict[str, Any]:
     """Run the load once with the checker beside it; one result row."""
     admin = stack.settings.envoy_admin_port
     workers = [p.address for p in stack.programs if p.service == "worker"]
@@ -146,7 +152,7 @@ async def probe(stack: Stack, streams: int, tokens: int) -> dict[str, Any]:
     ready, stop = spawn.Event(), spawn.Event()
     checker = spawn.Process(
         target=_checker,
-        args=(workers + reranker, LOAD_LIMIT_SECONDS, ready, stop, sender),
+        args=(workers + reranker, LOAD_LIMIT_SECONDS, realtime, ready, stop, sender),
         daemon=True,
     )
     checker.start()
@@ -173,6 +179,7 @@ async def probe(stack: Stack, streams: int, tokens: int) -> dict[str, Any]:
     return {
         "streams": streams,
         "tokens_per_stream": tokens,
+        "checker_scheduling": "SCHED_FIFO" if realtime else "SCHED_OTHER",
         "load_seconds": round(load_seconds, 1),
         "outcomes": dict(Counter(code for code, _ in outcomes)),
         "tokens_received": sum(n for _, n in outcomes),
@@ -193,12 +200,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--attach", type=Path, help="a running mesh's run directory (.run)")
     parser.add_argument("--out", type=Path, help="append each round's JSON row to this file")
+    parser.add_argument(
+        "--realtime-checker",
+        action="store_true",
+        help="run the direct checker under SCHED_FIFO (needs CAP_SYS_NICE)",
+    )
     args = parser.parse_args()
 
     def rounds(stack: Stack) -> None:
         for index in range(args.rounds):
             row = {"round": index, "machine": platform.node(), "date": time.strftime("%F %T")}
-            row.update(asyncio.run(probe(stack, args.streams, args.tokens)))
+            row.update(asyncio.run(probe(stack, args.streams, args.tokens, args.realtime_checker)))
             print(json.dumps(row))
             if args.out is not None:
                 with args.out.open("a") as out:
