@@ -32,6 +32,7 @@ import psutil
 import yaml
 from grpc import aio
 
+from tokenmesh.common.tokens import token_count
 from tokenmesh.localstack.stack import Program, Stack, StackSettings, envoy_host_statuses
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, llm_pb2, llm_pb2_grpc
 
@@ -159,7 +160,7 @@ async def generate(
                 outcome.degraded = any(w.startswith("reranker_unavailable") for w in token.warnings)
                 if started is not None:
                     started.set()
-            outcome.tokens += 1
+            outcome.tokens += token_count(token)
 
     try:
         await asyncio.wait_for(read(), deadline + HANG_MARGIN_SECONDS)

@@ -102,6 +102,8 @@ class Recorder:
     slow_tokens: int = 0
     # Every token received, warm-up and slow streams included (the byte count's denominator).
     all_tokens: int = 0
+    # Every message that carried tokens, likewise (a message may carry several).
+    all_messages: int = 0
 
     def record(
         self,
@@ -137,11 +139,11 @@ async def one_request(
     limit: float,
     slow_interval: float = 0.0,
     server_gaps: list[float] | None = None,
-) -> tuple[float | None, list[float], float, int, str, str]:
+) -> tuple[float | None, list[float], float, int, str, str, int]:
     """Stream one request: (first message time, gaps between messages, end time, tokens,
-    status, first warning). Times are time.perf_counter() values. server_gaps, when given,
-    gets the gaps between the worker's emission times (tokenmesh targets): what the client's
-    gaps would be with no transport in between."""
+    status, first warning, messages that carried tokens). Times are time.perf_counter()
+    values. server_gaps, when given, gets the gaps between the worker's emission times
+    (tokenmesh targets): what the client's gaps would be with no transport in between."""
     first: float | None = None
     emitted = 0
     previous = 0.0
@@ -149,6 +151,7 @@ async def one_request(
     tokens = 0
     warning = ""
     status = "OK"
+    messages = 0
     try:
         async with asyncio.timeout(limit):
             message: Message
@@ -156,21 +159,26 @@ async def one_request(
                 tokens += message.tokens
                 if not message.arrival:
                     continue
+                messages += 1
                 now = time.perf_counter()
                 if first is None:
                     first, warning = now, message.warning
                 else:
                     gaps.append(now - previous)
+                # A message of several tokens: the ones after its first came at no gap.
+                together = [0.0] * (message.tokens - 1)
+                gaps.extend(together)
                 previous = now
                 if server_gaps is not None and message.emitted_ns:
                     if emitted:
                         server_gaps.append(max(message.emitted_ns - emitted, 0) / 1e9)
+                    server_gaps.extend(together)
                     emitted = message.emitted_ns
                 if slow_interval:
                     await asyncio.sleep(slow_interval)
     except Exception as error:  # every failure is counted by its status, none stops the run
         status = status_of(error)
-    return first, gaps, time.perf_counter(), tokens, status, warning
+    return first, gaps, time.perf_counter(), tokens, status, warning, messages
 
 
 async def run_shard(
@@ -204,10 +212,11 @@ async def run_shard(
 
     async def run(spec: RequestSpec, start: float, counted: bool) -> None:
         server_gaps: list[float] = []
-        first, gaps, end, tokens, status, warning = await one_request(
+        first, gaps, end, tokens, status, warning, messages = await one_request(
             target, spec, config.timeout, server_gaps=server_gaps
         )
         recorder.all_tokens += tokens
+        recorder.all_messages += messages
         if counted:
             recorder.record(start, first, gaps, end, tokens, status, warning, measure_from)
             if status == "OK":
@@ -244,12 +253,13 @@ async def run_shard(
 
     async def slow_reader(i: int) -> None:
         spec = replace(next(requests), max_tokens=config.slow_tokens)
-        _first, _gaps, _end, tokens, status, _warning = await one_request(
+        _first, _gaps, _end, tokens, status, _warning, messages = await one_request(
             target, spec, config.timeout, config.slow_interval
         )
         recorder.slow_status[status] += 1
         recorder.slow_tokens += tokens
         recorder.all_tokens += tokens
+        recorder.all_messages += messages
 
     target = make_target(config.target, address, config.documents, config.model)
     async with target:
@@ -282,6 +292,7 @@ async def run_shard(
         "bytes_sent": counter.sent if counter else None,
         "bytes_received": counter.received if counter else None,
         "all_tokens": recorder.all_tokens,
+        "all_messages": recorder.all_messages,
         # Shards start within a second or so of each other; offsets are per shard.
         "started_unix": time.time() - wall,
     }
@@ -344,6 +355,10 @@ def merge(config: RunConfig, shards: list[dict[str, Any]], started: datetime) ->
         },
         **figures(status, tokens, seconds, histograms),
         "warmup_requests": sum(shard["warmup_requests"] for shard in shards),
+        # Every token the run received, warm-up and slow streams included (what the servers
+        # spent their CPU on: the denominator of CPU per token).
+        "tokens_received": sum(shard["all_tokens"] for shard in shards),
+        "messages_received": sum(shard["all_messages"] for shard in shards),
         "wire_bytes": wire,
         "slow_streams": (
             {"status": dict(slow_status), "tokens": sum(s["slow_tokens"] for s in shards)}
@@ -451,6 +466,8 @@ def combine(results: list[dict[str, Any]]) -> dict[str, Any]:
         },
         **figures(status, tokens, seconds, histograms),
         "warmup_requests": sum(r["warmup_requests"] for r in results),
+        "tokens_received": sum(r["tokens_received"] for r in results),
+        "messages_received": sum(r["messages_received"] for r in results),
         "wire_bytes": wire,
         "histograms": {name: latencies.encode() for name, latencies in histograms.items()},
         "timeline": [row for r in results for row in r["timeline"]][:TIMELINE_LIMIT],

@@ -10,6 +10,8 @@ rest       REST/JSON through Envoy's transcoder vs gRPC at the edge: tokens/s, T
 sse        the same against vLLM's OpenAI server (SSE), with the mesh down
 versus     edge gRPC, edge REST and vLLM's SSE server up together, in interleaved rounds (the
            fair comparison on a shared machine: every path sees the same load)
+cost       the same two, 1/32/64 streams of 128 tokens: CPU µs per token of every process from
+           /proc, TTFT and ITL, py-spy profiles of the worker and gateway (loadtests/token_cost.py)
 many       1,000 concurrent Generate streams on one client channel through the edge
 slow       100 streams read one token a second beside full-speed streams: their ITL, and RSS
 degraded   open-loop load with documents; the reranker is stopped halfway: TTFT step, errors
@@ -46,7 +48,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = "models/tiny-llama"
 CONCURRENCY = (1, 8, 32, 64, 128)
 QUICK_CONCURRENCY = (1, 8)
-ORDER = ("transport", "rest", "many", "slow", "degraded", "engine", "sse", "versus")
+ORDER = ("transport", "rest", "many", "slow", "degraded", "engine", "sse", "versus", "cost")
 MESH_SCENARIOS = ("transport", "rest", "many", "slow", "degraded")
 
 
@@ -316,8 +318,9 @@ def engine(bench: Bench) -> None:
 
 
 @contextmanager
-def openai_server() -> Iterator[str]:
-    """vLLM's own OpenAI-compatible server on the tiny model, with a worker's settings."""
+def openai_server() -> Iterator[tuple[str, int]]:
+    """vLLM's own OpenAI-compatible server on the tiny model, with a worker's settings: its
+    address and process id."""
     port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", MODEL,
@@ -340,7 +343,7 @@ def openai_server() -> Iterator[str]:
                     time.sleep(1)
             else:
                 raise SystemExit("vLLM's server did not come up in time")
-            yield f"127.0.0.1:{port}"
+            yield f"127.0.0.1:{port}", process.pid
         finally:
             process.terminate()
             try:
@@ -351,7 +354,7 @@ def openai_server() -> Iterator[str]:
 
 
 def sse(bench: Bench) -> None:
-    with openai_server() as address:
+    with openai_server() as (address, _server):
         for c in (8,) if bench.quick else (8, 32):
             config = bench.config(
                 target="openai",
@@ -375,7 +378,7 @@ def sse(bench: Bench) -> None:
 def versus(bench: Bench) -> None:
     """gRPC and REST at the edge and vLLM's SSE server measured in interleaved rounds while
     both are up (only one is loaded at a time), so all three see the same machine load."""
-    with private_mesh() as stack, openai_server() as address:
+    with private_mesh() as stack, openai_server() as (address, _server):
         edge = f"127.0.0.1:{stack.settings.edge_port}"
         paths = (
             ("llm", edge, "edge gRPC"),
@@ -437,6 +440,10 @@ def bench_command(names: str, quick: bool, out: Path | None) -> int:
         sse(bench)
     if "versus" in chosen:
         versus(bench)
+    if "cost" in chosen:
+        from loadtests.token_cost import cost
+
+        bench.notes["cost"] = cost(bench, bench.round_count + 1, profile=not quick)["comparisons"]
     machine["load_average_at_end"] = [round(v, 2) for v in os.getloadavg()]
     notes_file = bench.out / "notes.json"
     # A later run of some scenarios into the same directory keeps the earlier runs' notes.

@@ -30,6 +30,7 @@ from grpc import aio
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtests.chaos import environment
+from tokenmesh.common.tokens import token_count
 from tokenmesh.localstack.stack import Program, Stack, StackSettings
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, llm_pb2, llm_pb2_grpc
 
@@ -39,6 +40,8 @@ ROOT = Path(__file__).resolve().parent.parent
 ENVOY_DEFAULT_WINDOW = 256 * MIB
 # A reader that never reads: a fixed 64 KiB window per stream (gRPC's BDP probing off).
 SLOW_CLIENT_OPTIONS = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 65536)]
+# Envoy's stream idle timeout on the probe's meshes: longer than any probe waits.
+STREAM_IDLE_SECONDS = 900
 
 
 @dataclass(frozen=True)
@@ -64,26 +67,26 @@ def slow_consumer_env(
     stream_window: int | None = None, connection_window: int | None = None
 ) -> AbstractContextManager[None]:
     """The settings of a mesh rendered inside this block (TOKENMESH_MESH_*): Envoy's windows,
-    when given."""
-    windows = {
+    when given, and a stream idle timeout longer than the probe's limit: the slow reader's
+    streams carry no bytes for as long as the engine takes to make every token (~30 s here,
+    far longer on a loaded machine), and what is measured is flow control, not that cut."""
+    values = {
         "TOKENMESH_MESH_STREAM_WINDOW_BYTES": stream_window,
         "TOKENMESH_MESH_CONNECTION_WINDOW_BYTES": connection_window,
+        "TOKENMESH_MESH_STREAM_IDLE_TIMEOUT_SECONDS": STREAM_IDLE_SECONDS,
     }
-    return environment({name: str(value) for name, value in windows.items() if value is not None})
+    return environment({name: str(value) for name, value in values.items() if value is not None})
 
 
-def messages_sent(metrics_port: int, service: str) -> float:
-    """grpc_server_stream_msg_sent_total of service's Generate on one process."""
+def tokens_sent(metrics_port: int) -> float:
+    """tokenmesh_tokens_generated_total of one process: the tokens it has sent (a message may
+    hold several)."""
     url = f"http://127.0.0.1:{metrics_port}/metrics"
     with urllib.request.urlopen(url, timeout=10) as reply:
         text = reply.read().decode()
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if (
-                sample.name == "grpc_server_stream_msg_sent_total"
-                and sample.labels.get("grpc_service") == service
-                and sample.labels.get("grpc_method") == "Generate"
-            ):
+            if sample.name == "tokenmesh_tokens_generated_total":
                 return float(sample.value)
     return 0.0
 
@@ -136,12 +139,12 @@ class SlowConsumerProbe:
                 prompt="bystander", max_tokens=tokens, ignore_eos=True
             )
             stream = llm_pb2_grpc.LLMServiceStub(channel).Generate(request, timeout=limit)
-            return len([token async for token in stream])
+            return sum([token_count(token) async for token in stream])
 
     def sent(self) -> tuple[float, float]:
         return (
-            messages_sent(self._gateway.metrics_port or 0, "tokenmesh.v1.LLMService"),
-            messages_sent(self._worker.metrics_port or 0, "tokenmesh.v1.InferenceService"),
+            tokens_sent(self._gateway.metrics_port or 0),
+            tokens_sent(self._worker.metrics_port or 0),
         )
 
     async def run(
@@ -191,7 +194,8 @@ class SlowConsumerProbe:
 
             async def read_all(call: aio.UnaryStreamCall) -> tuple[list[int], int]:
                 tokens = [token async for token in call]
-                return [token.index for token in tokens], sum(t.ByteSize() for t in tokens)
+                indexes = [t.index + n for t in tokens for n in range(token_count(t))]
+                return indexes, sum(t.ByteSize() for t in tokens)
 
             read = await asyncio.gather(*(read_all(call) for call in calls))
         return SlowConsumerResult(

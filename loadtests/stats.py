@@ -35,13 +35,14 @@ class Latencies:
         }
 
     def percentiles(self) -> dict[str, float]:
-        """count, p50/p90/p99/p99.9 and max in ms (0 when nothing was recorded)."""
+        """count, p50/p90/p99/p99.9, max and mean in ms (0 when nothing was recorded)."""
         if not self.count:
             return {"count": 0, **{label(p): 0.0 for p in PERCENTILES}, "max_ms": 0.0}
         return {
             "count": self.count,
             **{label(p): self.ms(p) for p in PERCENTILES},
             "max_ms": self.ms(100),
+            "mean_ms": round(self._histogram.get_mean_value() / 1e3, 2),
         }
 
     def merge(self, other: Latencies) -> None:

@@ -20,6 +20,7 @@ import grpc
 from grpc import aio
 
 from loadtests.workload import RequestSpec
+from tokenmesh.common.tokens import token_count
 
 KINDS = ("worker", "llm", "rest", "openai")
 # Documents the gateway reranks when a workload asks for context.
@@ -108,7 +109,7 @@ class WorkerTarget(_Grpc):
         )
         stub = inference_pb2_grpc.InferenceServiceStub(self.channel)
         async for token in stub.Generate(request, timeout=limit):
-            yield Message(1, emitted_ns=token.emitted_unix_nanos)
+            yield Message(token_count(token), emitted_ns=token.emitted_unix_nanos)
 
 
 class LLMTarget(_Grpc):
@@ -125,7 +126,7 @@ class LLMTarget(_Grpc):
         stub = llm_pb2_grpc.LLMServiceStub(self.channel)
         async for token in stub.Generate(request, timeout=limit):
             warning = token.warnings[0] if token.warnings else ""
-            yield Message(1, warning, emitted_ns=token.emitted_unix_nanos)
+            yield Message(token_count(token), warning, emitted_ns=token.emitted_unix_nanos)
 
 
 class _Http:
@@ -178,7 +179,11 @@ class RestTarget(_Http):
             if "code" in token and "text" not in token and "index" not in token:
                 raise RequestFailed(f"GRPC_{token['code']}")
             warnings = token.get("warnings") or [""]
-            yield Message(1, warnings[0], emitted_ns=int(token.get("emitted_unix_nanos") or 0))
+            # JSON leaves out default values: a token id of 0 is not written, nor an empty list.
+            ids = token.get("token_ids")
+            count = len(ids) if ids else int(int(token.get("token_id", 0)) >= 0)
+            emitted = int(token.get("emitted_unix_nanos") or 0)
+            yield Message(count, warnings[0], emitted_ns=emitted)
 
 
 class OpenAITarget(_Http):

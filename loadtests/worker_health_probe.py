@@ -29,6 +29,7 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from loadtests.chaos import attached, own_stack
+from tokenmesh.common.tokens import token_count
 from tokenmesh.localstack.stack import Stack
 from tokenmesh.v1 import llm_pb2, llm_pb2_grpc
 
@@ -118,8 +119,8 @@ async def saturate(edge: str, streams: int, tokens: int) -> list[tuple[str, int]
         )
         received = 0
         try:
-            async for _ in stub.Generate(request, timeout=600):
-                received += 1
+            async for token in stub.Generate(request, timeout=600):
+                received += token_count(token)
         except aio.AioRpcError as error:
             return error.code().name, received
         return "OK", received

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tokenmesh.common.tokens import token_count
 from tokenmesh.localstack.stack import Stack, StackSettings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -334,3 +335,44 @@ def running_stack(settings: StackSettings) -> Iterator[Stack]:
         yield stack
     finally:
         stack.down()
+
+
+def positions(tokens: Iterable[Any]) -> list[int]:
+    """The position of every generated token in a stream's Token messages, protos or their
+    JSON (a message may hold several consecutive tokens: token.proto)."""
+    found: list[int] = []
+    for token in tokens:
+        if isinstance(token, dict):
+            index, ids = token.get("index", 0), token.get("token_ids")
+            count = len(ids) if ids else int(int(token.get("token_id", 0)) >= 0)
+        else:
+            index, count = token.index, token_count(token)
+        found.extend(range(int(index), int(index) + count))
+    return found
+
+
+@dataclass(frozen=True)
+class GeneratedToken:
+    """One generated token out of a stream's Token messages."""
+
+    index: int
+    token_id: int
+    logprob: float | None
+    top_logprobs: list[Any]
+
+
+def generated(tokens: Iterable[Any]) -> list[GeneratedToken]:
+    """Every generated token of a stream's Token messages, each with its logprobs."""
+    found = []
+    for token in tokens:
+        ids = list(token.token_ids) or ([token.token_id] if token.token_id >= 0 else [])
+        first = (token.logprob if token.HasField("logprob") else None, list(token.top_logprobs))
+        following = [
+            (p.logprob if p.HasField("logprob") else None, list(p.top_logprobs))
+            for p in token.following_logprobs
+        ]
+        logprobs = [first, *following] if ids else []
+        for offset, token_id in enumerate(ids):
+            logprob, top = logprobs[offset] if offset < len(logprobs) else (None, [])
+            found.append(GeneratedToken(token.index + offset, token_id, logprob, top))
+    return found

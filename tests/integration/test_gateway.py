@@ -18,6 +18,8 @@ from tests.support import (
     engine_empty_at,
     free_port,
     gateway_process,
+    generated,
+    positions,
     read_rest,
     within_budget,
 )
@@ -54,7 +56,7 @@ async def llm(gateway: ServiceProcess) -> AsyncIterator[llm_pb2_grpc.LLMServiceS
 async def test_generate_streams_tokens_through_the_gateway(llm) -> None:
     call = llm.Generate(llm_pb2.GenerateRequest(prompt="hello", max_tokens=16, ignore_eos=True))
     tokens = [token async for token in call]
-    assert [token.index for token in tokens] == list(range(16))
+    assert positions(tokens) == list(range(16))
     assert tokens[-1].finish_reason == token_pb2.FINISH_REASON_LENGTH
     assert tokens[-1].usage.completion_tokens == 16
     assert not any(token.warnings for token in tokens)
@@ -66,8 +68,9 @@ async def test_generate_passes_logprobs_through(llm) -> None:
         prompt="hello", max_tokens=8, ignore_eos=True, logprobs=True, top_logprobs=3
     )
     tokens = [token async for token in llm.Generate(request)]
-    assert len(tokens) == 8
-    assert all(token.HasField("logprob") and len(token.top_logprobs) == 3 for token in tokens)
+    each = generated(tokens)
+    assert len(each) == 8
+    assert all(token.logprob is not None and len(token.top_logprobs) == 3 for token in each)
 
 
 async def test_reranking_puts_the_relevant_document_first(llm) -> None:
@@ -89,7 +92,7 @@ async def test_generate_with_documents_streams_without_warnings(llm) -> None:
         prompt="What is the capital of France?", documents=FRANCE, max_tokens=8, ignore_eos=True
     )
     tokens = [token async for token in llm.Generate(request)]
-    assert len(tokens) == 8 and not tokens[0].warnings
+    assert len(positions(tokens)) == 8 and not tokens[0].warnings
 
 
 async def test_get_answer_is_the_whole_generated_text(llm) -> None:

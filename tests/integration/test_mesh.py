@@ -20,7 +20,14 @@ import yaml
 from grpc import aio
 
 from loadtests import worker_health_probe
-from tests.support import cancel_until_empty, grpcurl, metric_value, scrape_metrics, within_budget
+from tests.support import (
+    cancel_until_empty,
+    grpcurl,
+    metric_value,
+    positions,
+    scrape_metrics,
+    within_budget,
+)
 from tokenmesh.localstack.stack import Program, Stack
 from tokenmesh.v1 import inference_pb2_grpc, llm_pb2, llm_pb2_grpc, token_pb2
 
@@ -58,7 +65,7 @@ async def edge(stack: Stack) -> AsyncIterator[llm_pb2_grpc.LLMServiceStub]:
 
 async def generate(edge: llm_pb2_grpc.LLMServiceStub, i: int, tokens: int = 16) -> list[int]:
     request = llm_pb2.GenerateRequest(prompt=f"mesh {i}", max_tokens=tokens, ignore_eos=True)
-    return [token.index async for token in edge.Generate(request, timeout=120)]
+    return positions([token async for token in edge.Generate(request, timeout=120)])
 
 
 def wait_until(condition: Callable[[], bool], within: float, every: float = 0.1) -> float:
@@ -127,7 +134,7 @@ def test_rest_json_generate_streams_one_json_object_per_token(stack: Stack) -> N
     assert response.status == 200
     lines = [line for line in response.read().decode().splitlines() if line.strip()]
     tokens = [json.loads(line.strip().lstrip("[").rstrip(",]")) for line in lines]
-    assert [token["index"] for token in tokens] == list(range(8))
+    assert positions(tokens) == list(range(8))
     assert tokens[-1]["finish_reason"] == "FINISH_REASON_LENGTH"
 
 
@@ -153,7 +160,7 @@ def test_grpc_web_generate_streams_tokens(stack: Stack) -> None:
             trailers = chunk.decode()
         else:
             tokens.append(token_pb2.Token.FromString(chunk))
-    assert [token.index for token in tokens] == list(range(8))
+    assert positions(tokens) == list(range(8))
     assert "grpc-status:0" in trailers.replace(" ", "")
 
 
@@ -242,7 +249,7 @@ def test_sigterm_drains_a_worker_while_its_stream_finishes(stack: Stack) -> None
         print(f"draining (NOT_SERVING) worker left the healthy set in {took:.1f}s")
         assert took <= 2.0
         rest = list(stream)
-        assert [first.index] + [token.index for token in rest] == list(range(600))
+        assert positions([first, *rest]) == list(range(600))
     # supervisord restarts it; it rejoins once its model has loaded again.
     wait_until(lambda: worker.address in healthy_hosts(stack, "worker"), 300, every=1)
 

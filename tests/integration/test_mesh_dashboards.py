@@ -18,7 +18,7 @@ import pytest
 import yaml
 from grpc import aio
 
-from tests.support import ROOT, metric_value, scrape_metrics
+from tests.support import ROOT, metric_value, positions, scrape_metrics
 from tokenmesh.localstack.stack import Stack, serving
 from tokenmesh.v1 import llm_pb2, llm_pb2_grpc
 
@@ -79,7 +79,7 @@ async def generate(edge: llm_pb2_grpc.LLMServiceStub, i: int) -> int:
     request = llm_pb2.GenerateRequest(
         prompt=f"dashboards {i}", max_tokens=16, documents=DOCUMENTS, top_k_documents=2
     )
-    return len([token async for token in edge.Generate(request, timeout=60)])
+    return len(positions([token async for token in edge.Generate(request, timeout=60)]))
 
 
 async def answer(edge: llm_pb2_grpc.LLMServiceStub, i: int) -> llm_pb2.Answer:

@@ -20,6 +20,7 @@ from tests.support import (
     grpcurl,
     health_status,
     metric_value,
+    positions,
     read_rest,
     scrape_metrics,
     worker_process,
@@ -61,7 +62,7 @@ def test_grpcurl_streams_16_tokens(worker: ServiceProcess) -> None:
         token, end = decoder.raw_decode(text)
         tokens.append(token)
         text = text[end:].strip()
-    assert [token["index"] for token in tokens] == list(range(16))
+    assert positions(tokens) == list(range(16))
     assert tokens[-1]["finish_reason"] == "FINISH_REASON_LENGTH"
 
 
@@ -127,7 +128,7 @@ async def test_sigterm_lets_the_in_flight_stream_finish_then_exits_0(
         first = await call.read()
         worker.signal(signal.SIGTERM)
         rest = await read_rest(call)
-        assert [first.index] + [t.index for t in rest] == list(range(600))
+        assert positions([first, *rest]) == list(range(600))
         # New work is refused once the worker is draining.
         with pytest.raises(aio.AioRpcError) as refused:
             async for _ in stub.Generate(request, timeout=30):

@@ -15,8 +15,10 @@ from tests.support import (
     aborted_since,
     aborted_total,
     engine_empty_at,
+    generated,
     generations_finished,
     metric_value,
+    positions,
     read_rest,
     scrape_metrics,
     within_budget,
@@ -45,8 +47,8 @@ async def test_stream_has_exactly_max_tokens_with_contiguous_indexes(inference) 
         token
         async for token in inference.Generate(generate_request(max_tokens=24, ignore_eos=True))
     ]
-    assert [token.index for token in tokens] == list(range(24))
-    assert all(token.token_id >= 0 for token in tokens)
+    assert positions(tokens) == list(range(24))
+    assert all(token.token_id >= 0 for token in generated(tokens))
     assert all(token.finish_reason == 0 for token in tokens[:-1])
     assert tokens[-1].finish_reason == token_pb2.FINISH_REASON_LENGTH
     assert tokens[-1].usage.completion_tokens == 24
@@ -79,14 +81,16 @@ async def test_text_is_the_detokenized_token_ids(inference) -> None:
         )
     ]
     tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
-    expected = tokenizer.decode([token.token_id for token in tokens], skip_special_tokens=True)
+    ids = [token.token_id for token in generated(tokens)]
+    expected = tokenizer.decode(ids, skip_special_tokens=True)
     assert "".join(token.text for token in tokens) == expected
 
 
 async def test_greedy_generation_is_deterministic(inference) -> None:
     request = generate_request(prompt="the same prompt", max_tokens=20, temperature=0.0)
-    first = [t.token_id async for t in inference.Generate(request)]
-    second = [t.token_id async for t in inference.Generate(request)]
+    first = generated([t async for t in inference.Generate(request)])
+    second = generated([t async for t in inference.Generate(request)])
+    assert len(first) == 20
     assert first == second
 
 
@@ -94,10 +98,10 @@ async def test_logprobs_rank_the_alternatives_and_include_the_sampled_token(infe
     request = generate_request(
         max_tokens=24, ignore_eos=True, temperature=0.0, logprobs=True, top_logprobs=5
     )
-    tokens = [token async for token in inference.Generate(request)]
+    tokens = generated([token async for token in inference.Generate(request)])
     assert len(tokens) == 24
     for token in tokens:
-        assert token.HasField("logprob") and token.logprob <= 0.0
+        assert token.logprob is not None and token.logprob <= 0.0
         alternatives = [candidate.logprob for candidate in token.top_logprobs]
         assert len(alternatives) == 5 and alternatives == sorted(alternatives, reverse=True)
         assert len({candidate.token_id for candidate in token.top_logprobs}) == 5
@@ -106,7 +110,7 @@ async def test_logprobs_rank_the_alternatives_and_include_the_sampled_token(infe
         assert token.logprob == pytest.approx(best)
         assert token.token_id in {c.token_id for c in token.top_logprobs if c.logprob == best}
     plain = [t async for t in inference.Generate(generate_request(max_tokens=4))]
-    assert not any(t.HasField("logprob") or t.top_logprobs for t in plain)
+    assert not any(t.HasField("logprob") or t.top_logprobs or t.following_logprobs for t in plain)
 
 
 def iterations_over_8_tokens(worker: ServiceProcess) -> float:
@@ -123,7 +127,7 @@ async def test_32_concurrent_streams_complete_and_run_batched(
 
     async def one(i: int) -> list[int]:
         request = generate_request(prompt=f"stream {i}", max_tokens=128, ignore_eos=True)
-        return [token.index async for token in inference.Generate(request)]
+        return positions([token async for token in inference.Generate(request)])
 
     results = await asyncio.gather(*(one(i) for i in range(32)))
     assert all(indexes == list(range(128)) for indexes in results)

@@ -48,6 +48,8 @@ def test_defaults_and_sampling_pass_through() -> None:
         ({"top_k_documents": -1}, "top_k_documents", "[0, 3]"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "[0, 20]"),
         ({"top_logprobs": 2}, "top_logprobs", "needs logprobs set to true"),
+        ({"stream_interval": 65}, "stream_interval", "[0, 64], got 65"),
+        ({"stream_interval": -2}, "stream_interval", "[0, 64], got -2"),
         ({"max_tokens": -5}, "max_tokens", "[1, 4096]"),
         ({"temperature": float("nan")}, "temperature", "[0, 2]"),
         ({"temperature": float("-inf")}, "temperature", "[0, 2]"),

@@ -159,6 +159,34 @@ async def test_the_token_that_uses_the_quota_up_ends_the_stream_and_closes_the_w
         await anext(meter(limiter).metered(quota, worker_tokens(1, [])))
 
 
+async def three_a_message(count: int) -> AsyncGenerator[token_pb2.Token, None]:
+    """A worker's stream whose messages hold three tokens each (it fell behind the engine)."""
+    for index in range(0, count, 3):
+        ids = list(range(index, index + 3))
+        yield token_pb2.Token(
+            index=index,
+            token_id=ids[0],
+            token_ids=ids,
+            text="".join(f"t{i}" for i in ids),
+            text_lengths=[len(f"t{i}") for i in ids],
+        )
+
+
+async def test_a_message_of_several_tokens_is_cut_at_exactly_the_quota() -> None:
+    limiter = TenantLimiter(1000, FakeClock())
+    quota = tenant(tokens_per_window=7)
+    tokens = [t async for t in meter(limiter).metered(quota, three_a_message(30))]
+    assert [(t.index, list(t.token_ids)) for t in tokens] == [
+        (0, [0, 1, 2]),
+        (3, [3, 4, 5]),
+        (6, [6]),
+    ]
+    assert "".join(t.text for t in tokens) == "t0t1t2t3t4t5t6"
+    assert tokens[-1].finish_reason == token_pb2.FINISH_REASON_QUOTA_EXHAUSTED
+    assert tokens[-1].usage.completion_tokens == 7
+    assert limiter.quota_left(quota) == 0
+
+
 async def test_a_generation_that_ends_on_the_last_token_keeps_its_reason() -> None:
     limiter = TenantLimiter(1000, FakeClock())
     tokens = [

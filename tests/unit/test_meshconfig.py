@@ -95,7 +95,8 @@ def test_service_clusters_are_health_checked_eds_clusters_named_after_services()
         options = cluster["typed_extension_protocol_options"]
         http2 = next(iter(options.values()))["explicit_http_config"]["http2_protocol_options"]
         assert http2["initial_stream_window_size"] == 64 * 1024
-        assert http2["initial_connection_window_size"] == 1024 * 1024
+        # A stream window for each of 1,024 stalled streams sharing the connection.
+        assert http2["initial_connection_window_size"] == 1024 * 64 * 1024
     assert found["worker"]["lb_policy"] == "LEAST_REQUEST"
     assert "outlier_detection" in found["reranker"]
     assert "retry_budget" in found["worker"]["circuit_breakers"]["thresholds"][0]

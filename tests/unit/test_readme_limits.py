@@ -20,9 +20,10 @@ SETTINGS: dict[str, type[BaseSettings]] = {
     "MESH": MeshSettings,
 }
 ROW = re.compile(r"^\| `TOKENMESH_(GATEWAY|WORKER|RERANKER|MESH)_([A-Z0-9_]+)` \| `([^`]*)` \|")
-# max_* settings that are not limits on what a client sends: connection ageing, and the
-# services' HTTP/2 stream bound towards Envoy (the edge's own is documented).
-NOT_LIMITS = ("max_connection_", "max_concurrent_streams")
+# max_* settings that are not limits on what a client sends: connection ageing, the
+# services' HTTP/2 stream bound towards Envoy (the edge's own is documented), and how many
+# tokens the services merge into one message (README "Token messages").
+NOT_LIMITS = ("max_connection_", "max_concurrent_streams", "max_message_tokens", "max_coalesced_")
 
 
 def documented() -> dict[tuple[str, str], str]:

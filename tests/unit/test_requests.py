@@ -46,6 +46,8 @@ def test_request_ids_are_unique_and_keep_the_callers_prefix() -> None:
         ({"logprobs": True, "top_logprobs": 21}, "sampling.top_logprobs"),
         ({"logprobs": True, "top_logprobs": -1}, "sampling.top_logprobs"),
         ({"top_logprobs": 3}, "sampling.top_logprobs"),
+        ({"stream_interval": 65}, "sampling.stream_interval"),
+        ({"stream_interval": -1}, "sampling.stream_interval"),
     ],
 )
 def test_out_of_range_fields_name_the_field(sampling: dict[str, object], field: str) -> None:
@@ -53,6 +55,12 @@ def test_out_of_range_fields_name_the_field(sampling: dict[str, object], field: 
         validate(request(**sampling), LIMITS)
     assert error.value.field == field
     assert error.value.message.startswith(f"{field}: ")
+
+
+def test_stream_interval_passes_through_within_the_cap() -> None:
+    assert validate(request(stream_interval=64), LIMITS).stream_interval == 64
+    # 0 (unset) and 1 both mean every token at once.
+    assert validate(request(), LIMITS).stream_interval == 1
 
 
 def test_logprobs_pass_through_within_the_cap() -> None:

@@ -17,6 +17,7 @@ from opentelemetry import context as otel_context
 from opentelemetry.trace import Span, Tracer
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
+from tokenmesh.common.tokens import token_count
 from tokenmesh.v1 import token_pb2
 
 # The logger of the per-token DEBUG lines (the log_tokens setting).
@@ -230,31 +231,39 @@ class StreamTimer:
             self._deadline_at = None if remaining is None else self._start + remaining
             context.add_done_callback(self._rpc_done)
 
-    def token_sent(self) -> None:
+    def token_sent(self, count: int = 1) -> None:
+        """A message of `count` tokens was sent: the gap since the last message is its first
+        token's, and the tokens that came with it follow at no gap."""
         now = time.perf_counter()
+        itl = self._metrics.itl
         if self._last is None:
             self._metrics.ttft.observe(now - self._start)
             if self._tracer is not None:
                 self._next_phase()
         else:
-            self._metrics.itl.observe(now - self._last)
+            itl.observe(now - self._last)
+        for _ in range(count - 1):
+            itl.observe(0.0)
         self._last = now
-        self._completion_tokens += 1
-        self._metrics.tokens.inc()
+        self._completion_tokens += count
+        self._metrics.tokens.inc(count)
         if self._token_log is not None:
             self._token_log.debug(
                 "token sent",
                 extra={
-                    "index": self._completion_tokens - 1,
+                    "index": self._completion_tokens - count,
+                    "tokens": count,
                     "sent_unix_nanos": time.time_ns(),
                     "since_request_seconds": round(now - self._start, 6),
                 },
             )
 
-    def sent(self, token: token_pb2.Token, prompt_tokens: int | None = None) -> None:
-        """A Token was sent: times it if it is a generated token (not an end-only message);
-        counts the prompt's tokens once, from prompt_tokens or from the usage on the last
-        token."""
+    def sent(
+        self, token: token_pb2.Token, tokens: int | None = None, prompt_tokens: int | None = None
+    ) -> None:
+        """A Token message was sent: times its tokens (`tokens`, or as many as it holds; none
+        for an end-only message); counts the prompt's tokens once, from prompt_tokens or from
+        the usage on the last message."""
         if prompt_tokens is None and token.finish_reason:
             prompt_tokens = token.usage.prompt_tokens
         if prompt_tokens is not None and not self._prompt_counted:
@@ -262,8 +271,9 @@ class StreamTimer:
             self._metrics.prompt_tokens.inc(prompt_tokens)
             if self._phase is not None:
                 self._phase.set_attribute("tokenmesh.prompt_tokens", prompt_tokens)
-        if token.token_id >= 0:
-            self.token_sent()
+        count = token_count(token) if tokens is None else tokens
+        if count:
+            self.token_sent(count)
         if token.finish_reason:
             self._finished = True
         if token.finish_reason and self._phase is not None:

@@ -6,8 +6,10 @@ import os
 from pathlib import Path
 from typing import Literal, Self
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from tokenmesh.common.affinity import parse_cores
 
 MIB = 1024 * 1024
 
@@ -27,6 +29,10 @@ class ServiceSettings(BaseSettings):
     metrics_port: int = Field(default=9090, ge=-1, le=65535)
     # On SIGTERM: seconds in-flight RPCs get to finish before they are cancelled.
     grace_seconds: float = Field(default=10.0, ge=0)
+    # Cores this service's threads run on, e.g. "1" or "2-7" (empty: wherever the kernel
+    # puts them): on a machine that runs an engine, the cores the engine does not use. A
+    # worker's own engine keeps the cores it binds (cpu_threads_bind).
+    cpu_affinity: str = ""
     log_level: str = "INFO"
     # json: one object per line for log shippers; text: for humans at a terminal.
     log_format: Literal["json", "text"] = "json"
@@ -80,6 +86,21 @@ class ServiceSettings(BaseSettings):
     max_connection_age_ms: int = Field(default=1_800_000, ge=1)
     # After max_connection_age, in-flight streams get this long to finish before the close.
     max_connection_age_grace_ms: int = Field(default=300_000, ge=0)
+
+    @field_validator("cpu_affinity")
+    @classmethod
+    def _known_cores(cls, value: str) -> str:
+        cores = parse_cores(value)
+        allowed = os.sched_getaffinity(0)
+        if not cores <= allowed:
+            raise ValueError(
+                f"cores {sorted(cores - allowed)} are not among this machine's {sorted(allowed)}"
+            )
+        return value
+
+    @property
+    def cores(self) -> frozenset[int]:
+        return parse_cores(self.cpu_affinity)
 
     @model_validator(mode="after")
     def _tls_files_go_together(self) -> Self:

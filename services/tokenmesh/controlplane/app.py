@@ -12,6 +12,7 @@ from envoy.service.discovery.v3 import ads_pb2, ads_pb2_grpc
 from envoy.service.endpoint.v3 import eds_pb2, eds_pb2_grpc
 from prometheus_client import CollectorRegistry
 
+from tokenmesh.common.affinity import pin_threads
 from tokenmesh.common.backoff import Backoff
 from tokenmesh.common.consul_http import consul_client
 from tokenmesh.common.interceptors import standard_interceptors
@@ -107,6 +108,7 @@ def worker_addresses(cache: SnapshotCache) -> list[str]:
 
 async def serve(settings: ControlPlaneSettings) -> int:
     """Run until SIGTERM/SIGINT (exit 0); exit 1 if the endpoint source fails for good."""
+    pin_threads(settings.cores)  # before any thread starts: they inherit it
     registry = CollectorRegistry()
     metrics = ControlPlaneMetrics(registry)
     cache = SnapshotCache(on_update=metrics.observe_snapshot)

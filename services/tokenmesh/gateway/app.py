@@ -10,6 +10,7 @@ import grpc
 from grpc import aio
 from prometheus_client import CollectorRegistry
 
+from tokenmesh.common.affinity import pin_threads
 from tokenmesh.common.auth import AuthInterceptor, KeysFileError, KeyStore
 from tokenmesh.common.channels import Dependency
 from tokenmesh.common.client import standard_client_interceptors
@@ -71,6 +72,7 @@ class Tenancy:
 async def serve(settings: GatewaySettings) -> int:
     """Run the gateway until SIGTERM/SIGINT. It is SERVING as soon as it listens: a missing
     worker fails calls with UNAVAILABLE, and a missing reranker only degrades answers."""
+    pin_threads(settings.cores)  # before any thread starts: they inherit it
     registry = CollectorRegistry()
     try:
         tenancy = Tenancy.build(settings, registry)
@@ -89,7 +91,12 @@ async def serve(settings: GatewaySettings) -> int:
     breaker = CircuitBreaker(settings.breaker, on_transition=metrics.on_transition)
     pipeline = Pipeline(
         DocumentSelector(reranker, breaker, metrics, settings, tracing.tracer),
-        WorkerClient(worker, settings.connect_timeout_seconds),
+        WorkerClient(
+            worker,
+            settings.connect_timeout_seconds,
+            settings.max_coalesced_tokens,
+            settings.max_message_tokens,
+        ),
         settings,
         tenancy.meter,
     )

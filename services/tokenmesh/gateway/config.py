@@ -90,6 +90,14 @@ class GatewaySettings(ServiceSettings):
     max_stop_sequence_bytes: int = Field(default=256, ge=1)
     # Alternatives per token a request may ask for (top_logprobs); at most the workers' cap.
     max_top_logprobs: int = Field(default=20, ge=0)
+    # Tokens per message a request may ask for (stream_interval); at most the workers' cap.
+    max_stream_interval: int = Field(default=64, ge=1)
+    # Tokens that arrive from the worker while a message to the client is still being written
+    # go out together, at most max_message_tokens a message (one worker message is never
+    # split); past max_coalesced_tokens waiting the gateway stops reading, and HTTP/2 flow
+    # control holds the rest back at the worker (a stalled client).
+    max_message_tokens: int = Field(default=64, ge=1)
+    max_coalesced_tokens: int = Field(default=256, ge=1)
     # Summarize: the whole text sent in chunks, and how many chunks.
     max_summarize_bytes: int = Field(default=64 * 1024, ge=1)
     max_summarize_chunks: int = Field(default=4096, ge=1)

@@ -7,7 +7,8 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Sequence
+from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -20,6 +21,7 @@ from tokenmesh.common.channels import Dependency
 from tokenmesh.common.errors import DependencyError
 from tokenmesh.common.metrics import RPC_BUCKETS
 from tokenmesh.common.tenants import TENANT_HEADER, current_tenant
+from tokenmesh.common.tokens import merge, token_count
 from tokenmesh.gateway.breaker import CircuitBreaker, CircuitOpenError, CircuitState
 from tokenmesh.gateway.config import GatewaySettings
 from tokenmesh.gateway.prompts import with_context
@@ -180,14 +182,81 @@ class DocumentSelector:
         return Selection(tuple(range(top_k)), (f"reranker_unavailable: {detail}",))
 
 
+class ReadAhead:
+    """Reads a worker call's messages while the gateway is still writing the last one to its
+    caller, and merges those that arrive meanwhile (`next` takes them): each token goes on the
+    moment it can, alone while the caller keeps up, and no timer holds any back. A merged
+    message holds at most `per_message` tokens (one worker message is never split), and past
+    `limit` tokens waiting it stops reading, so a stalled caller holds the worker back through
+    HTTP/2 flow control instead of the gateway buffering its stream."""
+
+    def __init__(self, call: AsyncIterator[token_pb2.Token], limit: int, per_message: int) -> None:
+        self._limit = limit
+        self._per_message = per_message
+        self._waiting: deque[token_pb2.Token] = deque()
+        self._waiting_tokens = 0
+        self._error: Exception | None = None
+        self._ended = False
+        self._arrived = asyncio.Event()
+        self._room = asyncio.Event()
+        self._room.set()
+        self._reader = asyncio.create_task(self._read(call))
+
+    async def _read(self, call: AsyncIterator[token_pb2.Token]) -> None:
+        try:
+            async for token in call:
+                count = token_count(token)
+                last = self._waiting[-1] if self._waiting else None
+                if last is not None and token_count(last) + count <= self._per_message:
+                    merge(last, token)
+                else:
+                    self._waiting.append(token)
+                self._waiting_tokens += count
+                self._arrived.set()
+                if self._waiting_tokens >= self._limit:
+                    self._room.clear()
+                    await self._room.wait()
+        except Exception as error:  # the call's failure is the stream's, raised by next()
+            self._error = error
+        finally:
+            self._ended = True
+            self._arrived.set()
+
+    async def next(self) -> token_pb2.Token | None:
+        """What arrived since the last call (merged, up to per_message tokens); None at the
+        end."""
+        while not self._waiting:
+            if self._ended:
+                if self._error is not None:
+                    raise self._error
+                return None
+            self._arrived.clear()
+            await self._arrived.wait()
+        token = self._waiting.popleft()
+        self._waiting_tokens -= token_count(token)
+        self._room.set()
+        return token
+
+    def close(self) -> None:
+        self._reader.cancel()
+
+
 class WorkerClient:
     """Streams tokens from a worker; cancelling the stream cancels the worker call, which
     aborts the engine request."""
 
-    def __init__(self, worker: Dependency, connect_timeout: float) -> None:
+    def __init__(
+        self,
+        worker: Dependency,
+        connect_timeout: float,
+        max_coalesced: int = 256,
+        max_message_tokens: int = 64,
+    ) -> None:
         self._worker = worker
         self._stub = inference_pb2_grpc.InferenceServiceStub(worker.channel)
         self._connect_timeout = connect_timeout
+        self._max_coalesced = max_coalesced
+        self._max_message_tokens = max_message_tokens
 
     async def stream(
         self,
@@ -201,10 +270,11 @@ class WorkerClient:
         await self._worker.ensure_connected(connect_within)
         expires = None if time_limit is None else time.monotonic() + time_limit
         call = self._stub.Generate(request, timeout=time_limit, metadata=metadata or None)
+        ahead = ReadAhead(call, self._max_coalesced, self._max_message_tokens)
         received = 0
         try:
-            async for token in call:
-                received += 1
+            while (token := await ahead.next()) is not None:
+                received += token_count(token)
                 yield token
         except aio.AioRpcError as err:
             # Failed before its first token, it was retried by Envoy already; after, it cannot
@@ -217,6 +287,7 @@ class WorkerClient:
                 ) from err
             raise self._worker.error(err, during) from err
         finally:
+            ahead.close()
             # The caller went away (or stopped reading) before the worker's end: cancel the
             # call, which aborts the engine request. A finished call is left as it is.
             if not call.done():

@@ -6,13 +6,15 @@ from collections.abc import AsyncGenerator
 
 from tokenmesh.common.limits import TenantLimiter
 from tokenmesh.common.tenants import Tenant, TenantMetrics
+from tokenmesh.common.tokens import cut, token_count
 from tokenmesh.v1 import token_pb2
 
 
 class QuotaMeter:
     """Every token from a worker is charged before it goes on, whichever RPC it is for
     (Generate, GetAnswer, Summarize, a Chat turn), so one long request cannot overrun the
-    quota. The token that uses the last of it ends the stream: it carries
+    quota; a message of several tokens is cut after the last that fits. The token that uses
+    the last of it ends the stream: it carries
     FINISH_REASON_QUOTA_EXHAUSTED (unless it was the generation's own last token), and closing
     the worker stream cancels the worker call, which aborts the engine request."""
 
@@ -28,18 +30,28 @@ class QuotaMeter:
         self._limiter.check_quota(tenant)
         try:
             async for token in tokens:
-                charge = self._limiter.charge(tenant)
+                count = token_count(token)
+                charge = self._limiter.charge(tenant, count)
                 if not charge.fitted:
-                    # Another stream of the tenant used the rest: end with a message that is
-                    # not a token (token_id -1, no text), like the worker's end-only message.
+                    # The message holds more tokens than are left: its first ones, up to the
+                    # quota, end the stream; none left (another stream of the tenant used the
+                    # rest): a message that is not a token ends it, like the worker's end.
                     self._metrics.quota_cutoff(tenant)
-                    yield self._end(token.index, token.emitted_unix_nanos)
+                    left = charge.left or 0
+                    if left and self._limiter.charge(tenant, left).fitted:
+                        self._metrics.tokens(tenant, left)
+                        last = cut(token, left)
+                        last.finish_reason = token_pb2.FINISH_REASON_QUOTA_EXHAUSTED
+                        last.usage.completion_tokens = last.index + left
+                        yield last
+                    else:
+                        yield self._end(token.index, token.emitted_unix_nanos)
                     return
-                self._metrics.tokens(tenant)
+                self._metrics.tokens(tenant, count)
                 if not token.finish_reason and charge.left == 0:
                     self._metrics.quota_cutoff(tenant)
                     token.finish_reason = token_pb2.FINISH_REASON_QUOTA_EXHAUSTED
-                    token.usage.completion_tokens = token.index + 1
+                    token.usage.completion_tokens = token.index + count
                     yield token
                     return
                 yield token

@@ -53,6 +53,12 @@ def sampling_params(
         check_logprobs("", request.logprobs, request.top_logprobs, limits.max_top_logprobs)
         sampling.logprobs = request.logprobs
         sampling.top_logprobs = request.top_logprobs
+        if not 0 <= request.stream_interval <= limits.max_stream_interval:
+            raise InvalidArgument(
+                "stream_interval",
+                f"must be in [0, {limits.max_stream_interval}], got {request.stream_interval}",
+            )
+        sampling.stream_interval = request.stream_interval
     if isinstance(request, llm_pb2.GenerateRequest | llm_pb2.Query | llm_pb2.UserTurn):
         sampling.ignore_eos = request.ignore_eos
     return sampling

@@ -12,6 +12,7 @@ from grpc import aio
 
 from tokenmesh.common.errors import InvalidArgument, ResourceExhausted
 from tokenmesh.common.metrics import StreamMetrics
+from tokenmesh.common.tokens import token_count
 from tokenmesh.common.validation import check_text
 from tokenmesh.gateway.config import GatewaySettings
 from tokenmesh.gateway.pipeline import DEGRADED_HEADER, Pipeline, PreparedPrompt
@@ -224,6 +225,7 @@ class ChatSession:
             self._history.prompt(user.content), sampling, self._context.time_remaining()
         )
         answer: list[str] = []
+        generated = 0
         end = llm_pb2.TurnEnd()
         next_token = asyncio.ensure_future(anext(tokens))
         next_message = None if self._half_closed else asyncio.ensure_future(self._next_message())
@@ -239,7 +241,7 @@ class ChatSession:
                     elif message.HasField("cancel") and not end.finish_reason:
                         next_token.cancel()
                         end.finish_reason = token_pb2.FINISH_REASON_CANCELLED
-                        end.usage.completion_tokens = len(answer)
+                        end.usage.completion_tokens = generated
                         break
                     elif message.HasField("user"):
                         self._enqueue(message.user)
@@ -252,6 +254,7 @@ class ChatSession:
                     except StopAsyncIteration:
                         break
                     answer.append(token.text)
+                    generated += token_count(token)
                     yield llm_pb2.ChatEvent(turn=turn, token=token)
                     if token.finish_reason:
                         end.finish_reason = token.finish_reason

@@ -102,6 +102,9 @@ class StackSettings(BaseSettings):
     gateways: int = Field(default=2, ge=1, le=16)
     # 0 means: 2, or 1 when the machine has too little free memory for two.
     workers: int = Field(default=0, ge=0, le=16)
+    # Run Envoy and the services on the cores no engine binds (engines bind 0..workers-1),
+    # when there are such cores; otherwise, and when off, wherever the kernel puts them.
+    pin_mesh_cores: bool = True
     # Replica i of a service listens on base + i (gRPC) and metrics base + i.
     gateway_port: int = Field(default=50051, ge=1, le=65535)
     gateway_metrics_port: int = Field(default=9451, ge=1, le=65535)
@@ -331,6 +334,9 @@ class Stack:
         # also reach Envoy's internal listeners over TLS.
         mtls = self.certs if s.mtls else None
         internal_tls = {"DEPENDENCY_TLS_CA_FILE": str(self.certs.ca_cert)} if s.mtls else {}
+        mesh_cores = self.mesh_cores(workers, cores)
+        affinity = {"CPU_AFFINITY": mesh_cores} if mesh_cores else {}
+        pinned = ["taskset", "-c", mesh_cores] if mesh_cores and shutil.which("taskset") else []
         programs: list[Program] = []
         if self.consul:
             programs.append(
@@ -353,13 +359,13 @@ class Stack:
         programs.append(
             tokenmesh_service(
                 "controlplane", None, s.controlplane_port, s.controlplane_metrics_port,
-                {**source, **ops},
+                {**source, **ops, **affinity},
             )
         )  # fmt: skip
         programs.append(
             Program(
                 "envoy",
-                [str(self._bin / "envoy"), "-c", str(self.envoy_config_path),
+                [*pinned, str(self._bin / "envoy"), "-c", str(self.envoy_config_path),
                  "--base-id", str(s.envoy_base_id), "--log-level", "warn"],
             )
         )  # fmt: skip
@@ -376,6 +382,7 @@ class Stack:
                         # vLLM pins its OpenMP threads: engines on one machine get their own
                         # cores, or they fight over the same ones.
                         "CPU_THREADS_BIND": str(i % cores) if workers <= cores else "auto",
+                        **affinity,
                         **registration,
                         **tracing,
                     },
@@ -388,7 +395,7 @@ class Stack:
                 None,
                 s.reranker_port,
                 s.reranker_metrics_port,
-                {**registration, **tracing},
+                {**registration, **tracing, **affinity},
                 mtls,
             )
         )
@@ -406,6 +413,7 @@ class Stack:
                         **tracing,
                         **auth,
                         **internal_tls,
+                        **affinity,
                     },
                     mtls,
                 )
@@ -422,6 +430,12 @@ class Stack:
                 )
             )  # fmt: skip
         return programs
+
+    def mesh_cores(self, workers: int, cores: int) -> str:
+        """The cores the mesh's own processes get ("1", "2-7"): those no engine binds."""
+        if not self.settings.pin_mesh_cores or workers >= cores:
+            return ""
+        return str(workers) if workers == cores - 1 else f"{workers}-{cores - 1}"
 
     def endpoints(self) -> dict[str, dict[str, list[str]]]:
         """The static discovery file: every service replica's address, by cluster."""

@@ -85,10 +85,17 @@ def descriptor_set() -> bytes:
     return bytes(descriptors.SerializeToString())
 
 
-def http2_options(mesh: MeshSettings) -> Config:
+def http2_options(mesh: MeshSettings, upstream: bool = False) -> Config:
+    """A listener's options, or (upstream) a cluster's: an upstream connection carries every
+    stream of a gateway or worker, so its connection window must hold a stream window for each
+    stream that may stall at once (connection_window / stream_window stalled readers would
+    stop every other stream on it); each stream's own window still bounds what it buffers."""
+    connection_window = (
+        mesh.upstream_connection_window_bytes if upstream else mesh.connection_window_bytes
+    )
     return {
         "initial_stream_window_size": mesh.stream_window_bytes,
-        "initial_connection_window_size": mesh.connection_window_bytes,
+        "initial_connection_window_size": connection_window,
         "max_concurrent_streams": mesh.max_concurrent_streams,
     }
 
@@ -342,7 +349,7 @@ def grpc_upstream(mesh: MeshSettings) -> Config:
     return {
         HTTP_OPTIONS: {
             "@type": TYPE + HTTP_OPTIONS,
-            "explicit_http_config": {"http2_protocol_options": http2_options(mesh)},
+            "explicit_http_config": {"http2_protocol_options": http2_options(mesh, upstream=True)},
         }
     }
 

@@ -59,6 +59,11 @@ class MeshSettings(BaseSettings):
     # windows it holds everything); token streams need far less than a window per round trip.
     stream_window_bytes: int = Field(default=64 * KIB, ge=65535)
     connection_window_bytes: int = Field(default=1 * MIB, ge=65535)
+    # The connection window Envoy grants a gateway or worker: their streams share a few
+    # connections, so it holds a stream window for each of 1,024 stalled streams (with 1 MiB,
+    # 16 unread streams stopped every other stream on the connection: measured by the
+    # slow-consumer test's bystander). What a stream buffers is still its own window.
+    upstream_connection_window_bytes: int = Field(default=64 * MIB, ge=65535)
     # What Envoy buffers per connection (and per stream) before it stops reading from the other
     # side. It must hold the largest REST/JSON request body, which the transcoder buffers whole.
     buffer_limit_bytes: int = Field(default=1 * MIB, ge=16 * 1024)

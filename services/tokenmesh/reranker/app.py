@@ -8,6 +8,7 @@ import logging
 
 from prometheus_client import CollectorRegistry
 
+from tokenmesh.common.affinity import pin_threads
 from tokenmesh.common.interceptors import standard_interceptors
 from tokenmesh.common.metrics import MetricsEndpoint
 from tokenmesh.common.registration import ConsulRegistration
@@ -46,6 +47,7 @@ def build_batcher(
 
 async def serve(settings: RerankerSettings) -> int:
     """Run the reranker until SIGTERM/SIGINT (exit 0), or exit 1 if the model cannot load."""
+    pin_threads(settings.cores)  # before any thread starts: they inherit it
     registry = CollectorRegistry()
     rerank_metrics = RerankMetrics(registry)
     tracing = Tracing("tokenmesh-reranker", settings.otlp_endpoint)

@@ -40,8 +40,16 @@ class TokenLogprob(_message.Message):
     logprob: float
     def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[float] = ...) -> None: ...
 
+class PositionLogprobs(_message.Message):
+    __slots__ = ("logprob", "top_logprobs")
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprob: float
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+
 class Token(_message.Message):
-    __slots__ = ("text", "index", "token_id", "finish_reason", "warnings", "emitted_unix_nanos", "usage", "logprob", "top_logprobs")
+    __slots__ = ("text", "index", "token_id", "finish_reason", "warnings", "emitted_unix_nanos", "usage", "logprob", "top_logprobs", "token_ids", "following_logprobs", "text_lengths")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +59,9 @@ class Token(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWING_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     text: str
     index: int
     token_id: int
@@ -60,4 +71,7 @@ class Token(_message.Message):
     usage: Usage
     logprob: float
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, text: _Optional[str] = ..., index: _Optional[int] = ..., token_id: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., warnings: _Optional[_Iterable[str]] = ..., emitted_unix_nanos: _Optional[int] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    following_logprobs: _containers.RepeatedCompositeFieldContainer[PositionLogprobs]
+    text_lengths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, text: _Optional[str] = ..., index: _Optional[int] = ..., token_id: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., warnings: _Optional[_Iterable[str]] = ..., emitted_unix_nanos: _Optional[int] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., following_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., text_lengths: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -9,6 +9,7 @@ import logging
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 from prometheus_client.registry import Collector
 
+from tokenmesh.common.affinity import pin_threads
 from tokenmesh.common.auth import TenantMetadataInterceptor
 from tokenmesh.common.interceptors import standard_interceptors
 from tokenmesh.common.metrics import MetricsEndpoint, StreamMetrics
@@ -120,6 +121,9 @@ async def serve(settings: WorkerSettings) -> int:
     exit_code = 0
     if loading.done():
         engine = loading.result()
+        # Now, not before: the engine's processes were started with every core (they bind
+        # their own, cpu_threads_bind); the front end's threads leave those to them.
+        pin_threads(settings.cores)
         slot.set(engine)
         register_engine_gauges(registry, engine.load)
         watchdog = asyncio.create_task(

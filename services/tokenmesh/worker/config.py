@@ -50,6 +50,14 @@ class WorkerSettings(ServiceSettings):
     max_request_id_chars: int = Field(default=128, ge=1)
     # Alternatives per token a request may ask for (top_logprobs); also vLLM's max_logprobs.
     max_top_logprobs: int = Field(default=20, ge=0)
+    # Tokens per message: every stream's messages hold at least this many (vLLM's
+    # --stream-interval; 1: each token the moment it exists), and the most a request may ask for
+    # (sampling.stream_interval).
+    stream_interval: int = Field(default=1, ge=1)
+    max_stream_interval: int = Field(default=64, ge=1)
+    # Engine outputs that arrive while a stream's last message is still being written go out
+    # together, at most this many tokens a message (one output is never split).
+    max_message_tokens: int = Field(default=64, ge=1)
     # Temperature when a request leaves it unset.
     default_temperature: float = Field(default=1.0, ge=0, le=2)
 

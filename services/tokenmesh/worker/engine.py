@@ -9,8 +9,10 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncGenerator, Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, TypeVar
 
 import uvloop
@@ -88,19 +90,43 @@ class Candidate:
     logprob: float
 
 
-@dataclass(frozen=True)
-class TokenDelta:
-    """One generated token as the engine produced it."""
+@dataclass(slots=True)
+class Tokens:
+    """Consecutive generated tokens of one request: one engine output, or several merged."""
 
     index: int
-    token_id: int
+    token_ids: list[int]
     text: str
-    # Set on the last token only.
+    # Set on the last tokens of a stream only.
     finish_reason: int = token_pb2.FINISH_REASON_UNSPECIFIED
     prompt_tokens: int = 0
-    # Set when the request asked for logprobs: this token's, and the most likely alternatives.
-    logprob: float | None = None
-    top_logprobs: tuple[Candidate, ...] = ()
+    # When the request asked for logprobs: each token's, and its most likely alternatives.
+    logprobs: list[tuple[float | None, tuple[Candidate, ...]]] = field(default_factory=list)
+    # UTF-8 bytes of text each token adds, once outputs are merged (None: one engine output,
+    # whose text cannot be split between its tokens and counts with the last).
+    text_lengths: list[int] | None = None
+
+    def lengths(self) -> list[int]:
+        if self.text_lengths is not None:
+            return self.text_lengths
+        if not self.token_ids:
+            return []
+        return [0] * (len(self.token_ids) - 1) + [len(self.text.encode())]
+
+    def extend(self, later: Tokens) -> None:
+        """Append the stream's next output."""
+        lengths = self.lengths()
+        if later.token_ids:
+            lengths = lengths + later.lengths()
+        elif lengths:
+            # An end with no token of its own: its text, if any, counts with the last token.
+            lengths = [*lengths[:-1], lengths[-1] + len(later.text.encode())]
+        self.text_lengths = lengths
+        self.token_ids.extend(later.token_ids)
+        self.text += later.text
+        self.logprobs.extend(later.logprobs)
+        if later.finish_reason:
+            self.finish_reason = later.finish_reason
 
 
 def token_logprobs(
@@ -133,6 +159,7 @@ def engine_args(settings: WorkerSettings) -> AsyncEngineArgs:
         tensor_parallel_size=settings.tensor_parallel_size,
         trust_remote_code=settings.trust_remote_code,
         max_logprobs=settings.max_top_logprobs,
+        stream_interval=settings.stream_interval,
         # vLLM's per-request log lines stay off (its default, stated here because prompts
         # must never reach the logs; README "No prompt text in logs").
         enable_log_requests=False,
@@ -180,6 +207,62 @@ class EngineThread:
         self._loop.close()
 
 
+Item = Tokens | Exception | None
+
+
+class Inbox:
+    """One stream's engine outputs, on the server's loop: the stream takes everything that
+    arrived since it last looked, at once."""
+
+    __slots__ = ("_items", "_loop", "_waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._items: deque[Item] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, item: Item) -> None:
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def take(self) -> list[Item]:
+        while not self._items:
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items = list(self._items)
+        self._items.clear()
+        return items
+
+
+class Handoff:
+    """Hands items from the engine's loop to inboxes on the server's loop: one wake-up of the
+    server's loop carries everything posted since the last (an engine step's outputs for every
+    stream), instead of one cross-thread call per output."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._posted: list[tuple[Inbox, Item]] = []
+
+    def post(self, inbox: Inbox, item: Item) -> None:
+        """On the engine's loop."""
+        with self._lock:
+            self._posted.append((inbox, item))
+            if len(self._posted) > 1:
+                return  # a delivery is already on its way
+        self._loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self._lock:
+            posted, self._posted = self._posted, []
+        for inbox, item in posted:
+            inbox.put(item)
+
+
 def _mapped(error: Exception) -> Exception:
     """vLLM's errors as the status errors the caller gets."""
     if isinstance(error, EngineDeadError):
@@ -200,6 +283,11 @@ class VllmEngine:
     ) -> None:
         self._llm = llm
         self._thread = thread
+        self._server_loop = asyncio.get_running_loop()
+        self._handoff = Handoff(self._server_loop)
+        # Outputs merged into one message hold at most this many tokens together (one output is
+        # never split).
+        self._per_message = settings.max_message_tokens
         self.load = load
         self.model_name = settings.model_name
         self.max_model_len = settings.max_model_len
@@ -290,14 +378,15 @@ class VllmEngine:
             logprobs=spec.top_logprobs if spec.logprobs else None,
             # Each output carries only what is new since the last one: the token stream.
             output_kind=RequestOutputKind.DELTA,
+            # vLLM holds a request's outputs until this many tokens (the first and last
+            # excepted); the engine's own stream_interval is the least.
+            stream_interval=spec.stream_interval if spec.stream_interval > 1 else None,
         )
 
-    async def _produce(
-        self, spec: GenerationSpec, post: Callable[[list[TokenDelta] | Exception | None], None]
-    ) -> None:
-        """On the engine's loop: post each output's tokens as one list, then None at the end, or
-        the error that ended the request. Cancelling this aborts the engine request (vLLM's
-        generate() does so when cancelled)."""
+    async def _produce(self, spec: GenerationSpec, post: Callable[[Item], None]) -> None:
+        """On the engine's loop: post each output's tokens, then None at the end, or the error
+        that ended the request. Cancelling this aborts the engine request (vLLM's generate()
+        does so when cancelled)."""
         try:
             engine_input = await self._tokenize(spec)
             prompt_tokens = len(engine_input["prompt_token_ids"])
@@ -305,9 +394,9 @@ class VllmEngine:
             async for output in self._llm.generate(
                 engine_input, self._sampling_params(spec), spec.request_id
             ):
-                deltas = output_deltas(output, index, prompt_tokens, spec.top_logprobs)
-                index += len(output.outputs[0].token_ids)
-                post(deltas)
+                tokens = output_tokens(output, index, prompt_tokens, spec.top_logprobs)
+                index += len(tokens.token_ids)
+                post(tokens)
             post(None)
         except asyncio.CancelledError:
             raise
@@ -316,22 +405,35 @@ class VllmEngine:
 
     async def stream(
         self, spec: GenerationSpec, on_abort: Callable[[], None] | None = None
-    ) -> AsyncGenerator[TokenDelta, None]:
-        """Yield each token the moment vLLM produces it. Closing or cancelling the iterator
-        before the last token aborts the engine request, and calls on_abort once."""
-        caller = asyncio.get_running_loop()
-        inbox: asyncio.Queue[list[TokenDelta] | Exception | None] = asyncio.Queue()
-
-        def post(item: list[TokenDelta] | Exception | None) -> None:
-            caller.call_soon_threadsafe(inbox.put_nowait, item)
-
-        producer = self._thread.submit(self._produce(spec, post))
+    ) -> AsyncGenerator[Tokens, None]:
+        """Yield the engine's tokens the moment they exist: each output alone while the caller
+        keeps up, and the outputs that arrived while it was busy (writing the last message)
+        merged, up to max_message_tokens a message. Closing or cancelling the iterator before
+        the end aborts the engine request, and calls on_abort once."""
+        inbox = Inbox(self._server_loop)
+        producer = self._thread.submit(self._produce(spec, partial(self._handoff.post, inbox)))
+        pending: deque[Item] = deque()
         try:
-            while (item := await inbox.get()) is not None:
-                if isinstance(item, Exception):
-                    raise item
-                for delta in item:
-                    yield delta
+            while True:
+                if not pending:
+                    pending.extend(await inbox.take())
+                merged: Tokens | None = None
+                while pending and isinstance(pending[0], Tokens):
+                    tokens = pending[0]
+                    if merged is not None:
+                        if len(merged.token_ids) + len(tokens.token_ids) > self._per_message:
+                            break
+                        merged.extend(tokens)
+                    else:
+                        merged = tokens
+                    pending.popleft()
+                if merged is not None:
+                    yield merged
+                    continue
+                end = pending.popleft()
+                if isinstance(end, Exception):
+                    raise end
+                return  # None: the engine's end of the stream
         except (asyncio.CancelledError, GeneratorExit):
             await self.abort(spec.request_id)
             if on_abort is not None:
@@ -353,47 +455,24 @@ class VllmEngine:
         self._thread.stop()
 
 
-def output_deltas(
-    output: Any, first_index: int, prompt_tokens: int, top_logprobs: int
-) -> list[TokenDelta]:
+def output_tokens(output: Any, first_index: int, prompt_tokens: int, top_logprobs: int) -> Tokens:
     """The tokens of one vLLM RequestOutput (DELTA kind), numbered from first_index."""
     completion = output.outputs[0]
-    token_ids = completion.token_ids
-    finish = FINISH_REASONS.get(completion.finish_reason or "", 0)
-    last = len(token_ids) - 1
-    deltas = []
-    for position, token_id in enumerate(token_ids):
-        logprob, top = (
-            token_logprobs(completion.logprobs[position], token_id, top_logprobs)
-            if completion.logprobs
-            else (None, ())
-        )
-        # A step normally yields one token; if it yields several, the new text cannot be split
-        # between them and rides on the last one.
-        deltas.append(
-            TokenDelta(
-                index=first_index + position,
-                token_id=token_id,
-                text=completion.text if position == last else "",
-                finish_reason=finish if position == last and output.finished else 0,
-                prompt_tokens=prompt_tokens,
-                logprob=logprob,
-                top_logprobs=top,
-            )
-        )
+    token_ids = list(completion.token_ids)
+    finish = FINISH_REASONS.get(completion.finish_reason or "", 0) if output.finished else 0
     if output.finished and not token_ids:
-        # Nothing new but the end (e.g. the engine aborted the request): report the finish on
-        # a message that is not a token (token_id -1).
-        deltas.append(
-            TokenDelta(
-                first_index,
-                -1,
-                completion.text,
-                finish or token_pb2.FINISH_REASON_ABORTED,
-                prompt_tokens,
-            )
-        )
-    return deltas
+        # Nothing new but the end (e.g. the engine aborted the request): a message that holds
+        # no token reports it.
+        finish = finish or token_pb2.FINISH_REASON_ABORTED
+    logprobs = (
+        [
+            token_logprobs(completion.logprobs[position], token_id, top_logprobs)
+            for position, token_id in enumerate(token_ids)
+        ]
+        if completion.logprobs
+        else []
+    )
+    return Tokens(first_index, token_ids, completion.text, finish, prompt_tokens, logprobs)
 
 
 class EngineSlot:

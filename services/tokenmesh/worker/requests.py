@@ -28,6 +28,8 @@ class GenerationSpec:
     ignore_eos: bool
     logprobs: bool = False
     top_logprobs: int = 0
+    # At least this many tokens per message (vLLM's stream_interval); 1: each at once.
+    stream_interval: int = 1
 
 
 def validate(request: inference_pb2.InferenceRequest, limits: WorkerSettings) -> GenerationSpec:
@@ -56,6 +58,11 @@ def validate(request: inference_pb2.InferenceRequest, limits: WorkerSettings) ->
         "sampling.stop", sampling.stop, limits.max_stop_sequences, limits.max_stop_sequence_bytes
     )
     check_logprobs("sampling.", sampling.logprobs, sampling.top_logprobs, limits.max_top_logprobs)
+    if not 0 <= sampling.stream_interval <= limits.max_stream_interval:
+        raise InvalidArgument(
+            "sampling.stream_interval",
+            f"must be in [0, {limits.max_stream_interval}], got {sampling.stream_interval}",
+        )
     if len(request.request_id) > limits.max_request_id_chars:
         raise InvalidArgument(
             "request_id",
@@ -78,4 +85,5 @@ def validate(request: inference_pb2.InferenceRequest, limits: WorkerSettings) ->
         ignore_eos=sampling.ignore_eos,
         logprobs=sampling.logprobs,
         top_logprobs=sampling.top_logprobs,
+        stream_interval=max(sampling.stream_interval, 1),
     )

@@ -16,8 +16,43 @@ from tokenmesh.common.metrics import StreamMetrics
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
 from tokenmesh.worker.admission import Admission
 from tokenmesh.worker.config import WorkerSettings
-from tokenmesh.worker.engine import EngineSlot, VllmEngine
+from tokenmesh.worker.engine import Candidate, EngineSlot, Tokens, VllmEngine
 from tokenmesh.worker.requests import GenerationSpec, validate
+
+
+def token_message(tokens: Tokens) -> token_pb2.Token:
+    """One Token message for consecutive tokens of a stream (token.proto says how)."""
+    ids = tokens.token_ids
+    token = token_pb2.Token(
+        text=tokens.text,
+        index=tokens.index,
+        token_id=ids[0] if ids else -1,
+        token_ids=ids,
+        finish_reason=tokens.finish_reason,  # type: ignore[arg-type]
+        emitted_unix_nanos=time.time_ns(),
+    )
+    if len(ids) > 1:
+        token.text_lengths.extend(tokens.lengths())
+    if tokens.logprobs:
+        (logprob, top), *following = tokens.logprobs
+        if logprob is not None:
+            token.logprob = logprob
+        add_candidates(token.top_logprobs, top)
+        for logprob, top in following:
+            position = token.following_logprobs.add()
+            if logprob is not None:
+                position.logprob = logprob
+            add_candidates(position.top_logprobs, top)
+    if tokens.finish_reason:
+        token.usage.prompt_tokens = tokens.prompt_tokens
+        token.usage.completion_tokens = tokens.index + len(ids)
+    return token
+
+
+def add_candidates(field: Any, top: tuple[Candidate, ...]) -> None:
+    """Each candidate into a repeated TokenLogprob field, built in place (no copies)."""
+    for candidate in top:
+        field.add(token_id=candidate.token_id, text=candidate.text, logprob=candidate.logprob)
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
@@ -63,26 +98,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 reason = "deadline_exceeded" if deadline.passed() else "cancelled"
                 self._aborted.labels(reason=reason).inc()
 
-        deltas = engine.stream(spec, on_abort=count_abort)
+        outputs = engine.stream(spec, on_abort=count_abort)
         try:
-            async for delta in deltas:
-                token = token_pb2.Token(
-                    text=delta.text,
-                    index=delta.index,
-                    token_id=delta.token_id,
-                    finish_reason=delta.finish_reason,  # type: ignore[arg-type]
-                    emitted_unix_nanos=time.time_ns(),
-                )
-                if delta.logprob is not None:
-                    token.logprob = delta.logprob
-                for candidate in delta.top_logprobs:
-                    token.top_logprobs.add(
-                        token_id=candidate.token_id, text=candidate.text, logprob=candidate.logprob
-                    )
-                if delta.finish_reason:
-                    token.usage.prompt_tokens = delta.prompt_tokens
-                    token.usage.completion_tokens = delta.index + (delta.token_id >= 0)
-                timer.sent(token, prompt_tokens=delta.prompt_tokens)
+            async for tokens in outputs:
+                token = token_message(tokens)
+                timer.sent(token, len(tokens.token_ids), tokens.prompt_tokens)
                 yield token
         except asyncio.CancelledError:
             # The caller cancelled, went away or ran out of deadline: free the engine now
@@ -91,7 +111,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             count_abort()
             raise
         finally:
-            await deltas.aclose()
+            await outputs.aclose()
 
     async def GetEngineStats(
         self,

@@ -1,0 +1,399 @@
+"""The cost of a token: the 1-gateway/1-worker mesh's edge (gRPC) against vLLM's own OpenAI SSE
+server on the same model and core binding, both up, in interleaved rounds at 1, 32 and 64
+streams of 128 tokens: tokens/s, TTFT and client ITL p50/p99, and CPU microseconds per
+delivered token of each process (worker, engine, gateway, Envoy; vLLM's API server and engine),
+read from /proc before and after each round. With --profile, py-spy samples the worker and the
+gateway during an extra gRPC round, and the report lists where their time goes.
+
+    python -m loadtests.token_cost [--quick] [--rounds 3] [--profile] [--out DIR]
+    python -m loadtests bench --scenarios cost
+
+All traffic goes to 127.0.0.1; every run is bounded in duration and request count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import psutil
+from prometheus_client.parser import text_string_to_metric_families
+
+from loadtests import report
+from loadtests.runner import RunConfig, combine, run
+from loadtests.scenarios import RESULTS, Bench, openai_server, pid, private_mesh
+from loadtests.scenarios import program as program_named
+from tokenmesh.localstack.stack import Stack
+
+CONCURRENCY = (1, 32, 64)
+QUICK_CONCURRENCY = (1, 32)
+OUTPUT_TOKENS = "128"
+TICKS = os.sysconf("SC_CLK_TCK")
+# Only frames of these packages are listed as where a service's time goes (the rest is the
+# interpreter, asyncio and the standard library, shown by their callers).
+PROFILED_PACKAGES = ("tokenmesh", "grpc", "google/protobuf", "prometheus_client", "opentelemetry")
+# Each sample is put down to the innermost frame that names one of these (first match wins
+# per frame; py-spy --native shows gRPC's C core and Cython, upb and uvloop by library name).
+CATEGORIES = (
+    ("gRPC (C core, Cython, grpc.aio)", ("grpc", "cygrpc", "libgrpc")),
+    ("protobuf (upb)", ("protobuf", "upb")),
+    ("vLLM", ("vllm/",)),
+    ("metrics, logs, traces", ("prometheus_client", "opentelemetry", "logging/")),
+    ("event loop (uvloop, asyncio)", ("uvloop", "asyncio/", "selectors")),
+    ("tokenmesh", ("tokenmesh/",)),
+    ("interpreter, libc, kernel", ("libpython", "libc", "python3", "_PyEval", "syscall")),
+)
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU of these processes (every thread), from /proc/<pid>/stat."""
+    total = 0
+    for process in pids:
+        try:
+            fields = Path(f"/proc/{process}/stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        # utime and stime are fields 14 and 15 of stat; [0] here is field 3 (state).
+        total += int(fields[11]) + int(fields[12])
+    return total / TICKS
+
+
+def descendants(process: int) -> list[int]:
+    return [child.pid for child in psutil.Process(process).children(recursive=True)]
+
+
+@dataclass(frozen=True)
+class Route:
+    """One way to the engine: a target for the load generator and the processes it runs on."""
+
+    label: str
+    target: str
+    address: str
+    model: str
+    processes: dict[str, list[int]]
+    # Processes split over this many hops (Envoy serves the edge and the worker hop).
+    hops: dict[str, int]
+    # Services whose own TTFT histogram (tokenmesh_ttft_seconds) is read: their metrics ports.
+    metrics: dict[str, int] = field(default_factory=dict)
+
+
+def mesh_path(stack: Stack) -> Route:
+    worker = pid(stack, "worker-0")
+    return Route(
+        label="edge gRPC",
+        target="llm",
+        address=f"127.0.0.1:{stack.settings.edge_port}",
+        model="",
+        processes={
+            "worker": [worker],
+            "engine": descendants(worker),
+            "gateway": [pid(stack, "gateway-0")],
+            "envoy": [pid(stack, "envoy")],
+        },
+        hops={"envoy": 2},
+        metrics={
+            name: program.metrics_port
+            for name, program in (
+                ("worker", program_named(stack, "worker-0")),
+                ("gateway", program_named(stack, "gateway-0")),
+            )
+            if program.metrics_port is not None
+        },
+    )
+
+
+def sse_path(address: str, server: int) -> Route:
+    return Route(
+        label="vLLM OpenAI SSE",
+        target="openai",
+        address=address,
+        model="tiny",
+        processes={"api_server": [server], "engine": descendants(server)},
+        hops={},
+    )
+
+
+def ttft_totals(metrics_port: int) -> tuple[float, float]:
+    """(sum of seconds, count) of a service's tokenmesh_ttft_seconds histogram."""
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        text = reply.read().decode()
+    totals = {"tokenmesh_ttft_seconds_sum": 0.0, "tokenmesh_ttft_seconds_count": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in totals:
+                totals[sample.name] = float(sample.value)
+    return totals["tokenmesh_ttft_seconds_sum"], totals["tokenmesh_ttft_seconds_count"]
+
+
+def measured_run(config: RunConfig, path: Route) -> dict[str, Any]:
+    """One run, with the CPU each of the path's processes spent in it, and the TTFT each
+    service measured itself (request in to first token out)."""
+    before = {name: cpu_seconds(pids) for name, pids in path.processes.items()}
+    ttft_before = {name: ttft_totals(port) for name, port in path.metrics.items()}
+    result = run(config, show_progress=False)
+    after = {name: cpu_seconds(pids) for name, pids in path.processes.items()}
+    result["cpu_seconds"] = {name: after[name] - before[name] for name in before}
+    result["server_ttft_totals"] = {
+        name: [a - b for a, b in zip(ttft_totals(port), ttft_before[name], strict=True)]
+        for name, port in path.metrics.items()
+    }
+    return result
+
+
+def per_token(result: dict[str, Any], path: Route) -> dict[str, Any]:
+    """CPU µs per delivered token of each process (per hop for Envoy), and the generator's."""
+    tokens = result["tokens_received"]
+    if not tokens:
+        return {}
+    cost = {
+        name: round(seconds * 1e6 / tokens, 1) for name, seconds in result["cpu_seconds"].items()
+    }
+    for name, hops in path.hops.items():
+        cost[f"{name}_per_hop"] = round(cost[name] / hops, 1)
+    return cost
+
+
+def summary_row(result: dict[str, Any], path: Route, concurrency: int) -> dict[str, Any]:
+    return {
+        "path": path.label,
+        "streams": concurrency,
+        "requests": result["requests"],
+        "errors": result["errors"],
+        "tokens_per_second": result["tokens_per_second"],
+        "ttft_ms": {k: result["ttft_ms"].get(k) for k in ("p50_ms", "p99_ms")},
+        "itl_ms": {k: result["itl_ms"].get(k) for k in ("p50_ms", "p99_ms")},
+        "tokens_per_message": result.get("tokens_per_message"),
+        # Each service's own mean TTFT (request in, first token out), beside the client's.
+        "ttft_mean_ms": result["ttft_ms"].get("mean_ms"),
+        "server_ttft_mean_ms": result.get("server_ttft_mean_ms"),
+        "cpu_us_per_token": per_token(result, path),
+        "generator_cpu_fraction": result["generator"]["cpu_fraction_per_process"],
+        "load_average_per_round": result.get("load_average_per_round"),
+    }
+
+
+def compare(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The mesh against the SSE server at one concurrency: ratios and the targets."""
+    mesh, sse = rows
+    ratio = mesh["tokens_per_second"] / sse["tokens_per_second"] if sse["tokens_per_second"] else 0
+    mesh_ttft, sse_ttft = mesh["ttft_ms"]["p50_ms"], sse["ttft_ms"]["p50_ms"]
+    cost, peer = mesh["cpu_us_per_token"], sse["cpu_us_per_token"]
+    return {
+        "tokens_per_second_ratio": round(ratio, 2),
+        "ttft_p50_difference_ms": (
+            round(mesh_ttft - sse_ttft, 1) if None not in (mesh_ttft, sse_ttft) else None
+        ),
+        "worker_vs_api_server_cpu": (
+            round(cost["worker"] / peer["api_server"], 2) if peer.get("api_server") else None
+        ),
+        "engine_vs_engine_cpu": (
+            round(cost["engine"] / peer["engine"], 2) if peer.get("engine") else None
+        ),
+    }
+
+
+def markdown(rows: list[dict[str, Any]], comparisons: dict[str, Any]) -> str:
+    lines = [
+        "| path | streams | tokens/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | tokens/msg | "
+        "CPU µs per token | errors |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        cost = ", ".join(f"{name} {value}" for name, value in row["cpu_us_per_token"].items())
+        lines.append(
+            f"| {row['path']} | {row['streams']} | {row['tokens_per_second']:,.0f} | "
+            f"{row['ttft_ms']['p50_ms']} / {row['ttft_ms']['p99_ms']} | "
+            f"{row['itl_ms']['p50_ms']} / {row['itl_ms']['p99_ms']} | "
+            f"{row['tokens_per_message'] or ''} | {cost} | {row['errors']} |"
+        )
+    lines.append("")
+    for streams, comparison in comparisons.items():
+        lines.append(f"- {streams} streams: {json.dumps(comparison)}")
+    return "\n".join(lines) + "\n"
+
+
+def cost(
+    bench: Bench, rounds: int, profile: bool, concurrency: tuple[int, ...] | None = None
+) -> dict[str, Any]:
+    """Both servers up; each concurrency's runs interleaved, mesh then SSE, `rounds` times."""
+    if concurrency is None:
+        concurrency = QUICK_CONCURRENCY if bench.quick else CONCURRENCY
+    rows: list[dict[str, Any]] = []
+    comparisons: dict[str, Any] = {}
+    with private_mesh() as stack, openai_server() as (address, server):
+        paths = [mesh_path(stack), sse_path(address, server)]
+        for c in concurrency:
+            configs = [
+                bench.config(
+                    target=path.target,
+                    address=path.address,
+                    model=path.model,
+                    concurrency=c,
+                    processes=2 if c >= 32 else 1,
+                    duration=bench.round_seconds,
+                    output_tokens=OUTPUT_TOKENS,
+                    label=f"{path.label} c={c}",
+                )
+                for path in paths
+            ]
+            runs: dict[str, list[dict[str, Any]]] = {}
+            for number in range(rounds):
+                for config, path in zip(configs, paths, strict=True):
+                    print(f"[cost] {config.label} ({number + 1}/{rounds})", file=sys.stderr)
+                    result = measured_run(replace(config, seed=number + 1), path)
+                    runs.setdefault(path.label, []).append(result)
+            pair = []
+            for path in paths:
+                combined = combined_run(runs[path.label])
+                bench._record("cost", combined)
+                pair.append(summary_row(combined, path, c))
+            rows.extend(pair)
+            comparisons[str(c)] = compare(pair)
+            print(markdown(pair, {str(c): comparisons[str(c)]}), file=sys.stderr, flush=True)
+        profiles = profile_services(bench, stack, paths[0]) if profile else None
+    report_ = {"rows": rows, "comparisons": comparisons, "profiles": profiles}
+    (bench.out / "cost").mkdir(parents=True, exist_ok=True)
+    (bench.out / "cost" / "cost.md").write_text(markdown(rows, comparisons))
+    report.write_json(report_, bench.out / "cost" / "summary.json")
+    return report_
+
+
+def combined_run(results: list[dict[str, Any]]) -> dict[str, Any]:
+    combined = combine(results)
+    cpu: Counter[str] = Counter()
+    for result in results:
+        cpu.update(result["cpu_seconds"])
+    combined["cpu_seconds"] = dict(cpu)
+    combined["cpu_seconds_per_round"] = [r["cpu_seconds"] for r in results]
+    ttft: dict[str, list[float]] = {}
+    for result in results:
+        for name, (seconds, count) in result.get("server_ttft_totals", {}).items():
+            total = ttft.setdefault(name, [0.0, 0.0])
+            total[0], total[1] = total[0] + seconds, total[1] + count
+    combined["server_ttft_mean_ms"] = {
+        name: round(1000 * seconds / count, 1) for name, (seconds, count) in ttft.items() if count
+    }
+    messages = sum(r.get("messages_received", 0) for r in results)
+    if messages:
+        combined["tokens_per_message"] = round(combined["tokens_received"] / messages, 2)
+    return combined
+
+
+@contextmanager
+def sampling(name: str, process: int, seconds: float, out: Path) -> Iterator[Path]:
+    """py-spy records one process (every thread, on-CPU samples only) while the block runs."""
+    raw = out / f"{name}.txt"
+    log = out / f"{name}.py-spy.log"
+    spy = Path(sys.executable).parent / "py-spy"
+    command = [str(spy), "record", "--pid", str(process), "--duration", str(int(seconds)),
+               "--rate", "200", "--format", "raw", "--threads", "--nonblocking", "--native",
+               "--output", str(raw)]  # fmt: skip
+    with log.open("w") as output:
+        recorder = subprocess.Popen(command, stdout=output, stderr=output)
+        try:
+            yield raw
+        finally:
+            try:
+                recorder.wait(seconds + 30)
+            except subprocess.TimeoutExpired:
+                recorder.kill()
+                recorder.wait(10)
+
+
+def where_time_goes(raw: Path, top: int = 25) -> dict[str, Any]:
+    """From py-spy's collapsed stacks: each thread's share of the samples, and the share of the
+    frames of PROFILED_PACKAGES (inclusive: a frame and what it calls), largest first."""
+    threads: Counter[str] = Counter()
+    inclusive: Counter[str] = Counter()
+    categories: Counter[str] = Counter()
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if not stack:
+            continue
+        count = int(count_text)
+        frames = stack.split(";")
+        total += count
+        threads[frames[0]] += count
+        categories[category(frames[1:])] += count
+        seen = set()
+        for frame in frames[1:]:
+            if any(package in frame for package in PROFILED_PACKAGES) and frame not in seen:
+                seen.add(frame)
+                inclusive[frame] += count
+    share = {frame: round(100 * n / total, 1) for frame, n in inclusive.most_common(top)}
+    return {
+        "samples": total,
+        "threads_percent": {t: round(100 * n / total, 1) for t, n in threads.most_common(8)},
+        "innermost_library_percent": {
+            name: round(100 * n / total, 1) for name, n in categories.most_common()
+        },
+        "frames_percent": share,
+    }
+
+
+def category(frames: list[str]) -> str:
+    """What the innermost frame of a sample that names a known library belongs to."""
+    for frame in reversed(frames):
+        for name, marks in CATEGORIES:
+            if any(mark in frame for mark in marks):
+                return name
+    return "other"
+
+
+def profile_services(bench: Bench, stack: Stack, path: Route) -> dict[str, Any]:
+    """py-spy on the worker and the gateway during one gRPC run at 32 streams."""
+    seconds = bench.round_seconds + 4
+    out = bench.out / "cost" / "profiles"
+    out.mkdir(parents=True, exist_ok=True)
+    config = bench.config(
+        target=path.target, address=path.address, concurrency=32, processes=2,
+        duration=bench.round_seconds, output_tokens=OUTPUT_TOKENS, label="profiled c=32",
+    )  # fmt: skip
+    with (
+        sampling("worker", path.processes["worker"][0], seconds, out) as worker,
+        sampling("gateway", path.processes["gateway"][0], seconds, out) as gateway,
+    ):
+        print("[cost] py-spy on the worker and the gateway, c=32", file=sys.stderr, flush=True)
+        run(config, show_progress=False)
+    return {"worker": where_time_goes(worker), "gateway": where_time_goes(gateway)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="short rounds (a smoke test)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per target")
+    parser.add_argument("--profile", action="store_true", help="py-spy the worker and gateway")
+    parser.add_argument("--out", type=Path, default=None, help="result directory")
+    parser.add_argument("--streams", default="", help="e.g. 32,64 (default: 1,32,64)")
+    args = parser.parse_args()
+    streams = tuple(int(n) for n in args.streams.split(",")) if args.streams else None
+    stamp = datetime.now(UTC).strftime("%Y-%m-%d")
+    bench = Bench(args.out or RESULTS / (stamp + ("-quick" if args.quick else "")), args.quick)
+    started = time.strftime("%F %T")
+    result = cost(bench, args.rounds, args.profile, streams)
+    result["machine"] = {
+        "cpus": os.cpu_count(),
+        "started_at": started,
+        "load_average_at_end": [round(v, 2) for v in os.getloadavg()],
+    }
+    report.write_json(result, bench.out / "cost" / "summary.json")
+    print((bench.out / "cost" / "cost.md").read_text())
+    print(f"results in {bench.out / 'cost'}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""CPU affinity: a service's threads kept on the cores given to it (off an engine's cores)."""
+
+from __future__ import annotations
+
+import os
+
+
+def parse_cores(text: str) -> frozenset[int]:
+    """Cores from a list such as "1", "1-3" or "0,2-3"; empty: no pinning."""
+    cores: set[int] = set()
+    for part in text.replace(" ", "").split(","):
+        if not part:
+            continue
+        low, dash, high = part.partition("-")
+        first, last = int(low), int(high if dash else low)
+        if first < 0 or last < first:
+            raise ValueError(f"{part!r} is not a core or a range of cores")
+        cores.update(range(first, last + 1))
+    return frozenset(cores)
+
+
+def pin_threads(cores: frozenset[int]) -> None:
+    """Every thread of this process onto `cores` (threads started later inherit it from their
+    starter). A process's affinity is per thread in Linux, so each is set; children started
+    before keep theirs, which is how an engine started earlier stays on its own cores."""
+    if not cores:
+        return
+    for thread in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(thread), cores)
+        except ProcessLookupError:
+            continue  # the thread ended meanwhile

@@ -1,0 +1,65 @@
+"""Token messages that hold several tokens: counting them, merging two, cutting one short."""
+
+from __future__ import annotations
+
+from tokenmesh.v1 import token_pb2
+
+
+def token_count(token: token_pb2.Token) -> int:
+    """How many generated tokens a message holds (0 for a message that only ends the stream;
+    a sender that predates token_ids sends one per message)."""
+    return len(token.token_ids) or int(token.token_id >= 0)
+
+
+def text_lengths(token: token_pb2.Token) -> list[int]:
+    """The UTF-8 bytes of text each token of the message adds."""
+    if len(token.token_ids) > 1:
+        return list(token.text_lengths)
+    return [len(token.text.encode())] if token_count(token) else []
+
+
+def merge(into: token_pb2.Token, later: token_pb2.Token) -> None:
+    """Append `later`, the next message of the same stream, to `into` (which keeps its index,
+    first token and warnings, and takes the later one's end, if any, and emission time)."""
+    added = token_count(later)
+    if added:
+        if token_count(into):
+            lengths = text_lengths(into) + text_lengths(later)
+            if not into.token_ids:
+                into.token_ids.append(into.token_id)
+            if later.HasField("logprob"):
+                following = into.following_logprobs.add(top_logprobs=later.top_logprobs)
+                following.logprob = later.logprob
+                into.following_logprobs.extend(later.following_logprobs)
+            into.token_ids.extend(later.token_ids or [later.token_id])
+            del into.text_lengths[:]
+            into.text_lengths.extend(lengths)
+        else:
+            # `into` held no token (it cannot: an end-only message is the last), so take later.
+            into.CopyFrom(later)
+            return
+        into.text += later.text
+    elif later.text:
+        into.text += later.text
+        if len(into.token_ids) > 1:
+            into.text_lengths[-1] += len(later.text.encode())
+    if later.finish_reason:
+        into.finish_reason = later.finish_reason
+        into.usage.CopyFrom(later.usage)
+    into.emitted_unix_nanos = later.emitted_unix_nanos
+
+
+def cut(token: token_pb2.Token, keep: int) -> token_pb2.Token:
+    """The message's first `keep` tokens (1 <= keep < its token count), with their text."""
+    cut_short = token_pb2.Token()
+    cut_short.CopyFrom(token)
+    lengths = text_lengths(token)
+    cut_short.text = token.text.encode()[: sum(lengths[:keep])].decode(errors="ignore")
+    del cut_short.token_ids[keep:]
+    del cut_short.following_logprobs[keep - 1 :]
+    del cut_short.text_lengths[:]
+    if keep > 1:
+        cut_short.text_lengths.extend(lengths[:keep])
+    cut_short.ClearField("finish_reason")
+    cut_short.ClearField("usage")
+    return cut_short
