@@ -47,6 +47,7 @@ class RunConfig:
     timeout: float = 120.0  # per request
     documents: int = 0
     model: str = ""  # the openai target's model name
+    stream_interval: int = 0  # the llm target's: tokens per message at least (0: each at once)
     count_bytes: bool = False
     # Streams that read one message every slow_interval seconds, beside the measured load.
     slow_streams: int = 0
@@ -261,7 +262,9 @@ async def run_shard(
         recorder.all_tokens += tokens
         recorder.all_messages += messages
 
-    target = make_target(config.target, address, config.documents, config.model)
+    target = make_target(
+        config.target, address, config.documents, config.model, config.stream_interval
+    )
     async with target:
         slow = [asyncio.create_task(slow_reader(i)) for i in range(config.slow_streams)]
         if config.mode == "closed":

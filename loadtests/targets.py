@@ -113,6 +113,10 @@ class WorkerTarget(_Grpc):
 
 
 class LLMTarget(_Grpc):
+    def __init__(self, address: str, documents: int = 0, stream_interval: int = 0) -> None:
+        super().__init__(address, documents)
+        self.stream_interval = stream_interval
+
     async def stream(self, spec: RequestSpec, limit: float) -> AsyncIterator[Message]:
         from tokenmesh.v1 import llm_pb2, llm_pb2_grpc
 
@@ -120,6 +124,7 @@ class LLMTarget(_Grpc):
             prompt=spec.prompt,
             max_tokens=spec.max_tokens,
             ignore_eos=True,
+            stream_interval=self.stream_interval,
             documents=self.documents,
             top_k_documents=2 if self.documents else 0,
         )
@@ -217,11 +222,13 @@ class OpenAITarget(_Http):
                     yield Message(extra, arrival=False)
 
 
-def make_target(kind: str, address: str, documents: int = 0, model: str = "") -> Target:
+def make_target(
+    kind: str, address: str, documents: int = 0, model: str = "", stream_interval: int = 0
+) -> Target:
     if kind == "worker":
         return WorkerTarget(address)
     if kind == "llm":
-        return LLMTarget(address, documents)
+        return LLMTarget(address, documents, stream_interval)
     if kind == "rest":
         return RestTarget(address, documents)
     if kind == "openai":

@@ -40,6 +40,8 @@ from tokenmesh.localstack.stack import Stack
 CONCURRENCY = (1, 32, 64)
 QUICK_CONCURRENCY = (1, 32)
 OUTPUT_TOKENS = "128"
+# The stream_interval of the extra throughput-mode runs.
+INTERVAL = 8
 TICKS = os.sysconf("SC_CLK_TCK")
 # Only frames of these packages are listed as where a service's time goes (the rest is the
 # interpreter, asyncio and the standard library, shown by their callers).
@@ -87,6 +89,8 @@ class Route:
     hops: dict[str, int]
     # Services whose own TTFT histogram (tokenmesh_ttft_seconds) is read: their metrics ports.
     metrics: dict[str, int] = field(default_factory=dict)
+    # The requests' stream_interval (tokenmesh only; 0: every token at once).
+    interval: int = 0
 
 
 def mesh_path(stack: Stack) -> Route:
@@ -114,6 +118,11 @@ def mesh_path(stack: Stack) -> Route:
     )
 
 
+def interval_path(mesh: Route, interval: int) -> Route:
+    """The same mesh, each request asking for messages of `interval` tokens (stream_interval)."""
+    return replace(mesh, label=f"edge gRPC stream_interval={interval}", interval=interval)
+
+
 def sse_path(address: str, server: int) -> Route:
     return Route(
         label="vLLM OpenAI SSE",
@@ -125,17 +134,21 @@ def sse_path(address: str, server: int) -> Route:
     )
 
 
-def ttft_totals(metrics_port: int) -> tuple[float, float]:
-    """(sum of seconds, count) of a service's tokenmesh_ttft_seconds histogram."""
+def ttft_totals(metrics_port: int) -> tuple[float, float, float]:
+    """(sum of seconds, count, count over 1 s) of a service's tokenmesh_ttft_seconds."""
     url = f"http://127.0.0.1:{metrics_port}/metrics"
     with urllib.request.urlopen(url, timeout=10) as reply:
         text = reply.read().decode()
-    totals = {"tokenmesh_ttft_seconds_sum": 0.0, "tokenmesh_ttft_seconds_count": 0.0}
+    seconds = count = within_1s = 0.0
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name in totals:
-                totals[sample.name] = float(sample.value)
-    return totals["tokenmesh_ttft_seconds_sum"], totals["tokenmesh_ttft_seconds_count"]
+            if sample.name == "tokenmesh_ttft_seconds_sum":
+                seconds = float(sample.value)
+            elif sample.name == "tokenmesh_ttft_seconds_count":
+                count = float(sample.value)
+            elif sample.name == "tokenmesh_ttft_seconds_bucket" and sample.labels["le"] == "1.0":
+                within_1s = float(sample.value)
+    return seconds, count, count - within_1s
 
 
 def measured_run(config: RunConfig, path: Route) -> dict[str, Any]:
@@ -179,6 +192,7 @@ def summary_row(result: dict[str, Any], path: Route, concurrency: int) -> dict[s
         # Each service's own mean TTFT (request in, first token out), beside the client's.
         "ttft_mean_ms": result["ttft_ms"].get("mean_ms"),
         "server_ttft_mean_ms": result.get("server_ttft_mean_ms"),
+        "ttft_over_1s": result.get("ttft_over_1s"),
         "cpu_us_per_token": per_token(result, path),
         "generator_cpu_fraction": result["generator"]["cpu_fraction_per_process"],
         "load_average_per_round": result.get("load_average_per_round"),
@@ -186,12 +200,21 @@ def summary_row(result: dict[str, Any], path: Route, concurrency: int) -> dict[s
 
 
 def compare(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The mesh against the SSE server at one concurrency: ratios and the targets."""
-    mesh, sse = rows
+    """The mesh against the SSE server at one concurrency: ratios and the targets (and the
+    ratio of the stream_interval runs, when there are)."""
+    mesh, sse = rows[0], rows[1]
     ratio = mesh["tokens_per_second"] / sse["tokens_per_second"] if sse["tokens_per_second"] else 0
     mesh_ttft, sse_ttft = mesh["ttft_ms"]["p50_ms"], sse["ttft_ms"]["p50_ms"]
     cost, peer = mesh["cpu_us_per_token"], sse["cpu_us_per_token"]
+    interval = {
+        f"{row['path']} tokens_per_second_ratio": round(
+            row["tokens_per_second"] / sse["tokens_per_second"], 2
+        )
+        for row in rows[2:]
+        if sse["tokens_per_second"]
+    }
     return {
+        **interval,
         "tokens_per_second_ratio": round(ratio, 2),
         "ttft_p50_difference_ms": (
             round(mesh_ttft - sse_ttft, 1) if None not in (mesh_ttft, sse_ttft) else None
@@ -234,8 +257,11 @@ def cost(
     rows: list[dict[str, Any]] = []
     comparisons: dict[str, Any] = {}
     with private_mesh() as stack, openai_server() as (address, server):
-        paths = [mesh_path(stack), sse_path(address, server)]
+        mesh = mesh_path(stack)
+        paths = [mesh, sse_path(address, server)]
         for c in concurrency:
+            # Fewer, larger messages (a client that prefers throughput), beside the default.
+            routes = paths + ([interval_path(mesh, INTERVAL)] if c > 1 else [])
             configs = [
                 bench.config(
                     target=path.target,
@@ -245,29 +271,32 @@ def cost(
                     processes=2 if c >= 32 else 1,
                     duration=bench.round_seconds,
                     output_tokens=OUTPUT_TOKENS,
+                    stream_interval=path.interval,
                     label=f"{path.label} c={c}",
                 )
-                for path in paths
+                for path in routes
             ]
             runs: dict[str, list[dict[str, Any]]] = {}
             for number in range(rounds):
-                for config, path in zip(configs, paths, strict=True):
+                for config, path in zip(configs, routes, strict=True):
                     print(f"[cost] {config.label} ({number + 1}/{rounds})", file=sys.stderr)
                     result = measured_run(replace(config, seed=number + 1), path)
                     runs.setdefault(path.label, []).append(result)
-            pair = []
-            for path in paths:
+            group = []
+            for path in routes:
                 combined = combined_run(runs[path.label])
                 bench._record("cost", combined)
-                pair.append(summary_row(combined, path, c))
-            rows.extend(pair)
-            comparisons[str(c)] = compare(pair)
-            print(markdown(pair, {str(c): comparisons[str(c)]}), file=sys.stderr, flush=True)
-        profiles = profile_services(bench, stack, paths[0]) if profile else None
-    report_ = {"rows": rows, "comparisons": comparisons, "profiles": profiles}
-    (bench.out / "cost").mkdir(parents=True, exist_ok=True)
-    (bench.out / "cost" / "cost.md").write_text(markdown(rows, comparisons))
-    report.write_json(report_, bench.out / "cost" / "summary.json")
+                group.append(summary_row(combined, path, c))
+            rows.extend(group)
+            comparisons[str(c)] = compare(group)
+            print(markdown(group, {str(c): comparisons[str(c)]}), file=sys.stderr, flush=True)
+        report_: dict[str, Any] = {"rows": rows, "comparisons": comparisons, "profiles": None}
+        (bench.out / "cost").mkdir(parents=True, exist_ok=True)
+        (bench.out / "cost" / "cost.md").write_text(markdown(rows, comparisons))
+        report.write_json(report_, bench.out / "cost" / "summary.json")
+        if profile:
+            report_["profiles"] = profile_services(bench, stack, paths[0])
+            report.write_json(report_, bench.out / "cost" / "summary.json")
     return report_
 
 
@@ -280,12 +309,16 @@ def combined_run(results: list[dict[str, Any]]) -> dict[str, Any]:
     combined["cpu_seconds_per_round"] = [r["cpu_seconds"] for r in results]
     ttft: dict[str, list[float]] = {}
     for result in results:
-        for name, (seconds, count) in result.get("server_ttft_totals", {}).items():
-            total = ttft.setdefault(name, [0.0, 0.0])
-            total[0], total[1] = total[0] + seconds, total[1] + count
+        for name, figures in result.get("server_ttft_totals", {}).items():
+            total = ttft.setdefault(name, [0.0, 0.0, 0.0])
+            for position, value in enumerate(figures):
+                total[position] += value
     combined["server_ttft_mean_ms"] = {
-        name: round(1000 * seconds / count, 1) for name, (seconds, count) in ttft.items() if count
+        name: round(1000 * total / count, 1) for name, (total, count, _) in ttft.items() if count
     }
+    # First tokens that took a service over 1 s, beside the client's own count.
+    combined["ttft_over_1s"] = {name: int(over) for name, (_, _, over) in ttft.items()}
+    combined["ttft_over_1s"]["client"] = sum(1 for row in combined["timeline"] if row[1] > 1.0)
     messages = sum(r.get("messages_received", 0) for r in results)
     if messages:
         combined["tokens_per_message"] = round(combined["tokens_received"] / messages, 2)
@@ -294,12 +327,15 @@ def combined_run(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 @contextmanager
 def sampling(name: str, process: int, seconds: float, out: Path) -> Iterator[Path]:
-    """py-spy records one process (every thread, on-CPU samples only) while the block runs."""
+    """py-spy records one process (every thread, on-CPU samples only, without pausing it)
+    while the block runs. Python frames only: --native needs py-spy to pause the process, and
+    then it samples idle threads as if they ran (tried: each of the worker's six threads got
+    the same 16 %)."""
     raw = out / f"{name}.txt"
-    log = out / f"{name}.py-spy.log"
+    log = raw.with_suffix(".py-spy.log")
     spy = Path(sys.executable).parent / "py-spy"
     command = [str(spy), "record", "--pid", str(process), "--duration", str(int(seconds)),
-               "--rate", "200", "--format", "raw", "--threads", "--nonblocking", "--native",
+               "--rate", "200", "--format", "raw", "--threads", "--nonblocking",
                "--output", str(raw)]  # fmt: skip
     with log.open("w") as output:
         recorder = subprocess.Popen(command, stdout=output, stderr=output)
@@ -316,6 +352,9 @@ def sampling(name: str, process: int, seconds: float, out: Path) -> Iterator[Pat
 def where_time_goes(raw: Path, top: int = 25) -> dict[str, Any]:
     """From py-spy's collapsed stacks: each thread's share of the samples, and the share of the
     frames of PROFILED_PACKAGES (inclusive: a frame and what it calls), largest first."""
+    if not raw.exists():
+        log = raw.with_suffix(".py-spy.log")
+        return {"error": log.read_text().strip() if log.exists() else "py-spy wrote nothing"}
     threads: Counter[str] = Counter()
     inclusive: Counter[str] = Counter()
     categories: Counter[str] = Counter()

@@ -1,0 +1,48 @@
+"""The token-cost benchmark's own logic: CPU from /proc, per-token costs, profile summaries."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from loadtests.token_cost import Route, cpu_seconds, per_token, where_time_goes
+
+
+def test_cpu_seconds_count_this_process_busy_work() -> None:
+    before = cpu_seconds([os.getpid()])
+    end = time.process_time() + 0.3
+    while time.process_time() < end:
+        pass
+    spent = cpu_seconds([os.getpid()]) - before
+    assert 0.2 <= spent <= 2.0
+    assert cpu_seconds([2**22 + 12345]) == 0.0  # a process that is gone counts nothing
+
+
+def test_cpu_per_token_is_split_over_envoys_hops() -> None:
+    route = Route("edge", "llm", "127.0.0.1:1", "", {}, hops={"envoy": 2})
+    result = {"tokens_received": 1000, "cpu_seconds": {"worker": 0.1, "envoy": 0.04}}
+    assert per_token(result, route) == {"worker": 100.0, "envoy": 40.0, "envoy_per_hop": 20.0}
+    assert per_token({"tokens_received": 0, "cpu_seconds": {}}, route) == {}
+
+
+def test_profile_summary_shares_threads_frames_and_libraries(tmp_path: Path) -> None:
+    raw = tmp_path / "worker.txt"
+    raw.write_text(
+        "thread (1): MainThread;run (tokenmesh/common/server.py:142);"
+        "_send (grpc/aio/_call.py:10);grpc_call_start_batch (libgrpc.so) 3\n"
+        "thread (1): MainThread;Generate (tokenmesh/worker/servicer.py:80) 1\n"
+        "thread (2): vllm-engine;process (vllm/v1/engine/output_processor.py:700) 4\n"
+    )
+    summary = where_time_goes(raw)
+    assert summary["samples"] == 8
+    assert summary["threads_percent"] == {
+        "thread (1): MainThread": 50.0,
+        "thread (2): vllm-engine": 50.0,
+    }
+    assert summary["innermost_library_percent"] == {
+        "vLLM": 50.0,
+        "gRPC (C core, Cython, grpc.aio)": 37.5,
+        "tokenmesh": 12.5,
+    }
+    assert summary["frames_percent"]["run (tokenmesh/common/server.py:142)"] == 37.5
