@@ -40,8 +40,6 @@ ROOT = Path(__file__).resolve().parent.parent
 ENVOY_DEFAULT_WINDOW = 256 * MIB
 # A reader that never reads: a fixed 64 KiB window per stream (gRPC's BDP probing off).
 SLOW_CLIENT_OPTIONS = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 65536)]
-# Envoy's stream idle timeout on the probe's meshes: longer than any probe waits.
-STREAM_IDLE_SECONDS = 900
 
 
 @dataclass(frozen=True)
@@ -67,15 +65,12 @@ def slow_consumer_env(
     stream_window: int | None = None, connection_window: int | None = None
 ) -> AbstractContextManager[None]:
     """The settings of a mesh rendered inside this block (TOKENMESH_MESH_*): Envoy's windows,
-    when given, and a stream idle timeout longer than the probe's limit: the slow reader's
-    streams carry no bytes for as long as the engine takes to make every token (~30 s here,
-    far longer on a loaded machine), and what is measured is flow control, not that cut."""
-    values = {
+    when given."""
+    windows = {
         "TOKENMESH_MESH_STREAM_WINDOW_BYTES": stream_window,
         "TOKENMESH_MESH_CONNECTION_WINDOW_BYTES": connection_window,
-        "TOKENMESH_MESH_STREAM_IDLE_TIMEOUT_SECONDS": STREAM_IDLE_SECONDS,
     }
-    return environment({name: str(value) for name, value in values.items() if value is not None})
+    return environment({name: str(value) for name, value in windows.items() if value is not None})
 
 
 def tokens_sent(metrics_port: int) -> float:

@@ -4,8 +4,10 @@ arrives, in order, once the client reads again."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
+import psutil
 import pytest
 
 from loadtests.slow_consumer_bench import SlowConsumerProbe, slow_consumer_env
@@ -44,3 +46,21 @@ async def test_slow_reader_stops_the_senders_and_bounds_memory(slow_mesh: Stack)
     # Per stream and hop Envoy holds at most the window it granted upstream plus the buffer
     # towards the slow side, about two windows; three leaves room for framing and headers.
     assert result.envoy_growth_bytes < STREAMS * HOPS * 3 * WINDOW < result.output_bytes
+
+
+def test_the_mesh_runs_off_the_engines_core(slow_mesh: Stack) -> None:
+    """A 1-worker mesh on a machine with more cores: Envoy, the gateway and the worker's own
+    threads run on the cores its engine does not bind (the engine binds core 0)."""
+    cores = os.cpu_count() or 1
+    if cores < 2:
+        pytest.skip(f"needs 2 cores to keep the mesh off the engine's, this machine has {cores}")
+    mesh = set(range(1, cores))
+    for name in ("envoy", "gateway-0", "worker-0"):
+        process = psutil.Process(int(slow_mesh.ctl("pid", name).stdout.strip()))
+        threads = {thread.id: os.sched_getaffinity(thread.id) for thread in process.threads()}
+        assert all(allowed == mesh for allowed in threads.values()), (name, threads)
+    # The engine's own processes keep every core: vLLM binds its OpenMP thread to core 0.
+    worker = psutil.Process(int(slow_mesh.ctl("pid", "worker-0").stdout.strip()))
+    engine = [child for child in worker.children(recursive=True) if "VLLM" in child.name()]
+    assert engine, "no VLLM:: process under the worker"
+    assert any(0 in os.sched_getaffinity(t.id) for c in engine for t in c.threads())
