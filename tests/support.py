@@ -265,6 +265,55 @@ async def cancel_until_empty(calls: list[Any], engines: list[Any]) -> float:
     return (max(empty_at) - cancelled_at) / 1e9
 
 
+async def cancel_generations(edge: Any, worker_addresses: Iterable[str], streams: int = 8) -> float:
+    """Seconds from cancelling `streams` long Generate calls through `edge` (an LLMService
+    stub), once each has a token, until every worker's engine reported itself empty."""
+    from grpc import aio
+
+    from tokenmesh.v1 import inference_pb2_grpc, llm_pb2
+
+    calls = [
+        edge.Generate(
+            llm_pb2.GenerateRequest(prompt=f"cancel {i}", max_tokens=2000, ignore_eos=True)
+        )
+        for i in range(streams)
+    ]
+    async with contextlib.AsyncExitStack() as channels:
+        engines = [
+            inference_pb2_grpc.InferenceServiceStub(
+                await channels.enter_async_context(aio.insecure_channel(address))
+            )
+            for address in worker_addresses
+        ]
+        return await cancel_until_empty(calls, engines)
+
+
+def grpc_web_generate(port: int, tokens: int, origin: str) -> tuple[Any, list[Any], str]:
+    """A gRPC-Web (binary) Generate of `tokens` tokens from a browser at `origin`: the HTTP
+    response, its token messages, and its trailer frame's text."""
+    import http.client
+    import struct
+
+    from tokenmesh.v1 import llm_pb2, token_pb2
+
+    message = llm_pb2.GenerateRequest(prompt="hello", max_tokens=tokens, ignore_eos=True)
+    payload = message.SerializeToString()
+    frame = struct.pack(">BI", 0, len(payload)) + payload
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    headers = {"content-type": "application/grpc-web+proto", "x-grpc-web": "1", "origin": origin}
+    connection.request("POST", "/tokenmesh.v1.LLMService/Generate", frame, headers)
+    response = connection.getresponse()
+    data, received, trailers = response.read(), [], ""
+    while data:
+        flags, length = struct.unpack(">BI", data[:5])
+        chunk, data = data[5 : 5 + length], data[5 + length :]
+        if flags & 0x80:
+            trailers = chunk.decode()
+        else:
+            received.append(token_pb2.Token.FromString(chunk))
+    return response, received, trailers
+
+
 def aborted_total(worker: ServiceProcess, reason: str) -> float:
     """How many engine requests the worker aborted for reason: cancelled, deadline_exceeded,
     or any (both). Telling a deadline from a cancel is best effort (the caller's own timer

@@ -5,11 +5,9 @@ cancellation through every hop, and gRPC, gRPC-Web and REST at the edge."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import http.client
 import json
 import signal
-import struct
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -21,7 +19,8 @@ from grpc import aio
 
 from loadtests import worker_health_probe
 from tests.support import (
-    cancel_until_empty,
+    cancel_generations,
+    grpc_web_generate,
     grpcurl,
     metric_value,
     positions,
@@ -29,7 +28,7 @@ from tests.support import (
     within_budget,
 )
 from tokenmesh.localstack.stack import Program, Stack
-from tokenmesh.v1 import inference_pb2_grpc, llm_pb2, llm_pb2_grpc, token_pb2
+from tokenmesh.v1 import llm_pb2, llm_pb2_grpc
 
 pytestmark = pytest.mark.integration
 
@@ -124,6 +123,35 @@ def test_grpcurl_through_the_edge_lists_describes_and_streams(stack: Stack) -> N
     assert streamed.stdout.count('"token_id"') + streamed.stdout.count('"tokenId"') >= 15
 
 
+async def test_envoy_access_log_times_where_a_streams_first_token_waited(
+    stack: Stack, edge
+) -> None:
+    """Each hop's access-log line splits a stream's first-token wait: until Envoy sent the
+    request upstream, until the upstream's first byte, until it went downstream; all within
+    the stream's duration, which for 256 tokens lasts well past the first."""
+    log = stack.log_dir / "envoy.log"
+    seen = log.stat().st_size
+    assert len(await generate(edge, 0, tokens=256)) == 256
+
+    def lines() -> list[dict[str, str]]:
+        with log.open("rb") as text:
+            text.seek(seen)
+            rows = [json.loads(line) for line in text.read().splitlines() if line.startswith(b"{")]
+        return [row for row in rows if row.get("path", "").endswith("/Generate")]
+
+    wait_until(lambda: {row["listener"] for row in lines()} >= {"edge", "worker"}, within=10)
+    by_hop = {row["listener"]: row for row in lines()}
+    for hop, row in by_hop.items():
+        sent, first, out, duration = (
+            float(row[key])
+            for key in ("upstream_sent_ms", "first_byte_ms", "first_sent_ms", "duration_ms")
+        )
+        assert 0 <= sent <= first <= out <= duration, (hop, row)
+        assert duration - first >= 50, (hop, row)
+    # The worker's first byte reaches the edge after the worker hop has it.
+    assert float(by_hop["edge"]["first_byte_ms"]) >= float(by_hop["worker"]["first_byte_ms"])
+
+
 def test_rest_json_generate_streams_one_json_object_per_token(stack: Stack) -> None:
     connection = http.client.HTTPConnection("127.0.0.1", stack.settings.edge_port, timeout=60)
     body = json.dumps({"prompt": "hello", "max_tokens": 8, "ignore_eos": True})
@@ -139,49 +167,19 @@ def test_rest_json_generate_streams_one_json_object_per_token(stack: Stack) -> N
 
 
 def test_grpc_web_generate_streams_tokens(stack: Stack) -> None:
-    message = llm_pb2.GenerateRequest(prompt="hello", max_tokens=8, ignore_eos=True)
-    payload = message.SerializeToString()
-    frame = struct.pack(">BI", 0, len(payload)) + payload
-    connection = http.client.HTTPConnection("127.0.0.1", stack.settings.edge_port, timeout=60)
-    headers = {
-        "content-type": "application/grpc-web+proto",
-        "x-grpc-web": "1",
-        "origin": "http://localhost:3000",
-    }
-    connection.request("POST", "/tokenmesh.v1.LLMService/Generate", frame, headers)
-    response = connection.getresponse()
+    origin = "http://localhost:3000"
+    response, tokens, trailers = grpc_web_generate(stack.settings.edge_port, 8, origin)
     assert response.status == 200
-    assert response.getheader("access-control-allow-origin") == "http://localhost:3000"
-    data, tokens, trailers = response.read(), [], ""
-    while data:
-        flags, length = struct.unpack(">BI", data[:5])
-        chunk, data = data[5 : 5 + length], data[5 + length :]
-        if flags & 0x80:
-            trailers = chunk.decode()
-        else:
-            tokens.append(token_pb2.Token.FromString(chunk))
+    assert response.getheader("access-control-allow-origin") == origin
     assert positions(tokens) == list(range(8))
     assert "grpc-status:0" in trailers.replace(" ", "")
 
 
 async def test_client_cancel_through_the_edge_frees_every_engine(stack: Stack, edge) -> None:
-    async def cancel_round() -> float:
-        calls = [
-            edge.Generate(
-                llm_pb2.GenerateRequest(prompt=f"cancel {i}", max_tokens=2000, ignore_eos=True)
-            )
-            for i in range(8)
-        ]
-        async with contextlib.AsyncExitStack() as channels:
-            engines = [
-                inference_pb2_grpc.InferenceServiceStub(
-                    await channels.enter_async_context(aio.insecure_channel(worker.address))
-                )
-                for worker in replicas(stack, "worker")
-            ]
-            return await cancel_until_empty(calls, engines)
-
-    await within_budget("every engine empty after the cancel", cancel_round)
+    workers = [worker.address for worker in replicas(stack, "worker")]
+    await within_budget(
+        "every engine empty after the cancel", lambda: cancel_generations(edge, workers)
+    )
 
 
 async def test_stopped_worker_gets_no_new_streams_and_rejoins(stack: Stack, edge) -> None:

@@ -23,6 +23,8 @@ HCM = TYPE + "envoy.extensions.filters.network.http_connection_manager.v3.HttpCo
 ROUTER = TYPE + "envoy.extensions.filters.http.router.v3.Router"
 HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 LOCAL_RATE_LIMIT = TYPE + "envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit"
+EXT_PROC = "envoy.filters.http.ext_proc"
+EXT_PROC_PER_ROUTE = TYPE + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
 DOWNSTREAM_CONNECTIONS = (
     TYPE
     + "envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig"
@@ -58,6 +60,15 @@ ACCESS_LOG_FIELDS = {
     "upstream_cluster": "%UPSTREAM_CLUSTER%",
     "upstream_host": "%UPSTREAM_HOST%",
     "duration_ms": "%DURATION%",
+    # Where a stream's first response waited: until Envoy began sending the request upstream
+    # (a free connection or stream), and had sent all of it, until the upstream's first byte
+    # (its first message), until the first byte went downstream; and upstream attempts (1:
+    # no retry).
+    "upstream_sent_ms": "%COMMON_DURATION(DS_RX_BEG:US_TX_BEG:ms)%",
+    "upstream_request_end_ms": "%COMMON_DURATION(DS_RX_BEG:US_TX_END:ms)%",
+    "attempts": "%UPSTREAM_REQUEST_ATTEMPT_COUNT%",
+    "first_byte_ms": "%RESPONSE_DURATION%",
+    "first_sent_ms": "%COMMON_DURATION(DS_RX_BEG:DS_TX_BEG:ms)%",
     "bytes_sent": "%BYTES_SENT%",
     "request_id": "%REQ(X-REQUEST-ID)%",
 }
@@ -205,7 +216,43 @@ def edge_filters(mesh: MeshSettings) -> list[Config]:
                 },
             },
         },
+        *external_processor(mesh),
         {"name": "envoy.filters.http.router", "typed_config": {"@type": ROUTER}},
+    ]
+
+
+def external_processor(mesh: MeshSettings) -> list[Config]:
+    """With direct_token_path: a gateway prepares each Generate request (its headers and whole
+    body, after gRPC-Web and REST are turned into gRPC) and Envoy routes the rewritten request
+    to the workers. The responses (the tokens) are not sent to it. Enabled on the Generate
+    routes only (edge_routes)."""
+    if not mesh.direct_token_path:
+        return []
+    return [
+        {
+            "name": EXT_PROC,
+            "typed_config": {
+                "@type": TYPE + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+                "grpc_service": {
+                    "envoy_grpc": {"cluster_name": "gateway"},
+                    "timeout": seconds(mesh.prepare_timeout_seconds),
+                },
+                "message_timeout": seconds(mesh.prepare_timeout_seconds),
+                # The headers, then the whole body (two round trips: full-duplex mode makes it
+                # one, but then a stream's first token reached the caller late at 1 stream).
+                "processing_mode": {
+                    "request_header_mode": "SEND",
+                    "request_body_mode": "BUFFERED",
+                    "response_header_mode": "SKIP",
+                    "response_body_mode": "NONE",
+                    "response_trailer_mode": "SKIP",
+                },
+                # No gateway to prepare it: the request fails rather than skip the gateway,
+                # UNAVAILABLE (HTTP 503), as when no gateway can take it on the other path.
+                "failure_mode_allow": False,
+                "status_on_error": {"code": "ServiceUnavailable"},
+            },
+        }
     ]
 
 
@@ -237,8 +284,33 @@ def edge_routes(mesh: MeshSettings) -> list[Config]:
         ),
         {"match": {"path": OPS_PAGE.rstrip("/")}, "redirect": {"path_redirect": OPS_PAGE}},
         {"match": {"prefix": OPS_PAGE}, "route": {"cluster": "ops_page", "timeout": "10s"}},
+        *direct_routes(mesh),
         route_to("gateway", mesh),
     ]
+
+
+def direct_routes(mesh: MeshSettings) -> list[Config]:
+    """With direct_token_path: Generate goes through the external processor (which passes it
+    on to the gateways, or rewrites it for the workers), and the rewritten request to the
+    workers. A caller asking for the workers' method itself meets the processor too, which
+    refuses it: only what a gateway prepared reaches a worker from the edge."""
+    if not mesh.direct_token_path:
+        return []
+    generate = llm_pb2.DESCRIPTOR.services_by_name["LLMService"].full_name + "/Generate"
+    worker = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name + "/Generate"
+    to_workers = route_to("worker", mesh)
+    # The caller's deadline is its own timer's and the worker's (grpc-timeout goes on to it):
+    # Envoy cutting the stream at the same instant would reset it (INTERNAL) where the caller
+    # would have seen DEADLINE_EXCEEDED; there is no gateway here to answer first.
+    del to_workers["route"]["max_stream_duration"]
+    return [
+        {**route_to("gateway", mesh), "match": {"path": f"/{generate}"}, **processed()},
+        {**to_workers, "match": {"path": f"/{worker}"}, **processed()},
+    ]
+
+
+def processed() -> Config:
+    return {"typed_per_filter_config": {EXT_PROC: {"@type": EXT_PROC_PER_ROUTE, "overrides": {}}}}
 
 
 def listener(name: str, host: str, port: int, cluster: str, mesh: MeshSettings) -> Config:
@@ -247,6 +319,12 @@ def listener(name: str, host: str, port: int, cluster: str, mesh: MeshSettings) 
     virtual_host: Config = {"name": cluster, "domains": ["*"], "routes": routes}
     if edge:
         virtual_host["typed_per_filter_config"] = cors_policy(mesh)
+        if mesh.direct_token_path:
+            # Off everywhere but the routes that enable it again (direct_routes).
+            virtual_host["typed_per_filter_config"][EXT_PROC] = {
+                "@type": EXT_PROC_PER_ROUTE,
+                "disabled": True,
+            }
     manager: Config = {
         "@type": HCM,
         "stat_prefix": name,
