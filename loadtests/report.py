@@ -37,6 +37,15 @@ def write_json(result: dict[str, Any], path: Path) -> None:
     path.write_text(body + "\n")
 
 
+def emit(result: dict[str, Any], out: Path | None) -> None:
+    """Print a focused benchmark's result as JSON, and write it to `out` when given."""
+    text = json.dumps(result, indent=2)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+    print(text)
+
+
 def load(path: Path) -> dict[str, Any]:
     return dict(json.loads(path.read_text()))
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -41,7 +42,9 @@ import psutil
 from loadtests import report
 from loadtests.runner import RunConfig, combine, run
 from loadtests.stats import Latencies
-from tokenmesh.localstack.stack import Stack, StackSettings, free_port
+from tokenmesh.localstack.stack import Stack, StackSettings, envoy_hosts, free_port
+from tokenmesh.meshconfig.__main__ import render_yaml
+from tokenmesh.meshconfig.config import MeshSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -115,6 +118,65 @@ def private_mesh() -> Iterator[Stack]:
             yield stack
         finally:
             stack.down()
+
+
+def stop(process: subprocess.Popen[Any], grace: float) -> None:
+    """SIGTERM, and SIGKILL after `grace` seconds."""
+    process.terminate()
+    try:
+        process.wait(grace)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(10)
+
+
+@contextmanager
+def second_envoy(
+    stack: Stack, run_dir: Path, **overrides: Any
+) -> Iterator[tuple[MeshSettings, int]]:
+    """Another Envoy in front of the stack's gateways and workers (their endpoints from the
+    stack's control plane), rendered with `overrides` (e.g. direct_token_path=True) and run on
+    the mesh's cores like the stack's own, its config and log in run_dir: its settings and
+    process id, once it has a healthy gateway and worker."""
+    ports = [free_port() for _ in range(4)]
+    settings = MeshSettings(
+        **{
+            **stack.settings.mesh().model_dump(),
+            "edge_port": ports[0],
+            "admin_port": ports[1],
+            "worker_listener_port": ports[2],
+            "reranker_listener_port": ports[3],
+            "node_id": f"tokenmesh-envoy-{ports[0]}",
+            **overrides,
+        }
+    )
+    config = run_dir / f"envoy-{ports[0]}.yaml"
+    config.write_text(render_yaml(settings))
+    cores = stack.mesh_cores(stack.settings.worker_count(), os.cpu_count() or 1)
+    pinned = ["taskset", "-c", cores] if cores and shutil.which("taskset") else []
+    envoy = shutil.which("envoy", path=str(Path(sys.executable).parent)) or "envoy"
+    # Its access log (stdout) and errors beside its config.
+    log = (run_dir / f"envoy-{ports[0]}.log").open("w")
+    process = subprocess.Popen(
+        [*pinned, envoy, "-c", str(config), "--base-id", str(ports[0]), "--log-level", "error"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not all(
+            any(ok for _, ok in envoy_hosts(settings.admin_port).get(cluster, []))
+            for cluster in ("gateway", "worker")
+        ):
+            if process.poll() is not None:
+                raise SystemExit(f"the second Envoy exited ({process.returncode})")
+            if time.monotonic() > deadline:
+                raise SystemExit("the second Envoy found no healthy gateway and worker in 60 s")
+            time.sleep(0.2)
+        yield settings, process.pid
+    finally:
+        stop(process, 30)
+        log.close()
 
 
 def program(stack: Stack, name: str) -> Any:
@@ -345,12 +407,7 @@ def openai_server() -> Iterator[tuple[str, int]]:
                 raise SystemExit("vLLM's server did not come up in time")
             yield f"127.0.0.1:{port}", process.pid
         finally:
-            process.terminate()
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(10)
+            stop(process, 60)
 
 
 def sse(bench: Bench) -> None:

@@ -2,8 +2,10 @@
 server on the same model and core binding, both up, in interleaved rounds at 1, 32 and 64
 streams of 128 tokens: tokens/s, TTFT and client ITL p50/p99, and CPU microseconds per
 delivered token of each process (worker, engine, gateway, Envoy; vLLM's API server and engine),
-read from /proc before and after each round. With --profile, py-spy samples the worker and the
-gateway during an extra gRPC round, and the report lists where their time goes.
+read from /proc before and after each round. Beside them: the same services behind a second
+Envoy with the direct token path (gateways prepare, Envoy streams from the workers), and at 32
+and 64 streams the edge with stream_interval 8. With --profile, py-spy samples the worker and
+the gateway during an extra gRPC round, and the report lists where their time goes.
 
     python -m loadtests.token_cost [--quick] [--rounds 3] [--profile] [--out DIR]
     python -m loadtests bench --scenarios cost
@@ -33,9 +35,17 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loadtests import report
 from loadtests.runner import RunConfig, combine, run
-from loadtests.scenarios import RESULTS, Bench, openai_server, pid, private_mesh
+from loadtests.scenarios import (
+    RESULTS,
+    Bench,
+    openai_server,
+    pid,
+    private_mesh,
+    second_envoy,
+)
 from loadtests.scenarios import program as program_named
 from tokenmesh.localstack.stack import Stack
+from tokenmesh.meshconfig.config import MeshSettings
 
 CONCURRENCY = (1, 32, 64)
 QUICK_CONCURRENCY = (1, 32)
@@ -115,6 +125,18 @@ def mesh_path(stack: Stack) -> Route:
             )
             if program.metrics_port is not None
         },
+    )
+
+
+def direct_path(mesh: Route, envoy: MeshSettings, envoy_pid: int) -> Route:
+    """The same gateway and worker behind an Envoy with the direct token path: the gateway
+    prepares each request, Envoy streams the worker's tokens to the caller (one Envoy hop)."""
+    return replace(
+        mesh,
+        label="edge gRPC, direct token path",
+        address=f"127.0.0.1:{envoy.edge_port}",
+        processes={**mesh.processes, "envoy": [envoy_pid]},
+        hops={"envoy": 1},
     )
 
 
@@ -201,7 +223,7 @@ def summary_row(result: dict[str, Any], path: Route, concurrency: int) -> dict[s
 
 def compare(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The mesh against the SSE server at one concurrency: ratios and the targets (and the
-    ratio of the stream_interval runs, when there are)."""
+    ratios of the extra paths, when there are)."""
     mesh, sse = rows[0], rows[1]
     ratio = mesh["tokens_per_second"] / sse["tokens_per_second"] if sse["tokens_per_second"] else 0
     mesh_ttft, sse_ttft = mesh["ttft_ms"]["p50_ms"], sse["ttft_ms"]["p50_ms"]
@@ -256,9 +278,13 @@ def cost(
         concurrency = QUICK_CONCURRENCY if bench.quick else CONCURRENCY
     rows: list[dict[str, Any]] = []
     comparisons: dict[str, Any] = {}
-    with private_mesh() as stack, openai_server() as (address, server):
+    with (
+        private_mesh() as stack,
+        second_envoy(stack, stack.run_dir, direct_token_path=True) as (direct, direct_pid),
+        openai_server() as (address, server),
+    ):
         mesh = mesh_path(stack)
-        paths = [mesh, sse_path(address, server)]
+        paths = [mesh, sse_path(address, server), direct_path(mesh, direct, direct_pid)]
         for c in concurrency:
             # Fewer, larger messages (a client that prefers throughput), beside the default.
             routes = paths + ([interval_path(mesh, INTERVAL)] if c > 1 else [])

@@ -43,3 +43,20 @@ def test_closed_loop_against_a_real_worker_completes_without_errors(
     report.write_json(result, tmp_path / "smoke.json")
     report.plot_cdfs([result], "itl", tmp_path / "itl.png", "ITL")
     assert (tmp_path / "itl.png").stat().st_size > 0
+
+
+def test_grpc_floor_forwards_every_message_through_both_proxy_shapes() -> None:
+    """grpc_floor's processes (a source, a proxy with either shape, a client) move every
+    message, and each figure is the process's own CPU per message."""
+    from loadtests import grpc_floor
+
+    rounds = [grpc_floor.measure(shape, 4, 25, 0.0) for shape in grpc_floor.SHAPES]
+    assert [r["messages"] for r in rounds] == [100, 100]
+    assert rounds[0]["messages_out"] == 100 and 1 <= rounds[1]["messages_out"] <= 100
+    assert all(r["proxy_us_per_message"] >= 0 and r["server_us_per_message"] >= 0 for r in rounds)
+    paced = grpc_floor.measure("direct", 2, 10, 0.01)
+    assert paced["messages"] == 20
+    # 10 messages 10 ms apart: the stream cannot go faster than its pace.
+    assert paced["messages_per_second"] <= 2 * 100
+    summary = grpc_floor.summary([*rounds, rounds[0]])
+    assert summary["direct"]["server_us_per_message"] == rounds[0]["server_us_per_message"]

@@ -46,3 +46,10 @@ def test_profile_summary_shares_threads_frames_and_libraries(tmp_path: Path) -> 
         "tokenmesh": 12.5,
     }
     assert summary["frames_percent"]["run (tokenmesh/common/server.py:142)"] == 37.5
+
+
+def test_first_token_summary_counts_the_slow_ones() -> None:
+    from loadtests.first_token import summary
+
+    figures = summary([10.0, 12.0, 300.0, 11.0, 80.0])
+    assert figures == {"p50_ms": 12.0, "p90_ms": 300.0, "max_ms": 300.0, "over_50ms_share": 0.4}
