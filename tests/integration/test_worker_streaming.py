@@ -42,6 +42,24 @@ async def stats(stub: inference_pb2_grpc.InferenceServiceStub) -> inference_pb2.
     return await stub.GetEngineStats(inference_pb2.EngineStatsRequest(), timeout=30)
 
 
+async def test_warnings_and_the_degraded_mark_of_a_prepared_request_reach_the_caller(
+    inference,
+) -> None:
+    """A request a gateway prepared for Envoy to stream from here: its warnings go on the first
+    token only, and its degraded header comes back as the stream's trailer."""
+    request = generate_request(max_tokens=6, ignore_eos=True)
+    request.warnings.extend(["reranker_unavailable: UNAVAILABLE"])
+    call = inference.Generate(request, metadata=(("x-tokenmesh-degraded", "reranker"),))
+    tokens = [token async for token in call]
+    assert positions(tokens) == list(range(6))
+    assert list(tokens[0].warnings) == ["reranker_unavailable: UNAVAILABLE"]
+    assert not any(token.warnings for token in tokens[1:])
+    assert ("x-tokenmesh-degraded", "reranker") in tuple(await call.trailing_metadata())
+    plain = inference.Generate(generate_request(max_tokens=2, ignore_eos=True))
+    assert not any([token.warnings async for token in plain])
+    assert "x-tokenmesh-degraded" not in dict(await plain.trailing_metadata())
+
+
 async def test_stream_has_exactly_max_tokens_with_contiguous_indexes(inference) -> None:
     tokens = [
         token

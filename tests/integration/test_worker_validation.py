@@ -22,6 +22,16 @@ CASES = {
     "empty stop": (dict(), dict(stop=[""]), "sampling.stop[0]"),
     "prompt over byte limit": (dict(prompt="x" * (256 * 1024 + 1)), {}, "over the limit of 262144"),
     "request id too long": (dict(request_id="r" * 129), {}, "request_id"),
+    "too many warnings": (
+        dict(warnings=["w"] * 9),
+        {},
+        "warnings: has 9 warnings, over the limit of 8",
+    ),
+    "warning too long": (
+        dict(warnings=["w" * 1025]),
+        {},
+        "warnings: is 1025 bytes, over the limit of 1024",
+    ),
     # ~3000 tokens of text: longer than the 2048-token model context.
     "prompt longer than context": (
         dict(prompt=" ".join(f"w{i}" for i in range(3000))),

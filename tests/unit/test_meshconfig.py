@@ -47,8 +47,12 @@ def test_committed_config_is_the_rendered_one() -> None:
 
 @pytest.mark.parametrize(
     "settings",
-    [MeshSettings(), MeshSettings(edge_port=18080, internal_host="0.0.0.0", retry_attempts=0)],
-    ids=["defaults", "custom"],
+    [
+        MeshSettings(),
+        MeshSettings(edge_port=18080, internal_host="0.0.0.0", retry_attempts=0),
+        MeshSettings(direct_token_path=True),
+    ],
+    ids=["defaults", "custom", "direct token path"],
 )
 def test_envoy_accepts_the_rendered_config(settings: MeshSettings, tmp_path: Path) -> None:
     path = tmp_path / "envoy.yaml"
@@ -346,3 +350,34 @@ def test_edge_rate_limit_is_a_shared_bucket_refusing_grpc_with_resource_exhauste
         assert all("ratelimit" not in f["name"] for f in found[name]["http_filters"])
     off = listeners(render(MeshSettings(edge_rate_limit_per_second=0)))["edge"]
     assert all("ratelimit" not in f["name"] for f in off["http_filters"])
+
+
+def test_the_direct_token_path_processes_generate_only_and_routes_it_to_workers() -> None:
+    plain = listeners(render(MeshSettings()))["edge"]
+    assert all(f["name"] != "envoy.filters.http.ext_proc" for f in plain["http_filters"])
+    edge = listeners(render(MeshSettings(direct_token_path=True, prepare_timeout_seconds=7)))[
+        "edge"
+    ]
+    names = [f["name"] for f in edge["http_filters"]]
+    # After gRPC-Web and REST become gRPC, before routing.
+    assert (
+        names.index("envoy.filters.http.grpc_json_transcoder")
+        < names.index("envoy.filters.http.ext_proc")
+        < names.index("envoy.filters.http.router")
+    )
+    processor = edge["http_filters"][names.index("envoy.filters.http.ext_proc")]["typed_config"]
+    assert processor["grpc_service"]["envoy_grpc"]["cluster_name"] == "gateway"
+    assert processor["message_timeout"] == "7s" and not processor["failure_mode_allow"]
+    assert processor["processing_mode"]["response_body_mode"] == "NONE"  # tokens bypass it
+    host = edge["route_config"]["virtual_hosts"][0]
+    assert host["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["disabled"]
+    by_path = {r["match"].get("path"): r for r in host["routes"] if "path" in r["match"]}
+    generate = by_path["/tokenmesh.v1.LLMService/Generate"]
+    worker = by_path["/tokenmesh.v1.InferenceService/Generate"]
+    assert generate["route"]["cluster"] == "gateway" and worker["route"]["cluster"] == "worker"
+    for route in (generate, worker):
+        assert "disabled" not in route["typed_per_filter_config"]["envoy.filters.http.ext_proc"]
+    # The caller's own deadline ends a direct stream (DEADLINE_EXCEEDED), not Envoy's reset.
+    assert "max_stream_duration" not in worker["route"]
+    assert "max_stream_duration" in generate["route"]
+    assert host["routes"][-1]["match"] == {"prefix": "/"}

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from tokenmesh.v1 import token_pb2
 
+# The trailer marking an answer made without a dependency, and its value for the reranker. On a
+# stream Envoy takes straight from a worker, the gateway sets it as a request header and the
+# worker returns it as a trailer.
+DEGRADED_HEADER = "x-tokenmesh-degraded"
+DEGRADED_BY_RERANKER = "reranker"
+
 
 def token_count(token: token_pb2.Token) -> int:
     """How many generated tokens a message holds (0 for a message that only ends the stream;

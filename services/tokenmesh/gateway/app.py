@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass
 
 import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from grpc import aio
 from prometheus_client import CollectorRegistry
 
@@ -30,6 +31,7 @@ from tokenmesh.common.tenants import TenantMetrics
 from tokenmesh.common.tracing import Tracing
 from tokenmesh.gateway.breaker import CircuitBreaker
 from tokenmesh.gateway.config import GatewaySettings
+from tokenmesh.gateway.extproc import PROCESS_METHOD, DirectMetrics, ExternalProcessor
 from tokenmesh.gateway.pipeline import DocumentSelector, GatewayMetrics, Pipeline, WorkerClient
 from tokenmesh.gateway.quota import QuotaMeter
 from tokenmesh.gateway.servicer import LLMServicer
@@ -57,7 +59,9 @@ class Tenancy:
         metrics = TenantMetrics(registry, store.tenant_ids)
         limiter = TenantLimiter(settings.concurrency_retry_after_ms)
         interceptors = (
-            AuthInterceptor(store, settings.open_methods, metrics),
+            # Envoy's external-processor calls carry no key: with quotas on, the processor
+            # only hands each Generate back to the gateway's own (authenticated) handler.
+            AuthInterceptor(store, (*settings.open_methods, PROCESS_METHOD), metrics),
             LimitsInterceptor(limiter, metrics),
         )
         return cls(store, interceptors, QuotaMeter(limiter, metrics))
@@ -106,6 +110,11 @@ async def serve(settings: GatewaySettings) -> int:
     stream_metrics = StreamMetrics(registry, log_tokens=settings.log_tokens)
     llm_pb2_grpc.add_LLMServiceServicer_to_server(
         LLMServicer(pipeline, settings, stream_metrics), server
+    )
+    # Used when Envoy's edge sends Generate's tokens straight from workers (the mesh's
+    # direct_token_path); idle otherwise.
+    ext_proc_grpc.add_ExternalProcessorServicer_to_server(
+        ExternalProcessor(pipeline, settings, DirectMetrics(registry)), server
     )
     health.register(server)
     enable_reflection(server, SERVICE_NAMES)

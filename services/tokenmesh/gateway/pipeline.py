@@ -44,7 +44,6 @@ BREAKER_FAILURES = frozenset(
         grpc.StatusCode.RESOURCE_EXHAUSTED,
     }
 )
-DEGRADED_HEADER = "x-tokenmesh-degraded"
 # A worker call that fails this close to its deadline failed because of it: Envoy enforces the
 # same deadline (grpc-timeout) and resets the stream when it passes, which can reach the gateway
 # a moment before its own timer fires on a busy event loop.
@@ -322,6 +321,24 @@ class Pipeline:
             warnings=selection.warnings,
         )
 
+    def worker_request(
+        self, prompt: str, sampling: inference_pb2.SamplingParams
+    ) -> inference_pb2.InferenceRequest:
+        """The request a worker gets for this prompt (logged when log_prompts is on)."""
+        request = inference_pb2.InferenceRequest(
+            request_id=uuid.uuid4().hex[:16], prompt=prompt, sampling=sampling
+        )
+        if self._prompt_log is not None:
+            self._prompt_log.info(
+                "prompt", extra={"request_id": request.request_id, "prompt": prompt}
+            )
+        return request
+
+    @property
+    def metered(self) -> bool:
+        """Whether tokens are charged to quotas (then the gateway must see every token)."""
+        return self._meter is not None
+
     def stream(
         self,
         prompt: str,
@@ -332,13 +349,7 @@ class Pipeline:
         context; none with auth off), they are charged to its quota and the worker is told
         whose request it is (x-tenant-id: the gateway's own metadata, never a caller's)."""
         tenant = current_tenant()
-        request = inference_pb2.InferenceRequest(
-            request_id=uuid.uuid4().hex[:16], prompt=prompt, sampling=sampling
-        )
-        if self._prompt_log is not None:
-            self._prompt_log.info(
-                "prompt", extra={"request_id": request.request_id, "prompt": prompt}
-            )
+        request = self.worker_request(prompt, sampling)
         time_limit = remaining_after_margin(remaining, self._margin)
         if tenant is None:
             return self._worker.stream(request, time_limit)

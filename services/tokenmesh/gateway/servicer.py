@@ -12,10 +12,10 @@ from grpc import aio
 
 from tokenmesh.common.errors import InvalidArgument, ResourceExhausted
 from tokenmesh.common.metrics import StreamMetrics
-from tokenmesh.common.tokens import token_count
+from tokenmesh.common.tokens import DEGRADED_BY_RERANKER, DEGRADED_HEADER, token_count
 from tokenmesh.common.validation import check_text
 from tokenmesh.gateway.config import GatewaySettings
-from tokenmesh.gateway.pipeline import DEGRADED_HEADER, Pipeline, PreparedPrompt
+from tokenmesh.gateway.pipeline import Pipeline, PreparedPrompt
 from tokenmesh.gateway.prompts import ChatHistory, ChatTurn, summary_request
 from tokenmesh.gateway.requests import generation_job, sampling_params
 from tokenmesh.v1 import inference_pb2, llm_pb2, llm_pb2_grpc, token_pb2
@@ -25,7 +25,7 @@ Context: TypeAlias = aio.ServicerContext[Any, Any]
 
 def flag_degraded(context: Context, prepared: PreparedPrompt) -> None:
     if prepared.degraded:
-        context.set_trailing_metadata(((DEGRADED_HEADER, "reranker"),))
+        context.set_trailing_metadata(((DEGRADED_HEADER, DEGRADED_BY_RERANKER),))
 
 
 async def collect(

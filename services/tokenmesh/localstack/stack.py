@@ -105,6 +105,9 @@ class StackSettings(BaseSettings):
     # Run Envoy and the services on the cores no engine binds (engines bind 0..workers-1),
     # when there are such cores; otherwise, and when off, wherever the kernel puts them.
     pin_mesh_cores: bool = True
+    # Envoy streams Generate's tokens straight from the workers; gateways only prepare each
+    # request (MeshSettings.direct_token_path).
+    direct_token_path: bool = False
     # Replica i of a service listens on base + i (gRPC) and metrics base + i.
     gateway_port: int = Field(default=50051, ge=1, le=65535)
     gateway_metrics_port: int = Field(default=9451, ge=1, le=65535)
@@ -203,6 +206,7 @@ class StackSettings(BaseSettings):
             upstream_tls_ca_file=None if upstream is None else str(upstream.ca_cert),
             internal_tls_cert_file=None if upstream is None else str(upstream.cert(ENVOY_INTERNAL)),
             internal_tls_key_file=None if upstream is None else str(upstream.key(ENVOY_INTERNAL)),
+            direct_token_path=self.direct_token_path,
         )
 
 

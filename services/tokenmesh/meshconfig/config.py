@@ -105,6 +105,14 @@ class MeshSettings(BaseSettings):
     # request gets RESOURCE_EXHAUSTED (HTTP 429 for REST) before reaching a gateway.
     edge_rate_limit_per_second: int = Field(default=1000, ge=0)
     edge_rate_burst: int = Field(default=2000, ge=1)
+    # Generate's tokens go from a worker through Envoy straight to the caller: the edge asks a
+    # gateway (Envoy's external processor) to validate and prepare each request, then routes it
+    # to the workers, so no gateway reads and writes every token (README "Performance"). Off:
+    # every token passes through a gateway, as every other method's messages do.
+    direct_token_path: bool = False
+    # How long the edge waits for a gateway to prepare a request (its reranker call included);
+    # past it the caller gets an error.
+    prepare_timeout_seconds: float = Field(default=10.0, gt=0)
     # CORS origins allowed to call the edge with gRPC-Web (regular expressions).
     cors_allowed_origins: list[str] = [r"https?://(localhost|127\.0\.0\.1)(:[0-9]+)?"]
 

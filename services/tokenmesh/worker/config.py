@@ -48,6 +48,9 @@ class WorkerSettings(ServiceSettings):
     max_stop_sequences: int = Field(default=8, ge=0)
     max_stop_sequence_bytes: int = Field(default=256, ge=1)
     max_request_id_chars: int = Field(default=128, ge=1)
+    # Warnings a request may ask to have sent on its first token, and the size of each.
+    max_warnings: int = Field(default=8, ge=0)
+    max_warning_bytes: int = Field(default=1024, ge=1)
     # Alternatives per token a request may ask for (top_logprobs); also vLLM's max_logprobs.
     max_top_logprobs: int = Field(default=20, ge=0)
     # Tokens per message: every stream's messages hold at least this many (vLLM's

@@ -6,7 +6,13 @@ import uuid
 from dataclasses import dataclass
 
 from tokenmesh.common.errors import InvalidArgument
-from tokenmesh.common.validation import check_logprobs, check_range, check_stop, check_text
+from tokenmesh.common.validation import (
+    check_count,
+    check_logprobs,
+    check_range,
+    check_stop,
+    check_text,
+)
 from tokenmesh.v1 import inference_pb2
 from tokenmesh.worker.config import WorkerSettings
 
@@ -30,6 +36,8 @@ class GenerationSpec:
     top_logprobs: int = 0
     # At least this many tokens per message (vLLM's stream_interval); 1: each at once.
     stream_interval: int = 1
+    # Sent on the first token (the gateway's warnings for a request it prepared).
+    warnings: tuple[str, ...] = ()
 
 
 def validate(request: inference_pb2.InferenceRequest, limits: WorkerSettings) -> GenerationSpec:
@@ -69,6 +77,9 @@ def validate(request: inference_pb2.InferenceRequest, limits: WorkerSettings) ->
             f"is {len(request.request_id)} characters, over the limit of "
             f"{limits.max_request_id_chars}",
         )
+    check_count("warnings", len(request.warnings), limits.max_warnings, "warnings")
+    for warning in request.warnings:
+        check_text("warnings", warning, limits.max_warning_bytes)
     # The engine needs ids unique among in-flight requests; a caller's id may repeat, so it
     # gets a random suffix.
     suffix = uuid.uuid4().hex[:12]
@@ -86,4 +97,5 @@ def validate(request: inference_pb2.InferenceRequest, limits: WorkerSettings) ->
         logprobs=sampling.logprobs,
         top_logprobs=sampling.top_logprobs,
         stream_interval=max(sampling.stream_interval, 1),
+        warnings=tuple(request.warnings),
     )

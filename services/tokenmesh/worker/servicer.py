@@ -13,6 +13,7 @@ from prometheus_client import Counter
 
 from tokenmesh.common.interceptors import Deadline
 from tokenmesh.common.metrics import StreamMetrics
+from tokenmesh.common.tokens import DEGRADED_HEADER
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
 from tokenmesh.worker.admission import Admission
 from tokenmesh.worker.config import WorkerSettings
@@ -76,6 +77,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         context: aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[token_pb2.Token]:
         spec = validate(request, self._limits)
+        # A degraded answer the gateway prepared for Envoy to stream from here: its trailer.
+        degraded = next(
+            (str(v) for k, v in context.invocation_metadata() or () if k == DEGRADED_HEADER), None
+        )
+        if degraded:
+            context.set_trailing_metadata(((DEGRADED_HEADER, degraded),))
         engine = self._engines.get()
         # Closing the inner stream (the caller went away) aborts the engine request.
         with self._admission.admit(engine.load.waiting):
@@ -99,9 +106,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 self._aborted.labels(reason=reason).inc()
 
         outputs = engine.stream(spec, on_abort=count_abort)
+        warnings = spec.warnings
         try:
             async for tokens in outputs:
                 token = token_message(tokens)
+                if warnings:
+                    token.warnings.extend(warnings)
+                    warnings = ()
                 timer.sent(token, len(tokens.token_ids), tokens.prompt_tokens)
                 yield token
         except asyncio.CancelledError:

@@ -1,0 +1,200 @@
+"""Envoy's external processor for LLMService/Generate: the gateway prepares, the worker streams."""
+
+from __future__ import annotations
+
+import logging
+import struct
+import time
+import urllib.parse
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf.message import DecodeError
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from tokenmesh.common.errors import ServiceError
+from tokenmesh.common.metrics import RPC_BUCKETS
+from tokenmesh.common.tokens import DEGRADED_BY_RERANKER, DEGRADED_HEADER
+from tokenmesh.gateway.config import GatewaySettings
+from tokenmesh.gateway.pipeline import Pipeline
+from tokenmesh.gateway.requests import generation_job
+from tokenmesh.v1 import llm_pb2
+
+log = logging.getLogger(__name__)
+
+GENERATE_PATH = "/tokenmesh.v1.LLMService/Generate"
+WORKER_PATH = "/tokenmesh.v1.InferenceService/Generate"
+PROCESS_METHOD = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+# gRPC's length prefix: a compressed-flag byte and a 4-byte big-endian length.
+PREFIX = struct.Struct(">BI")
+TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
+# grpc-message is percent-encoded (gRPC over HTTP/2): everything but printable ASCII and '%'.
+MESSAGE_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
+
+
+def grpc_frame(message: bytes) -> bytes:
+    return PREFIX.pack(0, len(message)) + message
+
+
+def single_message(body: bytes) -> bytes | None:
+    """The one uncompressed message a unary gRPC request body holds; None for anything else
+    (compressed, cut short, several), which the gateway's own handler answers as usual."""
+    if len(body) < PREFIX.size:
+        return None
+    compressed, length = PREFIX.unpack_from(body)
+    if compressed or len(body) != PREFIX.size + length:
+        return None
+    return body[PREFIX.size :]
+
+
+def grpc_timeout(value: str | None) -> float | None:
+    """Seconds of a grpc-timeout header ("100m", "5S"); None when absent or malformed."""
+    if not value or value[-1] not in TIMEOUT_UNITS or not value[:-1].isdigit():
+        return None
+    return int(value[:-1]) * TIMEOUT_UNITS[value[-1]]
+
+
+def header_map(headers: Iterable[base_pb2.HeaderValue]) -> dict[str, str]:
+    return {h.key: h.raw_value.decode() if h.raw_value else h.value for h in headers}
+
+
+def header(key: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+    )
+
+
+def immediate(code: grpc.StatusCode, http: int, message: str) -> ext_proc.ProcessingResponse:
+    """Envoy answers at once: gRPC callers get `code` and `message`, others HTTP `http`."""
+    quoted = urllib.parse.quote(message, safe=MESSAGE_SAFE)
+    return ext_proc.ProcessingResponse(
+        immediate_response=ext_proc.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=http),
+            grpc_status=ext_proc.GrpcStatus(status=code.value[0]),
+            headers=ext_proc.HeaderMutation(set_headers=[header("grpc-message", quoted)]),
+        )
+    )
+
+
+class Unprepared(Exception):
+    """A body that is not one uncompressed GenerateRequest: the gateway's handler takes it."""
+
+
+class DirectMetrics:
+    """Generate requests the gateway prepared for Envoy to stream straight from a worker."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "tokenmesh_gateway_direct_requests",
+            "Generate requests seen as Envoy's external processor, by outcome: direct (streamed "
+            "from a worker by Envoy), gateway (left to the gateway's own handler: quotas on, or "
+            "a request it refuses), refused (not Generate).",
+            ["outcome"],
+            registry=registry,
+        )
+        self.prepare_seconds = Histogram(
+            "tokenmesh_gateway_direct_prepare_seconds",
+            "Time from a Generate request's headers to its prepared worker request.",
+            buckets=RPC_BUCKETS,
+            registry=registry,
+        )
+
+
+class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
+    """For each Generate request Envoy sends its headers, then its whole body; the gateway
+    validates it and builds the worker's request as its own handler would (context documents,
+    reranker, prompt, warnings), and Envoy sends that to a worker and streams the worker's
+    tokens to the caller, with no gateway on the way. Requests whose tokens the gateway must
+    see (quotas: a keys file is configured), that it cannot read here (compressed) or would
+    refuse go on unchanged, to its own handler."""
+
+    def __init__(self, pipeline: Pipeline, limits: GatewaySettings, metrics: DirectMetrics) -> None:
+        self._pipeline = pipeline
+        self._limits = limits
+        self._metrics = metrics
+
+    async def Process(
+        self, request_iterator: AsyncIterator[ext_proc.ProcessingRequest], context: Any
+    ) -> AsyncIterator[ext_proc.ProcessingResponse]:
+        started = time.monotonic()
+        headers: dict[str, str] = {}
+        async for message in request_iterator:
+            kind = message.WhichOneof("request")
+            if kind == "request_headers":
+                headers = header_map(message.request_headers.headers.headers)
+                path = headers.get(":path", "")
+                if path != GENERATE_PATH:
+                    # Only Generate is processed; a caller asking the edge for the workers'
+                    # own method gets what the gateway says of methods it does not serve.
+                    self._metrics.requests.labels(outcome="refused").inc()
+                    yield immediate(grpc.StatusCode.UNIMPLEMENTED, 501, f"{path}: not served here")
+                    return
+                yield ext_proc.ProcessingResponse(request_headers=ext_proc.HeadersResponse())
+                if self._pipeline.metered or message.request_headers.end_of_stream:
+                    # Closing the stream lets Envoy go on unprocessed, to the gateway's handler.
+                    self._metrics.requests.labels(outcome="gateway").inc()
+                    return
+            elif kind == "request_body":
+                yield await self._prepared(headers, message.request_body.body, started)
+                return
+            else:
+                log.warning("external processor: unexpected %s", kind)
+                return
+
+    async def _prepared(
+        self, headers: dict[str, str], body: bytes, started: float
+    ) -> ext_proc.ProcessingResponse:
+        """The rewritten request; or, for one the gateway cannot read here or would refuse,
+        the request unchanged: the gateway's own handler answers it (with the status and
+        message it gives on every protocol: gRPC, gRPC-Web, REST)."""
+        data = single_message(body)
+        try:
+            if data is None:
+                raise Unprepared
+            mutation, worker_body = await self._worker_request(headers, data, started)
+        except (ServiceError, Unprepared):
+            self._metrics.requests.labels(outcome="gateway").inc()
+            return ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse())
+        self._metrics.requests.labels(outcome="direct").inc()
+        self._metrics.prepare_seconds.observe(time.monotonic() - started)
+        return ext_proc.ProcessingResponse(
+            request_body=ext_proc.BodyResponse(
+                response=ext_proc.CommonResponse(
+                    header_mutation=mutation,
+                    body_mutation=ext_proc.BodyMutation(body=worker_body),
+                    # Routed again on the new path: to the workers.
+                    clear_route_cache=True,
+                )
+            )
+        )
+
+    async def _worker_request(
+        self, headers: dict[str, str], data: bytes, started: float
+    ) -> tuple[ext_proc.HeaderMutation, bytes]:
+        try:
+            request = llm_pb2.GenerateRequest.FromString(data)
+        except DecodeError as exc:
+            raise Unprepared from exc
+        timeout = grpc_timeout(headers.get("grpc-timeout"))
+        remaining = None if timeout is None else timeout - (time.monotonic() - started)
+        job = generation_job(request, self._limits)
+        prepared = await self._pipeline.prepare(job, remaining)
+        worker = self._pipeline.worker_request(prepared.prompt, job.sampling)
+        worker.warnings.extend(prepared.warnings)
+        mutation = ext_proc.HeaderMutation(
+            set_headers=[header(":path", WORKER_PATH)],
+            # Only the gateway says an answer is degraded, never the caller.
+            remove_headers=[DEGRADED_HEADER],
+        )
+        if prepared.degraded:
+            mutation.set_headers.append(header(DEGRADED_HEADER, DEGRADED_BY_RERANKER))
+        # grpc-timeout goes on unchanged: the worker's clock starts later than the caller's,
+        # so the caller's deadline (its own timer, and Envoy's max_stream_duration) ends the
+        # stream first, with DEADLINE_EXCEEDED, and the reset aborts the engine request.
+        return mutation, grpc_frame(worker.SerializeToString())

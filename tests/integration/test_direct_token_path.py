@@ -1,0 +1,223 @@
+"""The direct token path: a second Envoy, rendered with direct_token_path, in front of the
+session mesh's gateways and workers (endpoints from its control plane). Generate is prepared by
+a gateway (Envoy's external processor) and streamed by Envoy straight from a worker: gRPC and
+REST callers see the same stream and the same errors, cancels still free the engine, and only
+what a gateway prepared reaches a worker."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import grpc
+import psutil
+import pytest
+from grpc import aio
+
+from loadtests.scenarios import second_envoy
+from tests.support import (
+    cancel_generations,
+    grpc_web_generate,
+    metric_value,
+    positions,
+    scrape_metrics,
+    within_budget,
+)
+from tokenmesh.localstack.stack import Program, Stack
+from tokenmesh.meshconfig.config import MeshSettings
+from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, llm_pb2, llm_pb2_grpc, token_pb2
+
+pytestmark = pytest.mark.integration
+
+GENERATE = {"grpc_service": "tokenmesh.v1.LLMService", "grpc_method": "Generate"}
+PROCESS = {"grpc_service": "envoy.service.ext_proc.v3.ExternalProcessor", "grpc_method": "Process"}
+INFERENCE = {"grpc_service": "tokenmesh.v1.InferenceService", "grpc_method": "Generate"}
+
+
+@pytest.fixture(scope="module")
+def direct(mesh: Stack) -> Iterator[MeshSettings]:
+    """A second Envoy with the direct token path, sharing the mesh's services (its config and
+    access log among the mesh's logs)."""
+    with second_envoy(mesh, mesh.log_dir, direct_token_path=True) as (
+        settings,
+        _,
+    ):
+        yield settings
+
+
+@pytest.fixture
+async def edge(direct: MeshSettings) -> AsyncIterator[llm_pb2_grpc.LLMServiceStub]:
+    async with aio.insecure_channel(f"127.0.0.1:{direct.edge_port}") as channel:
+        yield llm_pb2_grpc.LLMServiceStub(channel)
+
+
+def replicas(mesh: Stack, service: str) -> list[Program]:
+    return [program for program in mesh.programs if program.service == service]
+
+
+def total(mesh: Stack, service: str, name: str, **labels: str) -> float:
+    return sum(
+        metric_value(scrape_metrics(program.metrics_port or 0), name, 0.0, **labels)
+        for program in replicas(mesh, service)
+    )
+
+
+def started(mesh: Stack, service: str, method: dict[str, str]) -> float:
+    return total(mesh, service, "grpc_server_started_total", **method)
+
+
+async def test_generate_streams_from_a_worker_with_no_gateway_on_the_way(
+    mesh: Stack, edge: llm_pb2_grpc.LLMServiceStub
+) -> None:
+    before = {
+        "generate": started(mesh, "gateway", GENERATE),
+        "process": started(mesh, "gateway", PROCESS),
+        "worker": started(mesh, "worker", INFERENCE),
+        "direct": total(
+            mesh, "gateway", "tokenmesh_gateway_direct_requests_total", outcome="direct"
+        ),
+    }
+    request = llm_pb2.GenerateRequest(prompt="direct path", max_tokens=64, ignore_eos=True)
+    tokens = [token async for token in edge.Generate(request, timeout=120)]
+    assert positions(tokens) == list(range(64))
+    assert tokens[-1].finish_reason == token_pb2.FINISH_REASON_LENGTH
+    assert tokens[-1].usage.completion_tokens == 64
+    # One external-processor call and one worker stream; the gateway's own handler saw none.
+    assert started(mesh, "gateway", PROCESS) - before["process"] == 1
+    assert started(mesh, "gateway", GENERATE) == before["generate"]
+    assert started(mesh, "worker", INFERENCE) - before["worker"] == 1
+    direct_now = total(mesh, "gateway", "tokenmesh_gateway_direct_requests_total", outcome="direct")
+    assert direct_now - before["direct"] == 1
+
+
+async def test_bad_input_gets_the_gateways_status_and_message(
+    mesh: Stack, edge: llm_pb2_grpc.LLMServiceStub
+) -> None:
+    """A request the gateway refuses goes on to its own handler, which refuses it as ever."""
+    before = started(mesh, "gateway", GENERATE)
+    request = llm_pb2.GenerateRequest(prompt="x", max_tokens=10**6)
+    with pytest.raises(aio.AioRpcError) as refused:
+        [token async for token in edge.Generate(request, timeout=30)]
+    assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details().startswith("max_tokens: must be in [1, "), (
+        refused.value.details()
+    )
+    with pytest.raises(aio.AioRpcError) as empty:
+        [token async for token in edge.Generate(llm_pb2.GenerateRequest(), timeout=30)]
+    assert empty.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert empty.value.details() == "prompt: must not be empty"
+    assert started(mesh, "gateway", GENERATE) - before == 2
+
+
+def test_rest_json_generate_streams_and_refuses_like_grpc(direct: MeshSettings) -> None:
+    def post(body: dict[str, object]) -> tuple[int, str]:
+        connection = http.client.HTTPConnection("127.0.0.1", direct.edge_port, timeout=60)
+        connection.request(
+            "POST",
+            "/tokenmesh.v1.LLMService/Generate",
+            json.dumps(body),
+            {"content-type": "application/json"},
+        )
+        response = connection.getresponse()
+        return response.status, response.read().decode()
+
+    status, text = post({"prompt": "hello", "max_tokens": 8, "ignore_eos": True})
+    assert status == 200, text
+    lines = [line.strip().lstrip("[").rstrip(",]") for line in text.splitlines() if line.strip()]
+    tokens = [json.loads(line) for line in lines]
+    assert positions(tokens) == list(range(8))
+    assert tokens[-1]["finish_reason"] == "FINISH_REASON_LENGTH"
+    status, text = post({"prompt": "hello", "max_tokens": 10**6})
+    assert status == 400, text
+    assert "max_tokens: must be in [1, " in text
+
+
+async def test_the_workers_method_is_not_served_at_the_edge(
+    mesh: Stack, direct: MeshSettings
+) -> None:
+    before = started(mesh, "worker", INFERENCE)
+    async with aio.insecure_channel(f"127.0.0.1:{direct.edge_port}") as channel:
+        stub = inference_pb2_grpc.InferenceServiceStub(channel)
+        request = inference_pb2.InferenceRequest(
+            prompt="bypass", sampling=inference_pb2.SamplingParams(max_tokens=4)
+        )
+        with pytest.raises(aio.AioRpcError) as refused:
+            [token async for token in stub.Generate(request, timeout=30)]
+    assert refused.value.code() is grpc.StatusCode.UNIMPLEMENTED
+    assert started(mesh, "worker", INFERENCE) == before
+
+
+async def test_a_cancel_frees_the_engine_at_once(
+    mesh: Stack, edge: llm_pb2_grpc.LLMServiceStub
+) -> None:
+    workers = [worker.address for worker in replicas(mesh, "worker")]
+    await within_budget(
+        "every engine empty after the cancel (direct path)",
+        lambda: cancel_generations(edge, workers),
+    )
+
+
+def test_grpc_web_generate_streams_from_a_worker(direct: MeshSettings) -> None:
+    origin = "http://localhost:3000"
+    response, tokens, trailers = grpc_web_generate(direct.edge_port, 8, origin)
+    assert response.status == 200
+    assert response.getheader("access-control-allow-origin") == origin
+    assert positions(tokens) == list(range(8))
+    assert "grpc-status:0" in trailers.replace(" ", "")
+
+
+async def test_the_callers_deadline_holds_and_reaches_the_worker(
+    mesh: Stack, edge: llm_pb2_grpc.LLMServiceStub
+) -> None:
+    aborted = "tokenmesh_worker_aborted_requests_total"
+    before = total(mesh, "worker", aborted, reason="deadline_exceeded") + total(
+        mesh, "worker", aborted, reason="cancelled"
+    )
+    request = llm_pb2.GenerateRequest(prompt="deadline", max_tokens=2000, ignore_eos=True)
+    call = edge.Generate(request, timeout=1.0)
+    begun = time.monotonic()
+    with pytest.raises(aio.AioRpcError) as expired:
+        [token async for token in call]
+    assert expired.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - begun < 5
+    deadline = time.monotonic() + 10
+    while (
+        total(mesh, "worker", aborted, reason="deadline_exceeded")
+        + total(mesh, "worker", aborted, reason="cancelled")
+        == before
+    ):
+        assert time.monotonic() < deadline, "the worker never aborted the expired request"
+        await asyncio.sleep(0.1)
+
+
+async def test_a_degraded_answer_keeps_its_warning_and_trailer(
+    mesh: Stack, edge: llm_pb2_grpc.LLMServiceStub
+) -> None:
+    """With the reranker stopped, the gateway prepares the answer without it: the worker's
+    first token carries the gateway's warning, and the stream ends with the degraded trailer."""
+    reranker = replicas(mesh, "reranker")[0]
+    process = psutil.Process(int(mesh.ctl("pid", reranker.name).stdout.strip()))
+    direct = "tokenmesh_gateway_direct_requests_total"
+    before = total(mesh, "gateway", direct, outcome="direct")
+    request = llm_pb2.GenerateRequest(
+        prompt="which one?", documents=["alpha", "beta", "gamma"], top_k_documents=2, max_tokens=4
+    )
+    process.suspend()  # SIGSTOP: the reranker's calls time out
+    try:
+        call = edge.Generate(request, timeout=60)
+        tokens = [token async for token in call]
+        trailers = tuple(await call.trailing_metadata())
+    finally:
+        process.resume()
+    assert positions(tokens) == list(range(4))
+    assert tokens[0].warnings and tokens[0].warnings[0].startswith("reranker_unavailable")
+    assert not any(token.warnings for token in tokens[1:])
+    assert ("x-tokenmesh-degraded", "reranker") in trailers
+    assert total(mesh, "gateway", direct, outcome="direct") - before == 1
+    deadline = time.monotonic() + 30
+    while not any(ok for _, ok in mesh.envoy_hosts().get("reranker", [])):
+        assert time.monotonic() < deadline, "the reranker did not rejoin"
+        await asyncio.sleep(0.2)

@@ -1,0 +1,165 @@
+"""The gateway as Envoy's external processor: gRPC framing, deadlines, and the replies that
+rewrite a Generate request for the workers or refuse it."""
+
+from __future__ import annotations
+
+import urllib.parse
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
+from prometheus_client import CollectorRegistry
+
+from tokenmesh.common.tokens import DEGRADED_HEADER
+from tokenmesh.gateway.config import GatewaySettings
+from tokenmesh.gateway.extproc import (
+    GENERATE_PATH,
+    WORKER_PATH,
+    DirectMetrics,
+    ExternalProcessor,
+    grpc_frame,
+    grpc_timeout,
+    single_message,
+)
+from tokenmesh.gateway.pipeline import PreparedPrompt
+from tokenmesh.gateway.requests import GenerationJob
+from tokenmesh.v1 import inference_pb2, llm_pb2
+
+
+def test_a_unary_body_holds_exactly_one_uncompressed_message() -> None:
+    message = llm_pb2.GenerateRequest(prompt="hi").SerializeToString()
+    assert single_message(grpc_frame(message)) == message
+    assert single_message(grpc_frame(b"")) == b""
+    assert single_message(b"\x01" + grpc_frame(message)[1:]) is None  # compressed
+    assert single_message(grpc_frame(message)[:-1]) is None  # cut short
+    assert single_message(grpc_frame(message) * 2) is None
+    assert single_message(b"\x00\x00") is None
+
+
+def test_grpc_timeout_headers_in_every_unit() -> None:
+    assert grpc_timeout("100m") == 0.1
+    assert grpc_timeout("5S") == 5.0
+    assert grpc_timeout("2M") == 120.0
+    assert grpc_timeout("1H") == 3600.0
+    assert grpc_timeout("250000u") == 0.25
+    for value in (None, "", "S", "10", "1.5S", "-1S", "5s"):
+        assert grpc_timeout(value) is None, value
+
+
+class Prepared:
+    """A pipeline that prepares every prompt with fixed warnings (the processor's own logic is
+    under test, not the reranker's)."""
+
+    def __init__(self, warnings: tuple[str, ...] = (), metered: bool = False) -> None:
+        self.warnings = warnings
+        self.metered = metered
+        self.remaining: list[float | None] = []
+
+    async def prepare(self, job: GenerationJob, remaining: float | None) -> PreparedPrompt:
+        self.remaining.append(remaining)
+        return PreparedPrompt(f"[ctx] {job.prompt}", (), self.warnings)
+
+    def worker_request(
+        self, prompt: str, sampling: inference_pb2.SamplingParams
+    ) -> inference_pb2.InferenceRequest:
+        return inference_pb2.InferenceRequest(request_id="r1", prompt=prompt, sampling=sampling)
+
+
+def headers(path: str, **extra: str) -> ext_proc.ProcessingRequest:
+    values = [base_pb2.HeaderValue(key=":path", raw_value=path.encode())]
+    values += [
+        base_pb2.HeaderValue(key=k.replace("_", "-"), raw_value=v.encode())
+        for k, v in extra.items()
+    ]
+    return ext_proc.ProcessingRequest(
+        request_headers=ext_proc.HttpHeaders(headers=base_pb2.HeaderMap(headers=values))
+    )
+
+
+def body(request: llm_pb2.GenerateRequest) -> ext_proc.ProcessingRequest:
+    return ext_proc.ProcessingRequest(
+        request_body=ext_proc.HttpBody(
+            body=grpc_frame(request.SerializeToString()), end_of_stream=True
+        )
+    )
+
+
+async def replies(
+    pipeline: Any, *messages: ext_proc.ProcessingRequest, metrics: DirectMetrics | None = None
+) -> list[Any]:
+    metrics = metrics or DirectMetrics(CollectorRegistry())
+    processor = ExternalProcessor(pipeline, GatewaySettings(), metrics)
+
+    async def requests() -> AsyncIterator[ext_proc.ProcessingRequest]:
+        for message in messages:
+            yield message
+
+    return [reply async for reply in processor.Process(requests(), None)]
+
+
+def set_headers(mutation: ext_proc.HeaderMutation) -> dict[str, str]:
+    return {option.header.key: option.header.raw_value.decode() for option in mutation.set_headers}
+
+
+async def test_generate_is_rewritten_into_the_workers_request() -> None:
+    pipeline = Prepared(warnings=("reranker_unavailable: UNAVAILABLE",))
+    request = llm_pb2.GenerateRequest(prompt="question", max_tokens=7, ignore_eos=True)
+    first, second = await replies(
+        pipeline, headers(GENERATE_PATH, grpc_timeout="2S"), body(request)
+    )
+    assert first.request_headers == ext_proc.HeadersResponse()  # the body is awaited
+    common = second.request_body.response
+    assert common.clear_route_cache
+    rewritten = set_headers(common.header_mutation)
+    assert rewritten[":path"] == WORKER_PATH
+    assert rewritten[DEGRADED_HEADER] == "reranker"
+    # The reranker call gets what is left of the 2 s; the worker the caller's own grpc-timeout.
+    assert pipeline.remaining and 0 < (pipeline.remaining[0] or 0) <= 2.0
+    assert "grpc-timeout" not in rewritten
+    worker = inference_pb2.InferenceRequest.FromString(single_message(common.body_mutation.body))
+    assert worker.prompt == "[ctx] question"
+    assert worker.sampling.max_tokens == 7 and worker.sampling.ignore_eos
+    assert list(worker.warnings) == ["reranker_unavailable: UNAVAILABLE"]
+
+
+async def test_an_answer_that_is_not_degraded_drops_a_callers_degraded_header() -> None:
+    request = llm_pb2.GenerateRequest(prompt="question", max_tokens=3)
+    _, second = await replies(Prepared(), headers(GENERATE_PATH), body(request))
+    mutation = second.request_body.response.header_mutation
+    assert DEGRADED_HEADER not in set_headers(mutation)
+    assert DEGRADED_HEADER in mutation.remove_headers
+
+
+async def test_a_request_the_gateway_would_refuse_goes_on_to_its_own_handler() -> None:
+    """Refusals stay the gateway handler's, with the status and message it gives on every
+    protocol: the request continues unchanged (routed to the gateways)."""
+    metrics = DirectMetrics(CollectorRegistry())
+    too_many = llm_pb2.GenerateRequest(prompt="question", max_tokens=10**6)
+    garbage = ext_proc.ProcessingRequest(
+        request_body=ext_proc.HttpBody(body=grpc_frame(b"\xff\xff\xff"), end_of_stream=True)
+    )
+    compressed = ext_proc.ProcessingRequest(
+        request_body=ext_proc.HttpBody(body=b"\x01" + grpc_frame(b"x")[1:], end_of_stream=True)
+    )
+    for request in (body(too_many), garbage, compressed):
+        _, reply = await replies(Prepared(), headers(GENERATE_PATH), request, metrics=metrics)
+        assert reply.request_body == ext_proc.BodyResponse()  # unchanged, to the gateways
+    # Quotas on: the headers go on and the stream ends, before any body is asked for.
+    metered = Prepared(metered=True)
+    request = llm_pb2.GenerateRequest(prompt="question", max_tokens=3)
+    only = await replies(metered, headers(GENERATE_PATH), body(request), metrics=metrics)
+    assert [reply.WhichOneof("response") for reply in only] == ["request_headers"]
+    assert metered.remaining == []
+    assert metrics.requests.labels(outcome="gateway")._value.get() == 4
+    assert metrics.requests.labels(outcome="direct")._value.get() == 0
+
+
+async def test_other_paths_are_refused_at_once() -> None:
+    (refused,) = await replies(Prepared(), headers(WORKER_PATH))
+    immediate = refused.immediate_response
+    assert immediate.grpc_status.status == grpc.StatusCode.UNIMPLEMENTED.value[0]
+    assert immediate.status.code == 501
+    message = urllib.parse.unquote(set_headers(immediate.headers)["grpc-message"])
+    assert message == f"{WORKER_PATH}: not served here"
