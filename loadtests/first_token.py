@@ -3,7 +3,8 @@
 A 1-gateway/1-worker mesh and a second Envoy with the direct token path; one stream at a time,
 128 tokens each, in interleaved rounds over four paths: the worker itself, the worker behind
 Envoy's worker listener, the edge (gateway on the token path) and the direct-path edge. Reports
-each path's TTFT of every request, p50/p90/max and the share over 50 ms.
+each path's TTFT of every request, p50/p90/max and the share over 50 ms, and the same for the
+time the first token spent between the worker building its message and the client reading it.
 
     python -m loadtests.first_token [--requests 12] [--rounds 3] [--out FILE]
 
@@ -31,8 +32,10 @@ TOKENS = 128
 SLOW_MS = 50.0
 
 
-async def first_tokens(address: str, worker: bool, requests: int) -> list[float]:
-    """TTFT in ms of `requests` streams, one after another, on one channel."""
+async def first_tokens(address: str, worker: bool, requests: int) -> list[tuple[float, float]]:
+    """(TTFT, ms the first token spent between the worker building its message and the client
+    reading it) of `requests` streams, one after another, on one channel. Both clocks are this
+    machine's wall clock (Token.emitted_unix_nanos)."""
     times = []
     async with aio.insecure_channel(address) as channel:
         for _ in range(requests):
@@ -44,12 +47,13 @@ async def first_tokens(address: str, worker: bool, requests: int) -> list[float]
             else:
                 request = llm_pb2.GenerateRequest(prompt=PROMPT, max_tokens=TOKENS, ignore_eos=True)
                 call = llm_pb2_grpc.LLMServiceStub(channel).Generate(request, timeout=60)
-            started = time.monotonic()
-            first = None
-            async for _ in call:
-                if first is None:
-                    first = time.monotonic() - started
-            times.append(round(1000 * (first or 0.0), 1))
+            started = time.time_ns()
+            first = held = 0
+            async for token in call:
+                if not first:
+                    first = time.time_ns() - started
+                    held = started + first - token.emitted_unix_nanos
+            times.append((round(first / 1e6, 1), round(held / 1e6, 1)))
     return times
 
 
@@ -83,18 +87,29 @@ def main() -> None:
             "edge>worker (direct token path)": (f"127.0.0.1:{direct.edge_port}", False),
         }
         times: dict[str, list[float]] = {name: [] for name in paths}
+        held: dict[str, list[float]] = {name: [] for name in paths}
         for number in range(args.rounds):
             for name, (address, worker) in paths.items():
                 measured = uvloop.run(first_tokens(address, worker, args.requests))
                 print(f"[first-token] {name} ({number + 1}/{args.rounds}): {measured}",
                       file=sys.stderr, flush=True)  # fmt: skip
-                times[name].extend(measured)
+                times[name].extend(ttft for ttft, _ in measured)
+                held[name].extend(wait for _, wait in measured)
     report = {
         "streams": 1,
         "tokens": TOKENS,
         "requests_per_round": args.requests,
         "rounds": args.rounds,
-        "paths": {name: {**summary(values), "ttft_ms": values} for name, values in times.items()},
+        "paths": {
+            name: {
+                **summary(values),
+                # How long the first token took from the worker's message to the client.
+                "first_token_in_transit": summary(held[name]),
+                "ttft_ms": values,
+                "in_transit_ms": held[name],
+            }
+            for name, values in times.items()
+        },
     }
     emit(report, args.out)
 
