@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import multiprocessing
-import os
 import statistics
 import sys
 import time
@@ -33,6 +32,7 @@ import uvloop
 from grpc import aio
 
 from loadtests.report import emit
+from loadtests.token_cost import cpu_seconds
 from tokenmesh.localstack.stack import free_port
 from tokenmesh.v1 import token_pb2
 
@@ -42,11 +42,6 @@ SHAPES = ("direct", "readahead")
 
 def identity(data: bytes) -> bytes:
     return data
-
-
-def cpu_seconds(process: int) -> float:
-    fields = Path(f"/proc/{process}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def serve(port: int, handler: Any, serializer: Any, ready: Any) -> None:
@@ -139,11 +134,11 @@ def measure(shape: str, streams: int, messages: int, pace: float) -> dict[str, A
                 raise SystemExit(f"{target.__name__} did not start")
         address = f"127.0.0.1:{proxy_port}"
         uvloop.run(read_all(address, streams))
-        before = [cpu_seconds(process.pid or 0) for process in processes]
+        before = [cpu_seconds([process.pid or 0]) for process in processes]
         started = time.monotonic()
         received, tokens = uvloop.run(read_all(address, streams))
         seconds = time.monotonic() - started
-        after = [cpu_seconds(process.pid or 0) for process in processes]
+        after = [cpu_seconds([process.pid or 0]) for process in processes]
     finally:
         for process in processes:
             process.kill()

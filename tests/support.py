@@ -265,6 +265,11 @@ async def cancel_until_empty(calls: list[Any], engines: list[Any]) -> float:
     return (max(empty_at) - cancelled_at) / 1e9
 
 
+def replicas(stack: Stack, service: str) -> list[Any]:
+    """The stack's programs of one service (its Envoy cluster), in order."""
+    return [program for program in stack.programs if program.service == service]
+
+
 async def cancel_generations(edge: Any, worker_addresses: Iterable[str], streams: int = 8) -> float:
     """Seconds from cancelling `streams` long Generate calls through `edge` (an LLMService
     stub), once each has a token, until every worker's engine reported itself empty."""

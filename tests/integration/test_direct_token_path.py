@@ -23,10 +23,11 @@ from tests.support import (
     grpc_web_generate,
     metric_value,
     positions,
+    replicas,
     scrape_metrics,
     within_budget,
 )
-from tokenmesh.localstack.stack import Program, Stack
+from tokenmesh.localstack.stack import Stack
 from tokenmesh.meshconfig.config import MeshSettings
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, llm_pb2, llm_pb2_grpc, token_pb2
 
@@ -52,10 +53,6 @@ def direct(mesh: Stack) -> Iterator[MeshSettings]:
 async def edge(direct: MeshSettings) -> AsyncIterator[llm_pb2_grpc.LLMServiceStub]:
     async with aio.insecure_channel(f"127.0.0.1:{direct.edge_port}") as channel:
         yield llm_pb2_grpc.LLMServiceStub(channel)
-
-
-def replicas(mesh: Stack, service: str) -> list[Program]:
-    return [program for program in mesh.programs if program.service == service]
 
 
 def total(mesh: Stack, service: str, name: str, **labels: str) -> float:

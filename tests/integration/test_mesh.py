@@ -24,6 +24,7 @@ from tests.support import (
     grpcurl,
     metric_value,
     positions,
+    replicas,
     scrape_metrics,
     within_budget,
 )
@@ -40,10 +41,6 @@ INFERENCE = {"grpc_service": "tokenmesh.v1.InferenceService", "grpc_method": "Ge
 def stack(mesh: Stack) -> Stack:
     """The session's shared mesh (tests/integration/conftest.py)."""
     return mesh
-
-
-def replicas(stack: Stack, service: str) -> list[Program]:
-    return [program for program in stack.programs if program.service == service]
 
 
 def started_on(program: Program, method: dict[str, str]) -> float:
