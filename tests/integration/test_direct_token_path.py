@@ -7,9 +7,12 @@ what a gateway prepared reaches a worker."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import json
+import sys
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Iterator
 
 import grpc
@@ -19,7 +22,9 @@ from grpc import aio
 
 from loadtests.scenarios import second_envoy
 from tests.support import (
+    ROOT,
     cancel_generations,
+    engine_empty_at,
     grpc_web_generate,
     metric_value,
     positions,
@@ -155,6 +160,88 @@ async def test_a_cancel_frees_the_engine_at_once(
         "every engine empty after the cancel (direct path)",
         lambda: cancel_generations(edge, workers),
     )
+
+
+# A client in a process of its own (so the test can stop it): STREAMS streams of one-token
+# messages on one connection, each read to its end; prints each stream's token positions.
+READER = """
+import asyncio, json, sys
+from grpc import aio
+from tests.support import positions
+from tokenmesh.v1 import llm_pb2, llm_pb2_grpc
+
+async def main(edge, streams, tokens):
+    async with aio.insecure_channel(edge) as channel:
+        stub = llm_pb2_grpc.LLMServiceStub(channel)
+        calls = [
+            stub.Generate(llm_pb2.GenerateRequest(
+                prompt=f"late reader {i}", max_tokens=tokens, ignore_eos=True), timeout=300)
+            for i in range(streams)
+        ]
+        firsts = [await call.read() for call in calls]
+        print("reading", flush=True)
+        streams = []
+        for first, call in zip(firsts, calls):
+            tokens = [first]
+            while (token := await call.read()) is not aio.EOF:
+                tokens.append(token)
+            streams.append(positions(tokens))
+        print(json.dumps(streams))
+
+asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))
+"""
+
+
+def flood_closes(admin_port: int) -> int:
+    """Connections Envoy has cut for queueing too many frames (HTTP/2 flood protection)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/stats", timeout=10) as reply:
+        lines = reply.read().decode().splitlines()
+    return sum(int(line.rsplit(":", 1)[1]) for line in lines if "outbound_flood" in line)
+
+
+async def test_a_client_that_reads_late_is_held_back_not_cut_off(
+    mesh: Stack, direct: MeshSettings
+) -> None:
+    """A client that stops reading its streams of small token messages: Envoy queues their
+    frames until flow control stops the workers, never counts them as a flood (which cuts the
+    connection and every stream on it), and every token arrives once the client reads again."""
+    streams, tokens = 8, 1500
+    reader = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        READER,
+        f"127.0.0.1:{direct.edge_port}",
+        str(streams),
+        str(tokens),
+        cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert reader.stdout is not None
+        line = await asyncio.wait_for(reader.stdout.readline(), 120)
+        assert line.strip() == b"reading"
+        stopped_at = time.time_ns()
+        psutil.Process(reader.pid).suspend()  # SIGSTOP: it reads nothing more
+        try:
+            async with contextlib.AsyncExitStack() as channels:
+                for worker in replicas(mesh, "worker"):
+                    channel = await channels.enter_async_context(
+                        aio.insecure_channel(worker.address)
+                    )
+                    # Every token made: what the client has not read waits in the mesh.
+                    await engine_empty_at(
+                        inference_pb2_grpc.InferenceServiceStub(channel), stopped_at, within=240
+                    )
+        finally:
+            psutil.Process(reader.pid).resume()
+        output, _ = await asyncio.wait_for(reader.communicate(), 120)
+    finally:
+        if reader.returncode is None:
+            reader.kill()
+            await reader.wait()
+    assert reader.returncode == 0, "the reader's streams failed (see its error above)"
+    assert json.loads(output) == [list(range(tokens))] * streams
+    assert flood_closes(direct.admin_port) == 0
 
 
 def test_grpc_web_generate_streams_from_a_worker(direct: MeshSettings) -> None:

@@ -3,6 +3,7 @@ that streaming and per-stream balancing depend on."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from tests.support import ROOT
 from tokenmesh.localstack.certs import (
@@ -319,6 +321,17 @@ def test_every_listener_bounds_request_headers() -> None:
         assert manager["request_headers_timeout"] == "10s"
         # The edge's per-connection stream bound (one client channel multiplexes streams).
         assert manager["http2_protocol_options"]["max_concurrent_streams"] == 2048
+
+
+def test_listeners_queue_frames_up_to_the_flood_limit_and_clusters_keep_envoys_own() -> None:
+    config = render(MeshSettings(max_outbound_frames=50_000))
+    for manager in listeners(config).values():
+        assert manager["http2_protocol_options"]["max_outbound_frames"] == 50_000
+    for cluster in config["static_resources"]["clusters"]:
+        options = cluster.get("typed_extension_protocol_options", {})
+        assert "max_outbound_frames" not in json.dumps(options), cluster["name"]
+    with pytest.raises(ValidationError):
+        MeshSettings(max_outbound_frames=100)
 
 
 def test_edge_connections_are_limited_but_internal_listeners_and_admin_are_not() -> None:

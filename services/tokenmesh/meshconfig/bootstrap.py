@@ -104,11 +104,14 @@ def http2_options(mesh: MeshSettings, upstream: bool = False) -> Config:
     connection_window = (
         mesh.upstream_connection_window_bytes if upstream else mesh.connection_window_bytes
     )
-    return {
+    options: Config = {
         "initial_stream_window_size": mesh.stream_window_bytes,
         "initial_connection_window_size": connection_window,
         "max_concurrent_streams": mesh.max_concurrent_streams,
     }
+    if not upstream:
+        options["max_outbound_frames"] = mesh.max_outbound_frames
+    return options
 
 
 def route_to(cluster: str, mesh: MeshSettings, prefix: str = "/") -> Config:

@@ -67,6 +67,11 @@ class MeshSettings(BaseSettings):
     # What Envoy buffers per connection (and per stream) before it stops reading from the other
     # side. It must hold the largest REST/JSON request body, which the transcoder buffers whole.
     buffer_limit_bytes: int = Field(default=1 * MIB, ge=16 * 1024)
+    # Frames Envoy may queue towards one client before it cuts the connection as a flood (its
+    # default, 10,000, is ~400 KB of one-token messages: a client a little behind on 8 streams
+    # lost all of them). Flow control bounds what a slow client costs (buffer_limit_bytes, each
+    # stream's window); this lets it act first for ~64 stalled streams of one-token frames.
+    max_outbound_frames: int = Field(default=128 * 1024, ge=10_000)
     # Streams one downstream connection may carry (one client channel multiplexes many).
     max_concurrent_streams: int = Field(default=2048, ge=1)
     # A stream with no bytes in either direction for this long is cut (a stalled client).
