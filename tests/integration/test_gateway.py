@@ -167,7 +167,9 @@ async def test_chat_keeps_history_across_turns_and_ends_on_half_close(llm) -> No
     await chat.say("And what next?", max_tokens=6)
     _, end2, turn2 = await chat.until_turn_end()
     assert (turn1, turn2) == (0, 1)
-    assert len(tokens1) == end1.usage.completion_tokens >= 1
+    # Every token of the turn (a message may hold several), and the turn's usage counts them.
+    assert end1.usage.completion_tokens >= 1
+    assert positions(tokens1) == list(range(end1.usage.completion_tokens))
     # The second prompt holds the first turn: more prompt tokens than the first turn had in all.
     assert end2.usage.prompt_tokens > end1.usage.prompt_tokens + end1.usage.completion_tokens
     await chat.call.done_writing()
