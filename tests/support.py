@@ -265,6 +265,11 @@ async def cancel_until_empty(calls: list[Any], engines: list[Any]) -> float:
     return (max(empty_at) - cancelled_at) / 1e9
 
 
+# grpc_server_* metric labels of the two Generate methods (the gateway's and the workers').
+GENERATE_METHOD = {"grpc_service": "tokenmesh.v1.LLMService", "grpc_method": "Generate"}
+INFERENCE_METHOD = {"grpc_service": "tokenmesh.v1.InferenceService", "grpc_method": "Generate"}
+
+
 def replicas(stack: Stack, service: str) -> list[Any]:
     """The stack's programs of one service (its Envoy cluster), in order."""
     return [program for program in stack.programs if program.service == service]

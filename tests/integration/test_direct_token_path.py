@@ -22,6 +22,8 @@ from grpc import aio
 
 from loadtests.scenarios import second_envoy
 from tests.support import (
+    GENERATE_METHOD,
+    INFERENCE_METHOD,
     ROOT,
     cancel_generations,
     engine_empty_at,
@@ -38,9 +40,7 @@ from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, llm_pb2, llm_pb2_grp
 
 pytestmark = pytest.mark.integration
 
-GENERATE = {"grpc_service": "tokenmesh.v1.LLMService", "grpc_method": "Generate"}
 PROCESS = {"grpc_service": "envoy.service.ext_proc.v3.ExternalProcessor", "grpc_method": "Process"}
-INFERENCE = {"grpc_service": "tokenmesh.v1.InferenceService", "grpc_method": "Generate"}
 
 
 @pytest.fixture(scope="module")
@@ -75,9 +75,9 @@ async def test_generate_streams_from_a_worker_with_no_gateway_on_the_way(
     mesh: Stack, edge: llm_pb2_grpc.LLMServiceStub
 ) -> None:
     before = {
-        "generate": started(mesh, "gateway", GENERATE),
+        "generate": started(mesh, "gateway", GENERATE_METHOD),
         "process": started(mesh, "gateway", PROCESS),
-        "worker": started(mesh, "worker", INFERENCE),
+        "worker": started(mesh, "worker", INFERENCE_METHOD),
         "direct": total(
             mesh, "gateway", "tokenmesh_gateway_direct_requests_total", outcome="direct"
         ),
@@ -89,8 +89,8 @@ async def test_generate_streams_from_a_worker_with_no_gateway_on_the_way(
     assert tokens[-1].usage.completion_tokens == 64
     # One external-processor call and one worker stream; the gateway's own handler saw none.
     assert started(mesh, "gateway", PROCESS) - before["process"] == 1
-    assert started(mesh, "gateway", GENERATE) == before["generate"]
-    assert started(mesh, "worker", INFERENCE) - before["worker"] == 1
+    assert started(mesh, "gateway", GENERATE_METHOD) == before["generate"]
+    assert started(mesh, "worker", INFERENCE_METHOD) - before["worker"] == 1
     direct_now = total(mesh, "gateway", "tokenmesh_gateway_direct_requests_total", outcome="direct")
     assert direct_now - before["direct"] == 1
 
@@ -99,7 +99,7 @@ async def test_bad_input_gets_the_gateways_status_and_message(
     mesh: Stack, edge: llm_pb2_grpc.LLMServiceStub
 ) -> None:
     """A request the gateway refuses goes on to its own handler, which refuses it as ever."""
-    before = started(mesh, "gateway", GENERATE)
+    before = started(mesh, "gateway", GENERATE_METHOD)
     request = llm_pb2.GenerateRequest(prompt="x", max_tokens=10**6)
     with pytest.raises(aio.AioRpcError) as refused:
         [token async for token in edge.Generate(request, timeout=30)]
@@ -111,7 +111,7 @@ async def test_bad_input_gets_the_gateways_status_and_message(
         [token async for token in edge.Generate(llm_pb2.GenerateRequest(), timeout=30)]
     assert empty.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert empty.value.details() == "prompt: must not be empty"
-    assert started(mesh, "gateway", GENERATE) - before == 2
+    assert started(mesh, "gateway", GENERATE_METHOD) - before == 2
 
 
 def test_rest_json_generate_streams_and_refuses_like_grpc(direct: MeshSettings) -> None:
@@ -140,7 +140,7 @@ def test_rest_json_generate_streams_and_refuses_like_grpc(direct: MeshSettings) 
 async def test_the_workers_method_is_not_served_at_the_edge(
     mesh: Stack, direct: MeshSettings
 ) -> None:
-    before = started(mesh, "worker", INFERENCE)
+    before = started(mesh, "worker", INFERENCE_METHOD)
     async with aio.insecure_channel(f"127.0.0.1:{direct.edge_port}") as channel:
         stub = inference_pb2_grpc.InferenceServiceStub(channel)
         request = inference_pb2.InferenceRequest(
@@ -149,7 +149,7 @@ async def test_the_workers_method_is_not_served_at_the_edge(
         with pytest.raises(aio.AioRpcError) as refused:
             [token async for token in stub.Generate(request, timeout=30)]
     assert refused.value.code() is grpc.StatusCode.UNIMPLEMENTED
-    assert started(mesh, "worker", INFERENCE) == before
+    assert started(mesh, "worker", INFERENCE_METHOD) == before
 
 
 async def test_a_cancel_frees_the_engine_at_once(

@@ -19,6 +19,8 @@ from grpc import aio
 
 from loadtests import worker_health_probe
 from tests.support import (
+    GENERATE_METHOD,
+    INFERENCE_METHOD,
     cancel_generations,
     grpc_web_generate,
     grpcurl,
@@ -32,9 +34,6 @@ from tokenmesh.localstack.stack import Program, Stack
 from tokenmesh.v1 import llm_pb2, llm_pb2_grpc
 
 pytestmark = pytest.mark.integration
-
-GENERATE = {"grpc_service": "tokenmesh.v1.LLMService", "grpc_method": "Generate"}
-INFERENCE = {"grpc_service": "tokenmesh.v1.InferenceService", "grpc_method": "Generate"}
 
 
 @pytest.fixture(scope="module")
@@ -83,21 +82,25 @@ async def test_40_streams_from_one_channel_spread_over_gateways_and_workers(
     # Envoy may take a moment to put a just-ready replica in rotation: wait (bounded) until a
     # request has landed on every worker and every gateway before measuring the spread.
     for attempt in range(60):
-        if min(started(stack, "worker", INFERENCE)) and min(started(stack, "gateway", GENERATE)):
+        if min(started(stack, "worker", INFERENCE_METHOD)) and min(
+            started(stack, "gateway", GENERATE_METHOD)
+        ):
             break
         await generate(edge, attempt, tokens=1)
         await asyncio.sleep(0.1)
-    gateways_before = started(stack, "gateway", GENERATE)
-    workers_before = started(stack, "worker", INFERENCE)
+    gateways_before = started(stack, "gateway", GENERATE_METHOD)
+    workers_before = started(stack, "worker", INFERENCE_METHOD)
     # Long enough that all 40 are in flight together: least-request balancing then has to
     # spread them, rather than favouring whichever replica happens to finish short ones first.
     results = await asyncio.gather(*(generate(edge, i, tokens=256) for i in range(40)))
     assert all(indexes == list(range(256)) for indexes in results)
     per_gateway = [
-        a - b for a, b in zip(started(stack, "gateway", GENERATE), gateways_before, strict=True)
+        a - b
+        for a, b in zip(started(stack, "gateway", GENERATE_METHOD), gateways_before, strict=True)
     ]
     per_worker = [
-        a - b for a, b in zip(started(stack, "worker", INFERENCE), workers_before, strict=True)
+        a - b
+        for a, b in zip(started(stack, "worker", INFERENCE_METHOD), workers_before, strict=True)
     ]
     print(f"streams per gateway {per_gateway}, per worker {per_worker}")
     assert sum(per_gateway) == 40 and sum(per_worker) == 40
@@ -187,9 +190,9 @@ async def test_stopped_worker_gets_no_new_streams_and_rejoins(stack: Stack, edge
         took = wait_until(lambda: second.address not in healthy_hosts(stack, "worker"), 10)
         print(f"stopped worker left the healthy set in {took:.1f}s")
         assert took <= 3.5
-        before = started_on(first, INFERENCE)  # the paused one cannot answer a scrape
+        before = started_on(first, INFERENCE_METHOD)  # the paused one cannot answer a scrape
         await asyncio.gather(*(generate(edge, i, tokens=4) for i in range(10)))
-        assert started_on(first, INFERENCE) - before == 10
+        assert started_on(first, INFERENCE_METHOD) - before == 10
     finally:
         psutil.Process(pid).resume()
     took = wait_until(lambda: second.address in healthy_hosts(stack, "worker"), 10)
@@ -215,10 +218,10 @@ async def test_discovery_change_reaches_envoy(stack: Stack, edge) -> None:
     # Once Envoy reports it healthy, its load balancers use it at once (no merge window): the
     # first streams after that already reach it.
     back = next(worker for worker in replicas(stack, "worker") if worker.address == removed)
-    before = started_on(back, INFERENCE)
+    before = started_on(back, INFERENCE_METHOD)
     results = await asyncio.gather(*(generate(edge, i, tokens=32) for i in range(8)))
     assert all(indexes == list(range(32)) for indexes in results)
-    assert started_on(back, INFERENCE) - before > 0
+    assert started_on(back, INFERENCE_METHOD) - before > 0
 
 
 def test_sigterm_drains_a_worker_while_its_stream_finishes(stack: Stack) -> None:
@@ -228,12 +231,12 @@ def test_sigterm_drains_a_worker_while_its_stream_finishes(stack: Stack) -> None
         stub = llm_pb2_grpc.LLMServiceStub(channel)
         # Aim a long stream at this worker: ask until one lands there (bounded).
         for attempt in range(20):
-            before = started_on(worker, INFERENCE)
+            before = started_on(worker, INFERENCE_METHOD)
             stream = stub.Generate(
                 llm_pb2.GenerateRequest(prompt=f"drain {attempt}", max_tokens=600, ignore_eos=True)
             )
             first = next(stream)
-            if started_on(worker, INFERENCE) > before:
+            if started_on(worker, INFERENCE_METHOD) > before:
                 break
             stream.cancel()
         else:
