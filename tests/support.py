@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -396,14 +397,28 @@ def running_stack(settings: StackSettings) -> Iterator[Stack]:
         stack.down()
 
 
+def grpcurl_messages(stdout: str) -> list[dict[str, Any]]:
+    """The JSON messages grpcurl printed for a stream, one object after another."""
+    decoder, messages, at = json.JSONDecoder(), [], 0
+    text = stdout.strip()
+    while at < len(text):
+        message, at = decoder.raw_decode(text, at)
+        messages.append(message)
+        while at < len(text) and text[at].isspace():
+            at += 1
+    return messages
+
+
 def positions(tokens: Iterable[Any]) -> list[int]:
     """The position of every generated token in a stream's Token messages, protos or their
     JSON (a message may hold several consecutive tokens: token.proto)."""
     found: list[int] = []
     for token in tokens:
         if isinstance(token, dict):
-            index, ids = token.get("index", 0), token.get("token_ids")
-            count = len(ids) if ids else int(int(token.get("token_id", 0)) >= 0)
+            index = token.get("index", 0)
+            ids = token.get("token_ids", token.get("tokenIds"))
+            first = token.get("token_id", token.get("tokenId", 0))
+            count = len(ids) if ids else int(int(first) >= 0)
         else:
             index, count = token.index, token_count(token)
         found.extend(range(int(index), int(index) + count))

@@ -24,6 +24,7 @@ from tests.support import (
     cancel_generations,
     grpc_web_generate,
     grpcurl,
+    grpcurl_messages,
     metric_value,
     positions,
     replicas,
@@ -120,7 +121,8 @@ def test_grpcurl_through_the_edge_lists_describes_and_streams(stack: Stack) -> N
     body = '{"prompt":"hello","max_tokens":16,"ignore_eos":true}'
     streamed = grpcurl("-d", body, edge, "tokenmesh.v1.LLMService/Generate")
     assert streamed.returncode == 0, streamed.stderr
-    assert streamed.stdout.count('"token_id"') + streamed.stdout.count('"tokenId"') >= 15
+    # Every one of the 16 tokens, however the worker grouped them into messages.
+    assert positions(grpcurl_messages(streamed.stdout)) == list(range(16)), streamed.stdout
 
 
 async def test_envoy_access_log_times_where_a_streams_first_token_waited(
