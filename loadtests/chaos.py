@@ -26,7 +26,7 @@ import urllib.request
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import psutil
 import yaml
@@ -37,7 +37,6 @@ from tokenmesh.localstack.stack import Program, Stack, StackSettings, envoy_host
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, llm_pb2, llm_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
-T = TypeVar("T")
 OK = "OK"
 HUNG = "HUNG"
 # A worker a scenario keeps busy can take seconds to answer a stats call or a metrics scrape
@@ -208,8 +207,10 @@ class Mesh:
         for name, address, host in envoy_host_statuses(self.stack.settings.envoy_admin_port):
             if name == cluster:
                 active = [s for s in host.get("stats", []) if s.get("name") == "rq_active"]
-                # Protobuf JSON leaves out a zero value.
-                streams[address] = int(active[0].get("value", 0)) if active else 0
+                # Protobuf JSON leaves out a zero value. A host removed and added again may be
+                # listed twice for a while (the old one draining): both count.
+                count = int(active[0].get("value", 0)) if active else 0
+                streams[address] = streams.get(address, 0) + count
         return streams
 
     def known(self, cluster: str) -> set[str]:
@@ -246,18 +247,9 @@ class Mesh:
     ) -> float | None:
         """Seconds until condition() held, or None if it did not within `within`."""
         begun = time.monotonic()
-        held = await self.wait_until_value(lambda: True if condition() else None, within, every)
-        return None if held is None else time.monotonic() - begun
-
-    async def wait_until_value(
-        self, probe: Callable[[], T | None], within: float, every: float = 0.1
-    ) -> T | None:
-        """probe()'s first value that is not None, or None if none came within `within`."""
-        begun = time.monotonic()
         while time.monotonic() - begun < within:
-            value = await asyncio.to_thread(probe)
-            if value is not None:
-                return value
+            if await asyncio.to_thread(condition):
+                return time.monotonic() - begun
             await asyncio.sleep(every)
         return None
 
@@ -269,15 +261,45 @@ class Mesh:
         took = await self.wait_until(lambda: program.address in self.healthy(cluster), within, 1)
         return took is not None
 
-    def generating(self) -> dict[str, int] | None:
-        """Streams Envoy has open to each worker, once every worker's engine is decoding some
-        (its running batch is not empty, so their tokens have begun); None until then."""
+    async def generating(self, within: float) -> tuple[dict[str, int] | None, dict[str, Any]]:
+        """Streams Envoy has open to each worker, once every worker has some and its engine is
+        decoding (its running batch is not empty, so their tokens have begun); None if that did
+        not come within `within` seconds. Also what was last seen, for a report."""
         workers = self.replicas("worker")
-        if not all(self.metric(w, "tokenmesh_worker_running_requests") > 0 for w in workers):
-            return None
-        open_now = self.open_streams("worker")
-        streams = {w.name: open_now.get(w.address, 0) for w in workers}
-        return streams if all(streams.values()) else None
+        seen: dict[str, Any] = {}
+        deadline = time.monotonic() + within
+        channels = [aio.insecure_channel(worker.address) for worker in workers]
+        try:
+            stubs = [inference_pb2_grpc.InferenceServiceStub(channel) for channel in channels]
+            while time.monotonic() < deadline:
+                open_now = await asyncio.to_thread(self.open_streams, "worker")
+                streams = {w.name: open_now.get(w.address, 0) for w in workers}
+                seen["envoy_open"] = streams
+                if all(streams.values()):
+                    # The engine's own count, asked over gRPC: a busy worker's /metrics page
+                    # can take seconds.
+                    reports = await asyncio.gather(
+                        *(
+                            stub.GetEngineStats(
+                                inference_pb2.EngineStatsRequest(),
+                                timeout=BUSY_CALL_TIMEOUT_SECONDS,
+                            )
+                            for stub in stubs
+                        ),
+                        return_exceptions=True,
+                    )
+                    running = [getattr(report, "running_requests", 0) for report in reports]
+                    seen["running"] = {
+                        w.name: count or repr(report)[:120]
+                        for w, count, report in zip(workers, running, reports, strict=True)
+                    }
+                    if all(running):
+                        return streams, seen
+                await asyncio.sleep(0.1)
+        finally:
+            for channel in channels:
+                await channel.close()
+        return None, seen
 
     async def engine_empty_since(self, worker: Program, within: float) -> int | None:
         """Since when (ns since the epoch) the worker's vLLM scheduler has reported nothing
@@ -324,11 +346,11 @@ async def worker_kill(mesh: Mesh, short: bool) -> Row:
         # first tokens are no guide, as a Python gRPC client may take seconds to hand them over
         # (docs/performance.md), long enough for every stream to finish first.
         started = time.monotonic()
-        running_now = await mesh.wait_until_value(mesh.generating, 180)
+        running_now, seen = await mesh.generating(180)
         row.notes["generating_after_s"] = round(time.monotonic() - started, 2)
         row.notes["first_tokens_seen_at_kill"] = sum(event.is_set() for event in events)
         if running_now is None:
-            row.violations.append("the workers were not both generating within 180 s")
+            row.violations.append(f"the workers were not both generating within 180 s: {seen}")
             for task in running:
                 task.cancel()
             await asyncio.gather(*running, return_exceptions=True)
@@ -687,9 +709,9 @@ async def envoy_restart(mesh: Mesh, short: bool) -> Row:
         ]
         # The kill comes while the workers decode, by the servers' own count (as in
         # worker_kill): every stream Envoy holds open then is in flight.
-        generating = await mesh.wait_until_value(mesh.generating, 180)
+        generating, seen = await mesh.generating(180)
         row.notes["first_tokens_seen_at_kill"] = sum(event.is_set() for event in events)
-        row.check(generating is not None, "the workers were generating within 180 s")
+        row.check(generating is not None, f"the workers were generating within 180 s: {seen}")
         killed_at = time.monotonic()
         killpg(pid, signal.SIGKILL)
         await asyncio.sleep(0.2)
