@@ -39,6 +39,8 @@ from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, llm_pb2, llm_pb2_grp
 ROOT = Path(__file__).resolve().parent.parent
 OK = "OK"
 HUNG = "HUNG"
+# More than one Token message's bytes on the wire (a message of one token is about 30 bytes).
+TOKEN_BYTES = 64
 # A worker a scenario keeps busy can take seconds to answer a stats call or a metrics scrape
 # (measured: over 5 s with 50 streams of 20 logprobs each on two cores).
 BUSY_CALL_TIMEOUT_SECONDS = 30
@@ -81,8 +83,9 @@ class Outcome:
     seconds: float = 0.0
     first_token_seconds: float | None = None
     ended_unix_nanos: int = 0
-    # time.monotonic() when it ended.
+    # time.monotonic() when it ended, and when its last token came.
     ended: float = 0.0
+    last_token: float = 0.0
     details: str = ""
 
 
@@ -161,6 +164,7 @@ async def generate(
                 if started is not None:
                     started.set()
             outcome.tokens += token_count(token)
+            outcome.last_token = time.monotonic()
 
     try:
         await asyncio.wait_for(read(), deadline + HANG_MARGIN_SECONDS)
@@ -261,44 +265,44 @@ class Mesh:
         took = await self.wait_until(lambda: program.address in self.healthy(cluster), within, 1)
         return took is not None
 
-    async def generating(self, within: float) -> tuple[dict[str, int] | None, dict[str, Any]]:
-        """Streams Envoy has open to each worker, once every worker has some and its engine is
-        decoding (its running batch is not empty, so their tokens have begun); None if that did
-        not come within `within` seconds. Also what was last seen, for a report."""
-        workers = self.replicas("worker")
-        seen: dict[str, Any] = {}
-        deadline = time.monotonic() + within
-        channels = [aio.insecure_channel(worker.address) for worker in workers]
+    def received_from(self, cluster: str) -> int:
+        """Bytes Envoy has received from the cluster's hosts (its upstream_cx_rx_bytes_total)."""
+        stat = f"cluster.{cluster}.upstream_cx_rx_bytes_total"
+        url = f"http://127.0.0.1:{self.stack.settings.envoy_admin_port}/stats?filter=^{stat}$"
         try:
-            stubs = [inference_pb2_grpc.InferenceServiceStub(channel) for channel in channels]
-            while time.monotonic() < deadline:
-                open_now = await asyncio.to_thread(self.open_streams, "worker")
-                streams = {w.name: open_now.get(w.address, 0) for w in workers}
-                seen["envoy_open"] = streams
-                if all(streams.values()):
-                    # The engine's own count, asked over gRPC: a busy worker's /metrics page
-                    # can take seconds.
-                    reports = await asyncio.gather(
-                        *(
-                            stub.GetEngineStats(
-                                inference_pb2.EngineStatsRequest(),
-                                timeout=BUSY_CALL_TIMEOUT_SECONDS,
-                            )
-                            for stub in stubs
-                        ),
-                        return_exceptions=True,
-                    )
-                    running = [getattr(report, "running_requests", 0) for report in reports]
-                    seen["running"] = {
-                        w.name: count or repr(report)[:120]
-                        for w, count, report in zip(workers, running, reports, strict=True)
-                    }
-                    if all(running):
-                        return streams, seen
-                await asyncio.sleep(0.1)
-        finally:
-            for channel in channels:
-                await channel.close()
+            with urllib.request.urlopen(url, timeout=BUSY_CALL_TIMEOUT_SECONDS) as reply:
+                text = reply.read().decode()
+        except OSError:
+            return 0
+        _, _, value = text.strip().rpartition(" ")
+        return int(value) if value.isdigit() else 0
+
+    def kill_when_generating(
+        self, within: float, kill: Callable[[dict[str, int]], None]
+    ) -> tuple[dict[str, int] | None, dict[str, Any]]:
+        """Once every worker has streams open at Envoy and tokens are coming from the workers
+        (Envoy has received more than a token's bytes per open stream since this began), call
+        kill(streams open per worker) at once and return those streams; None if that did not
+        come within `within` seconds. Also what was last seen, for a report.
+
+        Blocking, for a thread of its own: a warm engine makes a stream of 2,000 tokens in
+        about a second, while the scenario's event loop can be busy reading tokens for tens of
+        seconds, so neither the polling nor the kill may wait for the loop. Only Envoy's admin
+        is asked (a busy worker answers slowly)."""
+        workers = self.replicas("worker")
+        seen: dict[str, Any] = {"looks": 0}
+        begun = time.monotonic()
+        before = self.received_from("worker")
+        while time.monotonic() - begun < within:
+            open_now = self.open_streams("worker")
+            streams = {w.name: open_now.get(w.address, 0) for w in workers}
+            received = self.received_from("worker") - before
+            seen.update(envoy_open=streams, received_bytes=received, looks=seen["looks"] + 1)
+            if all(streams.values()) and received >= TOKEN_BYTES * sum(streams.values()):
+                kill(streams)
+                seen["after_s"] = round(time.monotonic() - begun, 2)
+                return streams, seen
+            time.sleep(0.02)
         return None, seen
 
     async def engine_empty_since(self, worker: Program, within: float) -> int | None:
@@ -345,9 +349,22 @@ async def worker_kill(mesh: Mesh, short: bool) -> Row:
         # The kill comes while both engines decode, by the servers' own count: the client's
         # first tokens are no guide, as a Python gRPC client may take seconds to hand them over
         # (docs/performance.md), long enough for every stream to finish first.
-        started = time.monotonic()
-        running_now, seen = await mesh.generating(180)
-        row.notes["generating_after_s"] = round(time.monotonic() - started, 2)
+        killed: dict[str, Any] = {}
+
+        def kill(streams: dict[str, int]) -> None:
+            # The victim: the worker with the most streams open right now, by Envoy's count;
+            # its process and children (vLLM's engine core and workers, multiprocessing's
+            # tracker), and how long each child takes to end.
+            victim = max(workers, key=lambda w: streams[w.name])
+            engine = process_tree(pids[victim.name])
+            killed.update(victim=victim, engine=engine, rss_before=tree_rss(engine))
+            killed["done_before_kill"] = sum(task.done() for task in running)
+            killed["at"] = time.monotonic()
+            os.kill(pids[victim.name], signal.SIGKILL)
+            killed["ended"] = end_times(engine[1:], 15)
+
+        running_now, seen = await asyncio.to_thread(mesh.kill_when_generating, 180, kill)
+        row.notes["generating_after_s"] = seen.get("after_s")
         row.notes["first_tokens_seen_at_kill"] = sum(event.is_set() for event in events)
         if running_now is None:
             row.violations.append(f"the workers were not both generating within 180 s: {seen}")
@@ -355,15 +372,13 @@ async def worker_kill(mesh: Mesh, short: bool) -> Row:
                 task.cancel()
             await asyncio.gather(*running, return_exceptions=True)
             return row
-        # The victim: the worker with the most streams open right now, by Envoy's count.
-        victim = max(workers, key=lambda w: running_now[w.name])
-        done_before_kill = sum(task.done() for task in running)
-        # The worker and its children: vLLM's engine core and workers, multiprocessing's tracker.
-        engine = process_tree(pids[victim.name])
-        rss_before = tree_rss(engine)
-        killed_at = time.monotonic()
-        os.kill(pids[victim.name], signal.SIGKILL)
-        engine_gone = await mesh.wait_until(lambda: not alive(engine[1:]), 15, 0.05)
+        victim, engine, rss_before = killed["victim"], killed["engine"], killed["rss_before"]
+        done_before_kill, killed_at, ended = (
+            killed["done_before_kill"],
+            killed["at"],
+            killed["ended"],
+        )
+        engine_gone = None if None in ended.values() else max(ended.values(), default=0.0)
         # New requests right after the kill: some are routed to the dead worker before Envoy's
         # health checks notice, and must be retried on the other one before their first token.
         fresh = [
@@ -376,9 +391,12 @@ async def worker_kill(mesh: Mesh, short: bool) -> Row:
     row.add(in_flight)
     row.add(after)
     failed = [o for o in in_flight if o.code != OK]
-    ended_within = max((o.ended - killed_at for o in failed), default=0.0)
+    # How long a failed stream went silent before its error: the client may still be reading
+    # tokens the gateway holds for it when the kill comes, and those come first.
+    ended_within = max((o.ended - max(o.last_token, killed_at) for o in failed), default=0.0)
     row.notes["child_processes"] = len(engine) - 1
     row.notes["children_gone_after_s"] = None if engine_gone is None else round(engine_gone, 2)
+    row.notes["each_child_gone_after_s"] = ended
     row.notes["streams_per_worker_at_kill"] = running_now
     row.notes["killed"] = victim.name
     row.notes["in_flight_failed"] = len(failed)
@@ -395,7 +413,8 @@ async def worker_kill(mesh: Mesh, short: bool) -> Row:
     # with room for a busy box (5.4 s seen with a test suite running beside the mesh).
     row.check(
         ended_within <= 10,
-        f"they end within 10 s of the kill, not at an idle timeout ({ended_within:.1f}s)",
+        f"they end within 10 s of the kill or of their last token, not at an idle timeout "
+        f"({ended_within:.1f}s)",
     )
     row.check(
         all(o.tokens > 0 for o in failed), "only streams that had begun fail (others are retried)"
@@ -442,6 +461,27 @@ def alive(processes: Sequence[psutil.Process]) -> bool:
         except psutil.NoSuchProcess:
             continue
     return False
+
+
+def end_times(processes: Sequence[psutil.Process], within: float) -> dict[str, float | None]:
+    """Seconds until each process ended (None: still running after `within`), by pid and
+    name. Blocking (see Mesh.kill_when_generating)."""
+    begun = time.monotonic()
+    names = {}
+    for process in processes:
+        try:
+            names[process.pid] = f"{process.pid} {' '.join(process.cmdline())[:40].strip()}"
+        except psutil.Error:
+            names[process.pid] = str(process.pid)
+    ended: dict[str, float | None] = {}
+    left = list(processes)
+    while left and time.monotonic() - begun < within:
+        for process in [p for p in left if not alive([p])]:
+            ended[names[process.pid]] = round(time.monotonic() - begun, 2)
+            left.remove(process)
+        time.sleep(0.02)
+    ended.update({names[process.pid]: None for process in left})
+    return ended
 
 
 def tree_rss(processes: Sequence[psutil.Process]) -> int:
@@ -709,11 +749,18 @@ async def envoy_restart(mesh: Mesh, short: bool) -> Row:
         ]
         # The kill comes while the workers decode, by the servers' own count (as in
         # worker_kill): every stream Envoy holds open then is in flight.
-        generating, seen = await mesh.generating(180)
+        killed: list[float] = []
+
+        def kill(_: dict[str, int]) -> None:
+            killed.append(time.monotonic())
+            killpg(pid, signal.SIGKILL)
+
+        generating, seen = await asyncio.to_thread(mesh.kill_when_generating, 180, kill)
+        killed_at = killed[0] if killed else time.monotonic()
         row.notes["first_tokens_seen_at_kill"] = sum(event.is_set() for event in events)
         row.check(generating is not None, f"the workers were generating within 180 s: {seen}")
-        killed_at = time.monotonic()
-        killpg(pid, signal.SIGKILL)
+        if generating is None:
+            killpg(pid, signal.SIGKILL)
         await asyncio.sleep(0.2)
         fresh = [
             asyncio.create_task(generate(stub, request(f"while down {i}", 16), 60))
