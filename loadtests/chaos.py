@@ -231,12 +231,7 @@ class Mesh:
 
     def metric(self, program: Program, name: str, **labels: str) -> float:
         """Sum of the series name{labels} on one program's /metrics (0 when absent)."""
-        url = f"http://127.0.0.1:{program.metrics_port}/metrics"
-        try:
-            with urllib.request.urlopen(url, timeout=BUSY_CALL_TIMEOUT_SECONDS) as reply:
-                text = reply.read().decode()
-        except OSError:
-            return 0.0
+        text = fetch_text(f"http://127.0.0.1:{program.metrics_port}/metrics")
         total = 0.0
         for line in text.splitlines():
             series, _, value = line.rpartition(" ")
@@ -268,13 +263,8 @@ class Mesh:
     def received_from(self, cluster: str) -> int:
         """Bytes Envoy has received from the cluster's hosts (its upstream_cx_rx_bytes_total)."""
         stat = f"cluster.{cluster}.upstream_cx_rx_bytes_total"
-        url = f"http://127.0.0.1:{self.stack.settings.envoy_admin_port}/stats?filter=^{stat}$"
-        try:
-            with urllib.request.urlopen(url, timeout=BUSY_CALL_TIMEOUT_SECONDS) as reply:
-                text = reply.read().decode()
-        except OSError:
-            return 0
-        _, _, value = text.strip().rpartition(" ")
+        admin = f"http://127.0.0.1:{self.stack.settings.envoy_admin_port}"
+        _, _, value = fetch_text(f"{admin}/stats?filter=^{stat}$").strip().rpartition(" ")
         return int(value) if value.isdigit() else 0
 
     def kill_when_generating(
@@ -321,6 +311,15 @@ class Mesh:
                     return int(report.reported_unix_nanos)
                 await asyncio.sleep(0.005)
         return None
+
+
+def fetch_text(url: str) -> str:
+    """The page at url, or "" when it does not answer."""
+    try:
+        with urllib.request.urlopen(url, timeout=BUSY_CALL_TIMEOUT_SECONDS) as reply:
+            return str(reply.read().decode())
+    except OSError:
+        return ""
 
 
 def killpg(pid: int, sig: signal.Signals) -> None:
