@@ -257,12 +257,26 @@ async def within_budget(
 async def cancel_until_empty(calls: list[Any], engines: list[Any]) -> float:
     """Seconds from cancelling calls, once each has sent a token, until every engine (an
     InferenceService stub) has reported itself empty."""
+    from tokenmesh.v1 import inference_pb2
+
     firsts = [await call.read() for call in calls]
     busy_since = max(token.emitted_unix_nanos for token in firsts)
+    # Only engines still generating have anything to free: a warm engine can finish its share
+    # of the streams while a client is still reading the others' first tokens.
+    reports = [
+        await engine.GetEngineStats(inference_pb2.EngineStatsRequest(), timeout=30)
+        for engine in engines
+    ]
     cancelled_at = time.time_ns()
     for call in calls:
         call.cancel()
-    empty_at = [await engine_empty_at(engine, busy_since) for engine in engines]
+    busy = [
+        engine
+        for engine, report in zip(engines, reports, strict=True)
+        if report.running_requests or report.waiting_requests
+    ]
+    assert busy, f"every engine had finished its streams before the cancel: {reports}"
+    empty_at = [await engine_empty_at(engine, busy_since) for engine in busy]
     return (max(empty_at) - cancelled_at) / 1e9
 
 
