@@ -345,9 +345,8 @@ async def worker_kill(mesh: Mesh, short: bool) -> Row:
             asyncio.create_task(generate(stub, request(f"kill {i}", 2000), 120, events[i]))
             for i in range(streams)
         ]
-        # The kill comes while both engines decode, by the servers' own count: the client's
-        # first tokens are no guide, as a Python gRPC client may take seconds to hand them over
-        # (docs/performance.md), long enough for every stream to finish first.
+        # The kill comes while both engines decode, by Envoy's count (kill_when_generating):
+        # this client's first tokens are no guide, as its loop may be seconds behind.
         killed: dict[str, Any] = {}
 
         def kill(streams: dict[str, int]) -> None:
