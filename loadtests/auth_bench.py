@@ -22,10 +22,11 @@ from grpc import aio
 from prometheus_client import CollectorRegistry
 
 from loadtests.stats import Latencies
-from tokenmesh.common.auth import AuthInterceptor, KeysFile, KeyStore, TenantEntry, hash_key
 from tokenmesh.common.interceptors import standard_interceptors
-from tokenmesh.common.limits import LimitsInterceptor, TenantLimiter
-from tokenmesh.common.tenants import Limits, TenantMetrics
+from tokenmesh.common.tenants import Limits
+from tokenmesh.gateway.auth import AuthInterceptor, KeysFile, KeyStore, TenantEntry, hash_key
+from tokenmesh.gateway.limits import LimitsInterceptor, TenantLimiter
+from tokenmesh.gateway.tenant_metrics import TenantMetrics
 from tokenmesh.v1 import token_pb2
 
 KEY = "tm_benchmark_key"

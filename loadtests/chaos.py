@@ -22,7 +22,6 @@ import signal
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,8 +32,9 @@ import yaml
 from grpc import aio
 
 from tokenmesh.common.tokens import token_count
+from tokenmesh.localstack.probes import engine_empty_at, fetch_text, series_values
 from tokenmesh.localstack.stack import Program, Stack, StackSettings, envoy_host_statuses
-from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, llm_pb2, llm_pb2_grpc
+from tokenmesh.v1 import inference_pb2_grpc, llm_pb2, llm_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 OK = "OK"
@@ -48,8 +48,9 @@ BUSY_CALL_TIMEOUT_SECONDS = 30
 HANG_MARGIN_SECONDS = 5.0
 # A restarted worker loads vLLM again (~30 s idle, more on a busy 2-core box).
 REJOIN_WITHIN_SECONDS = 300.0
-# What the README recommends to clients: retry UNAVAILABLE (nothing was generated yet when a
-# call fails that way before its first token) with backoff, and wait for the channel to be ready.
+# What docs/failure-behaviour.md recommends to clients: retry UNAVAILABLE (nothing was
+# generated yet when a call fails that way before its first token) with backoff, and wait for
+# the channel to be ready.
 RETRY_SERVICE_CONFIG = {
     "methodConfig": [
         {
@@ -231,15 +232,8 @@ class Mesh:
 
     def metric(self, program: Program, name: str, **labels: str) -> float:
         """Sum of the series name{labels} on one program's /metrics (0 when absent)."""
-        text = fetch_text(f"http://127.0.0.1:{program.metrics_port}/metrics")
-        total = 0.0
-        for line in text.splitlines():
-            series, _, value = line.rpartition(" ")
-            if series.split("{")[0] == name and all(
-                f'{key}="{val}"' in series for key, val in labels.items()
-            ):
-                total += float(value)
-        return total
+        text = fetch(f"http://127.0.0.1:{program.metrics_port}/metrics")
+        return sum(series_values(text, name, **labels))
 
     async def wait_until(
         self, condition: Callable[[], bool], within: float, every: float = 0.1
@@ -264,7 +258,7 @@ class Mesh:
         """Bytes Envoy has received from the cluster's hosts (its upstream_cx_rx_bytes_total)."""
         stat = f"cluster.{cluster}.upstream_cx_rx_bytes_total"
         admin = f"http://127.0.0.1:{self.stack.settings.envoy_admin_port}"
-        _, _, value = fetch_text(f"{admin}/stats?filter=^{stat}$").strip().rpartition(" ")
+        _, _, value = fetch(f"{admin}/stats?filter=^{stat}$").strip().rpartition(" ")
         return int(value) if value.isdigit() else 0
 
     def kill_when_generating(
@@ -297,29 +291,20 @@ class Mesh:
 
     async def engine_empty_since(self, worker: Program, within: float) -> int | None:
         """Since when (ns since the epoch) the worker's vLLM scheduler has reported nothing
-        running or waiting: the time of its latest report once that says empty (vLLM reports
-        at every engine step, so an idle engine's last report is the one that emptied it);
-        None if it did not report empty within `within` seconds."""
+        running or waiting; None if it did not report empty within `within` seconds."""
         async with aio.insecure_channel(worker.address) as channel:
             stub = inference_pb2_grpc.InferenceServiceStub(channel)
-            deadline = time.monotonic() + within
-            while time.monotonic() < deadline:
-                report = await stub.GetEngineStats(
-                    inference_pb2.EngineStatsRequest(), timeout=BUSY_CALL_TIMEOUT_SECONDS
+            try:
+                return await engine_empty_at(
+                    stub, within=within, call_timeout=BUSY_CALL_TIMEOUT_SECONDS
                 )
-                if not (report.running_requests or report.waiting_requests):
-                    return int(report.reported_unix_nanos)
-                await asyncio.sleep(0.005)
-        return None
+            except TimeoutError:
+                return None
 
 
-def fetch_text(url: str) -> str:
+def fetch(url: str) -> str:
     """The page at url, or "" when it does not answer."""
-    try:
-        with urllib.request.urlopen(url, timeout=BUSY_CALL_TIMEOUT_SECONDS) as reply:
-            return str(reply.read().decode())
-    except OSError:
-        return ""
+    return fetch_text(url, BUSY_CALL_TIMEOUT_SECONDS, default="")
 
 
 def killpg(pid: int, sig: signal.Signals) -> None:
@@ -732,8 +717,8 @@ async def controlplane_down(mesh: Mesh, short: bool) -> Row:
 
 async def envoy_restart(mesh: Mesh, short: bool) -> Row:
     """SIGKILL Envoy under load (supervisord restarts it): in-flight streams fail with a clear
-    status; clients with the README's retry and wait-for-ready settings get answers as soon as
-    it is back."""
+    status; clients with docs/failure-behaviour.md's retry and wait-for-ready settings get
+    answers as soon as it is back."""
     row = Row("envoy_restart")
     pid = mesh.pid("envoy")
     # Enough long streams that they are still generating when the kill comes.

@@ -42,7 +42,8 @@ import psutil
 from loadtests import report
 from loadtests.runner import RunConfig, combine, run
 from loadtests.stats import Latencies
-from tokenmesh.localstack.stack import Stack, StackSettings, envoy_hosts, free_port
+from tokenmesh.localstack.probes import free_port
+from tokenmesh.localstack.stack import Stack, StackSettings, envoy_hosts
 from tokenmesh.meshconfig.__main__ import render_yaml
 from tokenmesh.meshconfig.config import MeshSettings
 

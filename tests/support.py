@@ -8,41 +8,33 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tokenmesh.common.tokens import token_count
+from tokenmesh.localstack.probes import (
+    engine_empty_at,
+    fetch_text,
+    free_port,
+    health,
+    series_values,
+)
 from tokenmesh.localstack.stack import Stack, StackSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL = ROOT / "models" / "tiny-llama"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def health_status(address: str, timeout: float = 1.0) -> str:
     """SERVING / NOT_SERVING / ..., or the gRPC error code name when the check fails."""
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        try:
-            reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
-        except grpc.RpcError as err:
-            return str(err.code().name)
-    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+    return health(address, timeout=timeout)
 
 
 @dataclass
@@ -133,21 +125,15 @@ async def read_rest(call: grpc.aio.UnaryStreamCall) -> list:  # type: ignore[typ
 
 
 def scrape_metrics(metrics_port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
-        return str(reply.read().decode())
+    return fetch_text(f"http://127.0.0.1:{metrics_port}/metrics")
 
 
 def metric_value(metrics: str, name: str, default: float | None = None, **labels: str) -> float:
     """The value of series name{labels...} in a Prometheus text page (labels may be a subset);
     default when there is no such series (an error if default is None)."""
-    for line in metrics.splitlines():
-        if line.startswith("#"):
-            continue
-        series, _, value = line.rpartition(" ")
-        if series.split("{")[0] != name:
-            continue
-        if all(f'{key}="{val}"' in series for key, val in labels.items()):
-            return float(value)
+    values = series_values(metrics, name, **labels)
+    if values:
+        return values[0]
     if default is None:
         raise AssertionError(f"no series {name}{labels}")
     return default
@@ -200,33 +186,6 @@ def gateway_process(
     return service_process("gateway", log_dir, name, settings, overrides)
 
 
-async def engine_empty_at(inference: Any, after_ns: int, within: float = 10.0) -> int:
-    """When vLLM's scheduler first reported nothing running or waiting in a report made after
-    after_ns (ns since the epoch), polling the worker's GetEngineStats."""
-    from tokenmesh.v1 import inference_pb2
-
-    deadline = time.monotonic() + within
-    reports = []
-    while time.monotonic() < deadline:
-        report = await inference.GetEngineStats(inference_pb2.EngineStatsRequest(), timeout=30)
-        if report.reported_unix_nanos >= after_ns and not (
-            report.running_requests or report.waiting_requests
-        ):
-            return int(report.reported_unix_nanos)
-        reports.append(
-            (
-                report.running_requests,
-                report.waiting_requests,
-                (report.reported_unix_nanos - after_ns) / 1e9,
-            )
-        )
-        await asyncio.sleep(0.002)
-    raise AssertionError(
-        f"engine not empty {within}s after; (running, waiting, report age) first/last: "
-        f"{reports[:3]} ... {reports[-3:]}"
-    )
-
-
 # A cancel or deadline frees the engine within this (ms since the cancel or the deadline).
 CANCEL_BUDGET_SECONDS = 0.100
 # Rounds a latency check may take: see within_budget.
@@ -254,29 +213,38 @@ async def within_budget(
     )
 
 
-async def cancel_until_empty(calls: list[Any], engines: list[Any]) -> float:
-    """Seconds from cancelling calls, once each has sent a token, until every engine (an
-    InferenceService stub) has reported itself empty."""
+async def cancel_until_empty(calls: list[Any], engines: list[Any], within: float = 30.0) -> float:
+    """Seconds from cancelling calls, once the engines (InferenceService stubs) are generating
+    every one of them, until each engine that was has reported itself empty.
+
+    The engines, not the client's reads, say when the streams run: a client may get its first
+    tokens late, held in its own transport (docs/performance.md, "Where the first token
+    waits"), by when a warm engine can have made all 2,000 tokens of each stream."""
     from tokenmesh.v1 import inference_pb2
 
-    firsts = [await call.read() for call in calls]
-    busy_since = max(token.emitted_unix_nanos for token in firsts)
-    # Only engines still generating have anything to free: a warm engine can finish its share
-    # of the streams while a client is still reading the others' first tokens.
-    reports = [
-        await engine.GetEngineStats(inference_pb2.EngineStatsRequest(), timeout=30)
-        for engine in engines
-    ]
+    deadline = time.monotonic() + within
+    while True:
+        reports = [
+            await engine.GetEngineStats(inference_pb2.EngineStatsRequest(), timeout=30)
+            for engine in engines
+        ]
+        if sum(report.running_requests + report.waiting_requests for report in reports) >= len(
+            calls
+        ):
+            break
+        assert time.monotonic() < deadline, f"the streams never all ran at once: {reports}"
+        await asyncio.sleep(0.005)
     cancelled_at = time.time_ns()
     for call in calls:
         call.cancel()
     busy = [
-        engine
+        (engine, report)
         for engine, report in zip(engines, reports, strict=True)
         if report.running_requests or report.waiting_requests
     ]
-    assert busy, f"every engine had finished its streams before the cancel: {reports}"
-    empty_at = [await engine_empty_at(engine, busy_since) for engine in busy]
+    empty_at = [
+        await engine_empty_at(engine, report.reported_unix_nanos) for engine, report in busy
+    ]
     return (max(empty_at) - cancelled_at) / 1e9
 
 

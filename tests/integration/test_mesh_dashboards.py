@@ -19,7 +19,8 @@ import yaml
 from grpc import aio
 
 from tests.support import ROOT, metric_value, positions, scrape_metrics
-from tokenmesh.localstack.stack import Stack, serving
+from tokenmesh.localstack.probes import serving
+from tokenmesh.localstack.stack import Stack
 from tokenmesh.v1 import llm_pb2, llm_pb2_grpc
 
 pytestmark = [

@@ -18,12 +18,13 @@ from grpc import aio
 
 from tests.integration.test_mesh_dashboards import answer, circuit_states, wait_until
 from tests.support import ROOT
-from tokenmesh.localstack.stack import Stack, serving
+from tokenmesh.localstack.probes import serving
+from tokenmesh.localstack.stack import Stack
 from tokenmesh.v1 import llm_pb2, llm_pb2_grpc, ops_pb2, ops_pb2_grpc, token_pb2
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 PAGE = ROOT / "ops" / "dist" / "index.html"
-# Set to 1 to refresh the README's screenshot (docs/ops-page.png) from this run.
+# Set to 1 to refresh docs/operating.md's screenshot (docs/ops-page.png) from this run.
 UPDATE_SCREENSHOT = os.environ.get("TOKENMESH_UPDATE_SCREENSHOT") == "1"
 SCREENSHOT = ROOT / "docs" / "ops-page.png"
 # What the page shows for a figure it does not have (an en dash).
@@ -233,7 +234,7 @@ async def test_ops_page_follows_load_and_shows_the_circuit_opening(
 async def snapshot(page: Page, path: Path) -> None:
     """A full-page screenshot for whoever reads the test's output; not a check. A live page on
     a starved machine can take over 30 s to capture (seen once in CI), so a screenshot that
-    times out is reported and skipped, unless it is the README's being refreshed."""
+    times out is reported and skipped, unless it is docs/operating.md's being refreshed."""
     from playwright.async_api import TimeoutError as PlaywrightTimeout
 
     try:

@@ -19,7 +19,8 @@ from grpc import aio
 
 from tests.support import grpcurl, grpcurl_messages, positions, running_stack
 from tokenmesh.localstack.certs import CertMaker, CertPaths, CertSettings
-from tokenmesh.localstack.stack import Stack, StackSettings, health
+from tokenmesh.localstack.probes import health
+from tokenmesh.localstack.stack import Stack, StackSettings
 from tokenmesh.v1 import llm_pb2, llm_pb2_grpc
 
 # The stack's start (vLLM loading) counts against the first test's timeout: on a busy 2-core

@@ -21,23 +21,24 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, generate_latest
 
 from tests.support import metric_value
-from tokenmesh.common.auth import (
+from tokenmesh.common.interceptors import standard_interceptors
+from tokenmesh.common.server import Health
+from tokenmesh.common.tenants import Limits, Tenant, current_tenant
+from tokenmesh.gateway.app import Tenancy
+from tokenmesh.gateway.app import serve as serve_gateway
+from tokenmesh.gateway.auth import (
     UNAUTHENTICATED_MESSAGE,
     KeysFileError,
     KeyStore,
-    TenantMetadataInterceptor,
     hash_key,
     new_key,
     presented_key,
 )
-from tokenmesh.common.interceptors import standard_interceptors
-from tokenmesh.common.server import Health
-from tokenmesh.common.tenants import Limits, Tenant, TenantMetrics, current_tenant
-from tokenmesh.gateway.app import Tenancy
-from tokenmesh.gateway.app import serve as serve_gateway
 from tokenmesh.gateway.config import GatewaySettings
 from tokenmesh.gateway.keys import add_key, main
+from tokenmesh.gateway.tenant_metrics import TenantMetrics
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
+from tokenmesh.worker.tenant import TenantMetadataInterceptor
 
 ACME_KEY = "tm_acme-test-key-0123456789"
 GLOBEX_KEY = "tm_globex-test-key-0123456789"

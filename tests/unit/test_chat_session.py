@@ -105,3 +105,55 @@ async def test_a_bad_turn_read_as_a_turn_ends_is_refused_and_never_run() -> None
     with pytest.raises(InvalidArgument, match=r"user\.content"):
         await run(GatewaySettings(), user("fine"), user(""), user("never"), pipeline=pipeline)
     assert len(pipeline.prompts) <= 1
+
+
+class ClosingPipeline:
+    """Every turn streams one token, then waits; records whether each generation was closed."""
+
+    def __init__(self) -> None:
+        self.closed: list[bool] = []
+
+    def stream(self, prompt: str, *args: Any) -> AsyncIterator[token_pb2.Token]:
+        turn = len(self.closed)
+        self.closed.append(False)
+
+        async def tokens() -> AsyncIterator[token_pb2.Token]:
+            try:
+                yield token_pb2.Token(text="a")
+                if "short" in prompt.rsplit("User: ", 1)[1]:
+                    yield token_pb2.Token(text="b", finish_reason=token_pb2.FINISH_REASON_STOP)
+                    return
+                await asyncio.sleep(30)
+            finally:
+                self.closed[turn] = True
+
+        return tokens()
+
+
+async def test_a_cancel_stops_the_running_turn_at_once_and_the_next_turn_is_answered() -> None:
+    pipeline = ClosingPipeline()
+    session = ChatSession(pipeline, GatewaySettings(), Context())  # type: ignore[arg-type]
+    sent: asyncio.Queue[llm_pb2.ChatMessage | None] = asyncio.Queue()
+
+    async def requests() -> AsyncIterator[llm_pb2.ChatMessage]:
+        while (message := await sent.get()) is not None:
+            yield message
+
+    events = session.run(requests())
+    async with asyncio.timeout(5):
+        sent.put_nowait(user("talk long"))
+        first = await anext(events)
+        assert first.token.text == "a" and pipeline.closed == [False]
+        sent.put_nowait(llm_pb2.ChatMessage(cancel=llm_pb2.CancelGeneration()))
+        end = await anext(events)
+        assert end.turn_end.finish_reason == token_pb2.FINISH_REASON_CANCELLED
+        assert end.turn_end.usage.completion_tokens == 1
+        assert pipeline.closed == [True]  # the generation (the worker call) was stopped
+        sent.put_nowait(user("short"))
+        sent.put_nowait(None)
+        rest = [event async for event in events]
+    assert [e.token.text for e in rest if e.HasField("token")] == ["a", "b"]
+    assert [e.turn_end.finish_reason for e in rest if e.HasField("turn_end")] == [
+        token_pb2.FINISH_REASON_STOP
+    ]
+    assert rest[-1].turn == 1

@@ -25,8 +25,8 @@ from helm_python import _native
 
 from tests.support import ROOT
 from tests.unit.test_meshconfig import envoy_validate
-from tokenmesh.common.auth import KeysFile
 from tokenmesh.common.tenants import Limits
+from tokenmesh.gateway.auth import KeysFile
 from tokenmesh.localstack.certs import ENVOY_CLIENT, CertMaker, CertPaths, CertSettings
 
 CHART = ROOT / "helm" / "tokenmesh"

@@ -16,7 +16,7 @@ from grpc import aio
 from prometheus_client import CollectorRegistry
 
 from tokenmesh.common.errors import InvalidArgument, ResourceExhausted
-from tokenmesh.common.interceptors import ErrorMappingInterceptor, GrpcMetricsInterceptor
+from tokenmesh.common.interceptors import ErrorMappingInterceptor, ObservingInterceptor
 from tokenmesh.common.metrics import GrpcServerMetrics
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
 
@@ -48,7 +48,7 @@ async def server_and_registry():
     registry = CollectorRegistry()
     server = aio.server(
         interceptors=[
-            GrpcMetricsInterceptor(GrpcServerMetrics(registry)),
+            ObservingInterceptor(GrpcServerMetrics(registry)),
             ErrorMappingInterceptor(),
         ]
     )

@@ -21,16 +21,16 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client import CollectorRegistry
 
 from tokenmesh.common.channels import Dependency
-from tokenmesh.common.client import (
-    ClientMetricsInterceptor,
-    TraceContextClientInterceptor,
-    for_every_arity,
-)
 from tokenmesh.common.errors import InvalidArgument
 from tokenmesh.common.interceptors import standard_interceptors
 from tokenmesh.common.logs import TraceIdFilter, configure_logging
 from tokenmesh.common.metrics import TOKEN_LOGGER, GrpcClientMetrics, StreamMetrics
 from tokenmesh.common.tracing import Tracing
+from tokenmesh.gateway.client import (
+    ClientMetricsInterceptor,
+    TraceContextClientInterceptor,
+    for_every_arity,
+)
 from tokenmesh.gateway.pipeline import WorkerClient
 from tokenmesh.localstack.stack import Stack, StackSettings
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2

@@ -28,8 +28,10 @@ def worker_settings(**values: Any) -> WorkerSettings:
 
 
 def test_payload_is_consuls_documented_register_body_with_a_grpc_check() -> None:
-    registration = ConsulRegistration.for_service(
-        worker_settings(host="10.0.0.5"), "worker", 50061, 9461, extra={"model": "tiny-llama"}
+    settings = worker_settings(host="10.0.0.5")
+    registration = ConsulRegistration(
+        settings.consul_http_addr,
+        instance_for(settings, "worker", 50061, 9461, extra={"model": "tiny-llama"}),
     )
     assert registration.payload() == {
         "Name": "worker",
@@ -70,15 +72,13 @@ def test_consul_address_comes_from_the_prefixed_setting_or_consul_http_addr(
 
 def test_a_malformed_consul_address_fails_at_start_up() -> None:
     with pytest.raises(ValueError, match="consul address"):
-        ConsulRegistration.for_service(
-            ServiceSettings(consul_http_addr="unix:///consul.sock"), "gateway", 1
-        )
+        settings = ServiceSettings(consul_http_addr="unix:///consul.sock")
+        ConsulRegistration(settings.consul_http_addr, instance_for(settings, "gateway", 1))
 
 
 async def test_without_consul_registration_does_nothing() -> None:
-    registration = ConsulRegistration.for_service(
-        ServiceSettings(consul_http_addr=None), "gateway", 50050
-    )
+    settings = ServiceSettings(consul_http_addr=None)
+    registration = ConsulRegistration(None, instance_for(settings, "gateway", 50050))
     assert not registration.enabled
     registration.start()  # would fail to build a client from a None address if it tried
     await registration.stop()

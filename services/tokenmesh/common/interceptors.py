@@ -7,7 +7,6 @@ grpc.aio idioms this code base uses; the wrappers below keep that shape.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -21,8 +20,9 @@ from opentelemetry.trace import Span, SpanKind, StatusCode, Tracer
 from prometheus_client import CollectorRegistry
 
 from tokenmesh.common.errors import InvalidArgument, ServiceError
-from tokenmesh.common.metrics import DEADLINE_SLACK_SECONDS, GrpcServerMetrics, MethodMetrics
-from tokenmesh.common.tenants import current_tenant
+from tokenmesh.common.metrics import GrpcServerMetrics, MethodMetrics
+from tokenmesh.common.outcome import INTERRUPTED, Deadline, final_code
+from tokenmesh.common.tenants import Tenant, current_tenant, enter_tenant
 from tokenmesh.common.tracing import extract, trace_id_hex
 
 log = logging.getLogger(__name__)
@@ -110,6 +110,18 @@ def admitted(handler: grpc.RpcMethodHandler, admit: Admit) -> grpc.RpcMethodHand
         return stream
 
     return rewrap(handler, wrap_unary, wrap_stream)
+
+
+def with_tenant(
+    handler: grpc.RpcMethodHandler, resolve: Callable[[aio.ServicerContext[Any, Any]], Tenant]
+) -> grpc.RpcMethodHandler:
+    """handler whose behaviour first makes resolve(context) the RPC's tenant (resolve may
+    raise a ServiceError instead, which ErrorMappingInterceptor maps)."""
+
+    async def admit(context: aio.ServicerContext[Any, Any]) -> None:
+        enter_tenant(resolve(context))
+
+    return admitted(handler, admit)
 
 
 class Malformed:
@@ -220,116 +232,20 @@ class ErrorMappingInterceptor(aio.ServerInterceptor):
         return rewrap(handler, wrap_unary, wrap_stream, lenient(handler.request_deserializer))
 
 
-class Deadline:
-    """An RPC's deadline, read when the RPC starts (the context's view of it is not reliable
-    once the RPC has been cancelled), to tell later whether a cancel was the deadline."""
-
-    __slots__ = ("_at",)
-
-    def __init__(self, context: aio.ServicerContext[Any, Any]) -> None:
-        remaining = context.time_remaining()
-        self._at = None if remaining is None else time.monotonic() + remaining
-
-    def passed(self) -> bool:
-        """Whether the deadline has (all but) passed."""
-        return self._at is not None and time.monotonic() >= self._at - DEADLINE_SLACK_SECONDS
-
-
-def _final_code(
-    context: aio.ServicerContext[Any, Any], deadline: Deadline, exc: BaseException | None
-) -> str:
-    """The status code an RPC ended with, as the grpc_code label value."""
-    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
-        return "DEADLINE_EXCEEDED" if deadline.passed() else "CANCELLED"
-    code = context.code()
-    if isinstance(code, grpc.StatusCode):
-        return str(code.name)
-    if exc is not None and not isinstance(exc, aio.AbortError):
-        return "UNKNOWN"
-    return "OK"
-
-
 class _CountingIterator:
     """Wraps a request stream to count received messages."""
 
-    def __init__(self, requests: AsyncIterator[Any], metrics: MethodMetrics) -> None:
+    def __init__(self, requests: AsyncIterator[Any], received: Callable[[], None]) -> None:
         self._requests = requests
-        self._metrics = metrics
+        self._received = received
 
     def __aiter__(self) -> _CountingIterator:
         return self
 
     async def __anext__(self) -> Any:
         message = await self._requests.__anext__()
-        self._metrics.received.inc()
+        self._received()
         return message
-
-
-class GrpcMetricsInterceptor(aio.ServerInterceptor):
-    """Records grpc_server_started/handled/msg_sent/msg_received/handling_seconds per method,
-    the names and labels of go-grpc-prometheus so standard dashboards work unchanged."""
-
-    def __init__(self, metrics: GrpcServerMetrics) -> None:
-        self._metrics = metrics
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        metrics = self._metrics.for_method(handler_call_details.method, rpc_type(handler))
-        request_streaming = handler.request_streaming
-
-        def counted(request: Any) -> Any:
-            if request_streaming:
-                return _CountingIterator(request, metrics)
-            metrics.received.inc()
-            return request
-
-        def wrap_unary(behaviour: UnaryBehaviour) -> UnaryBehaviour:
-            async def unary(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
-                metrics.started.inc()
-                start = time.perf_counter()
-                deadline = Deadline(context)
-                error: BaseException | None = None
-                try:
-                    response = await behaviour(counted(request), context)
-                    metrics.sent.inc()
-                    return response
-                except BaseException as exc:
-                    error = exc
-                    raise
-                finally:
-                    code = _final_code(context, deadline, error)
-                    metrics.finish(code, time.perf_counter() - start)
-
-            return unary
-
-        def wrap_stream(behaviour: StreamBehaviour) -> StreamBehaviour:
-            async def stream(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
-                metrics.started.inc()
-                start = time.perf_counter()
-                deadline = Deadline(context)
-                error: BaseException | None = None
-                responses = behaviour(counted(request), context)
-                try:
-                    async for response in responses:
-                        metrics.sent.inc()
-                        yield response
-                except BaseException as exc:
-                    error = exc
-                    raise
-                finally:
-                    await close(responses)
-                    code = _final_code(context, deadline, error)
-                    metrics.finish(code, time.perf_counter() - start)
-
-            return stream
-
-        return rewrap(handler, wrap_unary, wrap_stream)
 
 
 # Methods called every few hundred milliseconds by Envoy, Kubernetes and Consul: no spans, and
@@ -346,8 +262,10 @@ def _quiet(method: str) -> bool:
 
 
 class _RpcObserver:
-    """What an observing interceptor does for one RPC: begin, see each response, end with the
-    final status code and duration."""
+    """What an observer does for one RPC: see each response, then the end, with the final
+    status code and duration."""
+
+    __slots__ = ()
 
     def sent(self, response: Any) -> None:
         pass
@@ -356,48 +274,75 @@ class _RpcObserver:
         pass
 
 
+Begin = Callable[[aio.ServicerContext[Any, Any]], Sequence[_RpcObserver]]
+
+
 def _observe(
     handler: grpc.RpcMethodHandler,
-    begin: Callable[[aio.ServicerContext[Any, Any]], _RpcObserver],
+    begin: Begin,
+    received: Callable[[], None],
 ) -> grpc.RpcMethodHandler:
     """handler wrapped so that begin(context) runs as the RPC starts, in the RPC's own task, and
-    the observer it returns sees the responses and the end, however the RPC ends."""
+    the observers it returns see the responses and, last first, the end, however the RPC ends.
+    received() runs for each request message. One wrapper for every observer: each layer of
+    generator would cost every streamed message a hop of its own."""
+    request_streaming = handler.request_streaming
+
+    def counted(request: Any) -> Any:
+        if request_streaming:
+            return _CountingIterator(request, received)
+        received()
+        return request
+
+    def finish(
+        observers: Sequence[_RpcObserver],
+        context: aio.ServicerContext[Any, Any],
+        deadline: Deadline,
+        error: BaseException | None,
+        start: float,
+    ) -> None:
+        code = final_code(context, deadline, error)
+        seconds = time.perf_counter() - start
+        for observer in reversed(observers):
+            observer.end(code, seconds)
 
     def wrap_unary(behaviour: UnaryBehaviour) -> UnaryBehaviour:
         async def unary(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
-            observer = begin(context)
+            observers = begin(context)
             start = time.perf_counter()
-            deadline = Deadline(context)
+            deadline = Deadline.of(context)
             error: BaseException | None = None
             try:
-                response = await behaviour(request, context)
-                observer.sent(response)
+                response = await behaviour(counted(request), context)
+                for observer in observers:
+                    observer.sent(response)
                 return response
             except BaseException as exc:
                 error = exc
                 raise
             finally:
-                observer.end(_final_code(context, deadline, error), time.perf_counter() - start)
+                finish(observers, context, deadline, error, start)
 
         return unary
 
     def wrap_stream(behaviour: StreamBehaviour) -> StreamBehaviour:
         async def stream(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
-            observer = begin(context)
+            observers = begin(context)
             start = time.perf_counter()
-            deadline = Deadline(context)
+            deadline = Deadline.of(context)
             error: BaseException | None = None
-            responses = behaviour(request, context)
+            responses = behaviour(counted(request), context)
             try:
                 async for response in responses:
-                    observer.sent(response)
+                    for observer in observers:
+                        observer.sent(response)
                     yield response
             except BaseException as exc:
                 error = exc
                 raise
             finally:
                 await close(responses)
-                observer.end(_final_code(context, deadline, error), time.perf_counter() - start)
+                finish(observers, context, deadline, error, start)
 
         return stream
 
@@ -413,52 +358,11 @@ class _ServerSpan(_RpcObserver):
     def end(self, code: str, seconds: float) -> None:
         span = self._span
         span.set_attribute("rpc.grpc.status_code", grpc.StatusCode[code].value[0])
-        if code in ("CANCELLED", "DEADLINE_EXCEEDED"):
+        if code in INTERRUPTED:
             span.add_event("cancelled", {"tokenmesh.reason": code.lower()})
         if code in SERVER_ERROR_CODES:
             span.set_status(StatusCode.ERROR, code)
         span.end()
-
-
-class TracingInterceptor(aio.ServerInterceptor):
-    """A SERVER span per RPC, continuing the caller's trace when its metadata carries a W3C
-    `traceparent`, with the final status code; the span is current while the handler runs, so
-    its own spans and outgoing calls (see client.TraceContextClientInterceptor) are children.
-
-    Hand-written rather than opentelemetry-instrumentation-grpc (not in our lock): it shares the
-    stream wrapping of the interceptors here (the final code telling a cancel from a deadline,
-    handler generators closed at once), takes this service's tracer rather than the global
-    provider, and skips health checks.
-    """
-
-    def __init__(self, tracer: Tracer) -> None:
-        self._tracer = tracer
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        method = handler_call_details.method
-        if handler is None or _quiet(method):
-            return handler
-        name = method.lstrip("/")
-        service, _, rpc = name.partition("/")
-        attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": rpc}
-
-        def begin(context: aio.ServicerContext[Any, Any]) -> _RpcObserver:
-            parent = extract(context.invocation_metadata())
-            span = self._tracer.start_span(
-                name, context=parent, kind=SpanKind.SERVER, attributes=attributes
-            )
-            # Current for the rest of the RPC. Never detached: each RPC runs in a task (and so a
-            # contextvars Context) of its own that ends with it, and the handler's generator may
-            # be closed from another task, where detaching would fail.
-            otel_context.attach(trace.set_span_in_context(span, parent))
-            return _ServerSpan(span)
-
-        return _observe(handler, begin)
 
 
 class _RpcLogLine(_RpcObserver):
@@ -503,11 +407,40 @@ class _RpcLogLine(_RpcObserver):
         log.log(self._level, "rpc %s %s %.1f ms", self._method, code, seconds * 1000, extra=fields)
 
 
-class AccessLogInterceptor(aio.ServerInterceptor):
-    """One log line per finished RPC: method, final status code, duration, messages sent,
-    peer, prompt and completion tokens (when responses carry usage), the tenant (when
-    authenticated, or named by the gateway) and the trace id (when traced). Health and
-    reflection calls log at DEBUG only."""
+class _MethodCounts(_RpcObserver):
+    __slots__ = ("_metrics",)
+
+    def __init__(self, metrics: MethodMetrics) -> None:
+        self._metrics = metrics
+        metrics.started.inc()
+
+    def sent(self, response: Any) -> None:
+        self._metrics.sent.inc()
+
+    def end(self, code: str, seconds: float) -> None:
+        self._metrics.finish(code, seconds)
+
+
+class ObservingInterceptor(aio.ServerInterceptor):
+    """What every RPC is seen by, in one wrapper, all with the same final status code:
+
+    - a SERVER span (with a tracer), continuing the caller's trace when its metadata carries a
+      W3C `traceparent`; current while the handler runs, so its own spans and outgoing calls
+      (see client.TraceContextClientInterceptor) are children. Hand-written rather than
+      opentelemetry-instrumentation-grpc (not in our lock): it shares this stream wrapping
+      (the final code telling a cancel from a deadline, handler generators closed at once),
+      takes this service's tracer rather than the global provider, and skips health checks;
+    - one log line per finished RPC: method, final status code, duration, messages sent, peer,
+      prompt and completion tokens (when responses carry usage), the tenant (when
+      authenticated, or named by the gateway) and the trace id (when traced); health and
+      reflection calls at DEBUG only;
+    - grpc_server_started/handled/msg_sent/msg_received/handling_seconds per method, the names
+      and labels of go-grpc-prometheus so standard dashboards work unchanged.
+    """
+
+    def __init__(self, metrics: GrpcServerMetrics, tracer: Tracer | None = None) -> None:
+        self._metrics = metrics
+        self._tracer = tracer
 
     async def intercept_service(
         self,
@@ -515,11 +448,37 @@ class AccessLogInterceptor(aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
         method = handler_call_details.method
-        level = logging.DEBUG if _quiet(method) else logging.INFO
-        if handler is None or not log.isEnabledFor(level):
-            return handler
-        return _observe(handler, lambda context: _RpcLogLine(method, level, context))
+        counts = self._metrics.for_method(method, rpc_type(handler))
+        quiet = _quiet(method)
+        level = logging.DEBUG if quiet else logging.INFO
+        logged = log.isEnabledFor(level)
+        tracer = None if quiet else self._tracer
+        name = method.lstrip("/")
+        service, _, rpc = name.partition("/")
+        attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": rpc}
+
+        def begin(context: aio.ServicerContext[Any, Any]) -> list[_RpcObserver]:
+            observers: list[_RpcObserver] = []
+            if tracer is not None:
+                parent = extract(context.invocation_metadata())
+                span = tracer.start_span(
+                    name, context=parent, kind=SpanKind.SERVER, attributes=attributes
+                )
+                # Current for the rest of the RPC (so the log line below has its trace id).
+                # Never detached: each RPC runs in a task (and so a contextvars Context) of its
+                # own that ends with it, and the handler's generator may be closed from another
+                # task, where detaching would fail.
+                otel_context.attach(trace.set_span_in_context(span, parent))
+                observers.append(_ServerSpan(span))
+            if logged:
+                observers.append(_RpcLogLine(method, level, context))
+            observers.append(_MethodCounts(counts))
+            return observers
+
+        return _observe(handler, begin, counts.received.inc)
 
 
 def standard_interceptors(
@@ -527,15 +486,12 @@ def standard_interceptors(
     tracer: Tracer | None = None,
     inner: Sequence[aio.ServerInterceptor] = (),
 ) -> list[aio.ServerInterceptor]:
-    """Every service's interceptors, outermost first: the span is current for everything inside
-    it; the log line and metrics see the final status code that error mapping produced. No
-    tracer (tracing off): no tracing interceptor at all. `inner` ones (authentication, tenant
-    limits) run inside error mapping, so the errors they raise map like a handler's."""
-    chain: list[aio.ServerInterceptor] = [] if tracer is None else [TracingInterceptor(tracer)]
+    """Every service's interceptors, outermost first: the observer (span, log line, metrics)
+    sees the final status code that error mapping produced, and its span is current for
+    everything inside; no tracer (tracing off): no spans at all. `inner` ones (authentication,
+    tenant limits) run inside error mapping, so the errors they raise map like a handler's."""
     return [
-        *chain,
-        AccessLogInterceptor(),
-        GrpcMetricsInterceptor(GrpcServerMetrics(registry)),
+        ObservingInterceptor(GrpcServerMetrics(registry), tracer),
         ErrorMappingInterceptor(),
         *inner,
     ]

@@ -11,20 +11,17 @@ from dataclasses import dataclass
 from typing import Any
 from wsgiref.simple_server import WSGIServer
 
-import grpc
 from grpc import aio
 from opentelemetry import context as otel_context
 from opentelemetry.trace import Span, Tracer
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
+from tokenmesh.common.outcome import INTERRUPTED, Deadline, final_code
 from tokenmesh.common.tokens import token_count
 from tokenmesh.v1 import token_pb2
 
 # The logger of the per-token DEBUG lines (the log_tokens setting).
 TOKEN_LOGGER = "tokenmesh.tokens"
-# A caller whose deadline passes resets the stream itself, usually a moment before the server's
-# own deadline timer fires; a cancel this close to the deadline is the deadline passing.
-DEADLINE_SLACK_SECONDS = 0.1
 
 # Time to first token: from 1 ms (cached, tiny model) to 30 s (long prefill under load).
 TTFT_BUCKETS = (
@@ -192,7 +189,7 @@ class StreamTimer:
 
     __slots__ = (
         "_completion_tokens",
-        "_deadline_at",
+        "_deadline",
         "_finished",
         "_last",
         "_metrics",
@@ -222,13 +219,12 @@ class StreamTimer:
         self._tracer = tracer
         self._parent: otel_context.Context | None = None
         self._phase: Span | None = None
-        self._deadline_at: float | None = None
+        self._deadline: Deadline | None = None
         if tracer is not None:
             self._parent = otel_context.get_current()
             self._phase = tracer.start_span("queue_prefill", context=self._parent)
         if context is not None:
-            remaining = context.time_remaining()
-            self._deadline_at = None if remaining is None else self._start + remaining
+            self._deadline = Deadline.of(context)
             context.add_done_callback(self._rpc_done)
 
     def token_sent(self, count: int = 1) -> None:
@@ -292,21 +288,14 @@ class StreamTimer:
         # An error has its code by now (the error-mapping interceptor aborted with it), but a
         # cancel is not always marked on the context yet: a token stream that ends without an
         # error and without its last token was cut short by the caller or the deadline.
-        code = context.code()
-        if isinstance(code, grpc.StatusCode):
-            outcome = code.name
-        elif context.cancelled() or not self._finished:
-            passed = (
-                self._deadline_at is not None
-                and time.perf_counter() >= self._deadline_at - DEADLINE_SLACK_SECONDS
-            )
-            outcome = "DEADLINE_EXCEEDED" if passed else "CANCELLED"
-        else:
-            outcome = "OK"
+        assert self._deadline is not None
+        outcome = final_code(
+            context, self._deadline, cut_short=context.cancelled() or not self._finished
+        )
         self._metrics.duration.labels(outcome).observe(time.perf_counter() - self._start)
         if self._phase is not None:
             self._phase.set_attribute("tokenmesh.completion_tokens", self._completion_tokens)
-            if outcome in ("CANCELLED", "DEADLINE_EXCEEDED"):
+            if outcome in INTERRUPTED:
                 self._phase.add_event("cancelled", {"tokenmesh.reason": outcome.lower()})
             self._phase.end()
             self._phase = None

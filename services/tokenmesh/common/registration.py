@@ -118,19 +118,6 @@ class ConsulRegistration:
         # Set whenever the instance is known to be registered (for tests and logs).
         self.registered = asyncio.Event()
 
-    @classmethod
-    def for_service(
-        cls,
-        settings: ServiceSettings,
-        role: str,
-        port: int,
-        metrics_port: int = -1,
-        extra: Mapping[str, str] | None = None,
-    ) -> ConsulRegistration:
-        """The registration of a tokenmesh service from its settings (no-op without Consul)."""
-        instance = instance_for(settings, role, port, metrics_port, extra)
-        return cls(settings.consul_http_addr, instance)
-
     @property
     def enabled(self) -> bool:
         return self._address is not None

@@ -1,14 +1,12 @@
-"""Tenant identity: per-tenant limits, the RPC's tenant (a contextvar), its bounded metrics."""
+"""Tenant identity: who is calling (a contextvar per RPC) and its limits."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 from opentelemetry import trace
-from prometheus_client import CollectorRegistry, Counter
 from pydantic import BaseModel, ConfigDict, Field
 
 # Metadata the gateway sets on its calls to workers: the authenticated tenant. Services behind
@@ -17,8 +15,6 @@ from pydantic import BaseModel, ConfigDict, Field
 TENANT_HEADER = "x-tenant-id"
 # Span attribute naming the tenant, on the gateway's and the worker's server spans.
 TENANT_ATTRIBUTE = "tokenmesh.tenant"
-# The metrics label value for everything that is not a tenant of the keys file.
-OTHER_TENANT = "other"
 
 
 class Limits(BaseModel):
@@ -69,44 +65,3 @@ def enter_tenant(tenant: Tenant) -> None:
     a task (so a contextvars Context) of its own: nothing leaks into other RPCs."""
     _CURRENT.set(tenant)
     trace.get_current_span().set_attribute(TENANT_ATTRIBUTE, tenant.id)
-
-
-class TenantMetrics:
-    """tokenmesh_gateway_tenant_* counters. The tenant label is bounded: a tenant of the keys
-    file as it is now, else `other`."""
-
-    def __init__(self, registry: CollectorRegistry, known: Callable[[], Collection[str]]) -> None:
-        self._known = known
-        self._requests = Counter(
-            "tokenmesh_gateway_tenant_requests",
-            "RPCs by tenant and outcome: admitted, unauthenticated, rate_limited, "
-            "concurrency_limited, quota_exhausted.",
-            ["tenant", "outcome"],
-            registry=registry,
-        )
-        self._tokens = Counter(
-            "tokenmesh_gateway_tenant_tokens",
-            "Generated tokens delivered, by tenant (what its token quota is charged).",
-            ["tenant"],
-            registry=registry,
-        )
-        self._quota_cutoffs = Counter(
-            "tokenmesh_gateway_tenant_quota_cutoffs",
-            "Streams ended early (FINISH_REASON_QUOTA_EXHAUSTED) by a tenant's token quota.",
-            ["tenant"],
-            registry=registry,
-        )
-
-    def label(self, tenant: Tenant | None) -> str:
-        if tenant is not None and tenant.id in self._known():
-            return tenant.id
-        return OTHER_TENANT
-
-    def request(self, tenant: Tenant | None, outcome: str) -> None:
-        self._requests.labels(tenant=self.label(tenant), outcome=outcome).inc()
-
-    def tokens(self, tenant: Tenant, count: int = 1) -> None:
-        self._tokens.labels(tenant=self.label(tenant)).inc(count)
-
-    def quota_cutoff(self, tenant: Tenant) -> None:
-        self._quota_cutoffs.labels(tenant=self.label(tenant)).inc()

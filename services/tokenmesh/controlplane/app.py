@@ -1,30 +1,18 @@
-"""The control plane's composition root: source, snapshot cache, xDS server, health, metrics."""
+"""The control plane's composition root: source, snapshot cache, xDS, ops; on the service host."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import Any
 
 import aiohttp
 from envoy.service.discovery.v3 import ads_pb2, ads_pb2_grpc
 from envoy.service.endpoint.v3 import eds_pb2, eds_pb2_grpc
-from prometheus_client import CollectorRegistry
 
-from tokenmesh.common.affinity import pin_threads
-from tokenmesh.common.backoff import Backoff
 from tokenmesh.common.consul_http import consul_client
-from tokenmesh.common.interceptors import standard_interceptors
-from tokenmesh.common.metrics import MetricsEndpoint
-from tokenmesh.common.registration import ConsulRegistration, instance_for
-from tokenmesh.common.server import (
-    Health,
-    bind,
-    build_server,
-    enable_reflection,
-    wait_for_shutdown_signal,
-)
+from tokenmesh.common.host import ServiceHost
+from tokenmesh.controlplane.backoff import Backoff
 from tokenmesh.controlplane.config import ControlPlaneSettings
 from tokenmesh.controlplane.consul_source import ConsulSource
 from tokenmesh.controlplane.dns_source import DnsSource
@@ -83,21 +71,13 @@ def build_source(
     )
 
 
-async def feed(
-    source: EndpointSource,
-    cache: SnapshotCache,
-    health: Health,
-    registration: ConsulRegistration,
-) -> None:
-    """Copy the source's snapshots into the cache; SERVING (and registered) from the first."""
-    serving = False
+async def feed(source: EndpointSource, cache: SnapshotCache, first: asyncio.Event) -> None:
+    """Copy the source's snapshots into the cache; set `first` with the first."""
     async for snapshot in source.snapshots():
         cache.update(snapshot)
-        if not serving:
-            serving = True
-            await health.set_serving()
-            registration.start()
-            log.info("control plane serving", extra={"clusters": sorted(snapshot)})
+        if not first.is_set():
+            first.set()
+            log.info("first endpoint snapshot", extra={"clusters": sorted(snapshot)})
 
 
 def worker_addresses(cache: SnapshotCache) -> list[str]:
@@ -107,13 +87,12 @@ def worker_addresses(cache: SnapshotCache) -> list[str]:
 
 
 async def serve(settings: ControlPlaneSettings) -> int:
-    """Run until SIGTERM/SIGINT (exit 0); exit 1 if the endpoint source fails for good."""
-    pin_threads(settings.cores)  # before any thread starts: they inherit it
-    registry = CollectorRegistry()
-    metrics = ControlPlaneMetrics(registry)
+    """Run until SIGTERM/SIGINT (exit 0); exit 1 if the endpoint source fails for good. SERVING
+    (and registered, with register_self) from the first endpoint snapshot."""
+    host = ServiceHost("controlplane", settings, SERVICE_NAMES, register=settings.register_self)
+    metrics = ControlPlaneMetrics(host.registry)
     cache = SnapshotCache(on_update=metrics.observe_snapshot)
-    health = Health(SERVICE_NAMES)
-    server = build_server(settings, standard_interceptors(registry))
+    server = host.server()
     ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(
         AggregatedDiscoveryServicer(cache, metrics), server
     )
@@ -121,7 +100,9 @@ async def serve(settings: ControlPlaneSettings) -> int:
         EndpointDiscoveryServicer(cache, metrics), server
     )
     http = aiohttp.ClientSession()
+    host.on_stop(http.close)
     probe = GrpcWorkerProbe(settings.worker_probe_timeout_seconds, settings.max_message_bytes)
+    host.on_stop(probe.close)
     dashboard = Dashboard(
         workers=lambda: worker_addresses(cache),
         probe=probe,
@@ -134,15 +115,7 @@ async def serve(settings: ControlPlaneSettings) -> int:
         prometheus_url=settings.prometheus_url or "",
     )
     ops_pb2_grpc.add_OpsServiceServicer_to_server(OpsServicer(dashboard), server)
-    health.register(server)
-    enable_reflection(server, SERVICE_NAMES)
-    port = bind(server, settings)
-    await health.set_not_serving()
-    await server.start()
-    endpoint = MetricsEndpoint(registry, settings.metrics_host, settings.metrics_port)
-    metrics_port = endpoint.start()
     page = PageServer(settings.ops_page_dir, settings.host, settings.ops_page_port)
-    page_port = await page.start()
     consul = None
     if settings.source == "consul":
         assert settings.consul_http_addr is not None  # checked by the settings
@@ -150,49 +123,18 @@ async def serve(settings: ControlPlaneSettings) -> int:
             settings.consul_http_addr,
             settings.consul_wait_seconds * 17 / 16 + CONSUL_TIMEOUT_MARGIN_SECONDS,
         )
-    registration = ConsulRegistration(
-        settings.consul_http_addr if settings.register_self else None,
-        instance_for(settings, "controlplane", port, metrics_port),
-    )
-    log.info(
-        "control plane listening; loading endpoints",
-        extra={
-            "port": port,
-            "metrics_port": metrics_port,
-            "ops_page_port": page_port,
-            "source": settings.source,
-        },
-    )
+        host.on_stop(consul.close)
+    # Ends every xDS stream at shutdown; Envoy keeps the endpoints it has and reconnects with
+    # backoff.
+    host.before_server_stop(cache.close)
+    first = asyncio.Event()
+    # Sources retry their backend forever: ending on their own means a bug.
+    host.keep_running(feed(build_source(settings, metrics, consul), cache, first), "endpoint-feed")
 
-    stop = asyncio.Event()
-    signals = asyncio.create_task(wait_for_shutdown_signal(stop))
-    source = build_source(settings, metrics, consul)
-    feeding = asyncio.create_task(feed(source, cache, health, registration))
-    await asyncio.wait({signals, feeding}, return_when=asyncio.FIRST_COMPLETED)
-    exit_code = 0
-    if feeding.done():
-        # Sources retry their backend forever: ending on their own means a bug.
-        log.error("the endpoint source stopped", exc_info=feeding.exception())
-        exit_code = 1
-        signals.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await signals
-    else:
-        feeding.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await feeding
+    async def start() -> None:
+        page_port = await page.start()
+        host.on_stop(page.stop)
+        log.info("ops page listening", extra={"ops_page_port": page_port})
+        await first.wait()
 
-    log.info("control plane stopping")
-    await health.set_not_serving()
-    await registration.stop()
-    # Ends every xDS stream now; Envoy keeps the endpoints it has and reconnects with backoff.
-    cache.close()
-    await server.stop(settings.grace_seconds)
-    await page.stop()
-    await probe.close()
-    await http.close()
-    if consul is not None:
-        await consul.close()
-    endpoint.stop()
-    log.info("control plane stopped", extra={"exit_code": exit_code})
-    return exit_code
+    return await host.run(start, {"source": settings.source})

@@ -114,9 +114,11 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
     see (quotas: a keys file is configured), that it cannot read here (compressed) or would
     refuse go on unchanged, to its own handler."""
 
-    def __init__(self, pipeline: Pipeline, limits: GatewaySettings, metrics: DirectMetrics) -> None:
+    def __init__(
+        self, pipeline: Pipeline, settings: GatewaySettings, metrics: DirectMetrics
+    ) -> None:
         self._pipeline = pipeline
-        self._limits = limits
+        self._settings = settings
         self._metrics = metrics
 
     async def Process(
@@ -183,7 +185,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
             raise Unprepared from exc
         timeout = grpc_timeout(headers.get("grpc-timeout"))
         remaining = None if timeout is None else timeout - (time.monotonic() - started)
-        job = generation_job(request, self._limits)
+        job = generation_job(request, self._settings)
         prepared = await self._pipeline.prepare(job, remaining)
         worker = self._pipeline.worker_request(prepared.prompt, job.sampling)
         worker.warnings.extend(prepared.warnings)

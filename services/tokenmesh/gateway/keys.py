@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from tokenmesh.common.auth import KeysFile, hash_key, new_key
+from tokenmesh.gateway.auth import KeysFile, hash_key, new_key
 
 
 def add_key(path: Path, tenant: str) -> str:

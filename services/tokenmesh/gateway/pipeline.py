@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
@@ -20,6 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from tokenmesh.common.channels import Dependency
 from tokenmesh.common.errors import DependencyError
 from tokenmesh.common.metrics import RPC_BUCKETS
+from tokenmesh.common.outcome import Deadline
 from tokenmesh.common.tenants import TENANT_HEADER, current_tenant
 from tokenmesh.common.tokens import merge, token_count
 from tokenmesh.gateway.breaker import CircuitBreaker, CircuitOpenError, CircuitState
@@ -44,10 +44,6 @@ BREAKER_FAILURES = frozenset(
         grpc.StatusCode.RESOURCE_EXHAUSTED,
     }
 )
-# A worker call that fails this close to its deadline failed because of it: Envoy enforces the
-# same deadline (grpc-timeout) and resets the stream when it passes, which can reach the gateway
-# a moment before its own timer fires on a busy event loop.
-DEADLINE_SLACK_SECONDS = 0.05
 
 
 class GatewayMetrics:
@@ -267,7 +263,9 @@ class WorkerClient:
         if time_limit is not None:
             connect_within = min(connect_within, time_limit)
         await self._worker.ensure_connected(connect_within)
-        expires = None if time_limit is None else time.monotonic() + time_limit
+        # A call that fails (all but) at its deadline failed because of it: Envoy enforces the
+        # same deadline (grpc-timeout) and resets the stream when it passes.
+        deadline = Deadline(time_limit)
         call = self._stub.Generate(request, timeout=time_limit, metadata=metadata or None)
         ahead = ReadAhead(call, self._max_coalesced, self._max_message_tokens)
         received = 0
@@ -279,7 +277,7 @@ class WorkerClient:
             # Failed before its first token, it was retried by Envoy already; after, it cannot
             # be (the caller has tokens), and the message says how far it got.
             during = f"after {received} tokens" if received else ""
-            if expires is not None and time.monotonic() >= expires - DEADLINE_SLACK_SECONDS:
+            if deadline.passed():
                 raise DependencyError(
                     grpc.StatusCode.DEADLINE_EXCEEDED,
                     f"worker: deadline exceeded {during or 'before the first token'}",

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 
-from tokenmesh.common.limits import TenantLimiter
-from tokenmesh.common.tenants import Tenant, TenantMetrics
+from tokenmesh.common.tenants import Tenant
 from tokenmesh.common.tokens import cut, token_count
+from tokenmesh.gateway.limits import TenantLimiter
+from tokenmesh.gateway.tenant_metrics import TenantMetrics
 from tokenmesh.v1 import token_pb2
 
 

@@ -30,12 +30,12 @@ class GenerationJob:
 
 def sampling_params(
     request: llm_pb2.GenerateRequest | llm_pb2.Query | llm_pb2.UserTurn | llm_pb2.DocumentChunk,
-    limits: GatewaySettings,
+    settings: GatewaySettings,
 ) -> inference_pb2.SamplingParams:
     """Check the sampling fields every public request shares and build the worker's params."""
-    if not 1 <= request.max_tokens <= limits.max_tokens_cap:
+    if not 1 <= request.max_tokens <= settings.max_tokens_cap:
         raise InvalidArgument(
-            "max_tokens", f"must be in [1, {limits.max_tokens_cap}], got {request.max_tokens}"
+            "max_tokens", f"must be in [1, {settings.max_tokens_cap}], got {request.max_tokens}"
         )
     sampling = inference_pb2.SamplingParams(max_tokens=request.max_tokens)
     if request.HasField("temperature"):
@@ -47,16 +47,18 @@ def sampling_params(
             sampling.top_p = request.top_p
         if request.HasField("seed"):
             sampling.seed = request.seed
-        check_stop("stop", request.stop, limits.max_stop_sequences, limits.max_stop_sequence_bytes)
+        check_stop(
+            "stop", request.stop, settings.max_stop_sequences, settings.max_stop_sequence_bytes
+        )
         sampling.stop.extend(request.stop)
     if isinstance(request, llm_pb2.GenerateRequest):
-        check_logprobs("", request.logprobs, request.top_logprobs, limits.max_top_logprobs)
+        check_logprobs("", request.logprobs, request.top_logprobs, settings.max_top_logprobs)
         sampling.logprobs = request.logprobs
         sampling.top_logprobs = request.top_logprobs
-        if not 0 <= request.stream_interval <= limits.max_stream_interval:
+        if not 0 <= request.stream_interval <= settings.max_stream_interval:
             raise InvalidArgument(
                 "stream_interval",
-                f"must be in [0, {limits.max_stream_interval}], got {request.stream_interval}",
+                f"must be in [0, {settings.max_stream_interval}], got {request.stream_interval}",
             )
         sampling.stream_interval = request.stream_interval
     if isinstance(request, llm_pb2.GenerateRequest | llm_pb2.Query | llm_pb2.UserTurn):
@@ -65,19 +67,19 @@ def sampling_params(
 
 
 def generation_job(
-    request: llm_pb2.GenerateRequest | llm_pb2.Query, limits: GatewaySettings
+    request: llm_pb2.GenerateRequest | llm_pb2.Query, settings: GatewaySettings
 ) -> GenerationJob:
-    check_text("prompt", request.prompt, limits.max_prompt_bytes)
-    sampling = sampling_params(request, limits)
-    check_count("documents", len(request.documents), limits.max_documents, "documents")
+    check_text("prompt", request.prompt, settings.max_prompt_bytes)
+    sampling = sampling_params(request, settings)
+    check_count("documents", len(request.documents), settings.max_documents, "documents")
     for position, document in enumerate(request.documents):
-        check_text(f"documents[{position}]", document, limits.max_document_bytes)
-    top_k = request.top_k_documents or limits.default_top_k_documents
-    if not 0 < top_k <= limits.max_top_k_documents:
+        check_text(f"documents[{position}]", document, settings.max_document_bytes)
+    top_k = request.top_k_documents or settings.default_top_k_documents
+    if not 0 < top_k <= settings.max_top_k_documents:
         raise InvalidArgument(
             "top_k_documents",
-            f"must be in [0, {limits.max_top_k_documents}] (0 = default "
-            f"{limits.default_top_k_documents}), got {request.top_k_documents}",
+            f"must be in [0, {settings.max_top_k_documents}] (0 = default "
+            f"{settings.default_top_k_documents}), got {request.top_k_documents}",
         )
     return GenerationJob(
         prompt=request.prompt,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, TypeAlias
 
@@ -45,17 +44,17 @@ async def collect(
 
 class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
     def __init__(
-        self, pipeline: Pipeline, limits: GatewaySettings, stream_metrics: StreamMetrics
+        self, pipeline: Pipeline, settings: GatewaySettings, stream_metrics: StreamMetrics
     ) -> None:
         self._pipeline = pipeline
-        self._limits = limits
+        self._settings = settings
         self._stream_metrics = stream_metrics
 
     async def Generate(
         self, request: llm_pb2.GenerateRequest, context: Context
     ) -> AsyncIterator[token_pb2.Token]:
         timer = self._stream_metrics.timer(context)
-        job = generation_job(request, self._limits)
+        job = generation_job(request, self._settings)
         prepared = await self._pipeline.prepare(job, context.time_remaining())
         flag_degraded(context, prepared)
         first = True
@@ -69,7 +68,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
             yield token
 
     async def GetAnswer(self, request: llm_pb2.Query, context: Context) -> llm_pb2.Answer:
-        job = generation_job(request, self._limits)
+        job = generation_job(request, self._settings)
         prepared = await self._pipeline.prepare(job, context.time_remaining())
         flag_degraded(context, prepared)
         tokens = self._pipeline.stream(prepared.prompt, job.sampling, context.time_remaining())
@@ -80,7 +79,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
     async def Summarize(
         self, request_iterator: AsyncIterator[llm_pb2.DocumentChunk], context: Context
     ) -> llm_pb2.Answer:
-        limits = self._limits
+        settings = self._settings
         first: llm_pb2.DocumentChunk | None = None
         sampling: inference_pb2.SamplingParams | None = None
         parts: list[str] = []
@@ -89,24 +88,24 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
             if first is None:
                 # The options are checked as they arrive, not after the whole text.
                 first = chunk
-                sampling = sampling_params(first, limits)
-                check_text("instruction", first.instruction, limits.max_prompt_bytes, False)
-            if len(parts) >= limits.max_summarize_chunks:
+                sampling = sampling_params(first, settings)
+                check_text("instruction", first.instruction, settings.max_prompt_bytes, False)
+            if len(parts) >= settings.max_summarize_chunks:
                 raise InvalidArgument(
-                    "chunks", f"more than the limit of {limits.max_summarize_chunks} chunks"
+                    "chunks", f"more than the limit of {settings.max_summarize_chunks} chunks"
                 )
             size += len(chunk.text.encode())
-            if size > limits.max_summarize_bytes:
+            if size > settings.max_summarize_bytes:
                 raise InvalidArgument(
                     "text",
-                    f"the chunks add up to more than the limit of {limits.max_summarize_bytes} "
+                    f"the chunks add up to more than the limit of {settings.max_summarize_bytes} "
                     "bytes",
                 )
             parts.append(chunk.text)
         if first is None or sampling is None or not size:
             raise InvalidArgument("text", "no text received before the stream was closed")
-        instruction = first.instruction or limits.summarize_instruction
-        check_text("instruction", instruction, limits.max_prompt_bytes)
+        instruction = first.instruction or settings.summarize_instruction
+        check_text("instruction", instruction, settings.max_prompt_bytes)
         prompt = summary_request(instruction, "".join(parts))
         tokens = self._pipeline.stream(prompt, sampling, context.time_remaining())
         return await collect(tokens)
@@ -114,36 +113,40 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
     async def Chat(
         self, request_iterator: AsyncIterator[llm_pb2.ChatMessage], context: Context
     ) -> AsyncIterator[llm_pb2.ChatEvent]:
-        session = ChatSession(self._pipeline, self._limits, context)
+        session = ChatSession(self._pipeline, self._settings, context)
         async for event in session.run(request_iterator):
             yield event
 
 
 def check_user_turn(
-    user: llm_pb2.UserTurn, limits: GatewaySettings
+    user: llm_pb2.UserTurn, settings: GatewaySettings
 ) -> inference_pb2.SamplingParams:
-    check_text("user.content", user.content, limits.max_chat_message_bytes)
-    return sampling_params(user, limits)
+    check_text("user.content", user.content, settings.max_chat_message_bytes)
+    return sampling_params(user, settings)
+
+
+QueuedTurn: TypeAlias = tuple[llm_pb2.UserTurn, inference_pb2.SamplingParams]
+# The end of a turn's tokens, after its last (or after its generation stopped).
+_END = object()
 
 
 class ChatSession:
-    """One Chat stream: user turns run one at a time, each streaming its tokens back; a cancel
-    message stops the running turn at once; half-close ends the stream after the running turn."""
+    """One Chat stream, in two parts. A reader task routes each message the client sends: a
+    user turn, checked at once, to the queue of turns; a cancel to the running turn; the
+    half-close, or what ends the stream (a malformed message, a bad turn, one too many
+    waiting), to the end of the queue. A loop answers the queued turns one at a time."""
 
-    def __init__(self, pipeline: Pipeline, limits: GatewaySettings, context: Context) -> None:
+    def __init__(self, pipeline: Pipeline, settings: GatewaySettings, context: Context) -> None:
         self._pipeline = pipeline
-        self._limits = limits
+        self._settings = settings
         self._context = context
-        self._history = ChatHistory(limits.max_chat_turns, limits.max_chat_history_tokens)
-        # Messages read from the client; None marks its half-close, an exception a message
-        # that could not be read (malformed), which ends the stream with its status.
-        self._inbox: asyncio.Queue[llm_pb2.ChatMessage | Exception | None] = asyncio.Queue()
-        # A message taken from the inbox as a turn ended, handled before the inbox's next one
-        # (at most one; a deque because None, the half-close, is a message too).
-        self._unread: deque[llm_pb2.ChatMessage | Exception | None] = deque()
-        # User turns that arrived while another turn was running, checked, with their sampling.
-        self._backlog: deque[tuple[llm_pb2.UserTurn, inference_pb2.SamplingParams]] = deque()
-        self._half_closed = False
+        self._history = ChatHistory(settings.max_chat_turns, settings.max_chat_history_tokens)
+        # Turns waiting to be answered; None after the last: the client half-closed.
+        self._turns: asyncio.Queue[QueuedTurn | None] = asyncio.Queue()
+        # What ends the stream with its status, at once (the running turn is stopped).
+        self._failure: Exception | None = None
+        # The running turn's generation until its last token: what a cancel stops.
+        self._generation: asyncio.Task[None] | None = None
 
     async def run(
         self, requests: AsyncIterator[llm_pb2.ChatMessage]
@@ -151,13 +154,12 @@ class ChatSession:
         reader = asyncio.create_task(self._read(requests))
         try:
             turn = 0
-            while True:
-                queued = await self._next_user_turn()
-                if queued is None:
-                    return
-                async for event in self._run_turn(turn, *queued):
+            while (queued := await self._turns.get()) is not None and self._failure is None:
+                async for event in self._answer(turn, *queued):
                     yield event
                 turn += 1
+            if self._failure is not None:
+                raise self._failure
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -166,111 +168,75 @@ class ChatSession:
     async def _read(self, requests: AsyncIterator[llm_pb2.ChatMessage]) -> None:
         try:
             async for message in requests:
-                await self._inbox.put(message)
-        except Exception as exc:  # the stream's reader must not wait forever for a message
-            await self._inbox.put(exc)
-            return
-        await self._inbox.put(None)
+                if message.HasField("user"):
+                    self._queue(message.user)
+                elif message.HasField("cancel") and self._generation is not None:
+                    self._generation.cancel()
+                # A cancel with no turn generating has nothing to stop.
+        except Exception as exc:  # the stream must end with it, not wait for a turn
+            self._failure = exc
+            if self._generation is not None:
+                self._generation.cancel()
+        self._turns.put_nowait(None)
 
-    @staticmethod
-    def _message(item: llm_pb2.ChatMessage | Exception | None) -> llm_pb2.ChatMessage | None:
-        if isinstance(item, Exception):
-            raise item
-        return item
-
-    async def _next_message(self) -> llm_pb2.ChatMessage | Exception | None:
-        if self._unread:
-            return self._unread.popleft()
-        return await self._inbox.get()
-
-    async def _next_user_turn(
-        self,
-    ) -> tuple[llm_pb2.UserTurn, inference_pb2.SamplingParams] | None:
-        """The next user turn to answer, with its sampling, or None once the client has
-        half-closed."""
-        while not self._backlog:
-            if self._half_closed:
-                return None
-            message = self._message(await self._next_message())
-            if message is None:
-                self._half_closed = True
-            elif message.HasField("user"):
-                self._enqueue(message.user)
-            # A cancel with no turn running has nothing to stop.
-        return self._backlog.popleft()
-
-    def _enqueue(self, user: llm_pb2.UserTurn) -> None:
+    def _queue(self, user: llm_pb2.UserTurn) -> None:
         """Queue a user turn behind the running one, checked now: a bad turn or one too many
         ends the stream before it waits."""
-        limits = self._limits
-        if len(self._backlog) >= limits.max_chat_pending_turns:
+        settings = self._settings
+        if self._turns.qsize() >= settings.max_chat_pending_turns:
             raise ResourceExhausted(
-                f"chat: more than {limits.max_chat_pending_turns} user turns waiting for an "
+                f"chat: more than {settings.max_chat_pending_turns} user turns waiting for an "
                 "answer (max_chat_pending_turns); send the next turn after turn_end"
             )
-        self._backlog.append((user, check_user_turn(user, limits)))
+        self._turns.put_nowait((user, check_user_turn(user, settings)))
 
-    def _keep_unread(self, pending: asyncio.Future[llm_pb2.ChatMessage | Exception | None]) -> None:
-        """A message read while a turn was ending is handled next, in its turn; a read still
-        waiting is stopped."""
-        if not pending.done():
-            pending.cancel()
-        elif not pending.cancelled():
-            self._unread.append(pending.result())
-
-    async def _run_turn(
+    async def _answer(
         self, turn: int, user: llm_pb2.UserTurn, sampling: inference_pb2.SamplingParams
     ) -> AsyncGenerator[llm_pb2.ChatEvent, None]:
-        tokens = self._pipeline.stream(
-            self._history.prompt(user.content), sampling, self._context.time_remaining()
-        )
+        # The generation runs in a task of its own, so that a cancel can stop it wherever it
+        # is; it hands over one token at a time and waits until the stream has sent it, so a
+        # slow client still holds it back (HTTP/2 flow control).
+        tokens: asyncio.Queue[Any] = asyncio.Queue()
+
+        async def generate() -> None:
+            stream = self._pipeline.stream(
+                self._history.prompt(user.content), sampling, self._context.time_remaining()
+            )
+            try:
+                async with contextlib.aclosing(stream):
+                    async for token in stream:
+                        tokens.put_nowait(token)
+                        await tokens.join()
+            finally:
+                tokens.put_nowait(_END)
+
+        generation = self._generation = asyncio.create_task(generate())
         answer: list[str] = []
-        generated = 0
         end = llm_pb2.TurnEnd()
-        next_token = asyncio.ensure_future(anext(tokens))
-        next_message = None if self._half_closed else asyncio.ensure_future(self._next_message())
         try:
-            while True:
-                waiting = {next_token} | ({next_message} if next_message else set())
-                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-                if next_message in done:
-                    message = self._message(next_message.result())
-                    next_message = None
-                    if message is None:
-                        self._half_closed = True
-                    elif message.HasField("cancel") and not end.finish_reason:
-                        next_token.cancel()
-                        end.finish_reason = token_pb2.FINISH_REASON_CANCELLED
-                        end.usage.completion_tokens = generated
-                        break
-                    elif message.HasField("user"):
-                        self._enqueue(message.user)
-                    # A cancel after the last token has nothing left to stop.
-                    if not self._half_closed:
-                        next_message = asyncio.ensure_future(self._next_message())
-                if next_token in done:
-                    try:
-                        token = next_token.result()
-                    except StopAsyncIteration:
-                        break
-                    answer.append(token.text)
-                    generated += token_count(token)
-                    yield llm_pb2.ChatEvent(turn=turn, token=token)
-                    if token.finish_reason:
-                        end.finish_reason = token.finish_reason
-                        end.usage.CopyFrom(token.usage)
+            while (token := await tokens.get()) is not _END:
+                answer.append(token.text)
+                end.usage.completion_tokens += token_count(token)
+                if token.finish_reason:
+                    end.finish_reason = token.finish_reason
+                    end.usage.CopyFrom(token.usage)
                     # Read on to the stream's end (right after the last token), so the worker
                     # call completes instead of being cancelled.
-                    next_token = asyncio.ensure_future(anext(tokens))
+                    self._generation = None
+                yield llm_pb2.ChatEvent(turn=turn, token=token)
+                tokens.task_done()
+            await asyncio.wait({generation})
         finally:
-            if next_message is not None:
-                self._keep_unread(next_message)
-            # Stop the generation (a cancel, an error, or the client leaving): cancelling the
-            # pending read cancels the worker call, which aborts the engine request.
-            next_token.cancel()
-            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                await next_token
-            await tokens.aclose()
+            # The client went away (or the stream failed) mid-turn: cancelling the generation
+            # cancels the worker call, which aborts the engine request.
+            self._generation = None
+            generation.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await generation
+        if self._failure is not None:
+            return
+        if generation.cancelled() and not end.finish_reason:
+            end.finish_reason = token_pb2.FINISH_REASON_CANCELLED
         # The history measures this turn by what the worker counted: the prompt tokens it
         # added beyond the history, plus what was generated.
         added_prompt_tokens = max(end.usage.prompt_tokens - self._history.tokens, 0)

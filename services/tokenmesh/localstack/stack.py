@@ -7,7 +7,6 @@ import os
 import random
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -22,7 +21,6 @@ from typing import Any
 import grpc
 import psutil
 import yaml
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -34,6 +32,7 @@ from tokenmesh.localstack.certs import (
     CertPaths,
     CertSettings,
 )
+from tokenmesh.localstack.probes import health, port_is_free
 from tokenmesh.meshconfig.bootstrap import render
 from tokenmesh.meshconfig.config import MeshSettings
 
@@ -54,21 +53,6 @@ VLLM_METRIC_NAMES = {
     "target_label": "__name__",
     "replacement": "vllm:$1",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def port_is_free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
 
 
 # Replica i of these listens on base + i, so each gets a block of MAX_REPLICAS ports.
@@ -144,10 +128,10 @@ class StackSettings(BaseSettings):
     # OTLP/gRPC collector (e.g. Jaeger's 127.0.0.1:4317) every gateway, worker and reranker
     # sends its spans to; unset: tracing off.
     otlp_endpoint: str | None = None
-    # API keys and tenant limits for every gateway (a JSON keys file, see README "Security";
+    # API keys and tenant limits for every gateway (a JSON keys file, see docs/security.md;
     # relative to the repository root); unset: no authentication, the local default.
     keys_file: Path | None = None
-    # TLS at the edge (README "Security", TLS): the edge speaks only TLS (gRPC over h2,
+    # TLS at the edge (docs/security.md, TLS): the edge speaks only TLS (gRPC over h2,
     # REST and gRPC-Web over http/1.1 too, by ALPN), with a certificate from the local CA in
     # certs_dir, made when missing or about to expire (as `make certs` does).
     tls: bool = False
@@ -749,26 +733,3 @@ def envoy_hosts(admin_port: int) -> dict[str, list[tuple[str, bool]]]:
         )
         hosts.setdefault(cluster, []).append((address, healthy))
     return hosts
-
-
-def serving(address: str, credentials: grpc.ChannelCredentials | None = None) -> bool:
-    return health(address, credentials) == "SERVING"
-
-
-def health(
-    address: str, credentials: grpc.ChannelCredentials | None = None, timeout: float = 2.0
-) -> str:
-    """The overall grpc.health.v1 status at address (over TLS with credentials), or the error
-    code name."""
-    with (
-        grpc.insecure_channel(address)
-        if credentials is None
-        else grpc.secure_channel(address, credentials)
-    ) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=timeout
-            )
-        except grpc.RpcError as err:
-            return str(err.code().name)
-    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))

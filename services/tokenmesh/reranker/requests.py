@@ -25,15 +25,15 @@ class RerankJob:
         return 1 + len(self.documents)
 
 
-def validate(request: rerank_pb2.RerankRequest, limits: RerankerSettings) -> RerankJob:
-    """Check every field against the reranker's limits; raise InvalidArgument naming the field."""
-    check_text("query", request.query, limits.max_query_bytes)
+def validate(request: rerank_pb2.RerankRequest, settings: RerankerSettings) -> RerankJob:
+    """Check every field against the reranker's limits; raise InvalidArgument naming it."""
+    check_text("query", request.query, settings.max_query_bytes)
     count = len(request.documents)
     if count == 0:
         raise InvalidArgument("documents", "must not be empty (send 1 or more documents)")
-    check_count("documents", count, limits.max_documents, "documents")
+    check_count("documents", count, settings.max_documents, "documents")
     for position, document in enumerate(request.documents):
-        check_text(f"documents[{position}]", document, limits.max_document_bytes)
+        check_text(f"documents[{position}]", document, settings.max_document_bytes)
     if not 0 <= request.top_k <= count:
         raise InvalidArgument(
             "top_k", f"must be in [0, {count}] (0 = all documents), got {request.top_k}"

@@ -16,10 +16,10 @@ from tokenmesh.v1 import rerank_pb2, rerank_pb2_grpc
 
 class RerankServicer(rerank_pb2_grpc.RerankServiceServicer):
     def __init__(
-        self, rerankers: RerankerSlot, limits: RerankerSettings, metrics: RerankMetrics
+        self, rerankers: RerankerSlot, settings: RerankerSettings, metrics: RerankMetrics
     ) -> None:
         self._rerankers = rerankers
-        self._limits = limits
+        self._settings = settings
         self._metrics = metrics
 
     async def Rerank(
@@ -27,7 +27,7 @@ class RerankServicer(rerank_pb2_grpc.RerankServiceServicer):
         request: rerank_pb2.RerankRequest,
         context: aio.ServicerContext[Any, Any],
     ) -> rerank_pb2.RerankResponse:
-        job = validate(request, self._limits)
+        job = validate(request, self._settings)
         batcher = self._rerankers.get()
         # A caller that cancels or runs out of deadline cancels this await: its work is dropped
         # from the queue, or its result discarded if the model already has it.

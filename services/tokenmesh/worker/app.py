@@ -1,32 +1,21 @@
-"""The worker's composition root: builds the engine, server, health and metrics, runs, stops."""
+"""The worker's composition root: the engine, its servicer and metrics, on the service host."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 from prometheus_client.registry import Collector
 
 from tokenmesh.common.affinity import pin_threads
-from tokenmesh.common.auth import TenantMetadataInterceptor
-from tokenmesh.common.interceptors import standard_interceptors
-from tokenmesh.common.metrics import MetricsEndpoint, StreamMetrics
-from tokenmesh.common.registration import ConsulRegistration
-from tokenmesh.common.server import (
-    Health,
-    ProbePort,
-    bind,
-    build_server,
-    enable_reflection,
-    wait_for_shutdown_signal,
-)
-from tokenmesh.common.tracing import Tracing
+from tokenmesh.common.host import ServiceHost
+from tokenmesh.common.metrics import StreamMetrics
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
 from tokenmesh.worker.config import WorkerSettings
 from tokenmesh.worker.engine import EngineLoad, EngineSlot, VllmEngine
 from tokenmesh.worker.servicer import InferenceServicer
+from tokenmesh.worker.tenant import TenantMetadataInterceptor
 
 log = logging.getLogger(__name__)
 
@@ -70,87 +59,42 @@ def aborted_counter(registry: CollectorRegistry) -> Counter:
     )
 
 
-async def watch_engine(engine: VllmEngine, interval: float, stop: asyncio.Event) -> None:
-    """Stop the worker when the engine process dies, so its supervisor restarts it."""
+async def watch_engine(engine: VllmEngine, interval: float) -> None:
+    """Return when the engine process dies: the worker stops (exit 1) and its supervisor
+    restarts it."""
     # vLLM exposes no event for engine death, only the errored flag, so it is polled.
     while not engine.errored:  # noqa: ASYNC110
         await asyncio.sleep(interval)
     log.error("inference engine died; shutting the worker down")
-    stop.set()
 
 
 async def serve(settings: WorkerSettings) -> int:
     """Run the worker until SIGTERM/SIGINT (exit 0) or until its engine dies (exit 1)."""
-    registry = CollectorRegistry()
-    registry.register(VllmMetricsCollector())
-    tracing = Tracing("tokenmesh-worker", settings.otlp_endpoint)
-    tracer = tracing.tracer if tracing.enabled else None
-    # With tracing on, each stream's queue_prefill and decode spans too.
-    stream_metrics = StreamMetrics(registry, tracer, log_tokens=settings.log_tokens)
-    slot = EngineSlot()
-    health = Health(SERVICE_NAMES)
-    # The tenant the gateway named (x-tenant-id) goes on each RPC's log line and span.
-    interceptors = standard_interceptors(registry, tracer, (TenantMetadataInterceptor(),))
-    server = build_server(settings, interceptors)
-    inference_pb2_grpc.add_InferenceServiceServicer_to_server(
-        InferenceServicer(slot, settings, stream_metrics, aborted_counter(registry)), server
+    # The engine's processes start with every core (they bind their own, cpu_threads_bind);
+    # the front end's threads are pinned once it has started.
+    host = ServiceHost(
+        "worker", settings, SERVICE_NAMES, pin_now=False, consul_meta={"model": settings.model_name}
     )
-    health.register(server)
-    enable_reflection(server, SERVICE_NAMES)
-    port = bind(server, settings)
-    await health.set_not_serving()
-    await server.start()
-    probes = ProbePort(health, settings)
-    await probes.start()  # no-op without a health port
-    metrics = MetricsEndpoint(registry, settings.metrics_host, settings.metrics_port)
-    metrics_port = metrics.start()
-    log.info(
-        "worker listening; loading model",
-        extra={"port": port, "metrics_port": metrics_port, "model": settings.model},
+    host.add_collector(VllmMetricsCollector())
+    # With tracing on, each stream's queue_prefill and decode spans too.
+    stream_metrics = StreamMetrics(host.registry, host.tracer, log_tokens=settings.log_tokens)
+    slot = EngineSlot()
+    # The tenant the gateway named (x-tenant-id) goes on each RPC's log line and span.
+    server = host.server((TenantMetadataInterceptor(),))
+    inference_pb2_grpc.add_InferenceServiceServicer_to_server(
+        InferenceServicer(slot, settings, stream_metrics, aborted_counter(host.registry)), server
     )
 
-    registration = ConsulRegistration.for_service(
-        settings, "worker", port, metrics_port, extra={"model": settings.model_name}
-    )
-    stop = asyncio.Event()
-    signals = asyncio.create_task(wait_for_shutdown_signal(stop))
-    loading = asyncio.create_task(VllmEngine.start(settings))
-    await asyncio.wait({signals, loading}, return_when=asyncio.FIRST_COMPLETED)
-    engine: VllmEngine | None = None
-    watchdog: asyncio.Task[None] | None = None
-    exit_code = 0
-    if loading.done():
-        engine = loading.result()
-        # Now, not before: the engine's processes were started with every core (they bind
-        # their own, cpu_threads_bind); the front end's threads leave those to them.
+    async def start() -> None:
+        engine = await VllmEngine.start(settings)
+        # Closed once the server has stopped: in-flight streams get the grace period, then are
+        # cancelled, which aborts their engine requests.
+        host.on_stop(lambda: asyncio.to_thread(engine.close))
         pin_threads(settings.cores)
         slot.set(engine)
-        register_engine_gauges(registry, engine.load)
-        watchdog = asyncio.create_task(
-            watch_engine(engine, settings.engine_check_interval_seconds, stop)
+        register_engine_gauges(host.registry, engine.load)
+        host.keep_running(
+            watch_engine(engine, settings.engine_check_interval_seconds), "engine-watch"
         )
-        await health.set_serving()
-        registration.start()  # no-op without a Consul address
-        log.info("worker serving", extra={"port": port, "model": engine.model_name})
-        await signals
-        exit_code = 1 if engine.errored else 0
-    else:
-        loading.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await loading
 
-    log.info("worker stopping", extra={"grace_seconds": settings.grace_seconds})
-    await health.set_not_serving()
-    await registration.stop()
-    # New RPCs are refused; in-flight streams get the grace period, then are cancelled, which
-    # aborts their engine requests.
-    await server.stop(settings.grace_seconds)
-    await probes.stop()
-    if watchdog is not None:
-        watchdog.cancel()
-    if engine is not None:
-        await asyncio.to_thread(engine.close)
-    await tracing.shutdown()
-    metrics.stop()
-    log.info("worker stopped", extra={"exit_code": exit_code})
-    return exit_code
+    return await host.run(start, {"model": settings.model})

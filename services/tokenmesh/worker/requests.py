@@ -40,16 +40,16 @@ class GenerationSpec:
     warnings: tuple[str, ...] = ()
 
 
-def validate(request: inference_pb2.InferenceRequest, limits: WorkerSettings) -> GenerationSpec:
-    """Check every field against the worker's limits; raise InvalidArgument naming the field."""
-    check_text("prompt", request.prompt, limits.max_prompt_bytes)
+def validate(request: inference_pb2.InferenceRequest, settings: WorkerSettings) -> GenerationSpec:
+    """Check every field against the worker's limits; raise InvalidArgument naming it."""
+    check_text("prompt", request.prompt, settings.max_prompt_bytes)
     sampling = request.sampling
-    if not 1 <= sampling.max_tokens <= limits.max_tokens_cap:
+    if not 1 <= sampling.max_tokens <= settings.max_tokens_cap:
         raise InvalidArgument(
             "sampling.max_tokens",
-            f"must be in [1, {limits.max_tokens_cap}], got {sampling.max_tokens}",
+            f"must be in [1, {settings.max_tokens_cap}], got {sampling.max_tokens}",
         )
-    temperature = limits.default_temperature
+    temperature = settings.default_temperature
     if sampling.HasField("temperature"):
         temperature = sampling.temperature
         check_range("sampling.temperature", temperature, 0.0, MAX_TEMPERATURE)
@@ -63,23 +63,26 @@ def validate(request: inference_pb2.InferenceRequest, limits: WorkerSettings) ->
         if top_k == 0 or top_k < -1:
             raise InvalidArgument("sampling.top_k", f"must be -1 (off) or >= 1, got {top_k}")
     check_stop(
-        "sampling.stop", sampling.stop, limits.max_stop_sequences, limits.max_stop_sequence_bytes
+        "sampling.stop",
+        sampling.stop,
+        settings.max_stop_sequences,
+        settings.max_stop_sequence_bytes,
     )
-    check_logprobs("sampling.", sampling.logprobs, sampling.top_logprobs, limits.max_top_logprobs)
-    if not 0 <= sampling.stream_interval <= limits.max_stream_interval:
+    check_logprobs("sampling.", sampling.logprobs, sampling.top_logprobs, settings.max_top_logprobs)
+    if not 0 <= sampling.stream_interval <= settings.max_stream_interval:
         raise InvalidArgument(
             "sampling.stream_interval",
-            f"must be in [0, {limits.max_stream_interval}], got {sampling.stream_interval}",
+            f"must be in [0, {settings.max_stream_interval}], got {sampling.stream_interval}",
         )
-    if len(request.request_id) > limits.max_request_id_chars:
+    if len(request.request_id) > settings.max_request_id_chars:
         raise InvalidArgument(
             "request_id",
             f"is {len(request.request_id)} characters, over the limit of "
-            f"{limits.max_request_id_chars}",
+            f"{settings.max_request_id_chars}",
         )
-    check_count("warnings", len(request.warnings), limits.max_warnings, "warnings")
+    check_count("warnings", len(request.warnings), settings.max_warnings, "warnings")
     for warning in request.warnings:
-        check_text("warnings", warning, limits.max_warning_bytes)
+        check_text("warnings", warning, settings.max_warning_bytes)
     # The engine needs ids unique among in-flight requests; a caller's id may repeat, so it
     # gets a random suffix.
     suffix = uuid.uuid4().hex[:12]

@@ -11,8 +11,8 @@ from typing import Any
 from grpc import aio
 from prometheus_client import Counter
 
-from tokenmesh.common.interceptors import Deadline
 from tokenmesh.common.metrics import StreamMetrics
+from tokenmesh.common.outcome import Deadline
 from tokenmesh.common.tokens import DEGRADED_HEADER
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
 from tokenmesh.worker.admission import Admission
@@ -60,23 +60,23 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     def __init__(
         self,
         engines: EngineSlot,
-        limits: WorkerSettings,
+        settings: WorkerSettings,
         stream_metrics: StreamMetrics,
         aborted: Counter,
     ) -> None:
         self._engines = engines
-        self._limits = limits
+        self._settings = settings
         self._stream_metrics = stream_metrics
         # Engine requests aborted because their caller went away, by reason.
         self._aborted = aborted
-        self._admission = Admission(limits.max_num_seqs, limits.max_waiting_requests)
+        self._admission = Admission(settings.max_num_seqs, settings.max_waiting_requests)
 
     async def Generate(
         self,
         request: inference_pb2.InferenceRequest,
         context: aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[token_pb2.Token]:
-        spec = validate(request, self._limits)
+        spec = validate(request, self._settings)
         # A degraded answer the gateway prepared for Envoy to stream from here: its trailer.
         degraded = next(
             (str(v) for k, v in context.invocation_metadata() or () if k == DEGRADED_HEADER), None
@@ -94,7 +94,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self, engine: VllmEngine, spec: GenerationSpec, context: aio.ServicerContext[Any, Any]
     ) -> AsyncGenerator[token_pb2.Token, None]:
         timer = self._stream_metrics.timer(context)
-        deadline = Deadline(context)
+        deadline = Deadline.of(context)
         counted = False
 
         def count_abort() -> None:

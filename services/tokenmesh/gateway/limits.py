@@ -19,7 +19,8 @@ from grpc import aio
 
 from tokenmesh.common.errors import ResourceExhausted
 from tokenmesh.common.interceptors import admitted
-from tokenmesh.common.tenants import Limits, Tenant, TenantMetrics, current_tenant
+from tokenmesh.common.tenants import Limits, Tenant, current_tenant
+from tokenmesh.gateway.tenant_metrics import TenantMetrics
 
 
 def _number(value: float) -> str:

@@ -24,15 +24,9 @@ from grpc import aio
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from tokenmesh.common.errors import Unauthenticated
-from tokenmesh.common.interceptors import admitted
-from tokenmesh.common.tenants import (
-    OTHER_TENANT,
-    TENANT_HEADER,
-    Limits,
-    Tenant,
-    TenantMetrics,
-    enter_tenant,
-)
+from tokenmesh.common.interceptors import with_tenant
+from tokenmesh.common.tenants import Limits, Tenant
+from tokenmesh.gateway.tenant_metrics import OTHER_TENANT, TenantMetrics
 
 log = logging.getLogger(__name__)
 
@@ -235,18 +229,6 @@ def presented_key(metadata: Sequence[tuple[str, Any]] | None) -> str | None:
     return api_key
 
 
-def _with_tenant(
-    handler: grpc.RpcMethodHandler, resolve: Callable[[aio.ServicerContext[Any, Any]], Tenant]
-) -> grpc.RpcMethodHandler:
-    """handler whose behaviour first makes resolve(context) the RPC's tenant (resolve may
-    raise a ServiceError instead, which ErrorMappingInterceptor maps)."""
-
-    async def admit(context: aio.ServicerContext[Any, Any]) -> None:
-        enter_tenant(resolve(context))
-
-    return admitted(handler, admit)
-
-
 class AuthInterceptor(aio.ServerInterceptor):
     """Checks the caller's API key once per RPC (methods under `open_methods` excepted) and
     makes its tenant the RPC's; no valid key: UNAUTHENTICATED, one message for every cause.
@@ -274,23 +256,4 @@ class AuthInterceptor(aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or handler_call_details.method.startswith(self._open):
             return handler
-        return _with_tenant(handler, self._resolve)
-
-
-class TenantMetadataInterceptor(aio.ServerInterceptor):
-    """For services behind the gateway (workers): the tenant the gateway named in
-    x-tenant-id becomes the RPC's, for its log line and server span. The gateway enforced the
-    limits; none apply here."""
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        metadata = handler_call_details.invocation_metadata or ()
-        tenant_id = next((str(v) for k, v in metadata if k == TENANT_HEADER), None)
-        if handler is None or not tenant_id:
-            return handler
-        tenant = Tenant(tenant_id)
-        return _with_tenant(handler, lambda context: tenant)
+        return with_tenant(handler, self._resolve)

@@ -1,0 +1,149 @@
+"""ServiceHost's lifecycle on a real gRPC server: health on both ports through start-up, Consul
+registration once SERVING, exit codes, and shutdown in order."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from grpc import aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.consul_fake import FakeConsul
+from tokenmesh.common.host import ServiceHost
+from tokenmesh.common.settings import ServiceSettings
+
+PROMPTLY = 5.0
+NAMES = ("tokenmesh.v1.TestService",)
+
+
+def settings(**values: Any) -> ServiceSettings:
+    defaults: dict[str, Any] = {
+        "port": 0,
+        "metrics_port": 0,
+        "health_port": 0,
+        "grace_seconds": 0.5,
+        "consul_http_addr": None,
+    }
+    return ServiceSettings(**{**defaults, **values})
+
+
+async def status(port: int, service: str = "") -> str:
+    async with aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=PROMPTLY
+        )
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+
+
+async def until(condition: Any) -> None:
+    async with asyncio.timeout(PROMPTLY):
+        while not condition():  # noqa: ASYNC110 (a condition, not an event)
+            await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+async def consul() -> AsyncIterator[FakeConsul]:
+    fake = FakeConsul()
+    await fake.start()
+    try:
+        yield fake
+    finally:
+        await fake.stop()
+
+
+async def test_not_serving_while_starting_then_serving_on_both_ports_and_registered(
+    consul: FakeConsul,
+) -> None:
+    host = ServiceHost(
+        "test", settings(consul_http_addr=consul.address), NAMES, consul_meta={"model": "m"}
+    )
+    release = asyncio.Event()
+    seen: dict[str, str] = {}
+
+    async def start() -> None:
+        await until(lambda: "health_port" in host.ports)
+        seen["port"] = await status(host.ports["port"], NAMES[0])
+        seen["health_port"] = await status(host.ports["health_port"])
+        seen["consul"] = str(bool(consul.instances))
+        await release.wait()
+
+    running = asyncio.create_task(host.run(start))
+    await until(lambda: "consul" in seen)
+    assert seen == {"port": "NOT_SERVING", "health_port": "NOT_SERVING", "consul": "False"}
+    release.set()
+    await until(lambda: bool(consul.instances))
+    [instance] = consul.instances.values()
+    assert (instance.port, instance.meta["role"], instance.meta["model"]) == (
+        host.ports["port"],
+        "test",
+        "m",
+    )
+    assert await status(host.ports["port"], NAMES[0]) == "SERVING"
+    assert await status(host.ports["health_port"]) == "SERVING"
+    os.kill(os.getpid(), signal.SIGTERM)  # the host's handler is installed while it runs
+    assert await asyncio.wait_for(running, PROMPTLY) == 0
+    assert consul.instances == {}  # deregistered on the way out
+
+
+async def test_a_failed_start_exits_1_and_still_cleans_up(caplog: pytest.LogCaptureFixture) -> None:
+    host = ServiceHost("test", settings(), NAMES)
+    cleaned: list[str] = []
+    host.on_stop(lambda: cleaned.append("stopped"))
+
+    async def start() -> None:
+        raise RuntimeError("the model failed to load")
+
+    with caplog.at_level(logging.ERROR):
+        assert await asyncio.wait_for(host.run(start), PROMPTLY) == 1
+    assert "test failed to start: the model failed to load" in caplog.text
+    assert cleaned == ["stopped"]
+
+
+async def test_a_background_task_that_ends_stops_the_service_in_order() -> None:
+    host = ServiceHost("test", settings(), NAMES)
+    order: list[str] = []
+    ended = asyncio.Event()
+
+    async def watchdog() -> None:
+        await ended.wait()  # e.g. the engine died
+
+    async def close(name: str) -> None:
+        await asyncio.sleep(0)
+        order.append(name)
+
+    host.keep_running(watchdog(), "watchdog")
+    host.before_server_stop(lambda: order.append("before server stop"))
+    host.on_stop(lambda: close("added first"))
+    host.on_stop(lambda: close("added last"))
+    running = asyncio.create_task(host.run())
+    await until(lambda: "port" in host.ports)
+    assert await status(host.ports["port"]) == "SERVING"
+    ended.set()
+    assert await asyncio.wait_for(running, PROMPTLY) == 1
+    assert order == ["before server stop", "added last", "added first"]
+
+
+async def test_a_signal_during_start_cancels_it_and_exits_0() -> None:
+    host = ServiceHost("test", settings(health_port=-1), NAMES)
+    cancelled = asyncio.Event()
+
+    async def start() -> None:
+        try:
+            await asyncio.sleep(60)  # a model that takes long to load
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    running = asyncio.create_task(host.run(start))
+    await until(lambda: "port" in host.ports)
+    assert "health_port" not in host.ports
+    await asyncio.sleep(0.05)  # start is running, the signal handler installed
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert await asyncio.wait_for(running, PROMPTLY) == 0
+    assert cancelled.is_set()
