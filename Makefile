@@ -25,6 +25,7 @@ help:
 	@echo "make certs   a local CA and TLS certificates in .run/certs (ARGS=--force makes new ones)"
 	@echo "make chart   refresh the Helm chart's generated files (Envoy config, dashboards, alerts)"
 	@echo "make images  build the container images (needs docker; IMAGE_PREFIX, IMAGE_TAG)"
+	@echo "make docs    regenerate docs/settings.md's tables from the settings classes"
 
 setup: $(SETUP_STAMP) $(TINY_MODEL)/tokenmesh-tiny.json prometheus ops-page
 
@@ -123,7 +124,7 @@ up: setup
 	$(BIN)/python -m tokenmesh.localstack up
 
 # A local CA, the edge's and each service's certificate and Envoy's client certificate
-# (README "Security", TLS); kept while valid. ARGS='--force', ARGS='--edge-name my.host'.
+# (docs/security.md, TLS); kept while valid. ARGS='--force', ARGS='--edge-name my.host'.
 certs: $(SETUP_STAMP)
 	$(BIN)/python scripts/make_certs.py $(ARGS)
 
@@ -146,6 +147,12 @@ clean: down
 
 dashboards: $(SETUP_STAMP)
 	$(BIN)/python scripts/gen_dashboards.py
+
+# docs/settings.md's tables, generated from the settings classes' field descriptions (a unit
+# test fails when the committed page is stale).
+.PHONY: docs
+docs: $(SETUP_STAMP)
+	$(BIN)/python scripts/gen_settings_docs.py
 
 envoy-config: $(SETUP_STAMP)
 	$(BIN)/python -m tokenmesh.meshconfig --out envoy/envoy.yaml

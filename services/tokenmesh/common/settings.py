@@ -20,72 +20,171 @@ class ServiceSettings(BaseSettings):
 
     model_config = SettingsConfigDict(frozen=True, extra="ignore")
 
-    # Address the gRPC server binds; 0.0.0.0 in containers.
-    host: str = "127.0.0.1"
-    # gRPC port; 0 picks a free port (tests read the bound port back).
-    port: int = Field(default=50051, ge=0, le=65535)
-    # Prometheus metrics over HTTP; 0 picks a free port, -1 turns the endpoint off.
-    metrics_host: str = "127.0.0.1"
-    metrics_port: int = Field(default=9090, ge=-1, le=65535)
-    # On SIGTERM: seconds in-flight RPCs get to finish before they are cancelled.
-    grace_seconds: float = Field(default=10.0, ge=0)
-    # Cores this service's threads run on, e.g. "1" or "2-7" (empty: wherever the kernel
-    # puts them): on a machine that runs an engine, the cores the engine does not use. A
-    # worker's own engine keeps the cores it binds (cpu_threads_bind).
-    cpu_affinity: str = ""
-    log_level: str = "INFO"
-    # json: one object per line for log shippers; text: for humans at a terminal.
-    log_format: Literal["json", "text"] = "json"
-    # Log each token's send time at DEBUG (logger tokenmesh.tokens), whatever log_level says;
-    # for chasing latency, far too verbose for normal use. Decided once per stream.
-    log_tokens: bool = False
-    # OTLP/gRPC collector (e.g. "127.0.0.1:4317" or "http://jaeger:4317") that spans are
-    # exported to; unset means tracing is off: no exporter, no spans. Batching follows the
-    # standard OTEL_BSP_* variables (OTEL_BSP_SCHEDULE_DELAY: 5000 ms).
-    otlp_endpoint: str | None = None
-    # Consul agent HTTP address ("127.0.0.1:8500" or "http[s]://host:port"). When set, the
-    # service registers itself there with a gRPC health check while SERVING, and deregisters on
-    # shutdown. Defaults to the standard CONSUL_HTTP_ADDR variable; unset means no Consul.
-    consul_http_addr: str | None = Field(
-        default_factory=lambda: os.environ.get("CONSUL_HTTP_ADDR") or None
+    host: str = Field(
+        default="127.0.0.1", description="Address the gRPC server binds; 0.0.0.0 in containers."
     )
-    # IP registered in Consul (so Envoy's endpoint); defaults to host, or to this machine's
-    # address when host is a wildcard such as 0.0.0.0.
-    advertise_host: str | None = None
+    port: int = Field(
+        default=50051,
+        ge=0,
+        le=65535,
+        description="gRPC port; 0 picks a free port (tests read the bound port back).",
+    )
+    metrics_host: str = Field(
+        default="127.0.0.1", description="Address the Prometheus metrics endpoint (HTTP) binds."
+    )
+    metrics_port: int = Field(
+        default=9090,
+        ge=-1,
+        le=65535,
+        description="Prometheus metrics over HTTP; 0 picks a free port, -1 turns the endpoint off.",
+    )
+    grace_seconds: float = Field(
+        default=10.0,
+        ge=0,
+        description="On SIGTERM: seconds in-flight RPCs get to finish before they are cancelled.",
+    )
+    cpu_affinity: str = Field(
+        default="",
+        description=(
+            'Cores this service\'s threads run on, e.g. "1" or "2-7" (empty: wherever the '
+            "kernel puts them): on a machine that runs an engine, the cores the engine does "
+            "not use. A worker's own engine keeps the cores it binds (cpu_threads_bind)."
+        ),
+    )
+    log_level: str = Field(
+        default="INFO", description="Python logging level: DEBUG, INFO, WARNING, ERROR."
+    )
+    log_format: Literal["json", "text"] = Field(
+        default="json",
+        description="json: one object per line for log shippers; text: for humans at a terminal.",
+    )
+    log_tokens: bool = Field(
+        default=False,
+        description=(
+            "Log each token's send time at DEBUG (logger tokenmesh.tokens), whatever "
+            "log_level says; for chasing latency, far too verbose for normal use. Decided "
+            "once per stream."
+        ),
+    )
+    otlp_endpoint: str | None = Field(
+        default=None,
+        description=(
+            'OTLP/gRPC collector (e.g. "127.0.0.1:4317" or "http://jaeger:4317") that spans '
+            "are exported to; unset means tracing is off: no exporter, no spans. Batching "
+            "follows the standard OTEL_BSP_* variables (OTEL_BSP_SCHEDULE_DELAY: 5000 ms)."
+        ),
+    )
+    consul_http_addr: str | None = Field(
+        default_factory=lambda: os.environ.get("CONSUL_HTTP_ADDR") or None,
+        description=(
+            'Consul agent HTTP address ("127.0.0.1:8500" or "http[s]://host:port"). When set,'
+            " the service registers itself there with a gRPC health check while SERVING, and "
+            "deregisters on shutdown. Defaults to the standard CONSUL_HTTP_ADDR variable; "
+            "unset means no Consul."
+        ),
+    )
+    advertise_host: str | None = Field(
+        default=None,
+        description=(
+            "IP registered in Consul (so Envoy's endpoint); defaults to host, or to this "
+            "machine's address when host is a wildcard such as 0.0.0.0."
+        ),
+    )
 
-    # mTLS on the gRPC port (README "Security", TLS): this service's PEM certificate chain and
-    # key, and the CA that signs the certificates clients must present (Envoy's). All three or
-    # none; set, the port speaks only TLS and refuses clients without a certificate from that
-    # CA. Read once at start-up: a renewed certificate takes a restart.
-    tls_cert_file: Path | None = None
-    tls_key_file: Path | None = None
-    tls_client_ca_file: Path | None = None
-    # A plaintext port serving only grpc.health.v1 (the same status as the service port), for
-    # probes that cannot present a client certificate, such as Kubernetes' native gRPC
-    # probes, while the service port wants mTLS. It exposes nothing but that status.
-    # -1: none; 0 picks a free port.
-    health_port: int = Field(default=-1, ge=-1, le=65535)
+    tls_cert_file: Path | None = Field(
+        default=None,
+        description=(
+            "mTLS on the gRPC port (docs/security.md, TLS): this service's PEM certificate "
+            "chain. With tls_key_file and tls_client_ca_file: all three or none; set, the "
+            "port speaks only TLS and refuses clients without a certificate from that CA. "
+            "Read once at start-up: a renewed certificate takes a restart."
+        ),
+    )
+    tls_key_file: Path | None = Field(
+        default=None, description="mTLS on the gRPC port: the PEM key of tls_cert_file."
+    )
+    tls_client_ca_file: Path | None = Field(
+        default=None,
+        description=(
+            "mTLS on the gRPC port: the CA that signs the certificates clients must present "
+            "(Envoy's)."
+        ),
+    )
+    health_port: int = Field(
+        default=-1,
+        ge=-1,
+        le=65535,
+        description=(
+            "A plaintext port serving only grpc.health.v1 (the same status as the service "
+            "port), for probes that cannot present a client certificate, such as Kubernetes' "
+            "native gRPC probes, while the service port wants mTLS. It exposes nothing but "
+            "that status. -1: none; 0 picks a free port."
+        ),
+    )
 
-    # Largest protobuf message accepted or sent; bigger ones fail with RESOURCE_EXHAUSTED.
-    max_message_bytes: int = Field(default=4 * MIB, ge=1024)
-    # HTTP/2 streams one connection may carry at once (Envoy multiplexes many on one).
-    max_concurrent_streams: int = Field(default=2048, ge=1)
-    # Server pings an idle connection this often to detect dead peers behind NATs/LBs.
-    keepalive_time_ms: int = Field(default=5_000, ge=1)
-    # A ping unanswered this long closes the connection, with every stream on it. Not 1 s: a
-    # client starved of CPU can take over a second to answer, and live streams were cut.
-    keepalive_timeout_ms: int = Field(default=10_000, ge=1)
-    # Allow client pings even with no RPC in flight (clients keep idle channels warm).
-    keepalive_permit_without_calls: bool = True
-    # Client pings closer together than this are abuse (GOAWAY too_many_pings); below clients'
-    # 5 s keepalive so well-behaved clients are never cut off.
-    min_ping_interval_ms: int = Field(default=4_000, ge=0)
-    # Close connections idle this long, so stale client connections do not pile up.
-    max_connection_idle_ms: int = Field(default=300_000, ge=1)
-    # Ask clients to reconnect after this long, so load re-balances across replicas.
-    max_connection_age_ms: int = Field(default=1_800_000, ge=1)
-    # After max_connection_age, in-flight streams get this long to finish before the close.
-    max_connection_age_grace_ms: int = Field(default=300_000, ge=0)
+    max_message_bytes: int = Field(
+        default=4 * MIB,
+        ge=1024,
+        description=(
+            "Largest protobuf message accepted or sent; bigger ones fail with RESOURCE_EXHAUSTED."
+        ),
+    )
+    max_concurrent_streams: int = Field(
+        default=2048,
+        ge=1,
+        description=(
+            "HTTP/2 streams one connection may carry at once (Envoy multiplexes many on one)."
+        ),
+    )
+    keepalive_time_ms: int = Field(
+        default=5_000,
+        ge=1,
+        description=(
+            "Server pings an idle connection this often to detect dead peers behind NATs/LBs."
+        ),
+    )
+    keepalive_timeout_ms: int = Field(
+        default=10_000,
+        ge=1,
+        description=(
+            "A ping unanswered this long closes the connection, with every stream on it. Not "
+            "1 s: a client starved of CPU can take over a second to answer, and live streams "
+            "were cut."
+        ),
+    )
+    keepalive_permit_without_calls: bool = Field(
+        default=True,
+        description=(
+            "Allow client pings even with no RPC in flight (clients keep idle channels warm)."
+        ),
+    )
+    min_ping_interval_ms: int = Field(
+        default=4_000,
+        ge=0,
+        description=(
+            "Client pings closer together than this are abuse (GOAWAY too_many_pings); below "
+            "clients' 5 s keepalive so well-behaved clients are never cut off."
+        ),
+    )
+    max_connection_idle_ms: int = Field(
+        default=300_000,
+        ge=1,
+        description="Close connections idle this long, so stale client connections do not pile up.",
+    )
+    max_connection_age_ms: int = Field(
+        default=1_800_000,
+        ge=1,
+        description=(
+            "Ask clients to reconnect after this long, so load re-balances across replicas."
+        ),
+    )
+    max_connection_age_grace_ms: int = Field(
+        default=300_000,
+        ge=0,
+        description=(
+            "After max_connection_age, in-flight streams get this long to finish before the close."
+        ),
+    )
 
     @field_validator("cpu_affinity")
     @classmethod

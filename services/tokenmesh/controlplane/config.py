@@ -16,65 +16,155 @@ class ControlPlaneSettings(ServiceSettings):
         env_prefix="TOKENMESH_CONTROLPLANE_", frozen=True, extra="ignore"
     )
 
-    # Envoy's bootstrap points its xds_cluster here.
-    port: int = Field(default=18000, ge=0, le=65535)
+    port: int = Field(
+        default=18000,
+        ge=0,
+        le=65535,
+        description="Envoy's bootstrap points its xds_cluster here.",
+    )
     metrics_port: int = Field(default=9480, ge=-1, le=65535)
-    # xDS streams never end on their own: shutdown closes them at once (Envoy keeps its
-    # endpoints and reconnects), so only other RPCs ever use this.
-    grace_seconds: float = Field(default=2.0, ge=0)
+    grace_seconds: float = Field(
+        default=2.0,
+        ge=0,
+        description=(
+            "xDS streams never end on their own: shutdown closes them at once (Envoy keeps "
+            "its endpoints and reconnects), so only other RPCs ever use this."
+        ),
+    )
 
-    # Where endpoints come from: "static" (static_file), "consul" (consul_http_addr) or "dns"
-    # (dns_targets).
-    source: Literal["static", "consul", "dns"] = "static"
+    source: Literal["static", "consul", "dns"] = Field(
+        default="static",
+        description=(
+            'Where endpoints come from: "static" (static_file), "consul" (consul_http_addr) '
+            'or "dns" (dns_targets).'
+        ),
+    )
 
-    # JSON or YAML (by suffix .yaml/.yml): {"clusters": {"worker": ["127.0.0.1:50061",
-    # {"address": "127.0.0.1:50062", "healthy": false}], ...}}. Addresses must be IPs (EDS does
-    # no DNS). Re-read when it changes; a malformed edit is logged and the last good one kept.
-    static_file: Path | None = None
-    # How often the file's mtime/size/inode is checked; an edit reaches Envoy within about this.
-    static_poll_seconds: float = Field(default=0.25, gt=0)
+    static_file: Path | None = Field(
+        default=None,
+        description=(
+            'JSON or YAML (by suffix .yaml/.yml): {"clusters": {"worker": ["127.0.0.1:50061",'
+            ' {"address": "127.0.0.1:50062", "healthy": false}], ...}}. Addresses must be IPs'
+            " (EDS does no DNS). Re-read when it changes; a malformed edit is logged and the "
+            "last good one kept."
+        ),
+    )
+    static_poll_seconds: float = Field(
+        default=0.25,
+        gt=0,
+        description=(
+            "How often the file's mtime/size/inode is checked; an edit reaches Envoy within "
+            "about this."
+        ),
+    )
 
-    # Consul service names watched; each is the Envoy cluster of the same name.
-    consul_services: list[str] = Field(default=["gateway", "worker", "reranker"], min_length=1)
-    # True: only instances whose checks all pass are sent. False: every instance is sent, with
-    # health_status UNHEALTHY when a check is not passing, so Envoy's /clusters shows why it is
-    # skipped. (Envoy's panic threshold may route to UNHEALTHY hosts when most are unhealthy;
-    # choose True to rule that out.)
-    consul_passing_only: bool = False
-    # Longest a Consul blocking query is held when nothing changes; changes return at once.
-    consul_wait_seconds: float = Field(default=15.0, gt=0, le=600)
-    # Retry delays after Consul errors: doubling from initial up to max, jittered. Until Consul
-    # answers again the last known endpoints keep being served.
-    consul_backoff_initial_seconds: float = Field(default=0.2, gt=0)
-    consul_backoff_max_seconds: float = Field(default=10.0, gt=0)
-    # Cluster name -> "host:port" whose A/AAAA records are the cluster's endpoints, e.g.
-    # {"worker": "tokenmesh-worker-headless.default.svc.cluster.local.:50061"} (a Kubernetes
-    # headless Service resolves to its ready pods). JSON in TOKENMESH_CONTROLPLANE_DNS_TARGETS.
-    dns_targets: dict[str, str] = {}
-    # How often every name is resolved again; a pod turning ready reaches Envoy within about
-    # this plus the cluster DNS cache (CoreDNS: 5 s for headless Services by default).
-    dns_poll_seconds: float = Field(default=1.0, gt=0)
-    # Register the control plane itself in Consul (when consul_http_addr is set).
-    register_self: bool = True
+    consul_services: list[str] = Field(
+        default=["gateway", "worker", "reranker"],
+        min_length=1,
+        description="Consul service names watched; each is the Envoy cluster of the same name.",
+    )
+    consul_passing_only: bool = Field(
+        default=False,
+        description=(
+            "True: only instances whose checks all pass are sent. False: every instance is "
+            "sent, with health_status UNHEALTHY when a check is not passing, so Envoy's "
+            "/clusters shows why it is skipped. (Envoy's panic threshold may route to "
+            "UNHEALTHY hosts when most are unhealthy; choose True to rule that out.)"
+        ),
+    )
+    consul_wait_seconds: float = Field(
+        default=15.0,
+        gt=0,
+        le=600,
+        description=(
+            "Longest a Consul blocking query is held when nothing changes; changes return at once."
+        ),
+    )
+    consul_backoff_initial_seconds: float = Field(
+        default=0.2,
+        gt=0,
+        description=(
+            "Retry delays after Consul errors: doubling from this up to "
+            "consul_backoff_max_seconds, jittered. Until Consul answers again the last known "
+            "endpoints keep being served."
+        ),
+    )
+    consul_backoff_max_seconds: float = Field(
+        default=10.0, gt=0, description="The longest retry delay after Consul errors."
+    )
+    dns_targets: dict[str, str] = Field(
+        default={},
+        description=(
+            'Cluster name -> "host:port" whose A/AAAA records are the cluster\'s endpoints, '
+            'e.g. {"worker": "tokenmesh-worker-headless.default.svc.cluster.local.:50061"} (a'
+            " Kubernetes headless Service resolves to its ready pods). JSON in "
+            "TOKENMESH_CONTROLPLANE_DNS_TARGETS."
+        ),
+    )
+    dns_poll_seconds: float = Field(
+        default=1.0,
+        gt=0,
+        description=(
+            "How often every name is resolved again; a pod turning ready reaches Envoy within"
+            " about this plus the cluster DNS cache (CoreDNS: 5 s for headless Services by "
+            "default)."
+        ),
+    )
+    register_self: bool = Field(
+        default=True,
+        description="Register the control plane itself in Consul (when consul_http_addr is set).",
+    )
 
-    # The ops feed (tokenmesh.v1.OpsService on the gRPC port). Fleet figures (rates, TTFT,
-    # circuits, errors) come from this Prometheus, e.g. http://127.0.0.1:9090; unset, the feed
-    # carries worker figures only and says so in each snapshot's warnings.
-    prometheus_url: str | None = Field(default=None, pattern=r"^https?://")
-    # Longest a Prometheus query may take before the snapshot goes out without it.
-    prometheus_timeout_seconds: float = Field(default=2.0, gt=0, le=30)
-    # Window of requests/s and tokens/s: at least two scrape intervals (the stack scrapes every
-    # 2 s); shorter follows changes faster, longer is smoother. A PromQL duration.
-    ops_rate_window: str = Field(default="30s", pattern=r"^[0-9]+[smh]$")
-    # Longest a worker's health check and GetEngineStats may take; a slower worker is shown
-    # with an error instead of holding up the snapshot.
-    worker_probe_timeout_seconds: float = Field(default=1.0, gt=0, le=30)
-    # The ops page's static files over HTTP (Envoy's edge routes /ops/ here); 0 picks a free
-    # port, -1 turns it off.
-    ops_page_port: int = Field(default=9481, ge=-1, le=65535)
-    # The built page (ops/dist after `make ops-page`); unset or unbuilt, /ops/ answers 404
-    # saying how to build it.
-    ops_page_dir: Path | None = None
+    prometheus_url: str | None = Field(
+        default=None,
+        pattern=r"^https?://",
+        description=(
+            "The ops feed (tokenmesh.v1.OpsService on the gRPC port). Fleet figures (rates, "
+            "TTFT, circuits, errors) come from this Prometheus, e.g. http://127.0.0.1:9090; "
+            "unset, the feed carries worker figures only and says so in each snapshot's "
+            "warnings."
+        ),
+    )
+    prometheus_timeout_seconds: float = Field(
+        default=2.0,
+        gt=0,
+        le=30,
+        description="Longest a Prometheus query may take before the snapshot goes out without it.",
+    )
+    ops_rate_window: str = Field(
+        default="30s",
+        pattern=r"^[0-9]+[smh]$",
+        description=(
+            "Window of requests/s and tokens/s: at least two scrape intervals (the stack "
+            "scrapes every 2 s); shorter follows changes faster, longer is smoother. A PromQL"
+            " duration."
+        ),
+    )
+    worker_probe_timeout_seconds: float = Field(
+        default=1.0,
+        gt=0,
+        le=30,
+        description=(
+            "Longest a worker's health check and GetEngineStats may take; a slower worker is "
+            "shown with an error instead of holding up the snapshot."
+        ),
+    )
+    ops_page_port: int = Field(
+        default=9481,
+        ge=-1,
+        le=65535,
+        description=(
+            "The ops page's static files over HTTP (Envoy's edge routes /ops/ here); 0 picks "
+            "a free port, -1 turns it off."
+        ),
+    )
+    ops_page_dir: Path | None = Field(
+        default=None,
+        description=(
+            "The built page (ops/dist after `make ops-page`); unset or unbuilt, /ops/ answers"
+            " 404 saying how to build it."
+        ),
+    )
 
     @model_validator(mode="after")
     def _source_is_configured(self) -> Self:

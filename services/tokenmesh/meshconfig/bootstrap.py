@@ -335,7 +335,7 @@ def listener(name: str, host: str, port: int, cluster: str, mesh: MeshSettings) 
         "codec_type": "AUTO" if edge else "HTTP2",
         "http2_protocol_options": http2_options(mesh),
         "stream_idle_timeout": seconds(mesh.stream_idle_timeout_seconds),
-        # Bounds on what a request's headers may cost (README "Edge protections").
+        # Bounds on what a request's headers may cost (docs/security.md, "Edge protections").
         "max_request_headers_kb": mesh.max_request_headers_kib,
         "common_http_protocol_options": {"max_headers_count": mesh.max_headers_count},
         "request_headers_timeout": seconds(mesh.request_headers_timeout_seconds),

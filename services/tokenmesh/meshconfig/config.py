@@ -14,112 +14,289 @@ MIB = 1024 * KIB
 class MeshSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TOKENMESH_MESH_", frozen=True, extra="ignore")
 
-    # The public listener: gRPC (h2c), gRPC-Web and REST/JSON on one port.
-    edge_host: str = "127.0.0.1"
-    edge_port: int = Field(default=8080, ge=1, le=65535)
-    # TLS on the edge listener: PEM certificate chain and private key files (both or neither).
-    # Envoy re-reads them when their directory changes (a renewed Kubernetes Secret).
-    edge_tls_cert_file: str | None = None
-    edge_tls_key_file: str | None = None
-    # mTLS from Envoy to the services (the gateway, worker and reranker clusters, their health
-    # checks included): Envoy's client certificate and key, and the CA the services'
-    # certificates must chain to. Each service's certificate must carry its cluster's name
-    # (gateway, worker, reranker) as a DNS SAN, which Envoy also sends as SNI. All three or
-    # none; unset: plaintext between Envoy and the services.
-    upstream_tls_cert_file: str | None = None
-    upstream_tls_key_file: str | None = None
-    upstream_tls_ca_file: str | None = None
-    # TLS on the internal listeners (the gateways' calls to workers and the reranker): Envoy's
-    # PEM server certificate chain and key (both or neither), HTTP/2 only; the gateways trust
-    # the CA that signed it (TOKENMESH_GATEWAY_DEPENDENCY_TLS_CA_FILE).
-    internal_tls_cert_file: str | None = None
-    internal_tls_key_file: str | None = None
-    admin_host: str = "127.0.0.1"
-    admin_port: int = Field(default=9901, ge=1, le=65535)
-    # Listeners the gateways use to reach workers and the reranker, so every hop is balanced
-    # and observed by Envoy. 0.0.0.0 when gateways run on other hosts (Kubernetes).
-    internal_host: str = "127.0.0.1"
-    worker_listener_port: int = Field(default=50060, ge=1, le=65535)
-    reranker_listener_port: int = Field(default=50070, ge=1, le=65535)
-    # Where the xDS control plane serves the clusters' endpoints (ADS).
-    controlplane_host: str = "127.0.0.1"
-    controlplane_port: int = Field(default=18000, ge=1, le=65535)
-    # The control plane also serves the ops feed (tokenmesh.v1.OpsService, on controlplane_port)
-    # and the ops page's files over HTTP on this port; the edge routes both.
-    ops_page_port: int = Field(default=9481, ge=1, le=65535)
-    # How Envoy finds the control plane: STATIC when controlplane_host is an IP (local runs),
-    # STRICT_DNS when it is a DNS name (a Kubernetes Service), re-resolved as it changes.
-    controlplane_discovery: Literal["STATIC", "STRICT_DNS"] = "STATIC"
-    # Envoy's node identity towards the control plane.
-    node_id: str = "tokenmesh-envoy"
+    edge_host: str = Field(
+        default="127.0.0.1",
+        description=(
+            "The public listener: gRPC (h2c), gRPC-Web and REST/JSON on one port; its address."
+        ),
+    )
+    edge_port: int = Field(default=8080, ge=1, le=65535, description="The public listener's port.")
+    edge_tls_cert_file: str | None = Field(
+        default=None,
+        description=(
+            "TLS on the edge listener: PEM certificate chain file (with edge_tls_key_file: "
+            "both or neither). Envoy re-reads them when their directory changes (a renewed "
+            "Kubernetes Secret)."
+        ),
+    )
+    edge_tls_key_file: str | None = Field(
+        default=None, description="TLS on the edge listener: the private key of edge_tls_cert_file."
+    )
+    upstream_tls_cert_file: str | None = Field(
+        default=None,
+        description=(
+            "mTLS from Envoy to the services (the gateway, worker and reranker clusters, "
+            "their health checks included): Envoy's client certificate. Each service's "
+            "certificate must carry its cluster's name (gateway, worker, reranker) as a DNS "
+            "SAN, which Envoy also sends as SNI. With upstream_tls_key_file and "
+            "upstream_tls_ca_file: all three or none; unset: plaintext between Envoy and the "
+            "services."
+        ),
+    )
+    upstream_tls_key_file: str | None = Field(
+        default=None,
+        description="mTLS from Envoy to the services: the key of upstream_tls_cert_file.",
+    )
+    upstream_tls_ca_file: str | None = Field(
+        default=None,
+        description=(
+            "mTLS from Envoy to the services: the CA the services' certificates must chain to."
+        ),
+    )
+    internal_tls_cert_file: str | None = Field(
+        default=None,
+        description=(
+            "TLS on the internal listeners (the gateways' calls to workers and the reranker):"
+            " Envoy's PEM server certificate chain (with internal_tls_key_file: both or "
+            "neither), HTTP/2 only; the gateways trust the CA that signed it "
+            "(TOKENMESH_GATEWAY_DEPENDENCY_TLS_CA_FILE)."
+        ),
+    )
+    internal_tls_key_file: str | None = Field(
+        default=None,
+        description="TLS on the internal listeners: the key of internal_tls_cert_file.",
+    )
+    admin_host: str = Field(
+        default="127.0.0.1",
+        description="Envoy's admin interface (stats, clusters, health): its address.",
+    )
+    admin_port: int = Field(
+        default=9901, ge=1, le=65535, description="Envoy's admin interface: its port."
+    )
+    internal_host: str = Field(
+        default="127.0.0.1",
+        description=(
+            "Listeners the gateways use to reach workers and the reranker, so every hop is "
+            "balanced and observed by Envoy: their address. 0.0.0.0 when gateways run on "
+            "other hosts (Kubernetes)."
+        ),
+    )
+    worker_listener_port: int = Field(
+        default=50060, ge=1, le=65535, description="The internal listener towards the workers."
+    )
+    reranker_listener_port: int = Field(
+        default=50070, ge=1, le=65535, description="The internal listener towards the reranker."
+    )
+    controlplane_host: str = Field(
+        default="127.0.0.1",
+        description="Where the xDS control plane serves the clusters' endpoints (ADS): its host.",
+    )
+    controlplane_port: int = Field(
+        default=18000, ge=1, le=65535, description="The xDS control plane's port."
+    )
+    ops_page_port: int = Field(
+        default=9481,
+        ge=1,
+        le=65535,
+        description=(
+            "The control plane also serves the ops feed (tokenmesh.v1.OpsService, on "
+            "controlplane_port) and the ops page's files over HTTP on this port; the edge "
+            "routes both."
+        ),
+    )
+    controlplane_discovery: Literal["STATIC", "STRICT_DNS"] = Field(
+        default="STATIC",
+        description=(
+            "How Envoy finds the control plane: STATIC when controlplane_host is an IP (local"
+            " runs), STRICT_DNS when it is a DNS name (a Kubernetes Service), re-resolved as "
+            "it changes."
+        ),
+    )
+    node_id: str = Field(
+        default="tokenmesh-envoy", description="Envoy's node identity towards the control plane."
+    )
 
-    # HTTP/2 flow-control windows on listeners and clusters (Envoy's edge best practice: 64 KiB
-    # per stream, 1 MiB per connection). A client that stops reading stops its senders after
-    # about a window per hop instead of Envoy buffering the stream (with Envoy's default 256 MiB
-    # windows it holds everything); token streams need far less than a window per round trip.
-    stream_window_bytes: int = Field(default=64 * KIB, ge=65535)
-    connection_window_bytes: int = Field(default=1 * MIB, ge=65535)
-    # The connection window Envoy grants a gateway or worker: their streams share a few
-    # connections, so it holds a stream window for each of 1,024 stalled streams (with 1 MiB,
-    # 16 unread streams stopped every other stream on the connection: measured by the
-    # slow-consumer test's bystander). What a stream buffers is still its own window.
-    upstream_connection_window_bytes: int = Field(default=64 * MIB, ge=65535)
-    # What Envoy buffers per connection (and per stream) before it stops reading from the other
-    # side. It must hold the largest REST/JSON request body, which the transcoder buffers whole.
-    buffer_limit_bytes: int = Field(default=1 * MIB, ge=16 * 1024)
-    # Frames Envoy may queue towards one client before it cuts the connection as a flood (its
-    # default, 10,000, is ~400 KB of one-token messages: a client a little behind on 8 streams
-    # lost all of them). Flow control bounds what a slow client costs (buffer_limit_bytes, each
-    # stream's window); this lets it act first for ~64 stalled streams of one-token frames.
-    max_outbound_frames: int = Field(default=128 * 1024, ge=10_000)
-    # Streams one downstream connection may carry (one client channel multiplexes many).
-    max_concurrent_streams: int = Field(default=2048, ge=1)
-    # A stream with no bytes in either direction for this long is cut (a stalled client).
-    # Generation streams send a token every few ms, so only dead streams go this long.
-    stream_idle_timeout_seconds: float = Field(default=60.0, gt=0)
-    # Retries happen only before response headers, i.e. before the first token: safe.
-    retry_attempts: int = Field(default=2, ge=0)
-    # Retries may add at most this share of active requests (a retry budget, not a count), and
-    # always at least retry_min_concurrency. When a replica dies, every stream it had not yet
-    # answered needs a retry at once: with 20 % and 3, most of them failed instead (measured by
-    # the worker_kill chaos scenario with 2 workers), so the budget covers losing half the fleet.
-    retry_budget_percent: float = Field(default=50.0, gt=0, le=100)
-    retry_min_concurrency: int = Field(default=16, ge=1)
-    # Active gRPC health checks: how often, and how fast an idle cluster is still checked
-    # (Envoy's default no_traffic_interval of 60 s leaves idle clusters unchecked).
-    health_check_interval_seconds: float = Field(default=0.5, gt=0)
-    # A check unanswered this long fails; two failures in a row take a host out (a host that
-    # says NOT_SERVING is out after two intervals, one that hangs after about 2-3 s).
-    health_check_timeout_seconds: float = Field(default=1.0, gt=0)
-    # Edge protections (README "Edge protections"). Request headers, all of them together,
-    # larger than this are refused (HTTP/2: the stream is reset; HTTP/1.1: 431). gRPC clients
-    # send a few hundred bytes; Envoy's own default is the same 60 KiB.
-    max_request_headers_kib: int = Field(default=60, ge=1, le=8192)
-    # Request headers (name/value pairs) per request; more are refused like oversized ones.
-    max_headers_count: int = Field(default=100, ge=1)
-    # A client must send its whole request headers within this long of opening the stream
-    # (slowloris); streaming bodies are not affected.
-    request_headers_timeout_seconds: float = Field(default=10.0, gt=0)
-    # Client connections open at once on the edge (Envoy's overload manager); more are closed
-    # as soon as they are accepted. The internal listeners and admin are not counted, so the
-    # gateways' calls and health checks still get through when the edge is full.
-    max_edge_connections: int = Field(default=10_000, ge=1)
-    # The edge's last line of defence against floods: a token bucket shared by every client,
-    # refilled with this many requests each second (0: off), holding at most edge_rate_burst.
-    # Far above what the gateways can serve; per-tenant limits are the gateways' job. A refused
-    # request gets RESOURCE_EXHAUSTED (HTTP 429 for REST) before reaching a gateway.
-    edge_rate_limit_per_second: int = Field(default=1000, ge=0)
-    edge_rate_burst: int = Field(default=2000, ge=1)
-    # Generate's tokens go from a worker through Envoy straight to the caller: the edge asks a
-    # gateway (Envoy's external processor) to validate and prepare each request, then routes it
-    # to the workers, so no gateway reads and writes every token (README "Performance"). Off:
-    # every token passes through a gateway, as every other method's messages do.
-    direct_token_path: bool = False
-    # How long the edge waits for a gateway to prepare a request (its reranker call included);
-    # past it the caller gets an error.
-    prepare_timeout_seconds: float = Field(default=10.0, gt=0)
-    # CORS origins allowed to call the edge with gRPC-Web (regular expressions).
-    cors_allowed_origins: list[str] = [r"https?://(localhost|127\.0\.0\.1)(:[0-9]+)?"]
+    stream_window_bytes: int = Field(
+        default=64 * KIB,
+        ge=65535,
+        description=(
+            "HTTP/2 flow-control window per stream on listeners and clusters (Envoy's edge "
+            "best practice: 64 KiB per stream, 1 MiB per connection). A client that stops "
+            "reading stops its senders after about a window per hop instead of Envoy "
+            "buffering the stream (with Envoy's default 256 MiB windows it holds everything);"
+            " token streams need far less than a window per round trip."
+        ),
+    )
+    connection_window_bytes: int = Field(
+        default=1 * MIB,
+        ge=65535,
+        description=(
+            "HTTP/2 flow-control window per connection on listeners and clusters (see "
+            "stream_window_bytes)."
+        ),
+    )
+    upstream_connection_window_bytes: int = Field(
+        default=64 * MIB,
+        ge=65535,
+        description=(
+            "The connection window Envoy grants a gateway or worker: their streams share a "
+            "few connections, so it holds a stream window for each of 1,024 stalled streams "
+            "(with 1 MiB, 16 unread streams stopped every other stream on the connection: "
+            "measured by the slow-consumer test's bystander). What a stream buffers is still "
+            "its own window."
+        ),
+    )
+    buffer_limit_bytes: int = Field(
+        default=1 * MIB,
+        ge=16 * 1024,
+        description=(
+            "What Envoy buffers per connection (and per stream) before it stops reading from "
+            "the other side. It must hold the largest REST/JSON request body, which the "
+            "transcoder buffers whole."
+        ),
+    )
+    max_outbound_frames: int = Field(
+        default=128 * 1024,
+        ge=10_000,
+        description=(
+            "Frames Envoy may queue towards one client before it cuts the connection as a "
+            "flood (its default, 10,000, is ~400 KB of one-token messages: a client a little "
+            "behind on 8 streams lost all of them). Flow control bounds what a slow client "
+            "costs (buffer_limit_bytes, each stream's window); this lets it act first for ~64"
+            " stalled streams of one-token frames."
+        ),
+    )
+    max_concurrent_streams: int = Field(
+        default=2048,
+        ge=1,
+        description=(
+            "Streams one downstream connection may carry (one client channel multiplexes many)."
+        ),
+    )
+    stream_idle_timeout_seconds: float = Field(
+        default=60.0,
+        gt=0,
+        description=(
+            "A stream with no bytes in either direction for this long is cut (a stalled "
+            "client). Generation streams send a token every few ms, so only dead streams go "
+            "this long."
+        ),
+    )
+    retry_attempts: int = Field(
+        default=2,
+        ge=0,
+        description=(
+            "Retries happen only before response headers, i.e. before the first token: safe."
+        ),
+    )
+    retry_budget_percent: float = Field(
+        default=50.0,
+        gt=0,
+        le=100,
+        description=(
+            "Retries may add at most this share of active requests (a retry budget, not a "
+            "count), and always at least retry_min_concurrency. When a replica dies, every "
+            "stream it had not yet answered needs a retry at once: with 20 % and 3, most of "
+            "them failed instead (measured by the worker_kill chaos scenario with 2 workers),"
+            " so the budget covers losing half the fleet."
+        ),
+    )
+    retry_min_concurrency: int = Field(
+        default=16,
+        ge=1,
+        description="Retries always allowed at once, whatever retry_budget_percent allows.",
+    )
+    health_check_interval_seconds: float = Field(
+        default=0.5,
+        gt=0,
+        description=(
+            "Active gRPC health checks: how often, and how fast an idle cluster is still "
+            "checked (Envoy's default no_traffic_interval of 60 s leaves idle clusters "
+            "unchecked)."
+        ),
+    )
+    health_check_timeout_seconds: float = Field(
+        default=1.0,
+        gt=0,
+        description=(
+            "A check unanswered this long fails; two failures in a row take a host out (a "
+            "host that says NOT_SERVING is out after two intervals, one that hangs after "
+            "about 2-3 s)."
+        ),
+    )
+    max_request_headers_kib: int = Field(
+        default=60,
+        ge=1,
+        le=8192,
+        description=(
+            "Edge protections (docs/security.md). Request headers, all of them together, "
+            "larger than this are refused (HTTP/2: the stream is reset; HTTP/1.1: 431). gRPC "
+            "clients send a few hundred bytes; Envoy's own default is the same 60 KiB."
+        ),
+    )
+    max_headers_count: int = Field(
+        default=100,
+        ge=1,
+        description=(
+            "Request headers (name/value pairs) per request; more are refused like oversized ones."
+        ),
+    )
+    request_headers_timeout_seconds: float = Field(
+        default=10.0,
+        gt=0,
+        description=(
+            "A client must send its whole request headers within this long of opening the "
+            "stream (slowloris); streaming bodies are not affected."
+        ),
+    )
+    max_edge_connections: int = Field(
+        default=10_000,
+        ge=1,
+        description=(
+            "Client connections open at once on the edge (Envoy's overload manager); more are"
+            " closed as soon as they are accepted. The internal listeners and admin are not "
+            "counted, so the gateways' calls and health checks still get through when the "
+            "edge is full."
+        ),
+    )
+    edge_rate_limit_per_second: int = Field(
+        default=1000,
+        ge=0,
+        description=(
+            "The edge's last line of defence against floods: a token bucket shared by every "
+            "client, refilled with this many requests each second (0: off), holding at most "
+            "edge_rate_burst. Far above what the gateways can serve; per-tenant limits are "
+            "the gateways' job. A refused request gets RESOURCE_EXHAUSTED (HTTP 429 for REST)"
+            " before reaching a gateway."
+        ),
+    )
+    edge_rate_burst: int = Field(
+        default=2000,
+        ge=1,
+        description="Requests the edge's token bucket holds (see edge_rate_limit_per_second).",
+    )
+    direct_token_path: bool = Field(
+        default=False,
+        description=(
+            "Generate's tokens go from a worker through Envoy straight to the caller: the "
+            "edge asks a gateway (Envoy's external processor) to validate and prepare each "
+            "request, then routes it to the workers, so no gateway reads and writes every "
+            "token (docs/architecture.md, the direct token path). Off: every token passes "
+            "through a gateway, as every other method's messages do."
+        ),
+    )
+    prepare_timeout_seconds: float = Field(
+        default=10.0,
+        gt=0,
+        description=(
+            "How long the edge waits for a gateway to prepare a request (its reranker call "
+            "included); past it the caller gets an error."
+        ),
+    )
+    cors_allowed_origins: list[str] = Field(
+        default=[r"https?://(localhost|127\.0\.0\.1)(:[0-9]+)?"],
+        description="CORS origins allowed to call the edge with gRPC-Web (regular expressions).",
+    )
 
     @model_validator(mode="after")
     def _tls_files_come_in_pairs(self) -> Self:

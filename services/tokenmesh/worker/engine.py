@@ -161,7 +161,7 @@ def engine_args(settings: WorkerSettings) -> AsyncEngineArgs:
         max_logprobs=settings.max_top_logprobs,
         stream_interval=settings.stream_interval,
         # vLLM's per-request log lines stay off (its default, stated here because prompts
-        # must never reach the logs; README "No prompt text in logs").
+        # must never reach the logs; docs/security.md, "No prompt text in logs").
         enable_log_requests=False,
     )
 

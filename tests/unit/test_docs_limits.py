@@ -1,4 +1,4 @@
-"""README's input-limit and edge tables match the settings they document."""
+"""docs/security.md's input-limit and edge tables match the settings they document."""
 
 from __future__ import annotations
 
@@ -22,13 +22,13 @@ SETTINGS: dict[str, type[BaseSettings]] = {
 ROW = re.compile(r"^\| `TOKENMESH_(GATEWAY|WORKER|RERANKER|MESH)_([A-Z0-9_]+)` \| `([^`]*)` \|")
 # max_* settings that are not limits on what a client sends: connection ageing, the
 # services' HTTP/2 stream bound towards Envoy (the edge's own is documented), and how many
-# tokens the services merge into one message (README "Token messages").
+# tokens the services merge into one message (docs/api.md, "Token messages").
 NOT_LIMITS = ("max_connection_", "max_concurrent_streams", "max_message_tokens", "max_coalesced_")
 
 
 def documented() -> dict[tuple[str, str], str]:
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("### Input limits") : text.index("### No prompt text in logs")]
+    text = (ROOT / "docs" / "security.md").read_text()
+    section = text[text.index("## Input limits") : text.index("## No prompt text in logs")]
     rows = {}
     for line in section.splitlines():
         match = ROW.match(line)
@@ -54,4 +54,6 @@ def test_every_max_setting_of_a_service_is_documented(service: str) -> None:
     rows = documented()
     for name in SETTINGS[service].model_fields:
         if name.startswith("max_") and not name.startswith(NOT_LIMITS):
-            assert (service, name) in rows, f"TOKENMESH_{service}_{name.upper()} not in README"
+            assert (service, name) in rows, (
+                f"TOKENMESH_{service}_{name.upper()} not in docs/security.md"
+            )
