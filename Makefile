@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 
 help:
 	@echo "make setup   create .venv (VLLM_TARGET=$(VLLM_TARGET)), generate the tiny model"
-	@echo "make up      start the local stack (tiny model, CPU); make down stops it"
+	@echo "make up      start the local mesh (tiny model, CPU); make down stops it"
 	@echo "make status  processes and health; make logs tails them"
 	@echo "make test    the whole test suite (unit + integration against real vLLM)"
 	@echo "make chaos   fault scenarios against their own local mesh, as a table (CHAOS_ARGS=--short)"
@@ -78,7 +78,7 @@ ifeq ($(VLLM_TARGET),cpu)
 	$(BIN)/python -m pip install --quiet --no-deps -r requirements/lock-cpu.txt
 	$(BIN)/python -m pip install --quiet --no-deps -e .
 else
-	$(BIN)/python -m pip install --quiet -e '.[worker-gpu,reranker,localstack,dev]'
+	$(BIN)/python -m pip install --quiet -e '.[worker-gpu,reranker,localmesh,dev]'
 endif
 	$(BIN)/python -m pip install --quiet --no-deps --force-reinstall \
 	  "opentelemetry-proto==$$($(BIN)/python -c 'from importlib.metadata import version; print(version("opentelemetry-proto"))')"
@@ -121,7 +121,7 @@ bench: setup
 	$(BIN)/python -m loadtests bench $(ARGS)
 
 up: setup
-	$(BIN)/python -m tokenmesh.localstack up
+	$(BIN)/python -m tokenmesh.localmesh up
 
 # A local CA, the edge's and each service's certificate and Envoy's client certificate
 # (docs/security.md, TLS); kept while valid. ARGS='--force', ARGS='--edge-name my.host'.
@@ -129,13 +129,13 @@ certs: $(SETUP_STAMP)
 	$(BIN)/python scripts/make_certs.py $(ARGS)
 
 down:
-	@test -x $(BIN)/python && $(BIN)/python -m tokenmesh.localstack down || echo "nothing to stop"
+	@test -x $(BIN)/python && $(BIN)/python -m tokenmesh.localmesh down || echo "nothing to stop"
 
 status: setup
-	$(BIN)/python -m tokenmesh.localstack status
+	$(BIN)/python -m tokenmesh.localmesh status
 
 logs: setup
-	$(BIN)/python -m tokenmesh.localstack logs
+	$(BIN)/python -m tokenmesh.localmesh logs
 
 lock: $(SETUP_STAMP)
 	$(BIN)/python -m pip freeze --all --exclude-editable | grep -v -e '^tokenmesh' -e '^pip==' > requirements/lock-cpu.body

@@ -32,8 +32,8 @@ import yaml
 from grpc import aio
 
 from tokenmesh.common.tokens import token_count
-from tokenmesh.localstack.probes import engine_empty_at, fetch_text, series_values
-from tokenmesh.localstack.stack import Program, Stack, StackSettings, envoy_host_statuses
+from tokenmesh.localmesh.mesh import LocalMesh, LocalMeshSettings, Program, envoy_host_statuses
+from tokenmesh.localmesh.probes import engine_empty_at, fetch_text, series_values
 from tokenmesh.v1 import inference_pb2_grpc, llm_pb2, llm_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -185,31 +185,31 @@ async def generate(
     return outcome
 
 
-class Mesh:
-    """The running stack as the scenarios see it: the edge, processes, and Envoy's view."""
+class ScenarioMesh:
+    """The running mesh as the scenarios see it: the edge, processes, and Envoy's view."""
 
-    def __init__(self, stack: Stack) -> None:
-        self.stack = stack
-        self.edge = f"127.0.0.1:{stack.settings.edge_port}"
+    def __init__(self, local_mesh: LocalMesh) -> None:
+        self.local_mesh = local_mesh
+        self.edge = f"127.0.0.1:{local_mesh.settings.edge_port}"
 
     def replicas(self, service: str) -> list[Program]:
-        return [program for program in self.stack.programs if program.service == service]
+        return [program for program in self.local_mesh.programs if program.service == service]
 
     def program(self, name: str) -> Program:
-        return next(program for program in self.stack.programs if program.name == name)
+        return next(program for program in self.local_mesh.programs if program.name == name)
 
     def pid(self, name: str) -> int:
         """The program's pid (supervisord starts each in its own process group)."""
-        text = self.stack.ctl("pid", name).stdout.strip()
+        text = self.local_mesh.ctl("pid", name).stdout.strip()
         return int(text) if text.isdigit() else 0
 
     def healthy(self, cluster: str) -> set[str]:
-        return {address for address, ok in self.stack.envoy_hosts().get(cluster, []) if ok}
+        return {address for address, ok in self.local_mesh.envoy_hosts().get(cluster, []) if ok}
 
     def open_streams(self, cluster: str) -> dict[str, int]:
         """Streams Envoy has open to each host of the cluster (its rq_active gauge)."""
         streams: dict[str, int] = {}
-        for name, address, host in envoy_host_statuses(self.stack.settings.envoy_admin_port):
+        for name, address, host in envoy_host_statuses(self.local_mesh.settings.envoy_admin_port):
             if name == cluster:
                 active = [s for s in host.get("stats", []) if s.get("name") == "rq_active"]
                 # Protobuf JSON leaves out a zero value. A host removed and added again may be
@@ -219,7 +219,7 @@ class Mesh:
         return streams
 
     def known(self, cluster: str) -> set[str]:
-        return {address for address, _ in self.stack.envoy_hosts().get(cluster, [])}
+        return {address for address, _ in self.local_mesh.envoy_hosts().get(cluster, [])}
 
     def channel(self, retries: bool = False) -> aio.Channel:
         options: list[tuple[str, Any]] = []
@@ -248,8 +248,8 @@ class Mesh:
 
     async def rejoined(self, program: Program, within: float = REJOIN_WITHIN_SECONDS) -> bool:
         """The program is back (supervisord restarted it if it died) and Envoy routes to it."""
-        if self.stack.ctl("status", program.name).stdout.split()[1:2] != ["RUNNING"]:
-            self.stack.ctl("start", program.name)
+        if self.local_mesh.ctl("status", program.name).stdout.split()[1:2] != ["RUNNING"]:
+            self.local_mesh.ctl("start", program.name)
         cluster = program.service or ""
         took = await self.wait_until(lambda: program.address in self.healthy(cluster), within, 1)
         return took is not None
@@ -257,7 +257,7 @@ class Mesh:
     def received_from(self, cluster: str) -> int:
         """Bytes Envoy has received from the cluster's hosts (its upstream_cx_rx_bytes_total)."""
         stat = f"cluster.{cluster}.upstream_cx_rx_bytes_total"
-        admin = f"http://127.0.0.1:{self.stack.settings.envoy_admin_port}"
+        admin = f"http://127.0.0.1:{self.local_mesh.settings.envoy_admin_port}"
         _, _, value = fetch(f"{admin}/stats?filter=^{stat}$").strip().rpartition(" ")
         return int(value) if value.isdigit() else 0
 
@@ -312,7 +312,7 @@ def killpg(pid: int, sig: signal.Signals) -> None:
     os.killpg(pid, sig)
 
 
-async def worker_kill(mesh: Mesh, short: bool) -> Row:
+async def worker_kill(mesh: ScenarioMesh, short: bool) -> Row:
     """SIGKILL a worker's own process (as the OOM killer or a crash would) while streams run on
     it: its engine's processes end within 5 s, its streams end UNAVAILABLE promptly, the other
     worker's complete, requests sent meanwhile all succeed (Envoy retries them on the other
@@ -494,7 +494,7 @@ async def steady_load(
     return outcomes
 
 
-async def rolling_restart(mesh: Mesh, short: bool) -> Row:
+async def rolling_restart(mesh: ScenarioMesh, short: bool) -> Row:
     """SIGTERM each worker in turn under steady load, the next once the previous one is back
     in Envoy: no request fails."""
     row = Row("rolling_restart")
@@ -524,7 +524,7 @@ async def rolling_restart(mesh: Mesh, short: bool) -> Row:
     return row
 
 
-async def reranker_hang(mesh: Mesh, short: bool) -> Row:
+async def reranker_hang(mesh: ScenarioMesh, short: bool) -> Row:
     """SIGSTOP the reranker (calls time out rather than fail fast): answers stream degraded with
     the warning, and once every gateway's breaker is open, at normal latency; SIGCONT: answers
     are reranked again after the breaker's half-open probe."""
@@ -606,7 +606,7 @@ async def reranker_hang(mesh: Mesh, short: bool) -> Row:
     return row
 
 
-async def deadline_storm(mesh: Mesh, short: bool) -> Row:
+async def deadline_storm(mesh: ScenarioMesh, short: bool) -> Row:
     """Requests whose deadlines are shorter than their generation: all end DEADLINE_EXCEEDED
     and every engine is empty at most 1 s after the last one ended. Requests from another
     client beside the storm complete: the storm's resets (every stream cancelled within a
@@ -664,13 +664,13 @@ async def deadline_storm(mesh: Mesh, short: bool) -> Row:
     return row
 
 
-async def controlplane_down(mesh: Mesh, short: bool) -> Row:
+async def controlplane_down(mesh: ScenarioMesh, short: bool) -> Row:
     """Stop the control plane: Envoy keeps routing to its last known endpoints. A discovery
     change made meanwhile applies once it is back."""
     row = Row("controlplane_down")
     workers = mesh.replicas("worker")
     removed = workers[-1]
-    stack = mesh.stack
+    local_mesh = mesh.local_mesh
     n = 8 if short else 32
     async with mesh.channel() as channel:
         stub = llm_pb2_grpc.LLMServiceStub(channel)
@@ -682,7 +682,7 @@ async def controlplane_down(mesh: Mesh, short: bool) -> Row:
                 )
             )
 
-        stack.ctl("stop", "controlplane")
+        local_mesh.ctl("stop", "controlplane")
         try:
             await asyncio.sleep(1)
             down = await batch("no discovery")
@@ -694,19 +694,21 @@ async def controlplane_down(mesh: Mesh, short: bool) -> Row:
                 mesh.healthy("worker") == {w.address for w in workers},
                 "Envoy keeps every last known worker",
             )
-            endpoints = stack.endpoints()
+            endpoints = local_mesh.endpoints()
             endpoints["clusters"]["worker"].remove(removed.address)
-            stack.endpoints_path.write_text(yaml.safe_dump(endpoints))
+            local_mesh.endpoints_path.write_text(yaml.safe_dump(endpoints))
             await asyncio.sleep(0.5)
             row.check(removed.address in mesh.known("worker"), "no change while discovery is down")
         finally:
             restarted_at = time.monotonic()
-            stack.ctl("start", "controlplane")
+            local_mesh.ctl("start", "controlplane")
         applied = await mesh.wait_until(lambda: removed.address not in mesh.known("worker"), 30)
         row.notes["change_applied_after_restart_s"] = None if applied is None else round(applied, 2)
         row.check(applied is not None, "a discovery change applies once the control plane is back")
         row.recovered(applied if applied is not None else time.monotonic() - restarted_at)
-        stack.endpoints_path.write_text(yaml.safe_dump(stack.endpoints(), sort_keys=False))
+        local_mesh.endpoints_path.write_text(
+            yaml.safe_dump(local_mesh.endpoints(), sort_keys=False)
+        )
         back = await mesh.wait_until(lambda: removed.address in mesh.healthy("worker"), 30)
         row.check(back is not None, "the worker added back is routed to again")
         after = await batch("discovery back")
@@ -715,7 +717,7 @@ async def controlplane_down(mesh: Mesh, short: bool) -> Row:
     return row
 
 
-async def envoy_restart(mesh: Mesh, short: bool) -> Row:
+async def envoy_restart(mesh: ScenarioMesh, short: bool) -> Row:
     """SIGKILL Envoy under load (supervisord restarts it): in-flight streams fail with a clear
     status; clients with docs/failure-behaviour.md's retry and wait-for-ready settings get
     answers as soon as it is back."""
@@ -763,7 +765,7 @@ async def envoy_restart(mesh: Mesh, short: bool) -> Row:
     row.check(all(o.code == OK for o in after), "requests sent while Envoy restarts succeed")
     answered = max((o.ended - killed_at for o in after), default=0.0)
     row.notes["requests_sent_while_down_done_s"] = round(answered, 2)
-    ready = await mesh.wait_until(mesh.stack.envoy_ready, 60, every=0.5)
+    ready = await mesh.wait_until(mesh.local_mesh.envoy_ready, 60, every=0.5)
     row.check(ready is not None, "Envoy is back with every host healthy")
     row.recovered(answered)
     return row
@@ -786,14 +788,14 @@ MIB = 1024 * 1024
 
 
 def worker_limits() -> tuple[int, int]:
-    """max_num_seqs and max_waiting_requests the stack's workers got from this environment."""
+    """max_num_seqs and max_waiting_requests the mesh's workers got from this environment."""
     from tokenmesh.worker.config import WorkerSettings
 
     settings = WorkerSettings()
     return settings.max_num_seqs, settings.max_waiting_requests
 
 
-async def overload(mesh: Mesh, short: bool) -> Row:
+async def overload(mesh: ScenarioMesh, short: bool) -> Row:
     """Twice as many concurrent streams as the workers admit (batch + queue): the excess is
     refused at once with RESOURCE_EXHAUSTED (no timeouts), and the admitted ones complete."""
     row = Row("overload")
@@ -849,7 +851,7 @@ async def overload(mesh: Mesh, short: bool) -> Row:
     return row
 
 
-async def stalled_client(mesh: Mesh, short: bool) -> Row:
+async def stalled_client(mesh: ScenarioMesh, short: bool) -> Row:
     """A client opens streams and never reads them: flow control stops the mesh sending, memory
     in the gateway and Envoy stays bounded, another client is not held up, and Envoy's stream
     idle timeout cuts the stalled streams, which frees the engine."""
@@ -939,7 +941,7 @@ async def stalled_client(mesh: Mesh, short: bool) -> Row:
     return row
 
 
-Scenario = Callable[[Mesh, bool], Awaitable[Row]]
+Scenario = Callable[[ScenarioMesh, bool], Awaitable[Row]]
 SCENARIOS: dict[str, Scenario] = {
     "worker_kill": worker_kill,
     "rolling_restart": rolling_restart,
@@ -954,8 +956,8 @@ SMALL_SCENARIOS: dict[str, Scenario] = {"overload": overload, "stalled_client": 
 ALL_SCENARIOS = {**SCENARIOS, **SMALL_SCENARIOS}
 
 
-async def run_scenarios(stack: Stack, names: Sequence[str], short: bool) -> list[Row]:
-    mesh = Mesh(stack)
+async def run_scenarios(local_mesh: LocalMesh, names: Sequence[str], short: bool) -> list[Row]:
+    mesh = ScenarioMesh(local_mesh)
     rows = []
     for name in names:
         begun = time.monotonic()
@@ -994,18 +996,20 @@ def table(rows: Sequence[Row]) -> str:
     )
 
 
-def attached(run_dir: Path) -> Stack:
-    """The running stack whose run directory is run_dir (its saved settings, else the
+def attached(run_dir: Path) -> LocalMesh:
+    """The running mesh whose run directory is run_dir (its saved settings, else the
     defaults: `make up`'s)."""
-    probe = Stack(StackSettings(run_dir=run_dir), root=ROOT)
+    probe = LocalMesh(LocalMeshSettings(run_dir=run_dir), root=ROOT)
     if probe.settings_path.exists():
-        return Stack(StackSettings.model_validate_json(probe.settings_path.read_text()), root=ROOT)
+        return LocalMesh(
+            LocalMeshSettings.model_validate_json(probe.settings_path.read_text()), root=ROOT
+        )
     return probe
 
 
 @contextlib.contextmanager
 def environment(values: dict[str, str]) -> Iterator[None]:
-    """os.environ with values inside the block (a stack started there passes them on)."""
+    """os.environ with values inside the block (a mesh started there passes them on)."""
     saved = {name: os.environ.get(name) for name in values}
     os.environ.update(values)
     try:
@@ -1019,16 +1023,18 @@ def environment(values: dict[str, str]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def own_stack(gateways: int, workers: int) -> Iterator[Stack | None]:
+def own_mesh(gateways: int, workers: int) -> Iterator[LocalMesh | None]:
     """A mesh on free ports with its own run directory, stopped at the end (None if it did not
     come up)."""
     with tempfile.TemporaryDirectory(prefix="chaos-") as run_dir:
-        settings = StackSettings.on_free_ports(Path(run_dir), gateways=gateways, workers=workers)
-        stack = Stack(settings, root=ROOT)
+        settings = LocalMeshSettings.on_free_ports(
+            Path(run_dir), gateways=gateways, workers=workers
+        )
+        local_mesh = LocalMesh(settings, root=ROOT)
         try:
-            yield stack if stack.up() == 0 else None
+            yield local_mesh if local_mesh.up() == 0 else None
         finally:
-            stack.down()
+            local_mesh.down()
 
 
 def main() -> int:
@@ -1056,15 +1062,15 @@ def main() -> int:
         main_names = [name for name in names if name in on_main]
         small_names = [name for name in names if name not in on_main]
         if main_names:
-            with own_stack(gateways=2, workers=2) as stack:
-                if stack is None:
+            with own_mesh(gateways=2, workers=2) as local_mesh:
+                if local_mesh is None:
                     return 1
-                rows += asyncio.run(run_scenarios(stack, main_names, args.short))
+                rows += asyncio.run(run_scenarios(local_mesh, main_names, args.short))
         if small_names:
-            with environment(SMALL_MESH_ENV), own_stack(gateways=1, workers=1) as stack:
-                if stack is None:
+            with environment(SMALL_MESH_ENV), own_mesh(gateways=1, workers=1) as local_mesh:
+                if local_mesh is None:
                     return 1
-                rows += asyncio.run(run_scenarios(stack, small_names, args.short))
+                rows += asyncio.run(run_scenarios(local_mesh, small_names, args.short))
     report = [asdict(row) for row in rows]
     print(json.dumps(report, indent=2))
     print(table(rows))

@@ -76,12 +76,12 @@ def main() -> None:
     if not 1 <= args.requests <= 200 or not 1 <= args.rounds <= 10:
         parser.error("requests 1-200, rounds 1-10")
     with (
-        private_mesh() as stack,
-        second_envoy(stack, stack.run_dir, direct_token_path=True) as (direct, _),
+        private_mesh() as local_mesh,
+        second_envoy(local_mesh, local_mesh.run_dir, direct_token_path=True) as (direct, _),
     ):
-        s = stack.settings
+        s = local_mesh.settings
         paths = {
-            "worker": (program(stack, "worker-0").address, True),
+            "worker": (program(local_mesh, "worker-0").address, True),
             "Envoy>worker": (f"127.0.0.1:{s.worker_listener_port}", True),
             "edge>gateway>Envoy>worker": (f"127.0.0.1:{s.edge_port}", False),
             "edge>worker (direct token path)": (f"127.0.0.1:{direct.edge_port}", False),

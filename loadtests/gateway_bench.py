@@ -1,4 +1,4 @@
-"""Gateway benchmarks against a running local stack (`make up`), all traffic to 127.0.0.1:
+"""Gateway benchmarks against a running local mesh (`make up`), all traffic to 127.0.0.1:
 
 overhead     TTFT through the gateway vs straight to the worker, requests interleaved so both
              see the same machine load; reports p50/p99 and the gateway's added latency.

@@ -33,7 +33,7 @@ from grpc import aio
 
 from loadtests.report import emit
 from loadtests.token_cost import cpu_seconds
-from tokenmesh.localstack.probes import free_port
+from tokenmesh.localmesh.probes import free_port
 from tokenmesh.v1 import token_pb2
 
 METHOD = "/floor.Stream/Tokens"

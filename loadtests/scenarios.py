@@ -42,8 +42,8 @@ import psutil
 from loadtests import report
 from loadtests.runner import RunConfig, combine, run
 from loadtests.stats import Latencies
-from tokenmesh.localstack.probes import free_port
-from tokenmesh.localstack.stack import Stack, StackSettings, envoy_hosts
+from tokenmesh.localmesh.mesh import LocalMesh, LocalMeshSettings, envoy_hosts
+from tokenmesh.localmesh.probes import free_port
 from tokenmesh.meshconfig.__main__ import render_yaml
 from tokenmesh.meshconfig.config import MeshSettings
 
@@ -108,17 +108,17 @@ class Bench:
 
 
 @contextmanager
-def private_mesh() -> Iterator[Stack]:
+def private_mesh() -> Iterator[LocalMesh]:
     """1 gateway and 1 worker (every hop on the same engine), reranker, control plane, Envoy."""
     with tempfile.TemporaryDirectory(prefix="loadtest-mesh-") as run_dir:
-        settings = StackSettings.on_free_ports(Path(run_dir), gateways=1, workers=1)
-        stack = Stack(settings, root=ROOT)
+        settings = LocalMeshSettings.on_free_ports(Path(run_dir), gateways=1, workers=1)
+        local_mesh = LocalMesh(settings, root=ROOT)
         try:
-            if stack.up() != 0:
+            if local_mesh.up() != 0:
                 raise SystemExit("the mesh did not come up")
-            yield stack
+            yield local_mesh
         finally:
-            stack.down()
+            local_mesh.down()
 
 
 def stop(process: subprocess.Popen[Any], grace: float) -> None:
@@ -133,16 +133,16 @@ def stop(process: subprocess.Popen[Any], grace: float) -> None:
 
 @contextmanager
 def second_envoy(
-    stack: Stack, run_dir: Path, **overrides: Any
+    local_mesh: LocalMesh, run_dir: Path, **overrides: Any
 ) -> Iterator[tuple[MeshSettings, int]]:
-    """Another Envoy in front of the stack's gateways and workers (their endpoints from the
-    stack's control plane), rendered with `overrides` (e.g. direct_token_path=True) and run on
-    the mesh's cores like the stack's own, its config and log in run_dir: its settings and
+    """Another Envoy in front of the mesh's gateways and workers (their endpoints from the
+    mesh's control plane), rendered with `overrides` (e.g. direct_token_path=True) and run on
+    the mesh's cores like the mesh's own, its config and log in run_dir: its settings and
     process id, once it has a healthy gateway and worker."""
     ports = [free_port() for _ in range(4)]
     settings = MeshSettings(
         **{
-            **stack.settings.mesh().model_dump(),
+            **local_mesh.settings.mesh().model_dump(),
             "edge_port": ports[0],
             "admin_port": ports[1],
             "worker_listener_port": ports[2],
@@ -153,7 +153,7 @@ def second_envoy(
     )
     config = run_dir / f"envoy-{ports[0]}.yaml"
     config.write_text(render_yaml(settings))
-    cores = stack.mesh_cores(stack.settings.worker_count(), os.cpu_count() or 1)
+    cores = local_mesh.mesh_cores(local_mesh.settings.worker_count(), os.cpu_count() or 1)
     pinned = ["taskset", "-c", cores] if cores and shutil.which("taskset") else []
     envoy = shutil.which("envoy", path=str(Path(sys.executable).parent)) or "envoy"
     # Its access log (stdout) and errors beside its config.
@@ -180,26 +180,26 @@ def second_envoy(
         log.close()
 
 
-def program(stack: Stack, name: str) -> Any:
-    return next(p for p in stack.programs if p.name == name)
+def program(local_mesh: LocalMesh, name: str) -> Any:
+    return next(p for p in local_mesh.programs if p.name == name)
 
 
-def pid(stack: Stack, name: str) -> int:
-    return int(stack.ctl("pid", name).stdout.strip())
+def pid(local_mesh: LocalMesh, name: str) -> int:
+    return int(local_mesh.ctl("pid", name).stdout.strip())
 
 
-def hops(stack: Stack) -> list[tuple[str, str, str]]:
+def hops(local_mesh: LocalMesh) -> list[tuple[str, str, str]]:
     """(label, target kind, address) for each path to the engine, shortest first."""
-    s = stack.settings
+    s = local_mesh.settings
     return [
-        ("worker", "worker", program(stack, "worker-0").address),
+        ("worker", "worker", program(local_mesh, "worker-0").address),
         ("envoy>worker", "worker", f"127.0.0.1:{s.worker_listener_port}"),
-        ("gateway>envoy>worker", "llm", program(stack, "gateway-0").address),
+        ("gateway>envoy>worker", "llm", program(local_mesh, "gateway-0").address),
         ("edge>gateway>envoy>worker", "llm", f"127.0.0.1:{s.edge_port}"),
     ]
 
 
-def transport(bench: Bench, stack: Stack) -> None:
+def transport(bench: Bench, local_mesh: LocalMesh) -> None:
     concurrency = QUICK_CONCURRENCY if bench.quick else CONCURRENCY
     for c in concurrency:
         configs = [
@@ -211,13 +211,13 @@ def transport(bench: Bench, stack: Stack) -> None:
                 duration=bench.round_seconds,
                 label=f"{label} c={c}",
             )
-            for label, kind, address in hops(stack)
+            for label, kind, address in hops(local_mesh)
         ]
         bench.rounds("transport", configs, bench.round_count)
 
 
-def rest(bench: Bench, stack: Stack) -> None:
-    edge = f"127.0.0.1:{stack.settings.edge_port}"
+def rest(bench: Bench, local_mesh: LocalMesh) -> None:
+    edge = f"127.0.0.1:{local_mesh.settings.edge_port}"
     for c in (8,) if bench.quick else (8, 32):
         configs = [
             bench.config(
@@ -245,13 +245,13 @@ def rest(bench: Bench, stack: Stack) -> None:
         )
 
 
-def many(bench: Bench, stack: Stack) -> None:
+def many(bench: Bench, local_mesh: LocalMesh) -> None:
     streams = 100 if bench.quick else 1000
     bench.run(
         "many",
         bench.config(
             target="llm",
-            address=f"127.0.0.1:{stack.settings.edge_port}",
+            address=f"127.0.0.1:{local_mesh.settings.edge_port}",
             concurrency=streams,
             requests=streams,
             processes=1,  # one process, one channel: every stream on one HTTP/2 connection
@@ -264,24 +264,24 @@ def many(bench: Bench, stack: Stack) -> None:
     )
 
 
-def rss(stack: Stack) -> dict[str, int]:
+def rss(local_mesh: LocalMesh) -> dict[str, int]:
     names = ("gateway-0", "worker-0", "envoy")
-    return {name: psutil.Process(pid(stack, name)).memory_info().rss for name in names}
+    return {name: psutil.Process(pid(local_mesh, name)).memory_info().rss for name in names}
 
 
-def slow(bench: Bench, stack: Stack) -> None:
-    edge = f"127.0.0.1:{stack.settings.edge_port}"
+def slow(bench: Bench, local_mesh: LocalMesh) -> None:
+    edge = f"127.0.0.1:{local_mesh.settings.edge_port}"
     # The slow readers take slow_tokens seconds; the fast streams run for as long.
     slow_tokens = 4 if bench.quick else 20
     base = bench.config(target="llm", address=edge, concurrency=8, duration=float(slow_tokens))
     bench.run("slow", replace(base, label="fast streams alone c=8 (before)"))
-    before = rss(stack)
+    before = rss(local_mesh)
     peak = dict(before)
     stop = threading.Event()
 
     def sample() -> None:
         while not stop.wait(0.5):
-            for name, value in rss(stack).items():
+            for name, value in rss(local_mesh).items():
                 peak[name] = max(peak[name], value)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -301,16 +301,16 @@ def slow(bench: Bench, stack: Stack) -> None:
     finally:
         stop.set()
         sampler.join(5)
-    after = rss(stack)
+    after = rss(local_mesh)
     bench.run("slow", replace(base, label="fast streams alone c=8 (after)"))
     bench.notes["slow_rss_bytes"] = {"before": before, "peak": peak, "after": after}
 
 
-def degraded(bench: Bench, stack: Stack) -> None:
+def degraded(bench: Bench, local_mesh: LocalMesh) -> None:
     duration = 6.0 if bench.quick else 20.0
     config = bench.config(
         target="llm",
-        address=f"127.0.0.1:{stack.settings.edge_port}",
+        address=f"127.0.0.1:{local_mesh.settings.edge_port}",
         mode="open",
         rate=4.0,
         documents=16,
@@ -319,12 +319,14 @@ def degraded(bench: Bench, stack: Stack) -> None:
         warmup=2.0,
         label="reranker stopped halfway",
     )
-    reranker = pid(stack, "reranker")
+    reranker = pid(local_mesh, "reranker")
     stopped_at: list[float] = []
 
     def stop_reranker() -> None:
         stopped_at.append(time.time())
-        stack.ctl("stop", "reranker")  # SIGTERM; supervisord does not restart a stopped program
+        local_mesh.ctl(
+            "stop", "reranker"
+        )  # SIGTERM; supervisord does not restart a stopped program
 
     # The generator processes take a second or two to start; the kill time is recorded in
     # wall-clock time and placed on the run's timeline afterwards.
@@ -436,8 +438,8 @@ def sse(bench: Bench) -> None:
 def versus(bench: Bench) -> None:
     """gRPC and REST at the edge and vLLM's SSE server measured in interleaved rounds while
     both are up (only one is loaded at a time), so all three see the same machine load."""
-    with private_mesh() as stack, openai_server() as (address, _server):
-        edge = f"127.0.0.1:{stack.settings.edge_port}"
+    with private_mesh() as local_mesh, openai_server() as (address, _server):
+        edge = f"127.0.0.1:{local_mesh.settings.edge_port}"
         paths = (
             ("llm", edge, "edge gRPC"),
             ("rest", edge, "edge REST-JSON"),
@@ -462,7 +464,7 @@ def versus(bench: Bench) -> None:
             )  # fmt: skip
 
 
-MESH_STEPS: dict[str, Callable[[Bench, Stack], None]] = {
+MESH_STEPS: dict[str, Callable[[Bench, LocalMesh], None]] = {
     "transport": transport,
     "rest": rest,
     "many": many,
@@ -487,10 +489,10 @@ def bench_command(names: str, quick: bool, out: Path | None) -> int:
         "quick": quick,
     }
     if any(name in MESH_SCENARIOS for name in chosen):
-        with private_mesh() as stack:
+        with private_mesh() as local_mesh:
             for name in ORDER:
                 if name in chosen and name in MESH_SCENARIOS:
-                    MESH_STEPS[name](bench, stack)
+                    MESH_STEPS[name](bench, local_mesh)
     # With the mesh down: the engine alone, then vLLM's own server (one engine at a time).
     if "engine" in chosen:
         engine(bench)

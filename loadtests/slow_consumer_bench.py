@@ -31,7 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loadtests.chaos import environment
 from tokenmesh.common.tokens import token_count
-from tokenmesh.localstack.stack import Program, Stack, StackSettings
+from tokenmesh.localmesh.mesh import LocalMesh, LocalMeshSettings, Program
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, llm_pb2, llm_pb2_grpc
 
 MIB = 1024 * 1024
@@ -90,8 +90,8 @@ class SlowConsumerProbe:
     """Opens streams through the mesh's edge, reads nothing until the mesh stops sending, then
     reads everything; samples Envoy, gateway and worker along the way."""
 
-    def __init__(self, stack: Stack) -> None:
-        self._stack = stack
+    def __init__(self, local_mesh: LocalMesh) -> None:
+        self._local_mesh = local_mesh
         self._gateway = self._single("gateway")
         self._worker = self._single("worker")
 
@@ -100,15 +100,15 @@ class SlowConsumerProbe:
         return self._worker.address
 
     def _single(self, service: str) -> Program:
-        (program,) = [p for p in self._stack.programs if p.service == service]
+        (program,) = [p for p in self._local_mesh.programs if p.service == service]
         return program
 
     def _pid(self, name: str) -> int:
-        return int(self._stack.ctl("pid", name).stdout.strip())
+        return int(self._local_mesh.ctl("pid", name).stdout.strip())
 
     def envoy_allocated(self) -> int:
         """Bytes Envoy's allocator holds (admin /memory), steadier than RSS."""
-        url = f"http://127.0.0.1:{self._stack.settings.envoy_admin_port}/memory"
+        url = f"http://127.0.0.1:{self._local_mesh.settings.envoy_admin_port}/memory"
         with urllib.request.urlopen(url, timeout=10) as reply:
             return int(json.loads(reply.read())["allocated"])
 
@@ -148,7 +148,7 @@ class SlowConsumerProbe:
         gateway = psutil.Process(self._pid(self._gateway.name))
         envoy_before, rss_before = self.envoy_allocated(), gateway.memory_info().rss
         gateway_before, worker_before = self.sent()
-        edge = f"127.0.0.1:{self._stack.settings.edge_port}"
+        edge = f"127.0.0.1:{self._local_mesh.settings.edge_port}"
         async with aio.insecure_channel(edge, options=SLOW_CLIENT_OPTIONS) as channel:
             stub = llm_pb2_grpc.LLMServiceStub(channel)
             calls = [
@@ -214,13 +214,15 @@ def measure(
         tempfile.TemporaryDirectory(prefix="slow-consumer-") as run_dir,
         slow_consumer_env(stream_window, connection_window),
     ):
-        stack = Stack(StackSettings.on_free_ports(Path(run_dir), gateways=1, workers=1), root=ROOT)
+        local_mesh = LocalMesh(
+            LocalMeshSettings.on_free_ports(Path(run_dir), gateways=1, workers=1), root=ROOT
+        )
         try:
-            if stack.up() != 0:
+            if local_mesh.up() != 0:
                 raise SystemExit("the mesh did not come up")
-            return asyncio.run(SlowConsumerProbe(stack).run(streams, max_tokens))
+            return asyncio.run(SlowConsumerProbe(local_mesh).run(streams, max_tokens))
         finally:
-            stack.down()
+            local_mesh.down()
 
 
 def main() -> None:

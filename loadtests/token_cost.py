@@ -44,7 +44,7 @@ from loadtests.scenarios import (
     second_envoy,
 )
 from loadtests.scenarios import program as program_named
-from tokenmesh.localstack.stack import Stack
+from tokenmesh.localmesh.mesh import LocalMesh
 from tokenmesh.meshconfig.config import MeshSettings
 
 CONCURRENCY = (1, 32, 64)
@@ -103,25 +103,25 @@ class Route:
     interval: int = 0
 
 
-def mesh_path(stack: Stack) -> Route:
-    worker = pid(stack, "worker-0")
+def mesh_path(local_mesh: LocalMesh) -> Route:
+    worker = pid(local_mesh, "worker-0")
     return Route(
         label="edge gRPC",
         target="llm",
-        address=f"127.0.0.1:{stack.settings.edge_port}",
+        address=f"127.0.0.1:{local_mesh.settings.edge_port}",
         model="",
         processes={
             "worker": [worker],
             "engine": descendants(worker),
-            "gateway": [pid(stack, "gateway-0")],
-            "envoy": [pid(stack, "envoy")],
+            "gateway": [pid(local_mesh, "gateway-0")],
+            "envoy": [pid(local_mesh, "envoy")],
         },
         hops={"envoy": 2},
         metrics={
             name: program.metrics_port
             for name, program in (
-                ("worker", program_named(stack, "worker-0")),
-                ("gateway", program_named(stack, "gateway-0")),
+                ("worker", program_named(local_mesh, "worker-0")),
+                ("gateway", program_named(local_mesh, "gateway-0")),
             )
             if program.metrics_port is not None
         },
@@ -279,11 +279,14 @@ def cost(
     rows: list[dict[str, Any]] = []
     comparisons: dict[str, Any] = {}
     with (
-        private_mesh() as stack,
-        second_envoy(stack, stack.run_dir, direct_token_path=True) as (direct, direct_pid),
+        private_mesh() as local_mesh,
+        second_envoy(local_mesh, local_mesh.run_dir, direct_token_path=True) as (
+            direct,
+            direct_pid,
+        ),
         openai_server() as (address, server),
     ):
-        mesh = mesh_path(stack)
+        mesh = mesh_path(local_mesh)
         paths = [mesh, sse_path(address, server), direct_path(mesh, direct, direct_pid)]
         for c in concurrency:
             # Fewer, larger messages (a client that prefers throughput), beside the default.
@@ -321,7 +324,7 @@ def cost(
         (bench.out / "cost" / "cost.md").write_text(markdown(rows, comparisons))
         report.write_json(report_, bench.out / "cost" / "summary.json")
         if profile:
-            report_["profiles"] = profile_services(bench, stack, paths[0])
+            report_["profiles"] = profile_services(bench, local_mesh, paths[0])
             report.write_json(report_, bench.out / "cost" / "summary.json")
     return report_
 
@@ -419,7 +422,7 @@ def category(frames: list[str]) -> str:
     return "other"
 
 
-def profile_services(bench: Bench, stack: Stack, path: Route) -> dict[str, Any]:
+def profile_services(bench: Bench, local_mesh: LocalMesh, path: Route) -> dict[str, Any]:
     """py-spy on the worker and the gateway during one gRPC run at 32 streams."""
     seconds = bench.round_seconds + 4
     out = bench.out / "cost" / "profiles"

@@ -28,9 +28,9 @@ from typing import Any
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from loadtests.chaos import attached, own_stack
+from loadtests.chaos import attached, own_mesh
 from tokenmesh.common.tokens import token_count
-from tokenmesh.localstack.stack import Stack
+from tokenmesh.localmesh.mesh import LocalMesh
 from tokenmesh.v1 import llm_pb2, llm_pb2_grpc
 
 # A check that gets no answer in this long counts as this long.
@@ -141,11 +141,13 @@ async def count_out_of_rotation(admin_port: int, workers: int, stop: asyncio.Eve
     return short
 
 
-async def probe(stack: Stack, streams: int, tokens: int, realtime: bool = False) -> dict[str, Any]:
+async def probe(
+    local_mesh: LocalMesh, streams: int, tokens: int, realtime: bool = False
+) -> dict[str, Any]:
     """Run the load once with the checker beside it; one result row."""
-    admin = stack.settings.envoy_admin_port
-    workers = [p.address for p in stack.programs if p.service == "worker"]
-    reranker = [p.address for p in stack.programs if p.service == "reranker"]
+    admin = local_mesh.settings.envoy_admin_port
+    workers = [p.address for p in local_mesh.programs if p.service == "worker"]
+    reranker = [p.address for p in local_mesh.programs if p.service == "reranker"]
     before = {name: envoy_counter(admin, "worker", name) for name in ENVOY_COUNTERS}
     # The checker is a process of its own, so the load's client does not slow its checks.
     spawn = multiprocessing.get_context("spawn")
@@ -161,7 +163,7 @@ async def probe(stack: Stack, streams: int, tokens: int, realtime: bool = False)
         checker.kill()
         raise RuntimeError("the health checker did not start within 60 s")
     began = time.monotonic()
-    edge = f"127.0.0.1:{stack.settings.edge_port}"
+    edge = f"127.0.0.1:{local_mesh.settings.edge_port}"
     load_done = asyncio.Event()
     sampler = asyncio.create_task(count_out_of_rotation(admin, len(workers), load_done))
     try:
@@ -208,10 +210,12 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    def rounds(stack: Stack) -> None:
+    def rounds(local_mesh: LocalMesh) -> None:
         for index in range(args.rounds):
             row = {"round": index, "machine": platform.node(), "date": time.strftime("%F %T")}
-            row.update(asyncio.run(probe(stack, args.streams, args.tokens, args.realtime_checker)))
+            row.update(
+                asyncio.run(probe(local_mesh, args.streams, args.tokens, args.realtime_checker))
+            )
             print(json.dumps(row))
             if args.out is not None:
                 with args.out.open("a") as out:
@@ -220,10 +224,10 @@ def main() -> None:
     if args.attach is not None:
         rounds(attached(args.attach))
         return
-    with own_stack(gateways=2, workers=2) as stack:
-        if stack is None:
+    with own_mesh(gateways=2, workers=2) as local_mesh:
+        if local_mesh is None:
             raise SystemExit("the mesh did not come up")
-        rounds(stack)
+        rounds(local_mesh)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ helm/tokenmesh/files/ (a chart cannot read files outside its directory), or chec
 
 - files/envoy.yaml, files/envoy-tls.yaml, files/envoy-mtls.yaml, files/envoy-tls-mtls.yaml:
   `python -m tokenmesh.meshconfig --profile kubernetes[-tls][-mtls]`, i.e. the same renderer
-  as envoy/envoy.yaml and the local stack.
+  as envoy/envoy.yaml and the local mesh.
 - files/dashboards/*.json: dashboards/ (scripts/gen_dashboards.py).
 - files/alerts.yml: prometheus/alerts.yml.
 """

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from tokenmesh.localstack.certs import main
+from tokenmesh.localmesh.certs import main
 
 if __name__ == "__main__":
     sys.exit(main())

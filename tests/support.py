@@ -19,14 +19,14 @@ from typing import Any
 import grpc
 
 from tokenmesh.common.tokens import token_count
-from tokenmesh.localstack.probes import (
+from tokenmesh.localmesh.mesh import LocalMesh, LocalMeshSettings
+from tokenmesh.localmesh.probes import (
     engine_empty_at,
     fetch_text,
     free_port,
     health,
     series_values,
 )
-from tokenmesh.localstack.stack import Stack, StackSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL = ROOT / "models" / "tiny-llama"
@@ -253,9 +253,9 @@ GENERATE_METHOD = {"grpc_service": "tokenmesh.v1.LLMService", "grpc_method": "Ge
 INFERENCE_METHOD = {"grpc_service": "tokenmesh.v1.InferenceService", "grpc_method": "Generate"}
 
 
-def replicas(stack: Stack, service: str) -> list[Any]:
-    """The stack's programs of one service (its Envoy cluster), in order."""
-    return [program for program in stack.programs if program.service == service]
+def replicas(local_mesh: LocalMesh, service: str) -> list[Any]:
+    """The mesh's programs of one service (its Envoy cluster), in order."""
+    return [program for program in local_mesh.programs if program.service == service]
 
 
 async def cancel_generations(edge: Any, worker_addresses: Iterable[str], streams: int = 8) -> float:
@@ -369,14 +369,14 @@ def grpcurl(*args: str, plaintext: bool = True) -> subprocess.CompletedProcess[s
 
 
 @contextlib.contextmanager
-def running_stack(settings: StackSettings) -> Iterator[Stack]:
+def running_mesh(settings: LocalMeshSettings) -> Iterator[LocalMesh]:
     """A mesh of its own, up for the block's duration (a test module's or the session's)."""
-    stack = Stack(settings, root=ROOT)
+    local_mesh = LocalMesh(settings, root=ROOT)
     try:
-        assert stack.up() == 0, "the mesh did not come up (see the logs above)"
-        yield stack
+        assert local_mesh.up() == 0, "the mesh did not come up (see the logs above)"
+        yield local_mesh
     finally:
-        stack.down()
+        local_mesh.down()
 
 
 def grpcurl_messages(stdout: str) -> list[dict[str, Any]]:

@@ -11,8 +11,8 @@ import psutil
 import pytest
 
 from loadtests.slow_consumer_bench import SlowConsumerProbe, slow_consumer_env
-from tests.support import running_stack
-from tokenmesh.localstack.stack import Stack, StackSettings
+from tests.support import running_mesh
+from tokenmesh.localmesh.mesh import LocalMesh, LocalMeshSettings
 from tokenmesh.meshconfig.config import MeshSettings
 
 pytestmark = pytest.mark.integration
@@ -26,13 +26,15 @@ HOPS = 2  # edge -> gateway, and gateway -> worker listener -> worker
 
 
 @pytest.fixture(scope="module")
-def slow_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    settings = StackSettings.on_free_ports(tmp_path_factory.mktemp("slow"), gateways=1, workers=1)
-    with slow_consumer_env(), running_stack(settings) as stack:
-        yield stack
+def slow_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalMesh]:
+    settings = LocalMeshSettings.on_free_ports(
+        tmp_path_factory.mktemp("slow"), gateways=1, workers=1
+    )
+    with slow_consumer_env(), running_mesh(settings) as local_mesh:
+        yield local_mesh
 
 
-async def test_slow_reader_stops_the_senders_and_bounds_memory(slow_mesh: Stack) -> None:
+async def test_slow_reader_stops_the_senders_and_bounds_memory(slow_mesh: LocalMesh) -> None:
     # The engine takes ~30 s to make these streams on an idle 2-core machine; a loaded CI
     # machine gets ten times that before the probe gives up.
     result = await SlowConsumerProbe(slow_mesh).run(STREAMS, MAX_TOKENS, limit=300.0)
@@ -48,7 +50,7 @@ async def test_slow_reader_stops_the_senders_and_bounds_memory(slow_mesh: Stack)
     assert result.envoy_growth_bytes < STREAMS * HOPS * 3 * WINDOW < result.output_bytes
 
 
-def test_the_mesh_runs_off_the_engines_core(slow_mesh: Stack) -> None:
+def test_the_mesh_runs_off_the_engines_core(slow_mesh: LocalMesh) -> None:
     """A 1-worker mesh on a machine with more cores: Envoy, the gateway and the worker's own
     threads run on the cores its engine does not bind (the engine binds core 0)."""
     cores = os.cpu_count() or 1

@@ -11,19 +11,19 @@ from dataclasses import asdict
 
 import pytest
 
-from loadtests.chaos import SCENARIOS, Mesh, Row
-from tokenmesh.localstack.stack import Stack
+from loadtests.chaos import SCENARIOS, Row, ScenarioMesh
+from tokenmesh.localmesh.mesh import LocalMesh
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def chaos_mesh(mesh: Stack) -> Mesh:
+def chaos_mesh(mesh: LocalMesh) -> ScenarioMesh:
     """The session's shared mesh (tests/integration/conftest.py)."""
-    return Mesh(mesh)
+    return ScenarioMesh(mesh)
 
 
-async def run(mesh: Mesh, name: str) -> Row:
+async def run(mesh: ScenarioMesh, name: str) -> Row:
     """Run a scenario's short version; every violated guarantee fails the test."""
     # Everything a scenario waits for is bounded; a restarted worker may take minutes to load
     # vLLM on a busy machine, which the 300 s test timeout covers.
@@ -35,39 +35,40 @@ async def run(mesh: Mesh, name: str) -> Row:
 
 
 async def test_deadline_storm_ends_deadline_exceeded_and_empties_the_engines(
-    chaos_mesh: Mesh,
+    chaos_mesh: ScenarioMesh,
 ) -> None:
     row = await run(chaos_mesh, "deadline_storm")
     assert set(row.failed) == {"DEADLINE_EXCEEDED"}
 
 
 async def test_hung_reranker_opens_the_breaker_and_recovers_through_half_open(
-    chaos_mesh: Mesh,
+    chaos_mesh: ScenarioMesh,
 ) -> None:
     row = await run(chaos_mesh, "reranker_hang")
     assert row.degraded and row.ok == row.sent
 
 
-async def test_envoy_keeps_serving_while_the_control_plane_is_down(chaos_mesh: Mesh) -> None:
+async def test_envoy_keeps_serving_while_the_control_plane_is_down(
+    chaos_mesh: ScenarioMesh,
+) -> None:
     row = await run(chaos_mesh, "controlplane_down")
     assert row.ok == row.sent
 
 
 async def test_killed_worker_cuts_its_streams_unavailable_and_others_are_retried(
-    chaos_mesh: Mesh,
+    chaos_mesh: ScenarioMesh,
 ) -> None:
-    # Requests sent right after the SIGKILL failed UNAVAILABLE in some earlier runs. The likely
-    # cause, fixed: while the restarted worker loads its model the machine is starved, and a
-    # 1 s keepalive timeout (now 10 s) cut live gRPC connections with every stream on them.
     row = await run(chaos_mesh, "worker_kill")
     assert set(row.failed) == {"UNAVAILABLE"}
 
 
-async def test_envoy_restart_fails_only_in_flight_streams(chaos_mesh: Mesh) -> None:
+async def test_envoy_restart_fails_only_in_flight_streams(chaos_mesh: ScenarioMesh) -> None:
     row = await run(chaos_mesh, "envoy_restart")
     assert set(row.failed) <= {"UNAVAILABLE"}
 
 
-async def test_rolling_restart_of_a_worker_under_load_fails_nothing(chaos_mesh: Mesh) -> None:
+async def test_rolling_restart_of_a_worker_under_load_fails_nothing(
+    chaos_mesh: ScenarioMesh,
+) -> None:
     row = await run(chaos_mesh, "rolling_restart")
     assert row.ok == row.sent > 0

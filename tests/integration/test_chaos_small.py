@@ -10,19 +10,26 @@ from dataclasses import asdict
 
 import pytest
 
-from loadtests.chaos import SMALL_MESH_ENV, SMALL_SCENARIOS, Mesh, Row, environment, own_stack
+from loadtests.chaos import (
+    SMALL_MESH_ENV,
+    SMALL_SCENARIOS,
+    Row,
+    ScenarioMesh,
+    environment,
+    own_mesh,
+)
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def small_mesh() -> Iterator[Mesh]:
-    with environment(SMALL_MESH_ENV), own_stack(gateways=1, workers=1) as stack:
-        assert stack is not None, "the small mesh did not come up (see the logs above)"
-        yield Mesh(stack)
+def small_mesh() -> Iterator[ScenarioMesh]:
+    with environment(SMALL_MESH_ENV), own_mesh(gateways=1, workers=1) as local_mesh:
+        assert local_mesh is not None, "the small mesh did not come up (see the logs above)"
+        yield ScenarioMesh(local_mesh)
 
 
-async def run(mesh: Mesh, name: str) -> Row:
+async def run(mesh: ScenarioMesh, name: str) -> Row:
     with environment(SMALL_MESH_ENV):  # the scenarios read the limits the mesh was given
         row = await SMALL_SCENARIOS[name](mesh, True)
     print(json.dumps(asdict(row)))
@@ -31,11 +38,13 @@ async def run(mesh: Mesh, name: str) -> Row:
     return row
 
 
-async def test_overload_is_refused_fast_with_resource_exhausted(small_mesh: Mesh) -> None:
+async def test_overload_is_refused_fast_with_resource_exhausted(small_mesh: ScenarioMesh) -> None:
     row = await run(small_mesh, "overload")
     assert set(row.failed) == {"RESOURCE_EXHAUSTED"}
 
 
-async def test_stalled_streams_are_bounded_and_cut_by_the_idle_timeout(small_mesh: Mesh) -> None:
+async def test_stalled_streams_are_bounded_and_cut_by_the_idle_timeout(
+    small_mesh: ScenarioMesh,
+) -> None:
     row = await run(small_mesh, "stalled_client")
     assert row.notes["all_cut_after_s"] is not None

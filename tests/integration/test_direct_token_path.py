@@ -34,7 +34,7 @@ from tests.support import (
     scrape_metrics,
     within_budget,
 )
-from tokenmesh.localstack.stack import Stack
+from tokenmesh.localmesh.mesh import LocalMesh
 from tokenmesh.meshconfig.config import MeshSettings
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, llm_pb2, llm_pb2_grpc, token_pb2
 
@@ -44,7 +44,7 @@ PROCESS = {"grpc_service": "envoy.service.ext_proc.v3.ExternalProcessor", "grpc_
 
 
 @pytest.fixture(scope="module")
-def direct(mesh: Stack) -> Iterator[MeshSettings]:
+def direct(mesh: LocalMesh) -> Iterator[MeshSettings]:
     """A second Envoy with the direct token path, sharing the mesh's services (its config and
     access log among the mesh's logs)."""
     with second_envoy(mesh, mesh.log_dir, direct_token_path=True) as (
@@ -60,19 +60,19 @@ async def edge(direct: MeshSettings) -> AsyncIterator[llm_pb2_grpc.LLMServiceStu
         yield llm_pb2_grpc.LLMServiceStub(channel)
 
 
-def total(mesh: Stack, service: str, name: str, **labels: str) -> float:
+def total(mesh: LocalMesh, service: str, name: str, **labels: str) -> float:
     return sum(
         metric_value(scrape_metrics(program.metrics_port or 0), name, 0.0, **labels)
         for program in replicas(mesh, service)
     )
 
 
-def started(mesh: Stack, service: str, method: dict[str, str]) -> float:
+def started(mesh: LocalMesh, service: str, method: dict[str, str]) -> float:
     return total(mesh, service, "grpc_server_started_total", **method)
 
 
 async def test_generate_streams_from_a_worker_with_no_gateway_on_the_way(
-    mesh: Stack, edge: llm_pb2_grpc.LLMServiceStub
+    mesh: LocalMesh, edge: llm_pb2_grpc.LLMServiceStub
 ) -> None:
     before = {
         "generate": started(mesh, "gateway", GENERATE_METHOD),
@@ -96,7 +96,7 @@ async def test_generate_streams_from_a_worker_with_no_gateway_on_the_way(
 
 
 async def test_bad_input_gets_the_gateways_status_and_message(
-    mesh: Stack, edge: llm_pb2_grpc.LLMServiceStub
+    mesh: LocalMesh, edge: llm_pb2_grpc.LLMServiceStub
 ) -> None:
     """A request the gateway refuses goes on to its own handler, which refuses it as ever."""
     before = started(mesh, "gateway", GENERATE_METHOD)
@@ -138,7 +138,7 @@ def test_rest_json_generate_streams_and_refuses_like_grpc(direct: MeshSettings) 
 
 
 async def test_the_workers_method_is_not_served_at_the_edge(
-    mesh: Stack, direct: MeshSettings
+    mesh: LocalMesh, direct: MeshSettings
 ) -> None:
     before = started(mesh, "worker", INFERENCE_METHOD)
     async with aio.insecure_channel(f"127.0.0.1:{direct.edge_port}") as channel:
@@ -153,7 +153,7 @@ async def test_the_workers_method_is_not_served_at_the_edge(
 
 
 async def test_a_cancel_frees_the_engine_at_once(
-    mesh: Stack, edge: llm_pb2_grpc.LLMServiceStub
+    mesh: LocalMesh, edge: llm_pb2_grpc.LLMServiceStub
 ) -> None:
     workers = [worker.address for worker in replicas(mesh, "worker")]
     await within_budget(
@@ -200,7 +200,7 @@ def flood_closes(admin_port: int) -> int:
 
 
 async def test_a_client_that_reads_late_is_held_back_not_cut_off(
-    mesh: Stack, direct: MeshSettings
+    mesh: LocalMesh, direct: MeshSettings
 ) -> None:
     """A client that stops reading its streams of small token messages: Envoy queues their
     frames until flow control stops the workers, never counts them as a flood (which cuts the
@@ -254,7 +254,7 @@ def test_grpc_web_generate_streams_from_a_worker(direct: MeshSettings) -> None:
 
 
 async def test_the_callers_deadline_holds_and_reaches_the_worker(
-    mesh: Stack, edge: llm_pb2_grpc.LLMServiceStub
+    mesh: LocalMesh, edge: llm_pb2_grpc.LLMServiceStub
 ) -> None:
     aborted = "tokenmesh_worker_aborted_requests_total"
     before = total(mesh, "worker", aborted, reason="deadline_exceeded") + total(
@@ -278,7 +278,7 @@ async def test_the_callers_deadline_holds_and_reaches_the_worker(
 
 
 async def test_a_degraded_answer_keeps_its_warning_and_trailer(
-    mesh: Stack, edge: llm_pb2_grpc.LLMServiceStub
+    mesh: LocalMesh, edge: llm_pb2_grpc.LLMServiceStub
 ) -> None:
     """With the reranker stopped, the gateway prepares the answer without it: the worker's
     first token carries the gateway's warning, and the stream ends with the degraded trailer."""

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from tests.support import free_port, health_status
-from tokenmesh.localstack.stack import Stack, envoy_hosts
+from tokenmesh.localmesh.mesh import LocalMesh, envoy_hosts
 from tokenmesh.meshconfig.__main__ import render_yaml
 from tokenmesh.meshconfig.config import MeshSettings
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, llm_pb2
@@ -174,15 +174,16 @@ def call(channel: grpc.Channel, case: Case) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
-def pids(stack: Stack) -> dict[str, str]:
+def pids(local_mesh: LocalMesh) -> dict[str, str]:
     return {
-        program.name: stack.ctl("pid", program.name).stdout.strip() for program in stack.programs
+        program.name: local_mesh.ctl("pid", program.name).stdout.strip()
+        for program in local_mesh.programs
     }
 
 
-def engines_empty(stack: Stack, within: float = 30.0) -> None:
+def engines_empty(local_mesh: LocalMesh, within: float = 30.0) -> None:
     """Every worker's vLLM scheduler reports nothing running or waiting within `within`."""
-    for worker in (program for program in stack.programs if program.service == "worker"):
+    for worker in (program for program in local_mesh.programs if program.service == "worker"):
         with grpc.insecure_channel(worker.address) as channel:
             stub = inference_pb2_grpc.InferenceServiceStub(channel)
             deadline = time.monotonic() + within
@@ -195,13 +196,13 @@ def engines_empty(stack: Stack, within: float = 30.0) -> None:
 
 
 @pytest.fixture(scope="module")
-def edge(mesh: Stack) -> Iterator[grpc.Channel]:
+def edge(mesh: LocalMesh) -> Iterator[grpc.Channel]:
     with grpc.insecure_channel(f"127.0.0.1:{mesh.settings.edge_port}") as channel:
         yield channel
 
 
 def test_random_and_garbage_requests_get_clean_statuses_and_break_nothing(
-    mesh: Stack, edge: grpc.Channel
+    mesh: LocalMesh, edge: grpc.Channel
 ) -> None:
     before = pids(mesh)
     seen: dict[str, int] = {}
@@ -275,9 +276,9 @@ def test_oversized_request_headers_are_refused_at_the_edge(
     assert call(edge, Case("Generate", (body,))) is grpc.StatusCode.OK
 
 
-def test_prompts_and_documents_never_reach_a_log(mesh: Stack, edge: grpc.Channel) -> None:
+def test_prompts_and_documents_never_reach_a_log(mesh: LocalMesh, edge: grpc.Channel) -> None:
     """A marker in every text field of every call shape (valid and refused requests) through
-    the edge; afterwards no log file of the stack holds it."""
+    the edge; afterwards no log file of the mesh holds it."""
     marker = f"secret-{uuid.uuid4().hex}"
     documents = [f"{marker} document {i}" for i in range(3)]
     generate = llm_pb2.GenerateRequest(
@@ -306,7 +307,9 @@ def test_prompts_and_documents_never_reach_a_log(mesh: Stack, edge: grpc.Channel
     assert not holders, f"the marker is in {holders}"
 
 
-def test_edge_rate_limit_refuses_grpc_with_resource_exhausted(mesh: Stack, tmp_path: Path) -> None:
+def test_edge_rate_limit_refuses_grpc_with_resource_exhausted(
+    mesh: LocalMesh, tmp_path: Path
+) -> None:
     """A second Envoy, rendered with a tiny edge bucket (1/s, burst 2), in front of the same
     gateways (endpoints from the mesh's control plane): a burst of calls gets 2 through and
     the rest refused RESOURCE_EXHAUSTED with retry-after-ms, at once."""

@@ -34,13 +34,13 @@ DOCUMENTS = ["alpha", "beta", "gamma", "delta"]
 
 
 @dataclasses.dataclass
-class Mesh:
+class RerankedGateway:
     reranker: ServiceProcess
     gateway: ServiceProcess
 
 
 @pytest.fixture(scope="module")
-def mesh(worker: ServiceProcess) -> Iterator[Mesh]:
+def faulty(worker: ServiceProcess) -> Iterator[RerankedGateway]:
     reranker = reranker_process(LOG_DIR, name="reranker-faults")
     reranker.start()
     gateway = gateway_process(
@@ -54,24 +54,24 @@ def mesh(worker: ServiceProcess) -> Iterator[Mesh]:
         breaker__open_seconds=str(OPEN_SECONDS),
     )
     gateway.start()
-    mesh = Mesh(reranker, gateway)
+    faulty = RerankedGateway(reranker, gateway)
     try:
         reranker.wait_serving(180)
         gateway.wait_serving(60)
-        yield mesh
+        yield faulty
     finally:
         gateway.stop()
         # A test may have replaced the reranker with a restarted one: stop the current one.
-        current = mesh.reranker.process
+        current = faulty.reranker.process
         if current is not None and current.poll() is None:
-            mesh.reranker.signal(signal.SIGCONT)
-        mesh.reranker.stop()
+            faulty.reranker.signal(signal.SIGCONT)
+        faulty.reranker.stop()
         reranker.stop()
 
 
 @pytest.fixture(scope="module")
-async def llm(mesh: Mesh) -> AsyncIterator[llm_pb2_grpc.LLMServiceStub]:
-    async with aio.insecure_channel(mesh.gateway.address) as channel:
+async def llm(faulty: RerankedGateway) -> AsyncIterator[llm_pb2_grpc.LLMServiceStub]:
+    async with aio.insecure_channel(faulty.gateway.address) as channel:
         yield llm_pb2_grpc.LLMServiceStub(channel)
 
 
@@ -79,26 +79,26 @@ def query() -> llm_pb2.Query:
     return llm_pb2.Query(prompt="which one?", documents=DOCUMENTS, top_k_documents=3, max_tokens=4)
 
 
-def gateway_metric(mesh: Mesh, name: str, **labels: str) -> float:
-    return metric_value(scrape_metrics(mesh.gateway.metrics_port), name, 0.0, **labels)
+def gateway_metric(faulty: RerankedGateway, name: str, **labels: str) -> float:
+    return metric_value(scrape_metrics(faulty.gateway.metrics_port), name, 0.0, **labels)
 
 
-def rerank_seconds(mesh: Mesh) -> tuple[float, float]:
-    text = scrape_metrics(mesh.gateway.metrics_port)
+def rerank_seconds(faulty: RerankedGateway) -> tuple[float, float]:
+    text = scrape_metrics(faulty.gateway.metrics_port)
     return (
         metric_value(text, "tokenmesh_gateway_rerank_seconds_sum", 0.0),
         metric_value(text, "tokenmesh_gateway_rerank_seconds_count", 0.0),
     )
 
 
-async def test_healthy_reranker_answers_without_warnings(llm, mesh: Mesh) -> None:
+async def test_healthy_reranker_answers_without_warnings(llm, faulty: RerankedGateway) -> None:
     answer = await llm.GetAnswer(query())
     assert not answer.warnings
-    assert gateway_metric(mesh, "tokenmesh_reranker_circuit_state") == 0
+    assert gateway_metric(faulty, "tokenmesh_reranker_circuit_state") == 0
 
 
-async def test_hung_reranker_degrades_the_very_next_requests(llm, mesh: Mesh) -> None:
-    mesh.reranker.signal(signal.SIGSTOP)  # calls now time out instead of failing fast
+async def test_hung_reranker_degrades_the_very_next_requests(llm, faulty: RerankedGateway) -> None:
+    faulty.reranker.signal(signal.SIGSTOP)  # calls now time out instead of failing fast
     call = llm.Generate(
         llm_pb2.GenerateRequest(
             prompt="which one?", documents=DOCUMENTS, max_tokens=8, ignore_eos=True
@@ -113,54 +113,60 @@ async def test_hung_reranker_degrades_the_very_next_requests(llm, mesh: Mesh) ->
     answer = await llm.GetAnswer(query())
     assert answer.warnings and list(answer.used_document_indices) == [0, 1, 2]
     assert (
-        gateway_metric(mesh, "tokenmesh_degraded_responses_total", reason="reranker_timeout") == 2
+        gateway_metric(faulty, "tokenmesh_degraded_responses_total", reason="reranker_timeout") == 2
     )
-    assert health_status(mesh.gateway.address) == "SERVING"
+    assert health_status(faulty.gateway.address) == "SERVING"
 
 
-async def test_open_circuit_adds_no_reranker_latency(llm, mesh: Mesh) -> None:
+async def test_open_circuit_adds_no_reranker_latency(llm, faulty: RerankedGateway) -> None:
     await llm.GetAnswer(query())  # the third consecutive failure opens the circuit
-    assert gateway_metric(mesh, "tokenmesh_reranker_circuit_state") == 2
-    sum_before, count_before = rerank_seconds(mesh)
+    assert gateway_metric(faulty, "tokenmesh_reranker_circuit_state") == 2
+    sum_before, count_before = rerank_seconds(faulty)
     assert sum_before / count_before >= RERANKER_TIMEOUT * 0.9 * 3 / 4  # timeouts so far
     for _ in range(5):
         answer = await llm.GetAnswer(query())
         assert answer.warnings == ["reranker_unavailable: circuit open"]
-    sum_after, count_after = rerank_seconds(mesh)
+    sum_after, count_after = rerank_seconds(faulty)
     per_request_while_open = (sum_after - sum_before) / (count_after - count_before)
     # Open: refused without a network wait, so a small fraction of the timeout it used to cost.
     assert per_request_while_open < RERANKER_TIMEOUT / 10
     assert (
-        gateway_metric(mesh, "tokenmesh_degraded_responses_total", reason="reranker_circuit_open")
+        gateway_metric(faulty, "tokenmesh_degraded_responses_total", reason="reranker_circuit_open")
         == 5
     )
-    assert health_status(mesh.gateway.address) == "SERVING"
+    assert health_status(faulty.gateway.address) == "SERVING"
 
 
-async def test_recovered_reranker_closes_the_circuit_through_a_probe(llm, mesh: Mesh) -> None:
-    mesh.reranker.signal(signal.SIGCONT)
+async def test_recovered_reranker_closes_the_circuit_through_a_probe(
+    llm, faulty: RerankedGateway
+) -> None:
+    faulty.reranker.signal(signal.SIGCONT)
     await asyncio.sleep(OPEN_SECONDS)
     answer = await llm.GetAnswer(query())  # the half-open probe
     assert not answer.warnings
-    assert gateway_metric(mesh, "tokenmesh_reranker_circuit_state") == 0
-    assert gateway_metric(mesh, "tokenmesh_reranker_circuit_transitions_total", to="half_open") == 1
-    assert gateway_metric(mesh, "tokenmesh_reranker_circuit_transitions_total", to="closed") == 1
+    assert gateway_metric(faulty, "tokenmesh_reranker_circuit_state") == 0
+    assert (
+        gateway_metric(faulty, "tokenmesh_reranker_circuit_transitions_total", to="half_open") == 1
+    )
+    assert gateway_metric(faulty, "tokenmesh_reranker_circuit_transitions_total", to="closed") == 1
     assert not (await llm.GetAnswer(query())).warnings
 
 
-async def test_killed_then_restarted_reranker_degrades_then_recovers(llm, mesh: Mesh) -> None:
-    mesh.reranker.signal(signal.SIGKILL)
-    assert mesh.reranker.process is not None
-    mesh.reranker.process.wait()
+async def test_killed_then_restarted_reranker_degrades_then_recovers(
+    llm, faulty: RerankedGateway
+) -> None:
+    faulty.reranker.signal(signal.SIGKILL)
+    assert faulty.reranker.process is not None
+    faulty.reranker.process.wait()
     for _ in range(3):
         answer = await llm.GetAnswer(query())
         assert answer.warnings and answer.warnings[0].startswith("reranker_unavailable:")
-    assert gateway_metric(mesh, "tokenmesh_reranker_circuit_state") == 2
+    assert gateway_metric(faulty, "tokenmesh_reranker_circuit_state") == 2
     restarted = dataclasses.replace(
-        mesh.reranker, log_path=LOG_DIR / "reranker-faults-restarted.log", health_history=[]
+        faulty.reranker, log_path=LOG_DIR / "reranker-faults-restarted.log", health_history=[]
     )
     restarted.start()
-    mesh.reranker = restarted
+    faulty.reranker = restarted
     await asyncio.to_thread(restarted.wait_serving, 180)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -169,4 +175,4 @@ async def test_killed_then_restarted_reranker_degrades_then_recovers(llm, mesh: 
             break
         await asyncio.sleep(0.5)
     assert not answer.warnings, answer.warnings
-    assert gateway_metric(mesh, "tokenmesh_reranker_circuit_state") == 0
+    assert gateway_metric(faulty, "tokenmesh_reranker_circuit_state") == 0

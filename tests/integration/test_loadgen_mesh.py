@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 
 from loadtests.runner import RunConfig, run
-from tokenmesh.localstack.stack import Stack
+from tokenmesh.localmesh.mesh import LocalMesh
 
 BRIEF = {"duration": 1.5, "warmup": 0.5, "requests": 60, "output_tokens": "8"}
 
 
-def edge(mesh: Stack) -> str:
+def edge(mesh: LocalMesh) -> str:
     return f"127.0.0.1:{mesh.settings.edge_port}"
 
 
@@ -35,7 +35,7 @@ def assert_sane(result: dict[str, Any], tokens_per_request: int) -> None:
 
 
 @pytest.mark.parametrize("kind", ["llm", "rest"])
-def test_edge_streams_over_grpc_and_rest_with_bytes_counted(mesh: Stack, kind: str) -> None:
+def test_edge_streams_over_grpc_and_rest_with_bytes_counted(mesh: LocalMesh, kind: str) -> None:
     config = RunConfig(
         target=kind, address=edge(mesh), concurrency=4, count_bytes=True, label=kind, **BRIEF
     )
@@ -47,7 +47,7 @@ def test_edge_streams_over_grpc_and_rest_with_bytes_counted(mesh: Stack, kind: s
     assert wire["received_per_token"] > 10
 
 
-def test_open_loop_with_reranked_documents_through_the_edge(mesh: Stack) -> None:
+def test_open_loop_with_reranked_documents_through_the_edge(mesh: LocalMesh) -> None:
     config = RunConfig(
         target="llm", address=edge(mesh), mode="open", rate=8.0, documents=4, **BRIEF
     )

@@ -31,14 +31,14 @@ from tests.support import (
     scrape_metrics,
     within_budget,
 )
-from tokenmesh.localstack.stack import Program, Stack
+from tokenmesh.localmesh.mesh import LocalMesh, Program
 from tokenmesh.v1 import llm_pb2, llm_pb2_grpc
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def stack(mesh: Stack) -> Stack:
+def local_mesh(mesh: LocalMesh) -> LocalMesh:
     """The session's shared mesh (tests/integration/conftest.py)."""
     return mesh
 
@@ -49,13 +49,13 @@ def started_on(program: Program, method: dict[str, str]) -> float:
     return metric_value(text, "grpc_server_started_total", 0.0, **method)
 
 
-def started(stack: Stack, service: str, method: dict[str, str]) -> list[float]:
-    return [started_on(program, method) for program in replicas(stack, service)]
+def started(local_mesh: LocalMesh, service: str, method: dict[str, str]) -> list[float]:
+    return [started_on(program, method) for program in replicas(local_mesh, service)]
 
 
 @pytest.fixture(scope="module")
-async def edge(stack: Stack) -> AsyncIterator[llm_pb2_grpc.LLMServiceStub]:
-    async with aio.insecure_channel(f"127.0.0.1:{stack.settings.edge_port}") as channel:
+async def edge(local_mesh: LocalMesh) -> AsyncIterator[llm_pb2_grpc.LLMServiceStub]:
+    async with aio.insecure_channel(f"127.0.0.1:{local_mesh.settings.edge_port}") as channel:
         yield llm_pb2_grpc.LLMServiceStub(channel)
 
 
@@ -73,35 +73,39 @@ def wait_until(condition: Callable[[], bool], within: float, every: float = 0.1)
     return time.monotonic() - started_at
 
 
-def healthy_hosts(stack: Stack, cluster: str) -> set[str]:
-    return {address for address, ok in stack.envoy_hosts().get(cluster, []) if ok}
+def healthy_hosts(local_mesh: LocalMesh, cluster: str) -> set[str]:
+    return {address for address, ok in local_mesh.envoy_hosts().get(cluster, []) if ok}
 
 
 async def test_40_streams_from_one_channel_spread_over_gateways_and_workers(
-    stack: Stack, edge
+    local_mesh: LocalMesh, edge
 ) -> None:
     # Envoy may take a moment to put a just-ready replica in rotation: wait (bounded) until a
     # request has landed on every worker and every gateway before measuring the spread.
     for attempt in range(60):
-        if min(started(stack, "worker", INFERENCE_METHOD)) and min(
-            started(stack, "gateway", GENERATE_METHOD)
+        if min(started(local_mesh, "worker", INFERENCE_METHOD)) and min(
+            started(local_mesh, "gateway", GENERATE_METHOD)
         ):
             break
         await generate(edge, attempt, tokens=1)
         await asyncio.sleep(0.1)
-    gateways_before = started(stack, "gateway", GENERATE_METHOD)
-    workers_before = started(stack, "worker", INFERENCE_METHOD)
+    gateways_before = started(local_mesh, "gateway", GENERATE_METHOD)
+    workers_before = started(local_mesh, "worker", INFERENCE_METHOD)
     # Long enough that all 40 are in flight together: least-request balancing then has to
     # spread them, rather than favouring whichever replica happens to finish short ones first.
     results = await asyncio.gather(*(generate(edge, i, tokens=256) for i in range(40)))
     assert all(indexes == list(range(256)) for indexes in results)
     per_gateway = [
         a - b
-        for a, b in zip(started(stack, "gateway", GENERATE_METHOD), gateways_before, strict=True)
+        for a, b in zip(
+            started(local_mesh, "gateway", GENERATE_METHOD), gateways_before, strict=True
+        )
     ]
     per_worker = [
         a - b
-        for a, b in zip(started(stack, "worker", INFERENCE_METHOD), workers_before, strict=True)
+        for a, b in zip(
+            started(local_mesh, "worker", INFERENCE_METHOD), workers_before, strict=True
+        )
     ]
     print(f"streams per gateway {per_gateway}, per worker {per_worker}")
     assert sum(per_gateway) == 40 and sum(per_worker) == 40
@@ -109,8 +113,8 @@ async def test_40_streams_from_one_channel_spread_over_gateways_and_workers(
     assert min(per_gateway) >= 10 and min(per_worker) >= 10
 
 
-def test_grpcurl_through_the_edge_lists_describes_and_streams(stack: Stack) -> None:
-    edge = f"127.0.0.1:{stack.settings.edge_port}"
+def test_grpcurl_through_the_edge_lists_describes_and_streams(local_mesh: LocalMesh) -> None:
+    edge = f"127.0.0.1:{local_mesh.settings.edge_port}"
     listed = grpcurl(edge, "list")
     assert "tokenmesh.v1.LLMService" in listed.stdout.split(), listed.stderr
     described = grpcurl(edge, "describe", "tokenmesh.v1.LLMService")
@@ -126,12 +130,12 @@ def test_grpcurl_through_the_edge_lists_describes_and_streams(stack: Stack) -> N
 
 
 async def test_envoy_access_log_times_where_a_streams_first_token_waited(
-    stack: Stack, edge
+    local_mesh: LocalMesh, edge
 ) -> None:
     """Each hop's access-log line splits a stream's first-token wait: until Envoy sent the
     request upstream, until the upstream's first byte, until it went downstream; all within
     the stream's duration, which for 256 tokens lasts well past the first."""
-    log = stack.log_dir / "envoy.log"
+    log = local_mesh.log_dir / "envoy.log"
     seen = log.stat().st_size
     assert len(await generate(edge, 0, tokens=256)) == 256
 
@@ -154,8 +158,8 @@ async def test_envoy_access_log_times_where_a_streams_first_token_waited(
     assert float(by_hop["edge"]["first_byte_ms"]) >= float(by_hop["worker"]["first_byte_ms"])
 
 
-def test_rest_json_generate_streams_one_json_object_per_token(stack: Stack) -> None:
-    connection = http.client.HTTPConnection("127.0.0.1", stack.settings.edge_port, timeout=60)
+def test_rest_json_generate_streams_one_json_object_per_token(local_mesh: LocalMesh) -> None:
+    connection = http.client.HTTPConnection("127.0.0.1", local_mesh.settings.edge_port, timeout=60)
     body = json.dumps({"prompt": "hello", "max_tokens": 8, "ignore_eos": True})
     connection.request(
         "POST", "/tokenmesh.v1.LLMService/Generate", body, {"content-type": "application/json"}
@@ -168,28 +172,30 @@ def test_rest_json_generate_streams_one_json_object_per_token(stack: Stack) -> N
     assert tokens[-1]["finish_reason"] == "FINISH_REASON_LENGTH"
 
 
-def test_grpc_web_generate_streams_tokens(stack: Stack) -> None:
+def test_grpc_web_generate_streams_tokens(local_mesh: LocalMesh) -> None:
     origin = "http://localhost:3000"
-    response, tokens, trailers = grpc_web_generate(stack.settings.edge_port, 8, origin)
+    response, tokens, trailers = grpc_web_generate(local_mesh.settings.edge_port, 8, origin)
     assert response.status == 200
     assert response.getheader("access-control-allow-origin") == origin
     assert positions(tokens) == list(range(8))
     assert "grpc-status:0" in trailers.replace(" ", "")
 
 
-async def test_client_cancel_through_the_edge_frees_every_engine(stack: Stack, edge) -> None:
-    workers = [worker.address for worker in replicas(stack, "worker")]
+async def test_client_cancel_through_the_edge_frees_every_engine(
+    local_mesh: LocalMesh, edge
+) -> None:
+    workers = [worker.address for worker in replicas(local_mesh, "worker")]
     await within_budget(
         "every engine empty after the cancel", lambda: cancel_generations(edge, workers)
     )
 
 
-async def test_stopped_worker_gets_no_new_streams_and_rejoins(stack: Stack, edge) -> None:
-    first, second = replicas(stack, "worker")
-    pid = int(stack.ctl("pid", second.name).stdout.strip())
+async def test_stopped_worker_gets_no_new_streams_and_rejoins(local_mesh: LocalMesh, edge) -> None:
+    first, second = replicas(local_mesh, "worker")
+    pid = int(local_mesh.ctl("pid", second.name).stdout.strip())
     psutil.Process(pid).suspend()  # SIGSTOP: health checks time out, like a wedged host
     try:
-        took = wait_until(lambda: second.address not in healthy_hosts(stack, "worker"), 10)
+        took = wait_until(lambda: second.address not in healthy_hosts(local_mesh, "worker"), 10)
         print(f"stopped worker left the healthy set in {took:.1f}s")
         assert took <= 3.5
         before = started_on(first, INFERENCE_METHOD)  # the paused one cannot answer a scrape
@@ -197,39 +203,39 @@ async def test_stopped_worker_gets_no_new_streams_and_rejoins(stack: Stack, edge
         assert started_on(first, INFERENCE_METHOD) - before == 10
     finally:
         psutil.Process(pid).resume()
-    took = wait_until(lambda: second.address in healthy_hosts(stack, "worker"), 10)
+    took = wait_until(lambda: second.address in healthy_hosts(local_mesh, "worker"), 10)
     print(f"resumed worker rejoined in {took:.1f}s")
-    assert first.address in healthy_hosts(stack, "worker")
+    assert first.address in healthy_hosts(local_mesh, "worker")
 
 
-async def test_discovery_change_reaches_envoy(stack: Stack, edge) -> None:
-    endpoints = yaml.safe_load(stack.endpoints_path.read_text())
+async def test_discovery_change_reaches_envoy(local_mesh: LocalMesh, edge) -> None:
+    endpoints = yaml.safe_load(local_mesh.endpoints_path.read_text())
     removed = endpoints["clusters"]["worker"].pop()
-    stack.endpoints_path.write_text(yaml.safe_dump(endpoints))
+    local_mesh.endpoints_path.write_text(yaml.safe_dump(endpoints))
     try:
         took = wait_until(
-            lambda: removed not in {a for a, _ in stack.envoy_hosts().get("worker", [])}, 10
+            lambda: removed not in {a for a, _ in local_mesh.envoy_hosts().get("worker", [])}, 10
         )
         print(f"worker removed from discovery left Envoy in {took:.2f}s")
         assert took <= 2.5
     finally:
-        stack.write_configs()  # the full endpoint list again
-    took = wait_until(lambda: removed in healthy_hosts(stack, "worker"), 10)
+        local_mesh.write_configs()  # the full endpoint list again
+    took = wait_until(lambda: removed in healthy_hosts(local_mesh, "worker"), 10)
     print(f"worker added back to discovery was healthy in Envoy in {took:.2f}s")
     assert took <= 3.5
     # Once Envoy reports it healthy, its load balancers use it at once (no merge window): the
     # first streams after that already reach it.
-    back = next(worker for worker in replicas(stack, "worker") if worker.address == removed)
+    back = next(worker for worker in replicas(local_mesh, "worker") if worker.address == removed)
     before = started_on(back, INFERENCE_METHOD)
     results = await asyncio.gather(*(generate(edge, i, tokens=32) for i in range(8)))
     assert all(indexes == list(range(32)) for indexes in results)
     assert started_on(back, INFERENCE_METHOD) - before > 0
 
 
-def test_sigterm_drains_a_worker_while_its_stream_finishes(stack: Stack) -> None:
+def test_sigterm_drains_a_worker_while_its_stream_finishes(local_mesh: LocalMesh) -> None:
     """Rolling update of one worker: NOT_SERVING, no new streams, the in-flight one completes."""
-    worker = replicas(stack, "worker")[0]
-    with grpc.insecure_channel(f"127.0.0.1:{stack.settings.edge_port}") as channel:
+    worker = replicas(local_mesh, "worker")[0]
+    with grpc.insecure_channel(f"127.0.0.1:{local_mesh.settings.edge_port}") as channel:
         stub = llm_pb2_grpc.LLMServiceStub(channel)
         # Aim a long stream at this worker: ask until one lands there (bounded).
         for attempt in range(20):
@@ -243,23 +249,25 @@ def test_sigterm_drains_a_worker_while_its_stream_finishes(stack: Stack) -> None
             stream.cancel()
         else:
             pytest.fail("no stream landed on the first worker in 20 tries")
-        pid = int(stack.ctl("pid", worker.name).stdout.strip())
+        pid = int(local_mesh.ctl("pid", worker.name).stdout.strip())
         psutil.Process(pid).send_signal(signal.SIGTERM)
-        took = wait_until(lambda: worker.address not in healthy_hosts(stack, "worker"), 10)
+        took = wait_until(lambda: worker.address not in healthy_hosts(local_mesh, "worker"), 10)
         print(f"draining (NOT_SERVING) worker left the healthy set in {took:.1f}s")
         assert took <= 2.0
         rest = list(stream)
         assert positions([first, *rest]) == list(range(600))
     # supervisord restarts it; it rejoins once its model has loaded again.
-    wait_until(lambda: worker.address in healthy_hosts(stack, "worker"), 300, every=1)
+    wait_until(lambda: worker.address in healthy_hosts(local_mesh, "worker"), 300, every=1)
 
 
-async def test_workers_saturated_by_logprob_streams_stay_in_envoys_rotation(stack: Stack) -> None:
+async def test_workers_saturated_by_logprob_streams_stay_in_envoys_rotation(
+    local_mesh: LocalMesh,
+) -> None:
     """The short version of loadtests/worker_health_probe.py: 32 streams of 1,800 tokens with 20
     logprobs each keep both workers' Python processes busy (vLLM's logprob processing), and
     Envoy's active health checks (1 s timeout) of both still all pass, so neither worker ever
     leaves the rotation."""
-    row = await worker_health_probe.probe(stack, streams=32, tokens=1800)
+    row = await worker_health_probe.probe(local_mesh, streams=32, tokens=1800)
     print(json.dumps(row))
     assert row["outcomes"] == {"OK": 32} and row["tokens_received"] == 32 * 1800, row
     envoy = row["envoy_worker_cluster"]

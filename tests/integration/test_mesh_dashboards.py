@@ -1,5 +1,5 @@
-"""The dashboards and alert rules against the real mesh: the stack's Prometheus (its config
-generated from StackSettings) scrapes every service and Envoy while healthy, cancelled and
+"""The dashboards and alert rules against the real mesh: the mesh's Prometheus (its config
+generated from LocalMeshSettings) scrapes every service and Envoy while healthy, cancelled and
 degraded traffic flows through the edge; every panel's query must return data."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import yaml
 from grpc import aio
 
 from tests.support import ROOT, metric_value, positions, scrape_metrics
-from tokenmesh.localstack.probes import serving
-from tokenmesh.localstack.stack import Stack
+from tokenmesh.localmesh.mesh import LocalMesh
+from tokenmesh.localmesh.probes import serving
 from tokenmesh.v1 import llm_pb2, llm_pb2_grpc
 
 pytestmark = [
@@ -39,9 +39,9 @@ RATE_INTERVAL = "1m"
 CIRCUIT_OPEN = 2.0
 
 
-def prometheus_query(stack: Stack, expr: str) -> dict[str, Any]:
+def prometheus_query(local_mesh: LocalMesh, expr: str) -> dict[str, Any]:
     """The /api/v1/query answer for expr evaluated now (status, data or error)."""
-    url = f"{stack.prometheus_url}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    url = f"{local_mesh.prometheus_url}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
     try:
         with urllib.request.urlopen(url, timeout=10) as reply:
             return dict(json.load(reply))
@@ -49,8 +49,8 @@ def prometheus_query(stack: Stack, expr: str) -> dict[str, Any]:
         return dict(json.load(err))
 
 
-def series(stack: Stack, expr: str) -> list[dict[str, Any]]:
-    answer = prometheus_query(stack, expr)
+def series(local_mesh: LocalMesh, expr: str) -> list[dict[str, Any]]:
+    answer = prometheus_query(local_mesh, expr)
     assert answer["status"] == "success", f"{expr}: {answer.get('error')}"
     return list(answer["data"]["result"])
 
@@ -68,10 +68,10 @@ def wait_until(condition: Callable[[], bool], within: float, what: str) -> None:
         time.sleep(0.5)
 
 
-def circuit_states(stack: Stack) -> list[float]:
+def circuit_states(local_mesh: LocalMesh) -> list[float]:
     return [
         metric_value(scrape_metrics(program.metrics_port or 0), "tokenmesh_reranker_circuit_state")
-        for program in stack.programs
+        for program in local_mesh.programs
         if program.service == "gateway"
     ]
 
@@ -109,7 +109,7 @@ async def drive(edge: llm_pb2_grpc.LLMServiceStub, rounds: int) -> None:
 
 
 @pytest.fixture(scope="module")
-async def scraped_traffic(mesh: Stack) -> Stack:
+async def scraped_traffic(mesh: LocalMesh) -> LocalMesh:
     """Healthy traffic, then a degraded period (reranker stopped until every gateway's circuit
     opens), then the reranker back and its circuits closed, all scraped by Prometheus."""
     async with aio.insecure_channel(f"127.0.0.1:{mesh.settings.edge_port}") as channel:
@@ -152,7 +152,7 @@ async def scraped_traffic(mesh: Stack) -> Stack:
     return mesh
 
 
-def test_prometheus_scrapes_every_replica_and_envoy(mesh: Stack) -> None:
+def test_prometheus_scrapes_every_replica_and_envoy(mesh: LocalMesh) -> None:
     expected = {program.name for program in mesh.programs if program.metrics_port} | {"envoy"}
 
     def all_up() -> bool:
@@ -164,7 +164,7 @@ def test_prometheus_scrapes_every_replica_and_envoy(mesh: Stack) -> None:
     assert jobs == {"gateway", "worker", "reranker", "controlplane", "envoy"}
 
 
-def test_alert_rules_are_loaded_and_evaluate_without_errors(scraped_traffic: Stack) -> None:
+def test_alert_rules_are_loaded_and_evaluate_without_errors(scraped_traffic: LocalMesh) -> None:
     url = f"{scraped_traffic.prometheus_url}/api/v1/rules"
     with urllib.request.urlopen(url, timeout=10) as reply:
         groups = json.load(reply)["data"]["groups"]
@@ -185,7 +185,7 @@ def panel_targets() -> list[tuple[str, str, str]]:
     return found
 
 
-def test_every_panel_query_returns_series_from_the_live_mesh(scraped_traffic: Stack) -> None:
+def test_every_panel_query_returns_series_from_the_live_mesh(scraped_traffic: LocalMesh) -> None:
     targets = panel_targets()
     assert len(targets) >= 30
     failures = []
@@ -200,7 +200,7 @@ def test_every_panel_query_returns_series_from_the_live_mesh(scraped_traffic: St
     )
 
 
-def test_every_template_variable_has_values(scraped_traffic: Stack) -> None:
+def test_every_template_variable_has_values(scraped_traffic: LocalMesh) -> None:
     failures = []
     for path in DASHBOARDS:
         for variable in json.loads(path.read_text())["templating"]["list"]:

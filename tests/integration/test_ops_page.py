@@ -18,8 +18,8 @@ from grpc import aio
 
 from tests.integration.test_mesh_dashboards import answer, circuit_states, wait_until
 from tests.support import ROOT
-from tokenmesh.localstack.probes import serving
-from tokenmesh.localstack.stack import Stack
+from tokenmesh.localmesh.mesh import LocalMesh
+from tokenmesh.localmesh.probes import serving
 from tokenmesh.v1 import llm_pb2, llm_pb2_grpc, ops_pb2, ops_pb2_grpc, token_pb2
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -107,7 +107,7 @@ async def poll(condition: Callable[[], Awaitable[bool]], within: float, what: st
 ANSWERED = (token_pb2.FINISH_REASON_STOP, token_pb2.FINISH_REASON_LENGTH)
 
 
-async def restore_reranker(mesh: Stack, edge: llm_pb2_grpc.LLMServiceStub) -> None:
+async def restore_reranker(mesh: LocalMesh, edge: llm_pb2_grpc.LLMServiceStub) -> None:
     """Start the reranker again and wait until every gateway's circuit has closed, so later
     tests find the mesh as it was."""
     started = mesh.ctl("start", "reranker")
@@ -123,7 +123,7 @@ async def restore_reranker(mesh: Stack, edge: llm_pb2_grpc.LLMServiceStub) -> No
     assert max(circuit_states(mesh)) == 0, f"circuits not closed again: {circuit_states(mesh)}"
 
 
-async def test_ops_feed_streams_through_the_edge_over_grpc(mesh: Stack) -> None:
+async def test_ops_feed_streams_through_the_edge_over_grpc(mesh: LocalMesh) -> None:
     async with aio.insecure_channel(f"127.0.0.1:{mesh.settings.edge_port}") as channel:
         ops = ops_pb2_grpc.OpsServiceStub(channel)
         call = ops.SubscribeDashboard(ops_pb2.DashboardRequest(interval_ms=200), timeout=30)
@@ -143,7 +143,7 @@ async def test_ops_feed_streams_through_the_edge_over_grpc(mesh: Stack) -> None:
 
 
 async def test_ops_page_follows_load_and_shows_the_circuit_opening(
-    mesh: Stack, tmp_path: Path
+    mesh: LocalMesh, tmp_path: Path
 ) -> None:
     missing = browser_missing()
     if missing:

@@ -17,13 +17,13 @@ import grpc
 import pytest
 from grpc import aio
 
-from tests.support import grpcurl, grpcurl_messages, positions, running_stack
-from tokenmesh.localstack.certs import CertMaker, CertPaths, CertSettings
-from tokenmesh.localstack.probes import health
-from tokenmesh.localstack.stack import Stack, StackSettings
+from tests.support import grpcurl, grpcurl_messages, positions, running_mesh
+from tokenmesh.localmesh.certs import CertMaker, CertPaths, CertSettings
+from tokenmesh.localmesh.mesh import LocalMesh, LocalMeshSettings
+from tokenmesh.localmesh.probes import health
 from tokenmesh.v1 import llm_pb2, llm_pb2_grpc
 
-# The stack's start (vLLM loading) counts against the first test's timeout: on a busy 2-core
+# The mesh's start (vLLM loading) counts against the first test's timeout: on a busy 2-core
 # machine it alone has taken over 3 minutes.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -34,12 +34,12 @@ TIMEOUT = 10.0
 
 
 @pytest.fixture(scope="module")
-def tls_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    settings = StackSettings.on_free_ports(
+def tls_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalMesh]:
+    settings = LocalMeshSettings.on_free_ports(
         tmp_path_factory.mktemp("tls"), gateways=1, workers=1, tls=True, mtls=True
     )
-    with running_stack(settings) as stack:
-        yield stack
+    with running_mesh(settings) as local_mesh:
+        yield local_mesh
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +50,11 @@ def other_ca(tmp_path_factory: pytest.TempPathFactory) -> bytes:
     return paths.ca_cert.read_bytes()
 
 
-def edge(stack: Stack) -> str:
-    return f"127.0.0.1:{stack.settings.edge_port}"
+def edge(local_mesh: LocalMesh) -> str:
+    return f"127.0.0.1:{local_mesh.settings.edge_port}"
 
 
-def test_grpcurl_with_the_ca_lists_and_streams_tokens_from_the_edge(tls_mesh: Stack) -> None:
+def test_grpcurl_with_the_ca_lists_and_streams_tokens_from_the_edge(tls_mesh: LocalMesh) -> None:
     ca = str(tls_mesh.certs.ca_cert)
     listed = grpcurl("-cacert", ca, edge(tls_mesh), "list", plaintext=False)
     assert "tokenmesh.v1.LLMService" in listed.stdout.split(), listed.stderr
@@ -64,21 +64,21 @@ def test_grpcurl_with_the_ca_lists_and_streams_tokens_from_the_edge(tls_mesh: St
     assert positions(grpcurl_messages(streamed.stdout)) == list(range(16)), streamed.stdout
 
 
-def test_a_plaintext_client_is_refused_at_the_tls_edge(tls_mesh: Stack) -> None:
+def test_a_plaintext_client_is_refused_at_the_tls_edge(tls_mesh: LocalMesh) -> None:
     refused = grpcurl("-d", BODY, edge(tls_mesh), GENERATE)
     assert refused.returncode != 0
     assert "tokenId" not in refused.stdout
     print(refused.stderr)
 
 
-def test_grpcurl_without_the_ca_does_not_trust_the_edge(tls_mesh: Stack) -> None:
+def test_grpcurl_without_the_ca_does_not_trust_the_edge(tls_mesh: LocalMesh) -> None:
     refused = grpcurl("-d", BODY, edge(tls_mesh), GENERATE, plaintext=False)
     assert refused.returncode != 0
     assert "certificate" in refused.stderr, refused.stderr
 
 
 async def test_python_with_the_ca_streams_and_with_another_ca_is_unavailable(
-    tls_mesh: Stack, other_ca: bytes
+    tls_mesh: LocalMesh, other_ca: bytes
 ) -> None:
     request = llm_pb2.GenerateRequest(prompt="hello", max_tokens=8, ignore_eos=True)
     trusted = grpc.ssl_channel_credentials(tls_mesh.certs.ca_cert.read_bytes())
@@ -99,7 +99,7 @@ async def test_python_with_the_ca_streams_and_with_another_ca_is_unavailable(
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
 
 
-def test_the_edge_offers_h2_and_http11_and_rest_works_over_https(tls_mesh: Stack) -> None:
+def test_the_edge_offers_h2_and_http11_and_rest_works_over_https(tls_mesh: LocalMesh) -> None:
     context = ssl.create_default_context(cafile=str(tls_mesh.certs.ca_cert))
     for offered, chosen in ((["h2", "http/1.1"], "h2"), (["http/1.1"], "http/1.1")):
         context.set_alpn_protocols(offered)
@@ -121,7 +121,7 @@ def test_the_edge_offers_h2_and_http11_and_rest_works_over_https(tls_mesh: Stack
     assert reply.status == 200 and len(lines) == 4, lines
 
 
-def test_services_refuse_callers_without_envoys_client_certificate(tls_mesh: Stack) -> None:
+def test_services_refuse_callers_without_envoys_client_certificate(tls_mesh: LocalMesh) -> None:
     ca = tls_mesh.certs.ca_cert.read_bytes()
     services = [program for program in tls_mesh.programs if program.mtls]
     assert {program.service for program in services} == {"gateway", "worker", "reranker"}
@@ -133,7 +133,7 @@ def test_services_refuse_callers_without_envoys_client_certificate(tls_mesh: Sta
         assert health(program.address, tls_mesh.client_credentials(), TIMEOUT) == "SERVING"
 
 
-def test_envoys_health_checks_pass_over_mtls(tls_mesh: Stack) -> None:
+def test_envoys_health_checks_pass_over_mtls(tls_mesh: LocalMesh) -> None:
     assert tls_mesh.envoy_ready(), tls_mesh.envoy_hosts()
     url = f"http://127.0.0.1:{tls_mesh.settings.envoy_admin_port}/stats?filter=ssl.handshake$"
     with urllib.request.urlopen(url, timeout=10) as reply:
@@ -143,7 +143,7 @@ def test_envoys_health_checks_pass_over_mtls(tls_mesh: Stack) -> None:
         assert int(stats[f"cluster.{cluster}.ssl.handshake"]) > 0, stats
 
 
-def test_envoys_internal_listeners_speak_tls_to_the_gateways(tls_mesh: Stack) -> None:
+def test_envoys_internal_listeners_speak_tls_to_the_gateways(tls_mesh: LocalMesh) -> None:
     """The gateways' hop to workers goes through Envoy's internal listener over TLS (the
     streams above passed through it); a plaintext caller there is refused."""
     listener = f"127.0.0.1:{tls_mesh.settings.worker_listener_port}"

@@ -32,7 +32,7 @@ from tests.support import (
     metric_value,
     scrape_metrics,
 )
-from tokenmesh.localstack.stack import envoy_hosts
+from tokenmesh.localmesh.mesh import envoy_hosts
 from tokenmesh.meshconfig.bootstrap import render
 from tokenmesh.meshconfig.config import MeshSettings
 from tokenmesh.v1 import llm_pb2, llm_pb2_grpc

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from tokenmesh.common.affinity import parse_cores, pin_threads
 from tokenmesh.gateway.config import GatewaySettings
-from tokenmesh.localstack.stack import Stack, StackSettings
+from tokenmesh.localmesh.mesh import LocalMesh, LocalMeshSettings
 
 
 @pytest.mark.parametrize(
@@ -64,12 +64,14 @@ def test_every_thread_and_the_threads_started_later_keep_to_the_cores() -> None:
 
 
 def test_the_local_mesh_runs_beside_its_engines_not_on_their_cores(tmp_path) -> None:
-    stack = Stack(StackSettings.on_free_ports(tmp_path, gateways=1, workers=1), root=tmp_path)
-    assert stack.mesh_cores(workers=1, cores=2) == "1"
-    assert stack.mesh_cores(workers=2, cores=8) == "2-7"
-    assert stack.mesh_cores(workers=2, cores=2) == ""  # no free core: no pinning
-    off = Stack(
-        StackSettings.on_free_ports(tmp_path, gateways=1, workers=1, pin_mesh_cores=False),
+    local_mesh = LocalMesh(
+        LocalMeshSettings.on_free_ports(tmp_path, gateways=1, workers=1), root=tmp_path
+    )
+    assert local_mesh.mesh_cores(workers=1, cores=2) == "1"
+    assert local_mesh.mesh_cores(workers=2, cores=8) == "2-7"
+    assert local_mesh.mesh_cores(workers=2, cores=2) == ""  # no free core: no pinning
+    off = LocalMesh(
+        LocalMeshSettings.on_free_ports(tmp_path, gateways=1, workers=1, pin_mesh_cores=False),
         root=tmp_path,
     )
     assert off.mesh_cores(workers=1, cores=2) == ""

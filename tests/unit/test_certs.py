@@ -17,7 +17,7 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tokenmesh.common.server import Health, ProbePort, bind, build_server
-from tokenmesh.localstack.certs import (
+from tokenmesh.localmesh.certs import (
     EDGE,
     ENVOY_CLIENT,
     ENVOY_INTERNAL,

@@ -21,7 +21,7 @@ def modules_after_import(module: str) -> set[str]:
     return set(result.stdout.split())
 
 
-@pytest.mark.parametrize("service", ["gateway", "reranker", "localstack"])
+@pytest.mark.parametrize("service", ["gateway", "reranker", "localmesh"])
 def test_service_does_not_import_vllm(service: str) -> None:
     assert "vllm" not in modules_after_import(f"tokenmesh.{service}.__main__")
 

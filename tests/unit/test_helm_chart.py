@@ -27,7 +27,7 @@ from tests.support import ROOT
 from tests.unit.test_meshconfig import envoy_validate
 from tokenmesh.common.tenants import Limits
 from tokenmesh.gateway.auth import KeysFile
-from tokenmesh.localstack.certs import ENVOY_CLIENT, CertMaker, CertPaths, CertSettings
+from tokenmesh.localmesh.certs import ENVOY_CLIENT, CertMaker, CertPaths, CertSettings
 
 CHART = ROOT / "helm" / "tokenmesh"
 KUBE_VERSION = "1.33.0"

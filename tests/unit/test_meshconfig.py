@@ -14,7 +14,7 @@ import yaml
 from pydantic import ValidationError
 
 from tests.support import ROOT
-from tokenmesh.localstack.certs import (
+from tokenmesh.localmesh.certs import (
     EDGE,
     ENVOY_CLIENT,
     ENVOY_INTERNAL,

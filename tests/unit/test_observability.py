@@ -32,7 +32,7 @@ from tokenmesh.gateway.client import (
     for_every_arity,
 )
 from tokenmesh.gateway.pipeline import WorkerClient
-from tokenmesh.localstack.stack import Stack, StackSettings
+from tokenmesh.localmesh.mesh import LocalMesh, LocalMeshSettings
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
 
 SERVICE = "tokenmesh.v1.InferenceService"
@@ -332,10 +332,12 @@ def test_json_log_line_carries_the_rpc_fields_and_trace_id(
 
 
 def test_stack_sends_the_otlp_endpoint_to_every_traced_service(tmp_path: Path) -> None:
-    stack = Stack(StackSettings(otlp_endpoint="127.0.0.1:4317", workers=1), root=tmp_path)
+    local_mesh = LocalMesh(
+        LocalMeshSettings(otlp_endpoint="127.0.0.1:4317", workers=1), root=tmp_path
+    )
     traced = {
         program.name: value
-        for program in stack.programs
+        for program in local_mesh.programs
         for key, value in program.env.items()
         if key.endswith("_OTLP_ENDPOINT")
     }
@@ -345,5 +347,5 @@ def test_stack_sends_the_otlp_endpoint_to_every_traced_service(tmp_path: Path) -
         "gateway-0": "127.0.0.1:4317",
         "gateway-1": "127.0.0.1:4317",
     }
-    untraced = Stack(StackSettings(workers=1), root=tmp_path)
+    untraced = LocalMesh(LocalMeshSettings(workers=1), root=tmp_path)
     assert not any("OTLP" in key for program in untraced.programs for key in program.env)

@@ -1,4 +1,4 @@
-"""Prometheus as the local stack runs it: the generated scrape config covers every replica and
+"""Prometheus as the local mesh runs it: the generated scrape config covers every replica and
 Envoy, and the alert rules are valid and behave as their promtool unit tests expect."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from tests.support import ROOT
-from tokenmesh.localstack.stack import ALERT_RULES, Stack, StackSettings
+from tokenmesh.localmesh.mesh import ALERT_RULES, LocalMesh, LocalMeshSettings
 
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(
@@ -34,11 +34,11 @@ def alert_rules() -> list[dict]:
     return [rule for group in groups for rule in group["rules"]]
 
 
-def stack(tmp_path: Path) -> Stack:
-    settings = StackSettings(
+def local_mesh(tmp_path: Path) -> LocalMesh:
+    settings = LocalMeshSettings(
         run_dir=tmp_path, gateways=3, workers=2, gateway_metrics_port=7001, envoy_admin_port=7901
     )
-    return Stack(settings, root=ROOT)
+    return LocalMesh(settings, root=ROOT)
 
 
 def at(port: int) -> dict[str, str]:
@@ -47,7 +47,7 @@ def at(port: int) -> dict[str, str]:
 
 
 def test_scrape_config_lists_every_replica_with_its_service_and_envoy(tmp_path: Path) -> None:
-    config = stack(tmp_path).prometheus_config()
+    config = local_mesh(tmp_path).prometheus_config()
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
     assert set(jobs) == {"controlplane", "worker", "reranker", "gateway", "envoy"}
     gateways = jobs["gateway"]["static_configs"]
@@ -84,7 +84,7 @@ def test_every_alert_has_promtool_unit_tests() -> None:
 @needs_promtool
 def test_generated_config_passes_promtool(tmp_path: Path) -> None:
     path = tmp_path / "prometheus.yml"
-    path.write_text(yaml.safe_dump(stack(tmp_path).prometheus_config()))
+    path.write_text(yaml.safe_dump(local_mesh(tmp_path).prometheus_config()))
     result = promtool("check", "config", str(path))
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -108,8 +108,8 @@ def test_alert_rules_pass_their_promtool_unit_tests() -> None:
     reason="no prometheus on PATH: `make setup` installs the Debian prometheus package as root",
 )
 def test_stack_runs_prometheus_on_its_port_with_storage_in_the_run_dir(tmp_path: Path) -> None:
-    settings = StackSettings(run_dir=tmp_path, workers=1, prometheus_port=7090)
-    mesh = Stack(settings, root=ROOT)
+    settings = LocalMeshSettings(run_dir=tmp_path, workers=1, prometheus_port=7090)
+    mesh = LocalMesh(settings, root=ROOT)
     program = next(program for program in mesh.programs if program.name == "prometheus")
     assert f"--config.file={tmp_path / 'prometheus.yml'}" in program.command
     assert f"--storage.tsdb.path={tmp_path / 'prometheus'}" in program.command

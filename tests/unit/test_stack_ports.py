@@ -1,4 +1,4 @@
-"""Private stacks (tests, benchmarks) get ports that are free and never overlap a replica's;
+"""Private meshes (tests, benchmarks) get ports that are free and never overlap a replica's;
 a keys file reaches every gateway; TLS settings reach Envoy's config and the services."""
 
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-from tokenmesh.localstack.stack import MAX_REPLICAS, REPLICATED_PORTS, Stack, StackSettings
+from tokenmesh.localmesh.mesh import MAX_REPLICAS, REPLICATED_PORTS, LocalMesh, LocalMeshSettings
 
 
-def listening_ports(settings: StackSettings) -> list[int]:
-    """Every port the stack's processes would listen on with the most replicas allowed."""
+def listening_ports(settings: LocalMeshSettings) -> list[int]:
+    """Every port the mesh's processes would listen on with the most replicas allowed."""
     ports = []
     for name, value in settings.model_dump().items():
         if name.endswith("_port"):
@@ -20,7 +20,7 @@ def listening_ports(settings: StackSettings) -> list[int]:
 
 
 def test_every_replica_port_is_distinct_and_free(tmp_path: Path) -> None:
-    settings = StackSettings.on_free_ports(tmp_path, gateways=2, workers=2)
+    settings = LocalMeshSettings.on_free_ports(tmp_path, gateways=2, workers=2)
     ports = listening_ports(settings)
     assert len(ports) == len(set(ports))
     for port in ports:
@@ -29,17 +29,18 @@ def test_every_replica_port_is_distinct_and_free(tmp_path: Path) -> None:
 
 
 def test_overrides_win_over_the_chosen_ports(tmp_path: Path) -> None:
-    settings = StackSettings.on_free_ports(tmp_path, edge_port=18_080, gateways=1)
+    settings = LocalMeshSettings.on_free_ports(tmp_path, edge_port=18_080, gateways=1)
     assert settings.edge_port == 18_080 and settings.gateways == 1
     assert settings.run_dir == tmp_path
 
 
 def test_a_keys_file_turns_auth_on_in_every_gateway_and_nothing_else(tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[2]
-    plain = Stack(StackSettings.on_free_ports(tmp_path, gateways=2, workers=1), root)
+    plain = LocalMesh(LocalMeshSettings.on_free_ports(tmp_path, gateways=2, workers=1), root)
     assert not any("TOKENMESH_GATEWAY_KEYS_FILE" in p.env for p in plain.programs)
-    secured = Stack(
-        StackSettings.on_free_ports(tmp_path, gateways=2, workers=1, keys_file="keys.json"), root
+    secured = LocalMesh(
+        LocalMeshSettings.on_free_ports(tmp_path, gateways=2, workers=1, keys_file="keys.json"),
+        root,
     )
     keyed = {p.name: p.env.get("TOKENMESH_GATEWAY_KEYS_FILE") for p in secured.programs}
     gateways = {name: path for name, path in keyed.items() if name.startswith("gateway-")}
@@ -51,13 +52,15 @@ def test_tls_and_mtls_reach_envoys_config_and_every_service_but_the_control_plan
     tmp_path: Path,
 ) -> None:
     root = Path(__file__).resolve().parents[2]
-    plain = Stack(StackSettings.on_free_ports(tmp_path, gateways=1, workers=1), root)
+    plain = LocalMesh(LocalMeshSettings.on_free_ports(tmp_path, gateways=1, workers=1), root)
     assert not plain.tls and not any(p.mtls for p in plain.programs)
-    edge_only = Stack(StackSettings.on_free_ports(tmp_path, workers=1, tls=True), root)
+    edge_only = LocalMesh(LocalMeshSettings.on_free_ports(tmp_path, workers=1, tls=True), root)
     mesh = edge_only.settings.mesh(edge_only.certs)
     assert mesh.edge_tls_cert_file == str(tmp_path / "certs" / "edge.crt")
     assert not mesh.upstream_mtls and not any(p.mtls for p in edge_only.programs)
-    both = Stack(StackSettings.on_free_ports(tmp_path, workers=1, tls=True, mtls=True), root)
+    both = LocalMesh(
+        LocalMeshSettings.on_free_ports(tmp_path, workers=1, tls=True, mtls=True), root
+    )
     assert both.settings.mesh(both.certs).upstream_tls_ca_file == str(both.certs.ca_cert)
     for program in both.programs:
         prefix = f"TOKENMESH_{(program.service or '').upper()}_"

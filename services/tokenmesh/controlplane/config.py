@@ -135,7 +135,7 @@ class ControlPlaneSettings(ServiceSettings):
         default="30s",
         pattern=r"^[0-9]+[smh]$",
         description=(
-            "Window of requests/s and tokens/s: at least two scrape intervals (the stack "
+            "Window of requests/s and tokens/s: at least two scrape intervals (the mesh "
             "scrapes every 2 s); shorter follows changes faster, longer is smoother. A PromQL"
             " duration."
         ),

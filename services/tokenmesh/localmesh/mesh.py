@@ -24,7 +24,7 @@ import yaml
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from tokenmesh.localstack.certs import (
+from tokenmesh.localmesh.certs import (
     EDGE,
     ENVOY_CLIENT,
     ENVOY_INTERNAL,
@@ -32,7 +32,7 @@ from tokenmesh.localstack.certs import (
     CertPaths,
     CertSettings,
 )
-from tokenmesh.localstack.probes import health, port_is_free
+from tokenmesh.localmesh.probes import health, port_is_free
 from tokenmesh.meshconfig.bootstrap import render
 from tokenmesh.meshconfig.config import MeshSettings
 
@@ -75,7 +75,7 @@ def free_port_block(size: int, attempts: int = 200) -> int:
     raise RuntimeError(f"no {size} consecutive free ports in {low}..{high}")
 
 
-class StackSettings(BaseSettings):
+class LocalMeshSettings(BaseSettings):
     """Ports, replicas and model of the local mesh, from TOKENMESH_STACK_* variables."""
 
     model_config = SettingsConfigDict(env_prefix="TOKENMESH_STACK_", frozen=True, extra="ignore")
@@ -108,7 +108,7 @@ class StackSettings(BaseSettings):
     envoy_admin_port: int = Field(default=9901, ge=1, le=65535)
     worker_listener_port: int = Field(default=50060, ge=1, le=65535)
     reranker_listener_port: int = Field(default=50070, ge=1, le=65535)
-    # Envoy's shared-memory id; distinct values let several stacks (tests) run side by side.
+    # Envoy's shared-memory id; distinct values let several meshes (tests) run side by side.
     envoy_base_id: int = Field(default=7100, ge=0)
     # Consul's HTTP port when a `consul` binary is on PATH (a dev agent is started).
     consul_http_port: int = Field(default=8500, ge=1, le=65535)
@@ -117,7 +117,7 @@ class StackSettings(BaseSettings):
     prometheus_port: int = Field(default=9090, ge=1, le=65535)
     # Seconds between scrapes and rule evaluations. Far below Prometheus' 1 min default so that
     # dashboards on a laptop, and the tests, see traffic within seconds (rate() needs two
-    # scrapes inside its window); the local stack's handful of targets makes this cheap.
+    # scrapes inside its window); the local mesh's handful of targets makes this cheap.
     prometheus_scrape_interval_seconds: int = Field(default=2, ge=1, le=60)
     # How long the local Prometheus keeps data.
     prometheus_retention: str = "2d"
@@ -147,8 +147,8 @@ class StackSettings(BaseSettings):
     tls_edge_names: tuple[str, ...] = ()
 
     @classmethod
-    def on_free_ports(cls, run_dir: Path, **overrides: Any) -> StackSettings:
-        """A stack that can run beside `make up` and other such stacks (tests, benchmarks):
+    def on_free_ports(cls, run_dir: Path, **overrides: Any) -> LocalMeshSettings:
+        """A mesh that can run beside `make up` and other such meshes (tests, benchmarks):
         its ports from one block free now (replicas take consecutive ports from their base,
         so replicated bases get room for MAX_REPLICAS), its own run directory and Envoy
         shared-memory id."""
@@ -246,10 +246,10 @@ def tokenmesh_service(
     )
 
 
-class Stack:
+class LocalMesh:
     """The supervisord-managed local mesh rooted at the repository."""
 
-    def __init__(self, settings: StackSettings, root: Path) -> None:
+    def __init__(self, settings: LocalMeshSettings, root: Path) -> None:
         self.settings = settings
         self.root = root
         self.run_dir = (root / settings.run_dir).resolve()
@@ -259,8 +259,8 @@ class Stack:
         self.envoy_config_path = self.run_dir / "envoy.yaml"
         self.endpoints_path = self.run_dir / "endpoints.yaml"
         self.prometheus_config_path = self.run_dir / "prometheus.yml"
-        # The settings this stack runs with, so tools can attach to it (e.g. `make chaos`).
-        self.settings_path = self.run_dir / "stack-settings.json"
+        # The settings this mesh runs with, so tools can attach to it (e.g. `make chaos`).
+        self.settings_path = self.run_dir / "mesh-settings.json"
         self.certs = CertPaths(
             (root / (settings.certs_dir or settings.run_dir / "certs")).resolve()
         )
@@ -282,7 +282,7 @@ class Stack:
 
     @property
     def tls(self) -> bool:
-        """The stack uses certificates (TLS at the edge, mTLS inside, or both)."""
+        """The mesh uses certificates (TLS at the edge, mTLS inside, or both)."""
         return self.settings.tls or self.settings.mtls
 
     def ensure_certs(self) -> bool:
