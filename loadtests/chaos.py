@@ -321,6 +321,14 @@ async def worker_kill(mesh: ScenarioMesh, short: bool) -> Row:
     row = Row("worker_kill")
     workers = mesh.replicas("worker")
     pids = {worker.name: mesh.pid(worker.name) for worker in workers}
+    # Both workers must be routable first: after an endpoint update (a control plane that
+    # restarted) Envoy may health-check a host again before it routes to it.
+    addresses = {worker.address for worker in workers}
+    if await mesh.wait_until(lambda: addresses <= mesh.healthy("worker"), 60) is None:
+        row.violations.append(
+            f"the workers were not all healthy in Envoy: {mesh.healthy('worker')}"
+        )
+        return row
     # Enough long streams that both workers are still generating when the kill comes.
     streams, burst = (24, 16) if short else (48, 48)
     async with mesh.channel() as channel:

@@ -157,3 +157,22 @@ async def test_a_cancel_stops_the_running_turn_at_once_and_the_next_turn_is_answ
         token_pb2.FINISH_REASON_STOP
     ]
     assert rest[-1].turn == 1
+
+
+@pytest.mark.parametrize("yields", range(4))
+async def test_a_cancel_right_after_its_turn_never_hangs_the_stream(yields: int) -> None:
+    # The cancel may reach the turn before its generation has begun to run, or before the turn
+    # itself has begun: either way it stops that turn.
+    pipeline = ClosingPipeline()
+    session = ChatSession(pipeline, GatewaySettings(), Context())  # type: ignore[arg-type]
+
+    async def requests() -> AsyncIterator[llm_pb2.ChatMessage]:
+        yield user("talk long")
+        for _ in range(yields):
+            await asyncio.sleep(0)
+        yield llm_pb2.ChatMessage(cancel=llm_pb2.CancelGeneration())
+
+    async with asyncio.timeout(5):
+        events = [event async for event in session.run(requests())]
+    ends = [e.turn_end for e in events if e.HasField("turn_end")]
+    assert len(ends) == 1 and ends[0].finish_reason == token_pb2.FINISH_REASON_CANCELLED

@@ -54,10 +54,6 @@ class Unavailable(ServiceError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
-class FailedPrecondition(ServiceError):
-    code = grpc.StatusCode.FAILED_PRECONDITION
-
-
 class Internal(ServiceError):
     code = grpc.StatusCode.INTERNAL
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, TypeAlias
 
@@ -125,27 +127,38 @@ def check_user_turn(
     return sampling_params(user, settings)
 
 
-QueuedTurn: TypeAlias = tuple[llm_pb2.UserTurn, inference_pb2.SamplingParams]
+@dataclasses.dataclass
+class QueuedTurn:
+    user: llm_pb2.UserTurn
+    sampling: inference_pb2.SamplingParams
+    # A cancel came for it before it began.
+    cancelled: bool = False
+
+
 # The end of a turn's tokens, after its last (or after its generation stopped).
 _END = object()
 
 
 class ChatSession:
     """One Chat stream, in two parts. A reader task routes each message the client sends: a
-    user turn, checked at once, to the queue of turns; a cancel to the running turn; the
-    half-close, or what ends the stream (a malformed message, a bad turn, one too many
-    waiting), to the end of the queue. A loop answers the queued turns one at a time."""
+    user turn, checked at once, to the queue of turns; a cancel to the running turn (or, between
+    turns, to the next one); the half-close, or what ends the stream at once (a malformed
+    message, a bad turn, one too many waiting). A loop answers the queued turns one at a time."""
 
     def __init__(self, pipeline: Pipeline, settings: GatewaySettings, context: Context) -> None:
         self._pipeline = pipeline
         self._settings = settings
         self._context = context
         self._history = ChatHistory(settings.max_chat_turns, settings.max_chat_history_tokens)
-        # Turns waiting to be answered; None after the last: the client half-closed.
-        self._turns: asyncio.Queue[QueuedTurn | None] = asyncio.Queue()
+        self._waiting: deque[QueuedTurn] = deque()
+        # Set when a turn is queued or the reading ends.
+        self._changed = asyncio.Event()
+        self._read_all = False
         # What ends the stream with its status, at once (the running turn is stopped).
         self._failure: Exception | None = None
-        # The running turn's generation until its last token: what a cancel stops.
+        # Whether a turn is being answered, and its generation until its last token (what a
+        # cancel stops).
+        self._answering = False
         self._generation: asyncio.Task[None] | None = None
 
     async def run(
@@ -154,8 +167,8 @@ class ChatSession:
         reader = asyncio.create_task(self._read(requests))
         try:
             turn = 0
-            while (queued := await self._turns.get()) is not None and self._failure is None:
-                async for event in self._answer(turn, *queued):
+            while self._failure is None and (queued := await self._next_turn()) is not None:
+                async for event in self._answer(turn, queued):
                     yield event
                 turn += 1
             if self._failure is not None:
@@ -165,52 +178,73 @@ class ChatSession:
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
 
+    async def _next_turn(self) -> QueuedTurn | None:
+        """The next turn to answer; None once the client has half-closed and all are."""
+        while not self._waiting and not self._read_all and self._failure is None:
+            self._changed.clear()
+            await self._changed.wait()
+        return self._waiting.popleft() if self._waiting and self._failure is None else None
+
     async def _read(self, requests: AsyncIterator[llm_pb2.ChatMessage]) -> None:
         try:
             async for message in requests:
                 if message.HasField("user"):
                     self._queue(message.user)
-                elif message.HasField("cancel") and self._generation is not None:
-                    self._generation.cancel()
-                # A cancel with no turn generating has nothing to stop.
+                elif message.HasField("cancel"):
+                    self._cancel()
         except Exception as exc:  # the stream must end with it, not wait for a turn
             self._failure = exc
             if self._generation is not None:
                 self._generation.cancel()
-        self._turns.put_nowait(None)
+        self._read_all = True
+        self._changed.set()
+
+    def _cancel(self) -> None:
+        if self._answering:
+            if self._generation is not None:
+                self._generation.cancel()
+            # After the turn's last token there is nothing left to stop.
+        elif self._waiting:
+            self._waiting[0].cancelled = True
+        # With no turn running or waiting, there is nothing to stop.
 
     def _queue(self, user: llm_pb2.UserTurn) -> None:
         """Queue a user turn behind the running one, checked now: a bad turn or one too many
         ends the stream before it waits."""
         settings = self._settings
-        if self._turns.qsize() >= settings.max_chat_pending_turns:
+        if len(self._waiting) >= settings.max_chat_pending_turns:
             raise ResourceExhausted(
                 f"chat: more than {settings.max_chat_pending_turns} user turns waiting for an "
                 "answer (max_chat_pending_turns); send the next turn after turn_end"
             )
-        self._turns.put_nowait((user, check_user_turn(user, settings)))
+        self._waiting.append(QueuedTurn(user, check_user_turn(user, settings)))
+        self._changed.set()
 
     async def _answer(
-        self, turn: int, user: llm_pb2.UserTurn, sampling: inference_pb2.SamplingParams
+        self, turn: int, queued: QueuedTurn
     ) -> AsyncGenerator[llm_pb2.ChatEvent, None]:
         # The generation runs in a task of its own, so that a cancel can stop it wherever it
         # is; it hands over one token at a time and waits until the stream has sent it, so a
         # slow client still holds it back (HTTP/2 flow control).
         tokens: asyncio.Queue[Any] = asyncio.Queue()
 
+        user = queued.user
+
         async def generate() -> None:
             stream = self._pipeline.stream(
-                self._history.prompt(user.content), sampling, self._context.time_remaining()
+                self._history.prompt(user.content), queued.sampling, self._context.time_remaining()
             )
-            try:
-                async with contextlib.aclosing(stream):
-                    async for token in stream:
-                        tokens.put_nowait(token)
-                        await tokens.join()
-            finally:
-                tokens.put_nowait(_END)
+            async with contextlib.aclosing(stream):
+                async for token in stream:
+                    tokens.put_nowait(token)
+                    await tokens.join()
 
+        self._answering = True
         generation = self._generation = asyncio.create_task(generate())
+        # However the generation ends, even cancelled before it began to run.
+        generation.add_done_callback(lambda _: tokens.put_nowait(_END))
+        if queued.cancelled:
+            generation.cancel()
         answer: list[str] = []
         end = llm_pb2.TurnEnd()
         try:
@@ -229,6 +263,7 @@ class ChatSession:
         finally:
             # The client went away (or the stream failed) mid-turn: cancelling the generation
             # cancels the worker call, which aborts the engine request.
+            self._answering = False
             self._generation = None
             generation.cancel()
             with contextlib.suppress(asyncio.CancelledError):
