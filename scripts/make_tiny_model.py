@@ -20,6 +20,15 @@ NUM_LAYERS = 2
 INTERMEDIATE_SIZE = 256
 MAX_POSITIONS = 2048
 SEED = 1234
+# A minimal ChatML-like chat template (the model's own, as vLLM renders chat): each message is
+# <s>role\ncontent</s>\n, and the generation prompt opens the assistant's message, which ends
+# when the model emits </s> (its end-of-sequence token).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ bos_token + message['role'] + '\\n' + message['content'] + eos_token + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ bos_token + 'assistant\\n' }}{% endif %}"
+)
 
 
 def corpus() -> list[str]:
@@ -51,8 +60,10 @@ def build_tokenizer(out_dir: Path) -> None:
         eos_token="</s>",
         pad_token="<pad>",
         model_max_length=MAX_POSITIONS,
+        chat_template=CHAT_TEMPLATE,
     )
-    fast.save_pretrained(out_dir)
+    # The template goes into tokenizer_config.json (chat_template), not chat_template.jinja.
+    fast.save_pretrained(out_dir, save_jinja_files=False)
 
 
 def build_model(out_dir: Path) -> None:

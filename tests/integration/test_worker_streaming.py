@@ -107,6 +107,58 @@ async def test_text_is_the_detokenized_token_ids(inference) -> None:
     assert "".join(token.text for token in tokens) == expected
 
 
+CONVERSATION = [
+    {"role": "system", "content": "You answer in one short sentence."},
+    {"role": "user", "content": "What is a token?"},
+    {"role": "assistant", "content": "A piece of text the model reads or writes."},
+    {"role": "user", "content": "And a chat template?"},
+]
+
+
+def chat_request(messages: list[dict[str, str]], max_tokens: int = 16, **sampling: object):
+    return inference_pb2.InferenceRequest(
+        messages=[inference_pb2.ConversationMessage(**message) for message in messages],
+        sampling=inference_pb2.SamplingParams(max_tokens=max_tokens, **sampling),  # type: ignore[arg-type]
+    )
+
+
+async def test_messages_stream_tokens_like_a_prompt(inference) -> None:
+    tokens = [
+        token
+        async for token in inference.Generate(
+            chat_request(CONVERSATION, max_tokens=12, ignore_eos=True)
+        )
+    ]
+    assert positions(tokens) == list(range(12))
+    assert tokens[-1].finish_reason == token_pb2.FINISH_REASON_LENGTH
+    assert tokens[-1].usage.completion_tokens == 12
+
+
+async def test_messages_are_rendered_exactly_as_the_models_chat_template(inference) -> None:
+    """The worker's prompt for a conversation is the tokens transformers' apply_chat_template
+    makes of it (with the generation prompt): the same count, and the same greedy answer as
+    the rendered text sent as a prompt."""
+    from transformers import AutoTokenizer
+
+    from tests.support import TINY_MODEL
+
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
+    assert tokenizer.chat_template, f"{TINY_MODEL} has no chat template: run `make setup`"
+    # return_dict=False: transformers 5 returns a BatchEncoding by default.
+    expected_ids = tokenizer.apply_chat_template(
+        CONVERSATION, tokenize=True, add_generation_prompt=True, return_dict=False
+    )
+    rendered = tokenizer.apply_chat_template(
+        CONVERSATION, tokenize=False, add_generation_prompt=True
+    )
+    greedy = {"max_tokens": 16, "ignore_eos": True, "temperature": 0.0}
+    chat = [token async for token in inference.Generate(chat_request(CONVERSATION, **greedy))]
+    assert chat[-1].usage.prompt_tokens == len(expected_ids)
+    plain = [token async for token in inference.Generate(generate_request(rendered, **greedy))]
+    assert plain[-1].usage.prompt_tokens == len(expected_ids)
+    assert generated(chat) == generated(plain)
+
+
 async def test_greedy_generation_is_deterministic(inference) -> None:
     request = generate_request(prompt="the same prompt", max_tokens=20, temperature=0.0)
     first = generated([t async for t in inference.Generate(request)])

@@ -61,6 +61,81 @@ async def test_invalid_request_is_rejected_with_field_and_limit(inference, case:
     assert expected in error.value.details()
 
 
+def conversation(*messages: tuple[str, str]) -> list[inference_pb2.ConversationMessage]:
+    return [
+        inference_pb2.ConversationMessage(role=role, content=content) for role, content in messages
+    ]
+
+
+# Each: request fields, sampling fields, the field the error names, and what it says.
+MESSAGE_CASES = {
+    "prompt and messages": (
+        dict(prompt="hello", messages=conversation(("user", "hi"))),
+        {},
+        "messages",
+        "set together with prompt: send exactly one of the two",
+    ),
+    "unknown role": (
+        dict(messages=conversation(("system", "s"), ("tool", "t"))),
+        {},
+        "messages[1].role",
+        "must be one of system, user, assistant, got 'tool'",
+    ),
+    "empty content": (
+        dict(messages=conversation(("user", ""))),
+        {},
+        "messages[0].content",
+        "must not be empty",
+    ),
+    "too many messages": (
+        dict(messages=conversation(*[("user", "hi")] * 65)),
+        {},
+        "messages",
+        "has 65 messages, over the limit of 64",
+    ),
+    "content over byte limit": (
+        dict(messages=conversation(("user", "x" * (256 * 1024 + 1)))),
+        {},
+        "messages[0].content",
+        "is 262145 bytes, over the limit of 262144",
+    ),
+    "messages over byte limit together": (
+        dict(messages=conversation(("user", "x" * (128 * 1024)), ("user", "y" * (128 * 1024 + 1)))),
+        {},
+        "messages",
+        "hold 262145 bytes of content together, over the limit of 262144",
+    ),
+    # The context checks count the prompt the chat template renders (in the engine).
+    "messages longer than context": (
+        dict(messages=conversation(("user", " ".join(f"w{i}" for i in range(3000))))),
+        {},
+        "messages",
+        "tokens with the chat template; the model context is 2048 tokens",
+    ),
+    "messages plus max_tokens over context": (
+        dict(messages=conversation(("user", " ".join(f"w{i}" for i in range(400))))),
+        dict(max_tokens=2000),
+        "max_tokens",
+        "exceeds the model context of 2048 tokens",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", MESSAGE_CASES)
+async def test_invalid_messages_are_rejected_naming_the_field(inference, case: str) -> None:
+    request_fields, sampling_fields, field, expected = MESSAGE_CASES[case]
+    request = inference_pb2.InferenceRequest(
+        **request_fields,
+        sampling=inference_pb2.SamplingParams(**{"max_tokens": 8, **sampling_fields}),
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        async for _ in inference.Generate(request, timeout=30):
+            pass
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.value.details().startswith(f"{field}: ")
+    assert expected in error.value.details()
+
+
 async def test_rejected_requests_leave_the_engine_empty(inference) -> None:
     report = await inference.GetEngineStats(inference_pb2.EngineStatsRequest(), timeout=30)
     assert report.running_requests == 0 and report.waiting_requests == 0

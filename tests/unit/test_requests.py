@@ -7,7 +7,7 @@ import pytest
 from tokenmesh.common.errors import InvalidArgument
 from tokenmesh.v1 import inference_pb2
 from tokenmesh.worker.config import WorkerSettings
-from tokenmesh.worker.requests import validate
+from tokenmesh.worker.requests import Message, validate
 
 LIMITS = WorkerSettings(max_tokens_cap=100, default_temperature=0.7)
 
@@ -67,3 +67,78 @@ def test_logprobs_pass_through_within_the_cap() -> None:
     spec = validate(request(logprobs=True, top_logprobs=20), LIMITS)
     assert spec.logprobs and spec.top_logprobs == 20
     assert not validate(request(), LIMITS).logprobs
+
+
+CHAT_LIMITS = WorkerSettings(max_messages=3, max_prompt_bytes=10)
+
+
+def chat_request(*messages: tuple[str, str], prompt: str = "") -> inference_pb2.InferenceRequest:
+    return inference_pb2.InferenceRequest(
+        prompt=prompt,
+        messages=[
+            inference_pb2.ConversationMessage(role=role, content=content)
+            for role, content in messages
+        ],
+        sampling=inference_pb2.SamplingParams(max_tokens=5),
+    )
+
+
+def rejection(message: inference_pb2.InferenceRequest) -> InvalidArgument:
+    with pytest.raises(InvalidArgument) as error:
+        validate(message, CHAT_LIMITS)
+    return error.value
+
+
+def test_messages_reach_the_spec_in_order_with_no_prompt() -> None:
+    spec = validate(chat_request(("system", "be brief"), ("user", "hi")), CHAT_LIMITS)
+    assert spec.prompt == ""
+    assert spec.messages == (Message("system", "be brief"), Message("user", "hi"))
+    assert validate(request(), LIMITS).messages == ()
+
+
+def test_prompt_and_messages_together_are_rejected_naming_messages() -> None:
+    error = rejection(chat_request(("user", "hi"), prompt="hello"))
+    assert error.field == "messages"
+    assert error.message == "messages: set together with prompt: send exactly one of the two"
+
+
+def test_neither_prompt_nor_messages_is_rejected_naming_prompt() -> None:
+    error = rejection(chat_request())
+    assert error.field == "prompt"
+    assert error.message.startswith("prompt: must not be empty")
+
+
+@pytest.mark.parametrize("role", ["tool", "developer", "", "User", "x" * 100])
+def test_unknown_roles_are_rejected_naming_the_message(role: str) -> None:
+    error = rejection(chat_request(("system", "s"), ("user", "u"), (role, "c")))
+    assert error.field == "messages[2].role"
+    assert error.message.startswith(
+        "messages[2].role: must be one of system, user, assistant, got "
+    )
+    # A long role is echoed cut short.
+    assert len(error.message) < 100
+
+
+def test_more_messages_than_the_cap_are_rejected_with_the_limit() -> None:
+    error = rejection(chat_request(*[("user", "u")] * 4))
+    assert error.field == "messages"
+    assert error.message == "messages: has 4 messages, over the limit of 3"
+    assert validate(chat_request(*[("user", "u")] * 3), CHAT_LIMITS).messages
+
+
+def test_a_message_over_the_byte_limit_is_rejected_naming_it() -> None:
+    error = rejection(chat_request(("user", "u"), ("assistant", "a" * 11)))
+    assert error.field == "messages[1].content"
+    assert error.message == "messages[1].content: is 11 bytes, over the limit of 10"
+
+
+def test_an_empty_message_is_rejected_naming_it() -> None:
+    error = rejection(chat_request(("user", "")))
+    assert error.message == "messages[0].content: must not be empty"
+
+
+def test_messages_over_the_byte_limit_together_are_rejected() -> None:
+    # 4 + 4 + 3 bytes: each within the limit of 10, 11 together ("é" is two bytes).
+    error = rejection(chat_request(("user", "uuuu"), ("assistant", "aaaa"), ("user", "éu")))
+    assert error.field == "messages"
+    assert error.message == ("messages: hold 11 bytes of content together, over the limit of 10")

@@ -92,6 +92,15 @@ class WorkerSettings(ServiceSettings):
     max_prompt_bytes: int = Field(
         default=256 * 1024, ge=1, description="Request limit: `prompt` 1..this many bytes."
     )
+    max_messages: int = Field(
+        default=64,
+        ge=1,
+        description=(
+            "Request limit: `messages` (a conversation rendered with the model's chat "
+            "template) at most this many; each message's content, and all of them together, "
+            "at most `max_prompt_bytes`."
+        ),
+    )
     max_stop_sequences: int = Field(
         default=8, ge=0, description="Request limit: `sampling.stop` at most this many."
     )

@@ -19,8 +19,11 @@ import uvloop
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMValidationError
+from vllm.renderers import ChatParams
+from vllm.renderers.chat_utils import ChatTemplateResolutionError
 from vllm.sampling_params import RequestOutputKind
 from vllm.utils.gc_utils import freeze_gc_heap
+from vllm.utils.mistral import is_mistral_tokenizer
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 from vllm.v1.metrics.loggers import StatLoggerBase
@@ -263,12 +266,18 @@ class Handoff:
             inbox.put(item)
 
 
-def _mapped(error: Exception) -> Exception:
-    """vLLM's errors as the status errors the caller gets."""
+def _mapped(error: Exception, subject: str = "request") -> Exception:
+    """vLLM's errors as the status errors the caller gets; subject is the field a validation
+    error names when vLLM names none (messages, for a template that rejects them)."""
     if isinstance(error, EngineDeadError):
         return Unavailable(f"inference engine is down: {error}")
+    if isinstance(error, ChatTemplateResolutionError):
+        # As vLLM's chat completions answer (400): the request, not the worker, must change.
+        return InvalidArgument(
+            "messages", "the model has no chat template to render them with; send a prompt"
+        )
     if isinstance(error, VLLMValidationError):
-        return InvalidArgument(error.parameter or "request", str(error))
+        return InvalidArgument(error.parameter or subject, str(error))
     if isinstance(error, EngineGenerateError):
         return Internal(f"inference engine failed the request: {error}")
     return error
@@ -294,6 +303,19 @@ class VllmEngine:
         # Tokenize without vLLM's own length check: ours below names the fields and limits.
         self._tokenize_params = dataclasses.replace(
             llm.renderer.default_cmpl_tok_params, max_total_tokens=None
+        )
+        self._chat_tokenize_params = dataclasses.replace(
+            llm.renderer.default_chat_tok_params, max_total_tokens=None
+        )
+        # What vLLM's chat completions render with by default: the model's own template, the
+        # assistant's generation prompt after the last message, rendered as text and then
+        # tokenized without added special tokens (the template places them).
+        self._chat_params = ChatParams(
+            chat_template_kwargs={
+                "add_generation_prompt": True,
+                "continue_final_message": False,
+                "tokenize": is_mistral_tokenizer(llm.renderer.tokenizer),
+            }
         )
 
     @classmethod
@@ -347,19 +369,31 @@ class VllmEngine:
         return bool(self._llm.errored)
 
     async def _tokenize(self, spec: GenerationSpec) -> Any:
-        (engine_input,) = await self._llm.renderer.render_cmpl_async(
-            [{"prompt": spec.prompt}], self._tokenize_params
-        )
+        """The engine input of a prompt, or of messages rendered with the chat template."""
+        if spec.messages:
+            conversation: list[Any] = [
+                {"role": message.role, "content": message.content} for message in spec.messages
+            ]
+            _, (engine_input,) = await self._llm.renderer.render_chat_async(
+                [conversation], self._chat_params, self._chat_tokenize_params
+            )
+            subject, whose, size = "messages", "messages'", "are {} tokens with the chat template"
+        else:
+            (engine_input,) = await self._llm.renderer.render_cmpl_async(
+                [{"prompt": spec.prompt}], self._tokenize_params
+            )
+            subject, whose, size = "prompt", "prompt's", "is {} tokens"
         prompt_tokens = len(engine_input["prompt_token_ids"])
         if prompt_tokens + spec.max_tokens > self.max_model_len:
             if prompt_tokens >= self.max_model_len:
                 raise InvalidArgument(
-                    "prompt",
-                    f"is {prompt_tokens} tokens; the model context is {self.max_model_len} tokens",
+                    subject,
+                    f"{size.format(prompt_tokens)}; the model context is "
+                    f"{self.max_model_len} tokens",
                 )
             raise InvalidArgument(
                 "max_tokens",
-                f"{spec.max_tokens} plus the prompt's {prompt_tokens} tokens exceeds the model "
+                f"{spec.max_tokens} plus the {whose} {prompt_tokens} tokens exceeds the model "
                 f"context of {self.max_model_len} tokens (at most "
                 f"{self.max_model_len - prompt_tokens} here)",
             )
@@ -401,7 +435,7 @@ class VllmEngine:
         except asyncio.CancelledError:
             raise
         except Exception as error:
-            post(_mapped(error))
+            post(_mapped(error, "messages" if spec.messages else "request"))
 
     async def stream(
         self, spec: GenerationSpec, on_abort: Callable[[], None] | None = None

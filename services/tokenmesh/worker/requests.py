@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tokenmesh.common.errors import InvalidArgument
@@ -17,6 +18,16 @@ from tokenmesh.v1 import inference_pb2
 from tokenmesh.worker.config import WorkerSettings
 
 MAX_TEMPERATURE = 2.0
+# The roles a conversation's messages may have (those every chat template knows).
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class Message:
+    """One message of a conversation, for the model's chat template."""
+
+    role: str
+    content: str
 
 
 @dataclass(frozen=True)
@@ -38,11 +49,24 @@ class GenerationSpec:
     stream_interval: int = 1
     # Sent on the first token (the gateway's warnings for a request it prepared).
     warnings: tuple[str, ...] = ()
+    # A conversation instead of a prompt (then prompt is empty): the engine renders it with
+    # the model's chat template.
+    messages: tuple[Message, ...] = ()
 
 
 def validate(request: inference_pb2.InferenceRequest, settings: WorkerSettings) -> GenerationSpec:
     """Check every field against the worker's limits; raise InvalidArgument naming it."""
-    check_text("prompt", request.prompt, settings.max_prompt_bytes)
+    if request.messages:
+        if request.prompt:
+            raise InvalidArgument(
+                "messages", "set together with prompt: send exactly one of the two"
+            )
+        messages = check_messages(request.messages, settings)
+    else:
+        if not request.prompt:
+            raise InvalidArgument("prompt", "must not be empty (or send messages instead)")
+        check_text("prompt", request.prompt, settings.max_prompt_bytes)
+        messages = ()
     sampling = request.sampling
     if not 1 <= sampling.max_tokens <= settings.max_tokens_cap:
         raise InvalidArgument(
@@ -101,4 +125,30 @@ def validate(request: inference_pb2.InferenceRequest, settings: WorkerSettings) 
         top_logprobs=sampling.top_logprobs,
         stream_interval=max(sampling.stream_interval, 1),
         warnings=tuple(request.warnings),
+        messages=messages,
     )
+
+
+def check_messages(
+    messages: Sequence[inference_pb2.ConversationMessage], settings: WorkerSettings
+) -> tuple[Message, ...]:
+    """At most max_messages, each of a known role with 1..max_prompt_bytes of content, and
+    max_prompt_bytes of content in all."""
+    check_count("messages", len(messages), settings.max_messages, "messages")
+    total = 0
+    for position, message in enumerate(messages):
+        if message.role not in ROLES:
+            # The role is echoed cut short: it may be arbitrarily long.
+            raise InvalidArgument(
+                f"messages[{position}].role",
+                f"must be one of {', '.join(ROLES)}, got {message.role[:32]!r}",
+            )
+        check_text(f"messages[{position}].content", message.content, settings.max_prompt_bytes)
+        total += len(message.content.encode())
+    if total > settings.max_prompt_bytes:
+        raise InvalidArgument(
+            "messages",
+            f"hold {total} bytes of content together, over the limit of "
+            f"{settings.max_prompt_bytes}",
+        )
+    return tuple(Message(message.role, message.content) for message in messages)
