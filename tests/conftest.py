@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from grpc import aio
 
+from tests.consul_fake import FakeConsul
 from tests.otlp_collector import OtlpCollector
 from tests.support import TINY_MODEL, ServiceProcess, reranker_process, worker_process
 from tokenmesh.v1 import inference_pb2_grpc
@@ -79,3 +80,14 @@ def reranker(otlp_collector: OtlpCollector) -> Iterator[ServiceProcess]:
         yield process
     finally:
         process.stop()
+
+
+@pytest.fixture
+async def fake_consul() -> AsyncIterator[FakeConsul]:
+    """An in-process fake of Consul's agent and health HTTP API (tests/consul_fake.py)."""
+    consul = FakeConsul()
+    await consul.start()
+    try:
+        yield consul
+    finally:
+        await consul.stop()

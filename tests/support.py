@@ -32,6 +32,13 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL = ROOT / "models" / "tiny-llama"
 
 
+async def eventually(condition: Callable[[], Any], within: float = 5.0) -> None:
+    """Return once condition() holds; TimeoutError if it does not within `within` seconds."""
+    async with asyncio.timeout(within):
+        while not condition():  # noqa: ASYNC110 (a condition, not an event)
+            await asyncio.sleep(0.01)
+
+
 def health_status(address: str, timeout: float = 1.0) -> str:
     """SERVING / NOT_SERVING / ..., or the gRPC error code name when the check fails."""
     return health(address, timeout=timeout)

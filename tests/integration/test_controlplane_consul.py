@@ -5,7 +5,7 @@ the last known endpoints through Consul errors, and deregisters on SIGTERM."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,23 +24,13 @@ PUSHED_WITHIN = 5.0
 
 
 @pytest.fixture
-async def fake() -> AsyncIterator[FakeConsul]:
-    consul = FakeConsul()
-    await consul.start()
-    try:
-        yield consul
-    finally:
-        await consul.stop()
-
-
-@pytest.fixture
-def controlplane(fake: FakeConsul, tmp_path: Path) -> Iterator[ServiceProcess]:
+def controlplane(fake_consul: FakeConsul, tmp_path: Path) -> Iterator[ServiceProcess]:
     process = controlplane_process(
         LOG_DIR,
         tmp_path / "unused.json",
         name="controlplane-consul-test",
         source="consul",
-        consul_http_addr=fake.address,
+        consul_http_addr=fake_consul.address,
         consul_services='["worker", "reranker"]',
         consul_wait_seconds="5",
         consul_backoff_initial_seconds="0.05",
@@ -53,10 +43,12 @@ def controlplane(fake: FakeConsul, tmp_path: Path) -> Iterator[ServiceProcess]:
 
 
 async def test_serves_consul_endpoints_pushes_changes_and_registers_itself(
-    fake: FakeConsul, controlplane: ServiceProcess
+    fake_consul: FakeConsul, controlplane: ServiceProcess
 ) -> None:
-    fake.put_instance(Instance("worker-1", "worker", "127.0.0.1", 50061))
-    fake.put_instance(Instance("worker-2", "worker", "127.0.0.1", 50062, check_status="critical"))
+    fake_consul.put_instance(Instance("worker-1", "worker", "127.0.0.1", 50061))
+    fake_consul.put_instance(
+        Instance("worker-2", "worker", "127.0.0.1", 50062, check_status="critical")
+    )
     controlplane.start()
     await asyncio.to_thread(controlplane.wait_serving, START_TIMEOUT)
     async with aio.insecure_channel(controlplane.address) as channel:
@@ -68,21 +60,21 @@ async def test_serves_consul_endpoints_pushes_changes_and_registers_itself(
         }
         await client.ack(["worker", "reranker"])
 
-        fake.set_status("worker-2", "passing")
+        fake_consul.set_status("worker-2", "passing")
         pushed = decode(await client.receive(within=PUSHED_WITHIN))
         assert pushed["worker"][1] == ("127.0.0.1", 50062, "HEALTHY")
         await client.ack(["worker", "reranker"])
 
-        fake.fail_next(3)  # Consul errors: nothing pushed, the endpoints stay as they are
-        fake.bump()
+        fake_consul.fail_next(3)  # Consul errors: nothing pushed, the endpoints stay as they are
+        fake_consul.bump()
         await client.nothing_within(1.0)
-        fake.remove("worker-1")  # and once Consul answers again, changes flow again
+        fake_consul.remove("worker-1")  # and once Consul answers again, changes flow again
         pushed = decode(await client.receive(within=PUSHED_WITHIN))
         assert pushed["worker"] == [("127.0.0.1", 50062, "HEALTHY")]
         await client.close()
 
-    registered = [i for i in fake.instances.values() if i.name == "controlplane"]
+    registered = [i for i in fake_consul.instances.values() if i.name == "controlplane"]
     assert [(i.port, i.tags) for i in registered] == [(controlplane.port, ["role=controlplane"])]
     # In a thread: the fake agent answering the deregistration runs on this event loop.
     assert await asyncio.to_thread(controlplane.stop, 10) == 0
-    assert not [i for i in fake.instances.values() if i.name == "controlplane"]
+    assert not [i for i in fake_consul.instances.values() if i.name == "controlplane"]

@@ -7,12 +7,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
 from tests.consul_fake import FakeConsul, Instance
+from tests.support import eventually
 from tokenmesh.common.consul_http import ConsulAddress, consul_client
 from tokenmesh.controlplane.backoff import Backoff
 from tokenmesh.controlplane.consul_source import ConsulSource, endpoints_from_health
@@ -100,8 +100,8 @@ class RecordingBackoff(Backoff):
 
 
 class Watch:
-    def __init__(self, fake: FakeConsul, services: list[str], passing_only: bool = False):
-        self.client = consul_client(fake.address, request_timeout=10)
+    def __init__(self, fake_consul: FakeConsul, services: list[str], passing_only: bool = False):
+        self.client = consul_client(fake_consul.address, request_timeout=10)
         self.errors = 0
         self.backoffs: list[RecordingBackoff] = []
         self.source = ConsulSource(
@@ -140,29 +140,15 @@ class Watch:
         await self.client.close()
 
 
-async def eventually(condition: Any, within: float = PROMPTLY) -> None:
-    async with asyncio.timeout(within):
-        while not condition():  # noqa: ASYNC110 (a condition, not an event)
-            await asyncio.sleep(0.01)
-
-
-@pytest.fixture
-async def fake() -> AsyncIterator[FakeConsul]:
-    consul = FakeConsul()
-    await consul.start()
-    try:
-        yield consul
-    finally:
-        await consul.stop()
-
-
 def worker(port: int, status: str = "passing") -> Instance:
     return Instance(f"worker-{port}", "worker", "127.0.0.1", port, check_status=status)
 
 
-async def test_first_snapshot_waits_for_every_service_then_lists_them(fake: FakeConsul) -> None:
-    fake.put_instance(worker(50061))
-    watch = Watch(fake, ["worker", "gateway"])
+async def test_first_snapshot_waits_for_every_service_then_lists_them(
+    fake_consul: FakeConsul,
+) -> None:
+    fake_consul.put_instance(worker(50061))
+    watch = Watch(fake_consul, ["worker", "gateway"])
     try:
         assert await watch.next() == {"gateway": (), "worker": (Endpoint("127.0.0.1", 50061),)}
     finally:
@@ -170,71 +156,71 @@ async def test_first_snapshot_waits_for_every_service_then_lists_them(fake: Fake
 
 
 async def test_blocking_query_is_held_until_a_change_and_returns_it_at_once(
-    fake: FakeConsul,
+    fake_consul: FakeConsul,
 ) -> None:
-    fake.put_instance(worker(50061))
-    watch = Watch(fake, ["worker"])
+    fake_consul.put_instance(worker(50061))
+    watch = Watch(fake_consul, ["worker"])
     try:
         await watch.next()
-        first = fake.requests_to("/v1/health/service/worker")[0]
+        first = fake_consul.requests_to("/v1/health/service/worker")[0]
         assert "index" not in first.query  # the first query answers at once
-        await eventually(lambda: fake.blocked == 1)  # the next one is held by the agent
-        held = fake.requests_to("/v1/health/service/worker")[-1]
+        await eventually(lambda: fake_consul.blocked == 1)  # the next one is held by the agent
+        held = fake_consul.requests_to("/v1/health/service/worker")[-1]
         assert held.query["index"] == "2" and held.query["wait"] == "5s"  # X-Consul-Index
-        fake.put_instance(worker(50062))
+        fake_consul.put_instance(worker(50062))
         assert (await watch.next())["worker"] == (
             Endpoint("127.0.0.1", 50061),
             Endpoint("127.0.0.1", 50062),
         )
         # Nothing changed since: the following query waits again instead of polling.
-        await eventually(lambda: fake.blocked == 1)
-        assert len(fake.requests_to("/v1/health/service/worker")) == 3
+        await eventually(lambda: fake_consul.blocked == 1)
+        assert len(fake_consul.requests_to("/v1/health/service/worker")) == 3
     finally:
         await watch.stop()
 
 
-async def test_a_failing_check_marks_the_endpoint_unhealthy(fake: FakeConsul) -> None:
-    fake.put_instance(worker(50061))
-    watch = Watch(fake, ["worker"])
+async def test_a_failing_check_marks_the_endpoint_unhealthy(fake_consul: FakeConsul) -> None:
+    fake_consul.put_instance(worker(50061))
+    watch = Watch(fake_consul, ["worker"])
     try:
         await watch.next()
-        fake.set_status("worker-50061", "critical")
+        fake_consul.set_status("worker-50061", "critical")
         assert (await watch.next())["worker"] == (Endpoint("127.0.0.1", 50061, healthy=False),)
-        assert all("passing" not in r.query for r in fake.requests_to("/v1/health/"))
+        assert all("passing" not in r.query for r in fake_consul.requests_to("/v1/health/"))
     finally:
         await watch.stop()
 
 
-async def test_passing_only_asks_consul_to_filter(fake: FakeConsul) -> None:
-    fake.put_instance(worker(50061))
-    fake.put_instance(worker(50062, "critical"))
-    watch = Watch(fake, ["worker"], passing_only=True)
+async def test_passing_only_asks_consul_to_filter(fake_consul: FakeConsul) -> None:
+    fake_consul.put_instance(worker(50061))
+    fake_consul.put_instance(worker(50062, "critical"))
+    watch = Watch(fake_consul, ["worker"], passing_only=True)
     try:
         assert (await watch.next())["worker"] == (Endpoint("127.0.0.1", 50061),)
-        assert fake.requests_to("/v1/health/service/worker")[0].query["passing"] == "1"
-        fake.set_status("worker-50062", "passing")
+        assert fake_consul.requests_to("/v1/health/service/worker")[0].query["passing"] == "1"
+        fake_consul.set_status("worker-50062", "passing")
         assert len((await watch.next())["worker"]) == 2
     finally:
         await watch.stop()
 
 
-async def test_errors_back_off_and_keep_the_last_known_endpoints(fake: FakeConsul) -> None:
-    fake.put_instance(worker(50061))
-    watch = Watch(fake, ["worker"])
+async def test_errors_back_off_and_keep_the_last_known_endpoints(fake_consul: FakeConsul) -> None:
+    fake_consul.put_instance(worker(50061))
+    watch = Watch(fake_consul, ["worker"])
     try:
         await watch.next()
-        await eventually(lambda: fake.blocked == 1)
+        await eventually(lambda: fake_consul.blocked == 1)
         failures = 4
-        fake.fail_next(failures)
-        fake.put_instance(worker(50062))  # the held query returns this change ...
+        fake_consul.fail_next(failures)
+        fake_consul.put_instance(worker(50062))  # the held query returns this change ...
         assert len((await watch.next())["worker"]) == 2
         # ... then the next 4 queries fail with 500s: nothing is yielded meanwhile (the
         # consumer keeps serving what it has), and the watch recovers by itself.
         await eventually(lambda: watch.errors == failures, within=PROMPTLY + 2)
-        await eventually(lambda: fake.blocked == 1)
+        await eventually(lambda: fake_consul.blocked == 1)
         await watch.nothing_within(QUIET)
 
-        queries = fake.requests_to("/v1/health/service/worker")
+        queries = fake_consul.requests_to("/v1/health/service/worker")
         failed = [r for r in queries if r.status == 500]
         assert len(failed) == failures
         # Each retry waited at least half its doubling step (equal jitter), so no hot loop.
@@ -248,24 +234,25 @@ async def test_errors_back_off_and_keep_the_last_known_endpoints(fake: FakeConsu
         assert recovered.status == 200 and "index" not in recovered.query
         assert backoff.failures == 0  # reset by the success
 
-        fake.remove("worker-50061")
+        fake_consul.remove("worker-50061")
         assert (await watch.next())["worker"] == (Endpoint("127.0.0.1", 50062),)
     finally:
         await watch.stop()
 
 
 async def test_a_restarted_consul_is_followed_despite_its_index_going_back(
-    fake: FakeConsul,
+    fake_consul: FakeConsul,
 ) -> None:
     for port in (50061, 50062, 50063):
-        fake.put_instance(worker(port))
-    watch = Watch(fake, ["worker"])
+        fake_consul.put_instance(worker(port))
+    watch = Watch(fake_consul, ["worker"])
     try:
         assert len((await watch.next())["worker"]) == 3
-        await eventually(lambda: fake.blocked == 1)
-        await fake.restart(downtime=0.3)  # a -dev agent: everything forgotten, index back to 1
+        await eventually(lambda: fake_consul.blocked == 1)
+        # A -dev agent: everything forgotten, index back to 1.
+        await fake_consul.restart(downtime=0.3)
         assert await watch.next() == {"worker": ()}
-        fake.put_instance(worker(50064))  # index 2: below what the watch had seen before
+        fake_consul.put_instance(worker(50064))  # index 2: below what the watch had seen before
         assert await watch.next() == {"worker": (Endpoint("127.0.0.1", 50064),)}
         assert watch.errors >= 1
     finally:

@@ -7,7 +7,6 @@ import asyncio
 import logging
 import os
 import signal
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -15,6 +14,7 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.consul_fake import FakeConsul
+from tests.support import eventually
 from tokenmesh.common.host import ServiceHost
 from tokenmesh.common.settings import ServiceSettings
 
@@ -41,44 +41,28 @@ async def status(port: int, service: str = "") -> str:
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
 
 
-async def until(condition: Any) -> None:
-    async with asyncio.timeout(PROMPTLY):
-        while not condition():  # noqa: ASYNC110 (a condition, not an event)
-            await asyncio.sleep(0.01)
-
-
-@pytest.fixture
-async def consul() -> AsyncIterator[FakeConsul]:
-    fake = FakeConsul()
-    await fake.start()
-    try:
-        yield fake
-    finally:
-        await fake.stop()
-
-
 async def test_not_serving_while_starting_then_serving_on_both_ports_and_registered(
-    consul: FakeConsul,
+    fake_consul: FakeConsul,
 ) -> None:
     host = ServiceHost(
-        "test", settings(consul_http_addr=consul.address), NAMES, consul_meta={"model": "m"}
+        "test", settings(consul_http_addr=fake_consul.address), NAMES, consul_meta={"model": "m"}
     )
     release = asyncio.Event()
     seen: dict[str, str] = {}
 
     async def start() -> None:
-        await until(lambda: "health_port" in host.ports)
+        await eventually(lambda: "health_port" in host.ports)
         seen["port"] = await status(host.ports["port"], NAMES[0])
         seen["health_port"] = await status(host.ports["health_port"])
-        seen["consul"] = str(bool(consul.instances))
+        seen["consul"] = str(bool(fake_consul.instances))
         await release.wait()
 
     running = asyncio.create_task(host.run(start))
-    await until(lambda: "consul" in seen)
+    await eventually(lambda: "consul" in seen)
     assert seen == {"port": "NOT_SERVING", "health_port": "NOT_SERVING", "consul": "False"}
     release.set()
-    await until(lambda: bool(consul.instances))
-    [instance] = consul.instances.values()
+    await eventually(lambda: bool(fake_consul.instances))
+    [instance] = fake_consul.instances.values()
     assert (instance.port, instance.meta["role"], instance.meta["model"]) == (
         host.ports["port"],
         "test",
@@ -88,7 +72,7 @@ async def test_not_serving_while_starting_then_serving_on_both_ports_and_registe
     assert await status(host.ports["health_port"]) == "SERVING"
     os.kill(os.getpid(), signal.SIGTERM)  # the host's handler is installed while it runs
     assert await asyncio.wait_for(running, PROMPTLY) == 0
-    assert consul.instances == {}  # deregistered on the way out
+    assert fake_consul.instances == {}  # deregistered on the way out
 
 
 async def test_a_failed_start_exits_1_and_still_cleans_up(caplog: pytest.LogCaptureFixture) -> None:
@@ -122,7 +106,7 @@ async def test_a_background_task_that_ends_stops_the_service_in_order() -> None:
     host.on_stop(lambda: close("added first"))
     host.on_stop(lambda: close("added last"))
     running = asyncio.create_task(host.run())
-    await until(lambda: "port" in host.ports)
+    await eventually(lambda: "port" in host.ports)
     assert await status(host.ports["port"]) == "SERVING"
     ended.set()
     assert await asyncio.wait_for(running, PROMPTLY) == 1
@@ -141,7 +125,7 @@ async def test_a_signal_during_start_cancels_it_and_exits_0() -> None:
             raise
 
     running = asyncio.create_task(host.run(start))
-    await until(lambda: "port" in host.ports)
+    await eventually(lambda: "port" in host.ports)
     assert "health_port" not in host.ports
     await asyncio.sleep(0.05)  # start is running, the signal handler installed
     os.kill(os.getpid(), signal.SIGTERM)

@@ -7,13 +7,12 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
 from tests.consul_fake import FakeConsul
-from tests.support import free_port
+from tests.support import eventually, free_port
 from tokenmesh.common.registration import ConsulRegistration, instance_for
 from tokenmesh.common.settings import ServiceSettings
 from tokenmesh.gateway.config import GatewaySettings
@@ -85,16 +84,6 @@ async def test_without_consul_registration_does_nothing() -> None:
     assert not registration.registered.is_set()
 
 
-@pytest.fixture
-async def fake() -> AsyncIterator[FakeConsul]:
-    consul = FakeConsul()
-    await consul.start()
-    try:
-        yield consul
-    finally:
-        await consul.stop()
-
-
 def registration_with(address: str, port: int = 50050) -> ConsulRegistration:
     settings = ServiceSettings(consul_http_addr=address, host="127.0.0.1")
     return ConsulRegistration(
@@ -102,45 +91,41 @@ def registration_with(address: str, port: int = 50050) -> ConsulRegistration:
     )
 
 
-async def eventually(condition: Any, within: float = PROMPTLY) -> None:
-    async with asyncio.timeout(within):
-        while not condition():  # noqa: ASYNC110 (a condition, not an event)
-            await asyncio.sleep(0.01)
-
-
 async def test_registers_on_start_and_deregisters_on_stop(
-    fake: FakeConsul, monkeypatch: pytest.MonkeyPatch
+    fake_consul: FakeConsul, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("CONSUL_HTTP_TOKEN", "s3cret")  # py-consul's standard ACL token variable
-    registration = registration_with(fake.address)
+    registration = registration_with(fake_consul.address)
     registration.start()
     await asyncio.wait_for(registration.registered.wait(), PROMPTLY)
-    [register] = fake.requests_to("/v1/agent/service/register")
+    [register] = fake_consul.requests_to("/v1/agent/service/register")
     assert register.method == "PUT" and register.body == registration.payload()
     assert register.headers.get("X-Consul-Token") == "s3cret"
-    assert fake.instances["gateway-127.0.0.1-50050"].check_status == "critical"  # until checked
+    assert (
+        fake_consul.instances["gateway-127.0.0.1-50050"].check_status == "critical"
+    )  # until checked
 
     await registration.stop()
-    [deregister] = fake.requests_to("/v1/agent/service/deregister/")
+    [deregister] = fake_consul.requests_to("/v1/agent/service/deregister/")
     assert deregister.method == "PUT"
     assert deregister.path == "/v1/agent/service/deregister/gateway-127.0.0.1-50050"
-    assert fake.instances == {}
+    assert fake_consul.instances == {}
     assert not registration.registered.is_set()
 
 
 async def test_stays_registered_and_registers_again_after_consul_restarts(
-    fake: FakeConsul,
+    fake_consul: FakeConsul,
 ) -> None:
-    registration = registration_with(fake.address)
+    registration = registration_with(fake_consul.address)
     registration.start()
     try:
         await asyncio.wait_for(registration.registered.wait(), PROMPTLY)
-        await eventually(lambda: len(fake.requests_to("/v1/agent/services")) >= 3)
-        assert len(fake.registrations) == 1  # verified, not re-sent, while it is there
-        await fake.restart(downtime=0.2)  # a -dev agent forgets every registration
-        await eventually(lambda: "gateway-127.0.0.1-50050" in fake.instances)
-        assert len(fake.registrations) == 2
-        assert fake.registrations[1] == registration.payload()
+        await eventually(lambda: len(fake_consul.requests_to("/v1/agent/services")) >= 3)
+        assert len(fake_consul.registrations) == 1  # verified, not re-sent, while it is there
+        await fake_consul.restart(downtime=0.2)  # a -dev agent forgets every registration
+        await eventually(lambda: "gateway-127.0.0.1-50050" in fake_consul.instances)
+        assert len(fake_consul.registrations) == 2
+        assert fake_consul.registrations[1] == registration.payload()
     finally:
         await registration.stop()
 
@@ -151,25 +136,25 @@ async def test_start_never_waits_for_consul_and_registers_once_it_answers() -> N
     started = time.monotonic()
     registration.start()  # nothing listens on port yet
     assert time.monotonic() - started < 0.5  # bounded: it did not try synchronously
-    fake = FakeConsul()
+    fake_consul = FakeConsul()
     try:
         await asyncio.sleep(0.2)  # a few failed attempts
         assert not registration.registered.is_set()
-        fake.fail_next(2)  # and then an agent without a leader yet
-        await fake.start(port)
+        fake_consul.fail_next(2)  # and then an agent without a leader yet
+        await fake_consul.start(port)
         await asyncio.wait_for(registration.registered.wait(), PROMPTLY)
-        assert "gateway-127.0.0.1-50050" in fake.instances
-        statuses = [r.status for r in fake.requests_to("/v1/agent/service/register")]
+        assert "gateway-127.0.0.1-50050" in fake_consul.instances
+        statuses = [r.status for r in fake_consul.requests_to("/v1/agent/service/register")]
         assert statuses == [500, 500, 200]  # retried after errors, not given up
     finally:
         await registration.stop()
-        await fake.stop()
+        await fake_consul.stop()
 
 
-async def test_stop_does_not_hang_when_consul_is_gone(fake: FakeConsul) -> None:
-    registration = registration_with(fake.address)
+async def test_stop_does_not_hang_when_consul_is_gone(fake_consul: FakeConsul) -> None:
+    registration = registration_with(fake_consul.address)
     registration.start()
     await asyncio.wait_for(registration.registered.wait(), PROMPTLY)
-    await fake.stop()
+    await fake_consul.stop()
     # Bounded by the request timeout (3 s); a generous "does not hang" limit.
     await asyncio.wait_for(registration.stop(), 10)
