@@ -228,6 +228,24 @@ async def cancel_until_empty(calls: list[Any], engines: list[Any], within: float
     The engines, not the client's reads, say when the streams run: a client may get its first
     tokens late, held in its own transport (docs/performance.md, "Where the first token
     waits"), by when a warm engine can have made all 2,000 tokens of each stream."""
+
+    async def read(call: Any) -> None:
+        # Read like a client does: a call nobody reads may not even send its request (a
+        # held transport, docs/performance.md), and its tokens would back up.
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            async for _ in call:
+                pass
+
+    readers = [asyncio.create_task(read(call)) for call in calls]
+    try:
+        return await _cancel_once_generating(calls, engines, within)
+    finally:
+        for reader in readers:
+            reader.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
+
+
+async def _cancel_once_generating(calls: list[Any], engines: list[Any], within: float) -> float:
     from tokenmesh.v1 import inference_pb2
 
     deadline = time.monotonic() + within
