@@ -280,8 +280,11 @@ async def test_deadline_frees_engine_within_100ms(inference, worker: ServiceProc
         # streams, so its first "empty" report after they started is about them.
         expired_ns = started_ns + int(timeout * 1e9)
         empty_at = await engine_empty_at(inference, started_ns)
-        assert await aborted_since(worker, "any", aborted_before, 4) == 4
-        return (empty_at - expired_ns) / 1e9
+        aborted = await aborted_since(worker, "any", aborted_before, 4)
+        assert aborted <= 4
+        # A stream whose deadline passed before it reached the engine (a loaded machine) has
+        # nothing to free: a round where not all four ran measures less, and counts as a miss.
+        return (empty_at - expired_ns) / 1e9 if aborted == 4 else math.inf
 
     await within_budget("engine empty after the deadline", deadline_round)
 
