@@ -16,6 +16,7 @@ All traffic goes to 127.0.0.1; every run is bounded in duration and request coun
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -49,6 +50,7 @@ from tokenmesh.meshconfig.config import MeshSettings
 
 CONCURRENCY = (1, 32, 64)
 QUICK_CONCURRENCY = (1, 32)
+OPENAI_CONCURRENCY = (8, 32, 64)
 OUTPUT_TOKENS = "128"
 # The stream_interval of the extra throughput-mode runs.
 INTERVAL = 8
@@ -125,6 +127,13 @@ def mesh_path(local_mesh: LocalMesh) -> Route:
             )
             if program.metrics_port is not None
         },
+    )
+
+
+def openai_path(mesh: Route, local_mesh: LocalMesh) -> Route:
+    """The same mesh's edge speaking OpenAI's SSE (the gateway's HTTP API behind Envoy)."""
+    return replace(
+        mesh, label="edge OpenAI SSE", target="openai", model=Path(local_mesh.settings.model).name
     )
 
 
@@ -271,26 +280,40 @@ def markdown(rows: list[dict[str, Any]], comparisons: dict[str, Any]) -> str:
 
 
 def cost(
-    bench: Bench, rounds: int, profile: bool, concurrency: tuple[int, ...] | None = None
+    bench: Bench,
+    rounds: int,
+    profile: bool,
+    concurrency: tuple[int, ...] | None = None,
+    openai: bool = False,
 ) -> dict[str, Any]:
-    """Both servers up; each concurrency's runs interleaved, mesh then SSE, `rounds` times."""
+    """Both servers up; each concurrency's runs interleaved, mesh then SSE, `rounds` times.
+    With openai: the edge's OpenAI SSE first, then vLLM's, then the edge's gRPC, at 8, 32 and
+    64 streams (results under openai/)."""
     if concurrency is None:
-        concurrency = QUICK_CONCURRENCY if bench.quick else CONCURRENCY
+        concurrency = OPENAI_CONCURRENCY if openai else CONCURRENCY
+        concurrency = QUICK_CONCURRENCY if bench.quick else concurrency
+    name = "openai" if openai else "cost"
     rows: list[dict[str, Any]] = []
     comparisons: dict[str, Any] = {}
     with (
         private_mesh() as local_mesh,
-        second_envoy(local_mesh, local_mesh.run_dir, direct_token_path=True) as (
-            direct,
-            direct_pid,
-        ),
+        (
+            contextlib.nullcontext((None, 0))
+            if openai
+            else second_envoy(local_mesh, local_mesh.run_dir, direct_token_path=True)
+        ) as (direct, direct_pid),
         openai_server() as (address, server),
     ):
         mesh = mesh_path(local_mesh)
-        paths = [mesh, sse_path(address, server), direct_path(mesh, direct, direct_pid)]
+        sse = sse_path(address, server)
+        if openai:
+            paths = [openai_path(mesh, local_mesh), sse, mesh]
+        else:
+            assert direct is not None
+            paths = [mesh, sse, direct_path(mesh, direct, direct_pid)]
         for c in concurrency:
             # Fewer, larger messages (a client that prefers throughput), beside the default.
-            routes = paths + ([interval_path(mesh, INTERVAL)] if c > 1 else [])
+            routes = paths + ([interval_path(mesh, INTERVAL)] if c > 1 and not openai else [])
             configs = [
                 bench.config(
                     target=path.target,
@@ -314,18 +337,18 @@ def cost(
             group = []
             for path in routes:
                 combined = combined_run(runs[path.label])
-                bench._record("cost", combined)
+                bench._record(name, combined)
                 group.append(summary_row(combined, path, c))
             rows.extend(group)
             comparisons[str(c)] = compare(group)
             print(markdown(group, {str(c): comparisons[str(c)]}), file=sys.stderr, flush=True)
         report_: dict[str, Any] = {"rows": rows, "comparisons": comparisons, "profiles": None}
-        (bench.out / "cost").mkdir(parents=True, exist_ok=True)
-        (bench.out / "cost" / "cost.md").write_text(markdown(rows, comparisons))
-        report.write_json(report_, bench.out / "cost" / "summary.json")
+        (bench.out / name).mkdir(parents=True, exist_ok=True)
+        (bench.out / name / "cost.md").write_text(markdown(rows, comparisons))
+        report.write_json(report_, bench.out / name / "summary.json")
         if profile:
-            report_["profiles"] = profile_services(bench, local_mesh, paths[0])
-            report.write_json(report_, bench.out / "cost" / "summary.json")
+            report_["profiles"] = profile_services(bench, local_mesh, mesh)
+            report.write_json(report_, bench.out / name / "summary.json")
     return report_
 
 
@@ -447,20 +470,24 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="py-spy the worker and gateway")
     parser.add_argument("--out", type=Path, default=None, help="result directory")
     parser.add_argument("--streams", default="", help="e.g. 32,64 (default: 1,32,64)")
+    parser.add_argument(
+        "--openai", action="store_true", help="the edge's OpenAI API against vLLM's (8,32,64)"
+    )
     args = parser.parse_args()
     streams = tuple(int(n) for n in args.streams.split(",")) if args.streams else None
     stamp = datetime.now(UTC).strftime("%Y-%m-%d")
     bench = Bench(args.out or RESULTS / (stamp + ("-quick" if args.quick else "")), args.quick)
     started = time.strftime("%F %T")
-    result = cost(bench, args.rounds, args.profile, streams)
+    result = cost(bench, args.rounds, args.profile, streams, args.openai)
+    name = "openai" if args.openai else "cost"
     result["machine"] = {
         "cpus": os.cpu_count(),
         "started_at": started,
         "load_average_at_end": [round(v, 2) for v in os.getloadavg()],
     }
-    report.write_json(result, bench.out / "cost" / "summary.json")
-    print((bench.out / "cost" / "cost.md").read_text())
-    print(f"results in {bench.out / 'cost'}", file=sys.stderr)
+    report.write_json(result, bench.out / name / "summary.json")
+    print((bench.out / name / "cost.md").read_text())
+    print(f"results in {bench.out / name}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -189,8 +189,13 @@ def gateway_process(
     name: str = "gateway",
     **overrides: str,
 ) -> ServiceProcess:
-    """A gateway in front of the given worker and reranker."""
-    settings = {"worker_address": worker_address, "reranker_address": reranker_address}
+    """A gateway in front of the given worker and reranker (its OpenAI HTTP API off unless an
+    openai_port is given)."""
+    settings = {
+        "worker_address": worker_address,
+        "reranker_address": reranker_address,
+        "openai_port": "-1",
+    }
     return service_process("gateway", log_dir, name, settings, overrides)
 
 

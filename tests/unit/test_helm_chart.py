@@ -431,7 +431,9 @@ def test_kubernetes_discovery_resolves_every_headless_service(
     env = release.env("controlplane")
     assert env["TOKENMESH_CONTROLPLANE_SOURCE"] == "dns"
     targets = json.loads(env["TOKENMESH_CONTROLPLANE_DNS_TARGETS"])
-    assert set(targets) == {"gateway", "worker", "reranker"}
+    assert set(targets) == {"gateway", "worker", "reranker", "openai"}
+    # The OpenAI API: the gateways' pods, at their openai port.
+    ports = {cluster: ("gateway", "openai") for cluster in ("openai",)}
     for cluster, target in targets.items():
         host, _, port = target.rpartition(":")
         assert host.endswith(".svc.cluster.local."), "fully qualified: no search domains"
@@ -439,8 +441,9 @@ def test_kubernetes_discovery_resolves_every_headless_service(
         assert namespace == NAMESPACE
         service = release.get("Service", service_name)
         assert service["spec"]["clusterIP"] == "None"
-        assert selects(service["spec"]["selector"], pod_labels(release, cluster))
-        assert int(port) == port_number(release.container(cluster), "grpc")
+        component, port_name = ports.get(cluster, (cluster, "grpc"))
+        assert selects(service["spec"]["selector"], pod_labels(release, component))
+        assert int(port) == port_number(release.container(component), port_name)
     for component in PYTHON_COMPONENTS:
         assert not any("CONSUL_HTTP_ADDR" in name for name in release.env(component))
 
@@ -489,6 +492,9 @@ def test_only_envoy_reaches_the_services(value_set: str, releases: dict[str, Rel
         others = [c for c in (*PYTHON_COMPONENTS, "envoy") if c != component]
         assert not any(selects(selector, pod_labels(release, c)) for c in others)
         peers = ingress_peers_by_port(policy)
+        # A gateway's OpenAI port has the same peers as its gRPC port.
+        if component == "gateway":
+            assert peers.pop("openai") == peers["grpc"]
         assert set(peers) == {"grpc", "metrics"}
         pod_peers = [p["podSelector"]["matchLabels"] for p in peers["grpc"] if "podSelector" in p]
         in_namespace = [p for p in peers["grpc"] if "namespaceSelector" not in p]

@@ -86,7 +86,15 @@ def listeners(config: dict) -> dict[str, dict]:
 
 def test_service_clusters_are_health_checked_eds_clusters_named_after_services() -> None:
     found = clusters(render(MeshSettings(health_check_interval_seconds=0.5)))
-    assert set(found) == {"gateway", "worker", "reranker", "xds_cluster", "ops", "ops_page"}
+    assert set(found) == {
+        "gateway",
+        "worker",
+        "reranker",
+        "openai",
+        "xds_cluster",
+        "ops",
+        "ops_page",
+    }
     for name in ("gateway", "worker", "reranker"):
         cluster = found[name]
         assert cluster["type"] == "EDS"
@@ -177,6 +185,8 @@ def test_flow_control_limits_reach_every_listener_and_cluster() -> None:
     for item in resources["listeners"] + clusters:
         assert item["per_connection_buffer_limit_bytes"] == 32768, item["name"]
     for cluster in clusters:
+        if cluster["name"] == "openai":
+            continue  # HTTP/1.1: a connection per request in flight
         options = next(iter(cluster["typed_extension_protocol_options"].values()))
         http2 = options["explicit_http_config"]["http2_protocol_options"]
         assert http2["initial_stream_window_size"] == 65536, cluster["name"]
@@ -186,14 +196,21 @@ def test_edge_routes_the_ops_feed_and_page_to_the_control_plane() -> None:
     mesh = MeshSettings(controlplane_port=18111, ops_page_port=19222)
     config = render(mesh)
     routes = listeners(config)["edge"]["route_config"]["virtual_hosts"][0]["routes"]
-    ops_feed, redirect, page, rest = routes
+    ops_feed, redirect, page, openai, rest = routes
     assert ops_feed["match"] == {"prefix": "/tokenmesh.v1.OpsService/"}
     assert ops_feed["route"]["cluster"] == "ops"
     assert ops_feed["route"]["timeout"] == "0s"  # a subscription lasts as long as the page
     assert redirect == {"match": {"path": "/ops"}, "redirect": {"path_redirect": "/ops/"}}
     assert page["match"] == {"prefix": "/ops/"} and page["route"]["cluster"] == "ops_page"
     assert rest["match"] == {"prefix": "/"} and rest["route"]["cluster"] == "gateway"
+    assert openai["match"] == {"prefix": "/v1/"} and openai["route"]["cluster"] == "openai"
+    assert openai["route"]["timeout"] == "0s"  # a stream lasts as long as it generates
+    # A POST is retried only when it never reached a gateway.
+    assert openai["route"]["retry_policy"]["retry_on"] == "connect-failure,reset-before-request"
     found = clusters(config)
+    assert found["openai"]["health_checks"][0]["http_health_check"] == {"path": "/health"}
+    assert "typed_extension_protocol_options" not in found["openai"]  # HTTP/1.1 to uvicorn
+    assert "openai" not in clusters(render(MeshSettings(openai_api=False)))
 
     def port_of(name: str) -> int:
         endpoint = found[name]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]

@@ -242,6 +242,10 @@ spec:
         {{- end }}
       ports:
         - port: grpc
+        {{- if eq .component "gateway" }}
+        # The OpenAI HTTP API (the edge's /v1/).
+        - port: openai
+        {{- end }}
     - from:
         {{- toYaml .root.Values.networkPolicy.metricsFrom | nindent 8 }}
       ports:

@@ -78,6 +78,8 @@ class Health:
     def __init__(self, service_names: Sequence[str]) -> None:
         self.servicer = HealthServicer()
         self._names = ("", *service_names)
+        # What the checks answer now (also for HTTP health checks of a service's other ports).
+        self.serving = False
 
     def register(self, server: aio.Server) -> None:
         health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
@@ -89,6 +91,7 @@ class Health:
         await self._set_all(NOT_SERVING)
 
     async def _set_all(self, status: int) -> None:
+        self.serving = status == SERVING
         for name in self._names:
             await self.servicer.set(name, status)
 

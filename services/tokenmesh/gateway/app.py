@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
@@ -19,6 +19,7 @@ from tokenmesh.gateway.client import standard_client_interceptors
 from tokenmesh.gateway.config import GatewaySettings
 from tokenmesh.gateway.extproc import PROCESS_METHOD, DirectMetrics, ExternalProcessor
 from tokenmesh.gateway.limits import LimitsInterceptor, TenantLimiter
+from tokenmesh.gateway.openai_api import HttpServer, HttpTenancy, ModelCatalog, OpenAIApi
 from tokenmesh.gateway.pipeline import DocumentSelector, GatewayMetrics, Pipeline, WorkerClient
 from tokenmesh.gateway.quota import QuotaMeter
 from tokenmesh.gateway.servicer import LLMServicer
@@ -38,6 +39,8 @@ class Tenancy:
     store: KeyStore | None = None
     interceptors: tuple[aio.ServerInterceptor, ...] = ()
     meter: QuotaMeter | None = None
+    # The same checks for the OpenAI HTTP API.
+    http: HttpTenancy = field(default_factory=HttpTenancy)
 
     @classmethod
     def build(cls, settings: GatewaySettings, registry: CollectorRegistry) -> Tenancy:
@@ -52,7 +55,9 @@ class Tenancy:
             AuthInterceptor(store, (*settings.open_methods, PROCESS_METHOD), metrics),
             LimitsInterceptor(limiter, metrics),
         )
-        return cls(store, interceptors, QuotaMeter(limiter, metrics))
+        return cls(
+            store, interceptors, QuotaMeter(limiter, metrics), HttpTenancy(store, limiter, metrics)
+        )
 
 
 async def serve(settings: GatewaySettings) -> int:
@@ -98,11 +103,33 @@ async def serve(settings: GatewaySettings) -> int:
     )
     if tenancy.store is not None:
         host.keep_running(tenancy.store.watch(settings.keys_reload_seconds), "keys-watch")
+    start = None
+    if settings.openai_port >= 0:
+        api = OpenAIApi(
+            pipeline,
+            settings,
+            stream_metrics,
+            ModelCatalog(worker, settings.connect_timeout_seconds),
+            tenancy.http,
+            host.tracing.tracer,
+            host.registry,
+            lambda: host.health.serving,
+        )
+        http = HttpServer(api.app(), settings.host, settings.openai_port, settings.grace_seconds)
+
+        async def start() -> None:
+            host.ports["openai_port"] = await http.start()
+            log.info(
+                "gateway OpenAI API listening", extra={"openai_port": host.ports["openai_port"]}
+            )
+            host.before_server_stop(http.stop)
+
     return await host.run(
+        start,
         log_fields={
             "worker": settings.worker_address,
             "reranker": settings.reranker_address,
             "otlp_endpoint": settings.otlp_endpoint,
             "keys_file": None if settings.keys_file is None else str(settings.keys_file),
-        }
+        },
     )

@@ -229,6 +229,18 @@ def presented_key(metadata: Sequence[tuple[str, Any]] | None) -> str | None:
     return api_key
 
 
+def resolve_tenant(
+    store: KeyStore, metadata: Sequence[tuple[str, Any]] | None, metrics: TenantMetrics
+) -> Tenant:
+    """The tenant of the key in a request's metadata (gRPC) or headers (HTTP, lower-case
+    names); Unauthenticated, counted, when there is no valid key."""
+    tenant = store.authenticate(presented_key(metadata))
+    if tenant is None:
+        metrics.request(None, "unauthenticated")
+        raise Unauthenticated(UNAUTHENTICATED_MESSAGE)
+    return tenant
+
+
 class AuthInterceptor(aio.ServerInterceptor):
     """Checks the caller's API key once per RPC (methods under `open_methods` excepted) and
     makes its tenant the RPC's; no valid key: UNAUTHENTICATED, one message for every cause.
@@ -242,11 +254,7 @@ class AuthInterceptor(aio.ServerInterceptor):
         self._metrics = metrics
 
     def _resolve(self, context: aio.ServicerContext[Any, Any]) -> Tenant:
-        tenant = self._store.authenticate(presented_key(context.invocation_metadata()))
-        if tenant is None:
-            self._metrics.request(None, "unauthenticated")
-            raise Unauthenticated(UNAUTHENTICATED_MESSAGE)
-        return tenant
+        return resolve_tenant(self._store, context.invocation_metadata(), self._metrics)
 
     async def intercept_service(
         self,

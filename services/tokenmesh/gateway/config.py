@@ -252,6 +252,31 @@ class GatewaySettings(ServiceSettings):
         ge=1,
         description="Request limit: Chat's `user.content` 1..this many bytes.",
     )
+    max_chat_messages: int = Field(
+        default=64,
+        ge=1,
+        description=(
+            "Request limit: `messages` of an OpenAI chat completion at most this many, each "
+            "message's content at most max_chat_message_bytes."
+        ),
+    )
+    openai_port: int = Field(
+        default=8090,
+        ge=-1,
+        le=65535,
+        description=(
+            "The OpenAI-compatible HTTP API (/v1/models, /v1/completions, /v1/chat/completions; "
+            "Envoy's edge routes /v1/ here); 0 picks a free port, -1 turns it off."
+        ),
+    )
+    http_request_timeout_seconds: float = Field(
+        default=600.0,
+        gt=0,
+        description=(
+            "OpenAI API: how long a request may take (HTTP has no grpc-timeout; the OpenAI "
+            "SDKs' own default), the deadline the worker call gets."
+        ),
+    )
     max_chat_pending_turns: int = Field(
         default=8,
         ge=0,

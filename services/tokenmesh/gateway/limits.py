@@ -168,6 +168,20 @@ class TenantLimiter:
             state.in_flight -= 1
 
 
+async def admit_counted(
+    limiter: TenantLimiter, metrics: TenantMetrics, tenant: Tenant
+) -> Callable[[], None]:
+    """Admit a request of the tenant (LimitExceeded if refused), counted in its metrics; returns
+    what lets it out. Every API's requests, gRPC or HTTP, come in here."""
+    try:
+        await limiter.admit(tenant)
+    except LimitExceeded as refused:
+        metrics.request(tenant, refused.outcome)
+        raise
+    metrics.request(tenant, "admitted")
+    return partial(limiter.release, tenant)
+
+
 class LimitsInterceptor(aio.ServerInterceptor):
     """Admits each RPC of an authenticated tenant against its limits (after AuthInterceptor,
     inside error mapping); RPCs without a tenant (open methods) pass. A refusal is
@@ -181,13 +195,7 @@ class LimitsInterceptor(aio.ServerInterceptor):
         tenant = current_tenant()
         if tenant is None:
             return None
-        try:
-            await self._limiter.admit(tenant)
-        except LimitExceeded as refused:
-            self._metrics.request(tenant, refused.outcome)
-            raise
-        self._metrics.request(tenant, "admitted")
-        return partial(self._limiter.release, tenant)
+        return await admit_counted(self._limiter, self._metrics, tenant)
 
     async def intercept_service(
         self,

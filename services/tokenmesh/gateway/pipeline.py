@@ -9,6 +9,7 @@ import uuid
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 import grpc
 from grpc import aio
@@ -32,6 +33,8 @@ from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, rerank_pb2, rerank_p
 log = logging.getLogger(__name__)
 # Where prompts go when GatewaySettings.log_prompts is on (and nowhere otherwise).
 PROMPT_LOGGER = "tokenmesh.gateway.prompts"
+# A prompt's text, or a conversation for the worker to render with the model's chat template.
+Prompt: TypeAlias = str | Sequence[inference_pb2.ConversationMessage]
 
 # Reranker outcomes that count against its circuit: it is down, slow or broken. A rejected
 # request (INVALID_ARGUMENT) or a caller who went away says nothing about its health.
@@ -320,15 +323,21 @@ class Pipeline:
         )
 
     def worker_request(
-        self, prompt: str, sampling: inference_pb2.SamplingParams
+        self, prompt: Prompt, sampling: inference_pb2.SamplingParams
     ) -> inference_pb2.InferenceRequest:
-        """The request a worker gets for this prompt (logged when log_prompts is on)."""
+        """The request a worker gets for this prompt, or conversation (which the worker renders
+        with the model's chat template); logged when log_prompts is on."""
         request = inference_pb2.InferenceRequest(
-            request_id=uuid.uuid4().hex[:16], prompt=prompt, sampling=sampling
+            request_id=uuid.uuid4().hex[:16], sampling=sampling
         )
+        if isinstance(prompt, str):
+            request.prompt = prompt
+        else:
+            request.messages.extend(prompt)
         if self._prompt_log is not None:
+            logged = prompt if isinstance(prompt, str) else [(m.role, m.content) for m in prompt]
             self._prompt_log.info(
-                "prompt", extra={"request_id": request.request_id, "prompt": prompt}
+                "prompt", extra={"request_id": request.request_id, "prompt": logged}
             )
         return request
 
@@ -339,7 +348,7 @@ class Pipeline:
 
     def stream(
         self,
-        prompt: str,
+        prompt: Prompt,
         sampling: inference_pb2.SamplingParams,
         remaining: float | None,
     ) -> AsyncGenerator[token_pb2.Token, None]:

@@ -57,7 +57,13 @@ VLLM_METRIC_NAMES = {
 
 # Replica i of these listens on base + i, so each gets a block of MAX_REPLICAS ports.
 REPLICATED_PORTS = frozenset(
-    {"gateway_port", "gateway_metrics_port", "worker_port", "worker_metrics_port"}
+    {
+        "gateway_port",
+        "gateway_metrics_port",
+        "gateway_openai_port",
+        "worker_port",
+        "worker_metrics_port",
+    }
 )
 MAX_REPLICAS = 16
 # Below Linux's ephemeral range (32768 and up), so outgoing connections do not take a port of
@@ -95,6 +101,8 @@ class LocalMeshSettings(BaseSettings):
     # Replica i of a service listens on base + i (gRPC) and metrics base + i.
     gateway_port: int = Field(default=50051, ge=1, le=65535)
     gateway_metrics_port: int = Field(default=9451, ge=1, le=65535)
+    # The gateways' OpenAI HTTP API (the edge's /v1/ goes there).
+    gateway_openai_port: int = Field(default=8091, ge=1, le=65535)
     worker_port: int = Field(default=50061, ge=1, le=65535)
     worker_metrics_port: int = Field(default=9461, ge=1, le=65535)
     reranker_port: int = Field(default=50071, ge=1, le=65535)
@@ -211,6 +219,8 @@ class Program:
     ready_url: str | None = None
     # The port speaks only mTLS: health checks present Envoy's client certificate.
     mtls: bool = False
+    # A gateway's OpenAI HTTP API port (Envoy's cluster `openai`).
+    openai_port: int | None = None
 
     @property
     def address(self) -> str:
@@ -224,6 +234,7 @@ def tokenmesh_service(
     metrics_port: int,
     settings: dict[str, str] | None = None,
     certs: CertPaths | None = None,
+    openai_port: int | None = None,
 ) -> Program:
     """`python -m tokenmesh.<service>` with its TOKENMESH_<SERVICE>_* settings; with certs,
     its port speaks only mTLS with its own certificate."""
@@ -243,6 +254,7 @@ def tokenmesh_service(
         metrics_port=metrics_port,
         service=service,
         mtls=certs is not None,
+        openai_port=openai_port,
     )
 
 
@@ -366,6 +378,8 @@ class LocalMesh:
                     s.worker_metrics_port + i,
                     {
                         "MODEL": s.model,
+                        # What OpenAI clients name as `model`: the model directory's name.
+                        "SERVED_MODEL_NAME": Path(s.model).name,
                         "KV_CACHE_SPACE_GIB": str(s.worker_kv_cache_space_gib),
                         # vLLM pins its OpenMP threads: engines on one machine get their own
                         # cores, or they fight over the same ones.
@@ -397,6 +411,7 @@ class LocalMesh:
                     {
                         "WORKER_ADDRESS": f"127.0.0.1:{s.worker_listener_port}",
                         "RERANKER_ADDRESS": f"127.0.0.1:{s.reranker_listener_port}",
+                        "OPENAI_PORT": str(s.gateway_openai_port + i),
                         **registration,
                         **tracing,
                         **auth,
@@ -404,6 +419,7 @@ class LocalMesh:
                         **affinity,
                     },
                     mtls,
+                    openai_port=s.gateway_openai_port + i,
                 )
             )
         if self.prometheus:
@@ -428,9 +444,14 @@ class LocalMesh:
     def endpoints(self) -> dict[str, dict[str, list[str]]]:
         """The static discovery file: every service replica's address, by cluster."""
         clusters: dict[str, list[str]] = {"gateway": [], "worker": [], "reranker": []}
+        openai = []
         for program in self.programs:
             if program.service in clusters:
                 clusters[program.service].append(program.address)
+            if program.openai_port is not None:
+                openai.append(f"127.0.0.1:{program.openai_port}")
+        if openai:
+            clusters["openai"] = openai
         return {"clusters": clusters}
 
     def prometheus_config(self) -> dict[str, Any]:
@@ -653,6 +674,14 @@ stdout_logfile_backups=2
         print(
             f'  curl -N{curl_tls}{header} -d \'{{"prompt":"hello","max_tokens":16}}\' '
             f"{scheme}://{edge}/tokenmesh.v1.LLMService/Generate"
+        )
+        body = json.dumps(
+            {"model": Path(s.model).name, "messages": [{"role": "user", "content": "hello"}],
+             "max_tokens": 16, "stream": True}
+        )  # fmt: skip
+        print(
+            f"  curl -N{curl_tls}{header} -H 'content-type: application/json' -d '{body}' "
+            f"{scheme}://{edge}/v1/chat/completions"
         )
         print(f"  (grpcurl is in {self._bin}; `source .venv/bin/activate` puts it on PATH)")
 

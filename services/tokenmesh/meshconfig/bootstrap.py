@@ -36,6 +36,11 @@ HEALTH_SERVICES = {
     "worker": "tokenmesh.v1.InferenceService",
     "reranker": "tokenmesh.v1.RerankService",
 }
+# The gateways' OpenAI HTTP API: its cluster (the gateways' openai_port), the edge's paths to
+# it, and its HTTP health check.
+OPENAI_CLUSTER = "openai"
+OPENAI_PREFIX = "/v1/"
+OPENAI_HEALTH_PATH = "/health"
 # Where the edge serves the ops page (from the control plane's page port).
 OPS_PAGE = "/ops/"
 RETRY_ON = "unavailable,reset,connect-failure,refused-stream"
@@ -288,7 +293,34 @@ def edge_routes(mesh: MeshSettings) -> list[Config]:
         {"match": {"path": OPS_PAGE.rstrip("/")}, "redirect": {"path_redirect": OPS_PAGE}},
         {"match": {"prefix": OPS_PAGE}, "route": {"cluster": "ops_page", "timeout": "10s"}},
         *direct_routes(mesh),
+        *openai_routes(mesh),
         route_to("gateway", mesh),
+    ]
+
+
+def openai_routes(mesh: MeshSettings) -> list[Config]:
+    """With openai_api: OpenAI's HTTP API (/v1/...) to the gateways' HTTP port, per request
+    (least outstanding requests), no overall timeout (a stream lasts as long as it
+    generates). Retried only when it never reached a gateway: a POST is not idempotent."""
+    if not mesh.openai_api:
+        return []
+    return [
+        {
+            "match": {"prefix": OPENAI_PREFIX},
+            "route": {
+                "cluster": OPENAI_CLUSTER,
+                "timeout": "0s",
+                "retry_policy": {
+                    "retry_on": "connect-failure,reset-before-request",
+                    "num_retries": mesh.retry_attempts,
+                    "retry_back_off": {"base_interval": "0.025s", "max_interval": "0.25s"},
+                    "retry_host_predicate": [
+                        {"name": PREVIOUS_HOSTS, "typed_config": {"@type": PREVIOUS_HOSTS_TYPE}}
+                    ],
+                    "host_selection_retry_max_attempts": 5,
+                },
+            },
+        }
     ]
 
 
@@ -454,7 +486,11 @@ def service_cluster(name: str, mesh: MeshSettings) -> Config:
                 "no_traffic_interval": interval,
                 "unhealthy_threshold": 2,
                 "healthy_threshold": 1,
-                "grpc_health_check": {"service_name": HEALTH_SERVICES[name]},
+                **(
+                    {"http_health_check": {"path": OPENAI_HEALTH_PATH}}
+                    if name == OPENAI_CLUSTER
+                    else {"grpc_health_check": {"service_name": HEALTH_SERVICES[name]}}
+                ),
             }
         ],
         "common_lb_config": {
@@ -484,7 +520,10 @@ def service_cluster(name: str, mesh: MeshSettings) -> Config:
             ]
         },
     }
-    if mesh.upstream_mtls:
+    if name == OPENAI_CLUSTER:
+        # HTTP/1.1 (uvicorn), a connection per stream in flight.
+        del cluster["typed_extension_protocol_options"]
+    elif mesh.upstream_mtls:
         cluster["transport_socket"] = upstream_tls(name, mesh)
     if name == "reranker":
         # Eject a failing reranker host quickly, before the gateway's own breaker opens, and
@@ -569,6 +608,7 @@ def render(mesh: MeshSettings) -> Config:
                 service_cluster("gateway", mesh),
                 service_cluster("worker", mesh),
                 service_cluster("reranker", mesh),
+                *([service_cluster(OPENAI_CLUSTER, mesh)] if mesh.openai_api else []),
                 # The control plane: xDS for Envoy itself, the ops feed and page for the edge.
                 static_cluster(
                     "xds_cluster", mesh.controlplane_host, mesh.controlplane_port, mesh, grpc=True

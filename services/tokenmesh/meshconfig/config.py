@@ -275,6 +275,13 @@ class MeshSettings(BaseSettings):
         ge=1,
         description="Requests the edge's token bucket holds (see edge_rate_limit_per_second).",
     )
+    openai_api: bool = Field(
+        default=True,
+        description=(
+            "OpenAI's HTTP API at the edge: /v1/... to the gateways' openai_port (the Envoy "
+            "cluster `openai`, whose endpoints the control plane sends like the others')."
+        ),
+    )
     direct_token_path: bool = Field(
         default=False,
         description=(

@@ -1,0 +1,336 @@
+"""OpenAI completions and chat completions: request models, and the requests they become."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tokenmesh.common.errors import InvalidArgument
+from tokenmesh.v1 import inference_pb2, llm_pb2, token_pb2
+
+# OpenAI's default for /v1/completions when max_tokens is left out.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+ROLES = ("system", "user", "assistant")
+
+FINISH_REASONS = {
+    token_pb2.FINISH_REASON_STOP: "stop",
+    token_pb2.FINISH_REASON_LENGTH: "length",
+    # Stopped by the tenant's token quota: OpenAI has no word for it; the answer was cut short.
+    token_pb2.FINISH_REASON_QUOTA_EXHAUSTED: "length",
+    token_pb2.FINISH_REASON_ABORTED: "abort",
+    token_pb2.FINISH_REASON_CANCELLED: "abort",
+}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class _Request(BaseModel):
+    """The fields both endpoints share. Fields OpenAI or vLLM accept that change nothing here
+    (user, frequency_penalty 0, ...) are ignored, as vLLM's server ignores unknown ones; those
+    that would change the answer and are not supported are refused by name (unsupported())."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    user: str | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    # tokenmesh's extras: context documents (reranked, best top_k_documents kept) and
+    # generating to max_tokens whatever the model would end with.
+    documents: list[str] = Field(default_factory=list)
+    top_k_documents: int = 0
+    ignore_eos: bool = False
+
+    def unsupported(self) -> None:
+        if self.n != 1:
+            raise InvalidArgument("n", f"only 1 choice per request is supported, got {self.n}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name):
+                raise InvalidArgument(name, "not supported (only 0)")
+        if self.logit_bias:
+            raise InvalidArgument("logit_bias", "not supported")
+        for name in ("tools", "functions", "suffix", "echo", "best_of"):
+            if (self.model_extra or {}).get(name) not in (None, [], False, 1):
+                raise InvalidArgument(name, "not supported")
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _generate_request(self, prompt: str, max_tokens: int) -> llm_pb2.GenerateRequest:
+        request = llm_pb2.GenerateRequest(
+            prompt=prompt,
+            max_tokens=max_tokens,
+            documents=self.documents,
+            top_k_documents=self.top_k_documents,
+            ignore_eos=self.ignore_eos,
+            stop=[self.stop] if isinstance(self.stop, str) else (self.stop or []),
+        )
+        if self.temperature is not None:
+            request.temperature = self.temperature
+        if self.top_p is not None:
+            request.top_p = self.top_p
+        if self.seed is not None:
+            request.seed = self.seed
+        return request
+
+
+class CompletionRequest(_Request):
+    prompt: str
+    # OpenAI's completions take the number of alternatives to return (0..5).
+    logprobs: int | None = None
+
+    def generate_request(self, max_tokens_cap: int) -> llm_pb2.GenerateRequest:
+        self.unsupported()
+        request = self._generate_request(
+            self.prompt,
+            COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens,
+        )
+        if self.logprobs is not None:
+            request.logprobs = True
+            request.top_logprobs = self.logprobs
+        return request
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[Message]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def generate_request(self, max_tokens_cap: int) -> llm_pb2.GenerateRequest:
+        """The request as a Generate of its last user message (what documents are ranked
+        against); the conversation itself goes to the worker as messages()."""
+        self.unsupported()
+        response_format = (self.model_extra or {}).get("response_format")
+        if response_format not in (None, {"type": "text"}):
+            raise InvalidArgument("response_format", 'only {"type": "text"} is supported')
+        if not self.messages:
+            raise InvalidArgument("messages", "at least one message is required")
+        for position, message in enumerate(self.messages):
+            if message.role not in ROLES:
+                raise InvalidArgument(
+                    f"messages[{position}].role",
+                    f"must be one of {', '.join(ROLES)}, got {message.role!r}",
+                )
+        limit = self.max_completion_tokens or self.max_tokens
+        request = self._generate_request(self.last_user_text(), limit or max_tokens_cap)
+        if self.logprobs:
+            request.logprobs = True
+            request.top_logprobs = self.top_logprobs or 0
+        elif self.top_logprobs:
+            raise InvalidArgument("top_logprobs", "needs logprobs set to true")
+        return request
+
+    def last_user_text(self) -> str:
+        users = [message for message in self.messages if message.role == "user"]
+        return users[-1].text() if users else self.messages[-1].text()
+
+    def conversation(self, context_prompt: str | None) -> list[inference_pb2.ConversationMessage]:
+        """The messages for the worker's chat template; context_prompt (the last user message
+        with the chosen documents as context) replaces the last user message's text."""
+        last_user = max(
+            (i for i, message in enumerate(self.messages) if message.role == "user"), default=-1
+        )
+        return [
+            inference_pb2.ConversationMessage(
+                role=message.role,
+                content=context_prompt
+                if i == last_user and context_prompt is not None
+                else message.text(),
+            )
+            for i, message in enumerate(self.messages)
+        ]
+
+
+def parse(model: type[_Request], body: bytes) -> Any:
+    """The request body as `model`, or InvalidArgument naming the first bad field."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        field = ".".join(str(part) for part in error["loc"]) or "body"
+        if error["type"] == "json_invalid":
+            raise InvalidArgument("body", "not valid JSON") from exc
+        raise InvalidArgument(field, error["msg"]) from exc
+
+
+def usage(token: token_pb2.Token) -> dict[str, int]:
+    prompt, completion = token.usage.prompt_tokens, token.usage.completion_tokens
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def finish_reason(token: token_pb2.Token) -> str | None:
+    return FINISH_REASONS.get(token.finish_reason) if token.finish_reason else None
+
+
+def per_token(token: token_pb2.Token) -> list[tuple[str, float | None, Sequence[Any]]]:
+    """(text, logprob, alternatives) for each token of a message: its text split by
+    text_lengths (UTF-8 bytes each token adds) when the worker merged outputs."""
+    count = max(len(token.token_ids), 1)
+    logprobs: list[tuple[float | None, Sequence[Any]]] = [
+        (token.logprob if token.HasField("logprob") else None, token.top_logprobs)
+    ]
+    logprobs += [
+        (p.logprob if p.HasField("logprob") else None, p.top_logprobs)
+        for p in token.following_logprobs
+    ]
+    if token.text_lengths and len(token.text_lengths) == count:
+        raw, texts, at = token.text.encode(), [], 0
+        for length in token.text_lengths:
+            texts.append(raw[at : at + length].decode(errors="replace"))
+            at += length
+    else:
+        texts = [""] * (count - 1) + [token.text]
+    return [
+        (text, *(logprobs[i] if i < len(logprobs) else (None, ()))) for i, text in enumerate(texts)
+    ]
+
+
+def chat_logprobs(token: token_pb2.Token) -> dict[str, Any]:
+    return {
+        "content": [
+            {
+                "token": text,
+                "logprob": logprob if logprob is not None else 0.0,
+                "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {"token": alt.text, "logprob": alt.logprob, "bytes": list(alt.text.encode())}
+                    for alt in alternatives
+                ],
+            }
+            for text, logprob, alternatives in per_token(token)
+        ]
+    }
+
+
+def completion_logprobs(token: token_pb2.Token, offset: int) -> dict[str, Any]:
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for text, logprob, alternatives in per_token(token):
+        tokens.append(text)
+        token_logprobs.append(logprob)
+        top.append({alt.text: alt.logprob for alt in alternatives})
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
+
+
+@dataclass
+class Shape:
+    """One response's identity and the JSON of its parts. Each streamed chunk is a fixed head,
+    the generated text as a JSON string, and a fixed tail: a token costs one json.dumps of
+    its text, not of a whole chunk (the chunk's other fields never change within a stream)."""
+
+    chat: bool
+    model: str
+    id: str
+    created: int
+    # A degraded answer's marker (and the reranker's warnings), in every object and chunk.
+    extra: dict[str, Any]
+
+    @classmethod
+    def new(cls, chat: bool, model: str, extra: dict[str, Any]) -> Shape:
+        prefix = "chatcmpl-" if chat else "cmpl-"
+        return cls(chat, model, prefix + uuid.uuid4().hex, int(time.time()), extra)
+
+    @property
+    def object(self) -> str:
+        return "chat.completion" if self.chat else "text_completion"
+
+    def base(self, object_name: str | None = None) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": object_name or self.object,
+            "created": self.created,
+            "model": self.model,
+            **self.extra,
+        }
+
+    def chunk(self, choice: dict[str, Any]) -> bytes:
+        name = "chat.completion.chunk" if self.chat else "text_completion"
+        return sse({**self.base(name), "choices": [choice]})
+
+    def text_chunk_parts(self) -> tuple[bytes, bytes]:
+        """The bytes before and after the JSON string of a chunk's text (no logprobs, not
+        the last)."""
+        marker = "\x00"
+        if self.chat:
+            choice = {"index": 0, "delta": {"content": marker}, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": marker, "logprobs": None}
+        choice["finish_reason"] = None
+        head, tail = self.chunk(choice).split(json.dumps(marker).encode())
+        return head, tail
+
+    def usage_chunk(self, token: token_pb2.Token) -> bytes:
+        name = "chat.completion.chunk" if self.chat else "text_completion"
+        return sse({**self.base(name), "choices": [], "usage": usage(token)})
+
+
+def sse(data: Any) -> bytes:
+    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object."""
+    kinds = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        403: "permission_error",
+        404: "not_found_error",
+        429: "rate_limit_error",
+    }
+    return {
+        "error": {
+            "message": message,
+            "type": kinds.get(status, "server_error" if status < 503 else "service_unavailable"),
+            "param": param,
+            "code": None,
+        }
+    }

@@ -1,0 +1,365 @@
+"""OpenAI's HTTP API through the real mesh's edge, called with the official `openai` SDK (sync
+and async): models, chat and text completions streamed and whole, usage counted on the model's
+own chat template, stop strings, logprobs, errors as the SDK's exception classes, a stream
+closed mid-way freeing the engine; and, at a gateway with a keys file, keys and tenant limits."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping
+from pathlib import Path
+
+import openai
+import pytest
+from grpc import aio
+from transformers import AutoTokenizer
+
+from tests.conftest import LOG_DIR
+from tests.support import (
+    TINY_MODEL,
+    ServiceProcess,
+    engine_empty_at,
+    free_port,
+    gateway_process,
+    replicas,
+    within_budget,
+)
+from tokenmesh.gateway.auth import hash_key
+from tokenmesh.localmesh.mesh import LocalMesh
+from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
+
+pytestmark = pytest.mark.integration
+
+MODEL = TINY_MODEL.name  # the mesh's workers serve the model under its directory's name
+MESSAGES = [
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": "Name a colour."},
+    {"role": "assistant", "content": "Blue."},
+    {"role": "user", "content": "Another one?"},
+]
+GREEDY = {"temperature": 0.0, "seed": 7}
+
+
+@pytest.fixture(scope="module")
+def base_url(mesh: LocalMesh) -> str:
+    return f"http://127.0.0.1:{mesh.settings.mesh().edge_port}/v1"
+
+
+@pytest.fixture(scope="module")
+def client(base_url: str) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0) as sdk:
+        yield sdk
+
+
+@pytest.fixture
+async def async_client(base_url: str) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as sdk:
+        yield sdk
+
+
+def test_the_served_model_is_listed(client: openai.OpenAI) -> None:
+    models = client.models.list()
+    assert [model.id for model in models.data] == [MODEL]
+
+
+def test_a_chat_is_prompted_with_the_models_own_template(client: openai.OpenAI) -> None:
+    answer = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=8, extra_body={"ignore_eos": True}, **GREEDY
+    )
+    rendered = AutoTokenizer.from_pretrained(TINY_MODEL).apply_chat_template(
+        MESSAGES, add_generation_prompt=True, tokenize=True
+    )
+    templated = rendered["input_ids"] if isinstance(rendered, Mapping) else rendered
+    assert answer.object == "chat.completion"
+    assert answer.model == MODEL
+    assert answer.choices[0].message.role == "assistant"
+    assert answer.choices[0].finish_reason == "length"
+    assert answer.usage is not None
+    assert answer.usage.prompt_tokens == len(templated)
+    assert answer.usage.completion_tokens == 8
+    assert answer.usage.total_tokens == len(templated) + 8
+
+
+def test_a_streamed_chat_is_the_same_answer_in_chunks_with_usage_last(
+    client: openai.OpenAI,
+) -> None:
+    whole = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=12, extra_body={"ignore_eos": True}, **GREEDY
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+            **GREEDY,
+        )
+    )
+    assert all(chunk.object == "chat.completion.chunk" for chunk in chunks)
+    assert len({chunk.id for chunk in chunks}) == 1
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    assert text == whole.choices[0].message.content
+    reasons = [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices]
+    assert reasons[-1] == "length" and not any(reasons[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 12
+    assert whole.usage is not None
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_a_completion_stops_at_a_stop_string(client: openai.OpenAI) -> None:
+    free = client.completions.create(
+        model=MODEL,
+        prompt="Once upon a time",
+        max_tokens=24,
+        extra_body={"ignore_eos": True},
+        **GREEDY,
+    )
+    text = free.choices[0].text
+    assert free.object == "text_completion" and free.choices[0].finish_reason == "length"
+    stop = text[len(text) // 2 :][:3]
+    assert stop.strip(), f"no stop string to take from {text!r}"
+    stopped = client.completions.create(
+        model=MODEL,
+        prompt="Once upon a time",
+        max_tokens=24,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+        **GREEDY,
+    )
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == text[: text.index(stop)]
+
+
+def test_a_streamed_completion_streams_the_text(client: openai.OpenAI) -> None:
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="hello",
+            max_tokens=10,
+            stream=True,
+            extra_body={"ignore_eos": True},
+            **GREEDY,
+        )
+    )
+    whole = client.completions.create(
+        model=MODEL, prompt="hello", max_tokens=10, extra_body={"ignore_eos": True}, **GREEDY
+    )
+    assert "".join(chunk.choices[0].text for chunk in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_logprobs_come_per_token_with_their_alternatives(client: openai.OpenAI) -> None:
+    answer = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=6,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+        **GREEDY,
+    )
+    content = answer.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 6
+    assert all(len(entry.top_logprobs) == 2 and entry.logprob <= 0 for entry in content)
+    # Greedy: each sampled token is its position's most likely.
+    assert all(
+        entry.logprob >= max(alt.logprob for alt in entry.top_logprobs) - 1e-4 for entry in content
+    )
+    assert "".join(entry.token for entry in content) == answer.choices[0].message.content
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"max_tokens": 10**6}, "max_tokens"),
+        ({"n": 2}, "n"),
+        ({"temperature": 9.0}, "temperature"),
+        ({"messages": [{"role": "user", "content": "x" * 10**5}]}, "messages[0].content"),
+    ],
+)
+def test_bad_requests_raise_bad_request_error_naming_the_field(
+    client: openai.OpenAI, fields: dict[str, object], named: str
+) -> None:
+    request = {"model": MODEL, "messages": MESSAGES, **fields}
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(**request)  # type: ignore[call-overload]
+    assert error.value.status_code == 400
+    assert named in error.value.message
+    assert isinstance(error.value.body, dict) and error.value.body.get("param") == named
+
+
+def test_an_unknown_model_is_not_found(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as error:
+        client.completions.create(model="gpt-unknown", prompt="hi", max_tokens=2)
+    assert MODEL in error.value.message
+
+
+async def test_closing_a_stream_frees_the_engine_at_once(
+    mesh: LocalMesh, async_client: openai.AsyncOpenAI
+) -> None:
+    async with worker_stubs(mesh) as engines:
+
+        async def close_round() -> float:
+            streams = [
+                await async_client.chat.completions.create(
+                    model=MODEL,
+                    messages=[{"role": "user", "content": f"story {i}"}],
+                    max_tokens=2000,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
+                for i in range(4)
+            ]
+            for stream in streams:
+                await anext(aiter(stream))
+            reports = await asyncio.gather(
+                *(engine.GetEngineStats(inference_pb2.EngineStatsRequest()) for engine in engines)
+            )
+            busy = [
+                (engine, report)
+                for engine, report in zip(engines, reports, strict=True)
+                if report.running_requests or report.waiting_requests
+            ]
+            closed_at = time.time_ns()
+            for stream in streams:
+                await stream.close()
+            if not busy:
+                return math.inf
+            empty_at = [
+                await engine_empty_at(engine, report.reported_unix_nanos) for engine, report in busy
+            ]
+            if min(empty_at) < closed_at:
+                return math.inf  # an engine ended its streams before the close reached it
+            return (max(empty_at) - closed_at) / 1e9
+
+        await within_budget("every engine empty after the streams closed", close_round)
+
+
+@contextlib.asynccontextmanager
+async def worker_stubs(
+    mesh: LocalMesh,
+) -> AsyncIterator[list[inference_pb2_grpc.InferenceServiceStub]]:
+    """InferenceService stubs straight to each of the mesh's workers."""
+    async with contextlib.AsyncExitStack() as stack:
+        channels = [
+            await stack.enter_async_context(aio.insecure_channel(w.address))
+            for w in replicas(mesh, "worker")
+        ]
+        yield [inference_pb2_grpc.InferenceServiceStub(channel) for channel in channels]
+
+
+# --- keys on: a gateway with a keys file, its OpenAI port called straight -----------------
+
+KEY = "tm_openai-integration-key-0123456789"
+NARROW_KEY = "tm_openai-narrow-key-0123456789"
+
+
+@pytest.fixture(scope="module")
+def keyed(
+    tmp_path_factory: pytest.TempPathFactory, worker: ServiceProcess, reranker: ServiceProcess
+) -> Iterator[str]:
+    """The OpenAI API of a gateway with API keys (one tenant limited to one stream at once)."""
+    keys = tmp_path_factory.mktemp("openai-keys") / "keys.json"
+    keys.write_text(
+        json.dumps(
+            {
+                "tenants": {
+                    "open": {"key_sha256": [hash_key(KEY)]},
+                    "narrow": {
+                        "key_sha256": [hash_key(NARROW_KEY)],
+                        "limits": {"max_concurrent_streams": 1},
+                    },
+                }
+            }
+        )
+    )
+    port = free_port()
+    process = gateway_process(
+        LOG_DIR,
+        worker.address,
+        reranker.address,
+        name="gateway-openai-keys",
+        keys_file=str(keys),
+        openai_port=str(port),
+    )
+    process.start()
+    try:
+        process.wait_serving(60)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        process.stop()
+
+
+def served_model(url: str, key: str) -> str:
+    with openai.OpenAI(base_url=url, api_key=key, max_retries=0) as sdk:
+        return sdk.models.list().data[0].id
+
+
+@pytest.mark.parametrize("key", ["", "tm_not-a-key-0123456789"])
+def test_no_or_a_bad_key_raises_authentication_error(keyed: str, key: str) -> None:
+    with openai.OpenAI(base_url=keyed, api_key=key or "x", max_retries=0) as sdk:
+        headers = {"Authorization": ""} if not key else None
+        with pytest.raises(openai.AuthenticationError) as error:
+            sdk.completions.create(model="any", prompt="hi", max_tokens=2, extra_headers=headers)
+    assert error.value.status_code == 401
+
+
+def test_a_valid_key_is_served(keyed: str) -> None:
+    model = served_model(keyed, KEY)
+    with openai.OpenAI(base_url=keyed, api_key=KEY, max_retries=0) as sdk:
+        answer = sdk.completions.create(
+            model=model, prompt="hi", max_tokens=3, extra_body={"ignore_eos": True}
+        )
+    assert answer.usage is not None and answer.usage.completion_tokens == 3
+
+
+async def test_a_tenant_over_its_stream_limit_gets_rate_limit_error_with_retry_after(
+    keyed: str,
+) -> None:
+    model = served_model(keyed, NARROW_KEY)
+    async with openai.AsyncOpenAI(base_url=keyed, api_key=NARROW_KEY, max_retries=0) as sdk:
+        first = await sdk.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "long"}],
+            max_tokens=2000,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        try:
+            with pytest.raises(openai.RateLimitError) as error:
+                await sdk.chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": "second"}], max_tokens=2
+                )
+        finally:
+            await first.close()
+    assert error.value.status_code == 429
+    assert "concurrent stream limit 1" in error.value.message
+    assert int(error.value.response.headers["retry-after"]) >= 1
+
+
+def test_the_curl_examples_in_the_docs_run(mesh: LocalMesh) -> None:
+    """docs/openai.md's `curl -N` examples, against this mesh's edge."""
+    import re
+    import subprocess
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "openai.md").read_text()
+    examples = re.findall(r"```sh\n(curl -N .*?)\n```", doc, re.S)
+    assert len(examples) >= 2
+    edge = f"127.0.0.1:{mesh.settings.mesh().edge_port}"
+    for example in examples:
+        command = example.replace("127.0.0.1:8080", edge).replace(
+            '"model": "tiny-llama"', f'"model": "{MODEL}"'
+        )
+        run = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0, run.stderr
+        events = [line[6:] for line in run.stdout.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]", run.stdout
+        assert all("choices" in json.loads(event) for event in events[:-1])

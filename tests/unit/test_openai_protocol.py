@@ -1,0 +1,131 @@
+"""OpenAI request models and response shapes (the HTTP API's logic, without a server)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tokenmesh.common.errors import InvalidArgument
+from tokenmesh.gateway.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    Shape,
+    error_body,
+    parse,
+    per_token,
+)
+from tokenmesh.v1 import token_pb2
+
+
+def chat(**fields: object) -> ChatCompletionRequest:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+    return parse(ChatCompletionRequest, json.dumps(body).encode())
+
+
+def test_a_missing_field_is_named() -> None:
+    with pytest.raises(InvalidArgument) as error:
+        parse(CompletionRequest, b'{"model": "m"}')
+    assert error.value.field == "prompt"
+
+
+def test_a_body_that_is_not_json_is_refused() -> None:
+    with pytest.raises(InvalidArgument) as error:
+        parse(CompletionRequest, b"{nope")
+    assert error.value.field == "body"
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"n": 2}, "n"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"logit_bias": {"1": 2.0}}, "logit_bias"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ({"messages": []}, "messages"),
+    ],
+)
+def test_what_would_change_the_answer_but_is_not_supported_is_refused_by_name(
+    fields: dict[str, object], named: str
+) -> None:
+    with pytest.raises(InvalidArgument) as error:
+        chat(**fields).generate_request(4096)
+    assert error.value.field == named
+
+
+def test_a_chat_becomes_a_generate_of_its_last_user_message_and_its_messages() -> None:
+    request = chat(
+        messages=[
+            {"role": "system", "content": "be brief"},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "one "}, {"type": "text", "text": "two"}],
+            },
+            {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": "three"},
+        ],
+        max_completion_tokens=7,
+        stop="x",
+        temperature=0.5,
+        logprobs=True,
+        top_logprobs=3,
+        documents=["d"],
+    )
+    generate = request.generate_request(4096)
+    assert (generate.prompt, generate.max_tokens, list(generate.stop)) == ("three", 7, ["x"])
+    assert (generate.logprobs, generate.top_logprobs, list(generate.documents)) == (True, 3, ["d"])
+    assert generate.temperature == pytest.approx(0.5)
+    messages = request.conversation("context + three")
+    assert [(m.role, m.content) for m in messages] == [
+        ("system", "be brief"),
+        ("user", "one two"),
+        ("assistant", "ok"),
+        ("user", "context + three"),
+    ]
+
+
+def test_completions_default_to_openais_16_tokens_and_chats_to_the_cap() -> None:
+    completion = parse(CompletionRequest, b'{"model": "m", "prompt": "p"}')
+    assert completion.generate_request(4096).max_tokens == 16
+    assert chat().generate_request(4096).max_tokens == 4096
+
+
+def test_a_merged_message_is_split_into_its_tokens_by_their_text_lengths() -> None:
+    token = token_pb2.Token(
+        text="héllo",
+        token_ids=[1, 2],
+        text_lengths=[3, 3],
+        logprob=-0.5,
+        following_logprobs=[token_pb2.PositionLogprobs(logprob=-1.5)],
+    )
+    assert [(text, logprob) for text, logprob, _ in per_token(token)] == [
+        ("hé", -0.5),
+        ("llo", -1.5),
+    ]
+
+
+def test_the_fast_chunk_is_the_same_json_as_the_whole_chunk() -> None:
+    for is_chat in (True, False):
+        shape = Shape.new(is_chat, "m", {})
+        head, tail = shape.text_chunk_parts()
+        fast = json.loads((head + json.dumps('a "quoted" ü').encode() + tail)[6:])
+        piece = {"content": 'a "quoted" ü'} if is_chat else 'a "quoted" ü'
+        key = "delta" if is_chat else "text"
+        whole = shape.chunk({"index": 0, key: piece, "logprobs": None, "finish_reason": None})
+        assert fast == json.loads(whole[6:])
+
+
+def test_errors_have_openais_shape_and_type() -> None:
+    assert error_body("bad", 400, "max_tokens") == {
+        "error": {
+            "message": "bad",
+            "type": "invalid_request_error",
+            "param": "max_tokens",
+            "code": None,
+        }
+    }
+    assert error_body("no", 429)["error"]["type"] == "rate_limit_error"
+    assert error_body("down", 503)["error"]["type"] == "service_unavailable"
