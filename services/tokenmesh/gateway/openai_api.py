@@ -7,7 +7,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +24,13 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from tokenmesh.common.channels import Dependency
-from tokenmesh.common.errors import HTTP_STATUS, InvalidArgument, NotFound, ServiceError
+from tokenmesh.common.errors import (
+    HTTP_STATUS,
+    DependencyError,
+    InvalidArgument,
+    NotFound,
+    ServiceError,
+)
 from tokenmesh.common.metrics import RPC_BUCKETS, StreamMetrics
 from tokenmesh.common.tenants import enter_tenant
 from tokenmesh.common.tokens import DEGRADED_BY_RERANKER, DEGRADED_HEADER
@@ -76,7 +82,7 @@ class ModelCatalog:
             except grpc.aio.AioRpcError as exc:
                 if self._name is not None:
                     return self._name  # the last answer stands while no worker answers
-                raise ServiceErrorWithCode(
+                raise DependencyError(
                     exc.code(), f"no worker answered for the model's name: {exc.details()}"
                 ) from exc
             self._name, self._asked = stats.model, time.monotonic()
@@ -94,12 +100,6 @@ class ModelCatalog:
     @property
     def max_model_len(self) -> int:
         return self._max_model_len
-
-
-class ServiceErrorWithCode(ServiceError):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 class ModelNotFound(NotFound):
@@ -221,7 +221,7 @@ class Job:
     """One request, validated: its shape, and the pipeline's tokens for it."""
 
     shape: Shape
-    tokens: AsyncIterator[token_pb2.Token]
+    tokens: AsyncGenerator[token_pb2.Token, None]
     prepared: PreparedPrompt
     logprobs: bool
     include_usage: bool
@@ -426,7 +426,7 @@ class OpenAIApi:
         shape = job.shape
         timer = self._stream_metrics.timer()
         try:
-            async with contextlib.aclosing(_tokens(job.tokens)) as tokens:
+            async with contextlib.aclosing(job.tokens) as tokens:
                 # The first token before the response: a request the worker refuses (or no
                 # worker) gets its HTTP status, not a 200 with an error inside.
                 try:
@@ -493,7 +493,7 @@ class OpenAIApi:
         merged: dict[str, list[Any]] = {}
         last: token_pb2.Token | None = None
         try:
-            async with contextlib.aclosing(_tokens(job.tokens)) as tokens:
+            async with contextlib.aclosing(job.tokens) as tokens:
                 async for token in tokens:
                     if job.logprobs:
                         if shape.chat:
@@ -539,17 +539,6 @@ class OpenAIApi:
         status, body, headers = error_response(exc)
         outcome.status, outcome.error = status, body["error"]["message"]
         await send_json(send, status, body, headers)
-
-
-async def _tokens(tokens: AsyncIterator[token_pb2.Token]) -> AsyncGenerator[token_pb2.Token, None]:
-    # An owning generator, so that closing it closes the pipeline's stream (the worker call).
-    try:
-        async for token in tokens:
-            yield token
-    finally:
-        aclose = getattr(tokens, "aclose", None)
-        if aclose is not None:
-            await aclose()
 
 
 def _choice(
