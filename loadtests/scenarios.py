@@ -42,10 +42,12 @@ import psutil
 from loadtests import report
 from loadtests.runner import RunConfig, combine, run
 from loadtests.stats import Latencies
+from tokenmesh.common.affinity import pin_threads
 from tokenmesh.localmesh.mesh import LocalMesh, LocalMeshSettings, envoy_hosts
 from tokenmesh.localmesh.probes import free_port
 from tokenmesh.meshconfig.__main__ import render_yaml
 from tokenmesh.meshconfig.config import MeshSettings
+from tokenmesh.worker.placement import place_engine
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -383,9 +385,10 @@ def engine(bench: Bench) -> None:
 
 
 @contextmanager
-def openai_server() -> Iterator[tuple[str, int]]:
+def openai_server(placed: bool = False) -> Iterator[tuple[str, int]]:
     """vLLM's own OpenAI-compatible server on the tiny model, with a worker's settings: its
-    address and process id."""
+    address and process id. Placed: once up, its engine's processes keep to the engine's core
+    and the server's own threads to the others, as a mesh worker places itself."""
     port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", MODEL,
@@ -408,6 +411,9 @@ def openai_server() -> Iterator[tuple[str, int]]:
                     time.sleep(1)
             else:
                 raise SystemExit("vLLM's server did not come up in time")
+            if placed:
+                engine = place_engine("runner", process.pid)
+                pin_threads(frozenset(os.sched_getaffinity(0)) - engine, process.pid)
             yield f"127.0.0.1:{port}", process.pid
         finally:
             stop(process, 60)

@@ -4,7 +4,9 @@ streams of 128 tokens: tokens/s, TTFT and client ITL p50/p99, and CPU microsecon
 delivered token of each process (worker, engine, gateway, Envoy; vLLM's API server and engine),
 read from /proc before and after each round. Beside them: the same services behind a second
 Envoy with the direct token path (gateways prepare, Envoy streams from the workers), and at 32
-and 64 streams the edge with stream_interval 8. With --profile, py-spy samples the worker and
+and 64 streams the edge with stream_interval 8, and a second vLLM server placed as the mesh
+places a worker (its engine's processes on the engine's core, the server's threads on the
+others; --no-placed-baseline leaves it out). With --profile, py-spy samples the worker and
 the gateway during an extra gRPC round, and the report lists where their time goes.
 
     python -m loadtests.token_cost [--quick] [--rounds 3] [--profile] [--out DIR]
@@ -52,6 +54,9 @@ CONCURRENCY = (1, 32, 64)
 QUICK_CONCURRENCY = (1, 32)
 OPENAI_CONCURRENCY = (8, 32, 64)
 OUTPUT_TOKENS = "128"
+# vLLM's server with its engine's processes on the engine's core and its own threads on the
+# other, as the mesh places a worker: the same placement on both sides of the comparison.
+PLACED_SSE = "vLLM OpenAI SSE, placed as the mesh"
 # The stream_interval of the extra throughput-mode runs.
 INTERVAL = 8
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -154,9 +159,9 @@ def interval_path(mesh: Route, interval: int) -> Route:
     return replace(mesh, label=f"edge gRPC stream_interval={interval}", interval=interval)
 
 
-def sse_path(address: str, server: int) -> Route:
+def sse_path(address: str, server: int, placed: bool = False) -> Route:
     return Route(
-        label="vLLM OpenAI SSE",
+        label=PLACED_SSE if placed else "vLLM OpenAI SSE",
         target="openai",
         address=address,
         model="tiny",
@@ -244,6 +249,17 @@ def compare(rows: list[dict[str, Any]]) -> dict[str, Any]:
         for row in rows[2:]
         if sse["tokens_per_second"]
     }
+    for row in rows[2:]:
+        if row["path"] == PLACED_SSE and row["tokens_per_second"]:
+            # The mesh against vLLM's server placed as the mesh is.
+            interval["tokens_per_second_ratio_vs_placed_sse"] = round(
+                mesh["tokens_per_second"] / row["tokens_per_second"], 2
+            )
+            interval["worker_vs_placed_api_server_cpu"] = (
+                round(cost["worker"] / row["cpu_us_per_token"]["api_server"], 2)
+                if row["cpu_us_per_token"].get("api_server")
+                else None
+            )
     return {
         **interval,
         "tokens_per_second_ratio": round(ratio, 2),
@@ -285,6 +301,7 @@ def cost(
     profile: bool,
     concurrency: tuple[int, ...] | None = None,
     openai: bool = False,
+    placed_baseline: bool = True,
 ) -> dict[str, Any]:
     """Both servers up; each concurrency's runs interleaved, mesh then SSE, `rounds` times.
     With openai: the edge's OpenAI SSE first, then vLLM's, then the edge's gRPC, at 8, 32 and
@@ -303,6 +320,10 @@ def cost(
             else second_envoy(local_mesh, local_mesh.run_dir, direct_token_path=True)
         ) as (direct, direct_pid),
         openai_server() as (address, server),
+        openai_server(placed=True) if placed_baseline else contextlib.nullcontext(("", 0)) as (
+            placed_address,
+            placed_server,
+        ),
     ):
         mesh = mesh_path(local_mesh)
         sse = sse_path(address, server)
@@ -311,6 +332,8 @@ def cost(
         else:
             assert direct is not None
             paths = [mesh, sse, direct_path(mesh, direct, direct_pid)]
+        if placed_baseline:
+            paths.append(sse_path(placed_address, placed_server, placed=True))
         for c in concurrency:
             # Fewer, larger messages (a client that prefers throughput), beside the default.
             routes = paths + ([interval_path(mesh, INTERVAL)] if c > 1 and not openai else [])
@@ -473,12 +496,19 @@ def main() -> None:
     parser.add_argument(
         "--openai", action="store_true", help="the edge's OpenAI API against vLLM's (8,32,64)"
     )
+    parser.add_argument(
+        "--no-placed-baseline",
+        action="store_true",
+        help="skip the second vLLM server placed as the mesh (engine core pinned)",
+    )
     args = parser.parse_args()
     streams = tuple(int(n) for n in args.streams.split(",")) if args.streams else None
     stamp = datetime.now(UTC).strftime("%Y-%m-%d")
     bench = Bench(args.out or RESULTS / (stamp + ("-quick" if args.quick else "")), args.quick)
     started = time.strftime("%F %T")
-    result = cost(bench, args.rounds, args.profile, streams, args.openai)
+    result = cost(
+        bench, args.rounds, args.profile, streams, args.openai, not args.no_placed_baseline
+    )
     name = "openai" if args.openai else "cost"
     result["machine"] = {
         "cpus": os.cpu_count(),

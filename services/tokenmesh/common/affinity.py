@@ -19,13 +19,18 @@ def parse_cores(text: str) -> frozenset[int]:
     return frozenset(cores)
 
 
-def pin_threads(cores: frozenset[int]) -> None:
-    """Every thread of this process onto `cores` (threads started later inherit it from their
-    starter). A process's affinity is per thread in Linux, so each is set; children started
-    before keep theirs, which is how an engine started earlier stays on its own cores."""
+def pin_threads(cores: frozenset[int], process: int | str = "self") -> None:
+    """Every thread of a process (this one by default) onto `cores` (threads started later
+    inherit it from their starter). A process's affinity is per thread in Linux, so each is
+    set; children started before keep theirs, which is how an engine started earlier stays on
+    its own cores."""
     if not cores:
         return
-    for thread in os.listdir("/proc/self/task"):
+    try:
+        threads = os.listdir(f"/proc/{process}/task")
+    except FileNotFoundError:
+        return  # the process ended meanwhile
+    for thread in threads:
         try:
             os.sched_setaffinity(int(thread), cores)
         except ProcessLookupError:

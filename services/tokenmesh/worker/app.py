@@ -14,6 +14,7 @@ from tokenmesh.common.metrics import StreamMetrics
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
 from tokenmesh.worker.config import WorkerSettings
 from tokenmesh.worker.engine import EngineLoad, EngineSlot, VllmEngine
+from tokenmesh.worker.placement import place_engine
 from tokenmesh.worker.servicer import InferenceServicer
 from tokenmesh.worker.tenant import TenantMetadataInterceptor
 
@@ -70,8 +71,9 @@ async def watch_engine(engine: VllmEngine, interval: float) -> None:
 
 async def serve(settings: WorkerSettings) -> int:
     """Run the worker until SIGTERM/SIGINT (exit 0) or until its engine dies (exit 1)."""
-    # The engine's processes start with every core (they bind their own, cpu_threads_bind);
-    # the front end's threads are pinned once it has started.
+    # The engine's processes start with every core (vLLM binds its runner's, cpu_threads_bind);
+    # once it has started, its engine core is placed (engine_affinity) and the front end's
+    # threads are pinned to the worker's own cores.
     host = ServiceHost(
         "worker", settings, SERVICE_NAMES, pin_now=False, consul_meta={"model": settings.model_name}
     )
@@ -90,6 +92,7 @@ async def serve(settings: WorkerSettings) -> int:
         # Closed once the server has stopped: in-flight streams get the grace period, then are
         # cancelled, which aborts their engine requests.
         host.on_stop(lambda: asyncio.to_thread(engine.close))
+        place_engine(settings.engine_affinity)
         pin_threads(settings.cores)
         slot.set(engine)
         register_engine_gauges(host.registry, engine.load)

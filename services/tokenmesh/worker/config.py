@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
+from tokenmesh.common.affinity import parse_cores
 from tokenmesh.common.settings import ServiceSettings
 
 
@@ -63,6 +65,15 @@ class WorkerSettings(ServiceSettings):
         description=(
             'CPU only: cores vLLM\'s OpenMP threads bind to, e.g. "0-1", "1", or "auto". Two '
             "workers on one machine need disjoint sets (vLLM's VLLM_CPU_OMP_THREADS_BIND)."
+        ),
+    )
+    engine_affinity: str = Field(
+        default="runner",
+        description=(
+            "CPU only: cores vLLM's engine core process runs on (it schedules each step, then "
+            'busy-waits for the model runner): "runner", the cores the runner is bound to '
+            '(cpu_threads_bind), for machines with no core to spare; a core list such as "7", a '
+            'core of its own; or "any", where it starts (every core, the mesh\'s included).'
         ),
     )
     gpu_memory_utilization: float = Field(
@@ -161,3 +172,20 @@ class WorkerSettings(ServiceSettings):
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
+
+    @field_validator("engine_affinity")
+    @classmethod
+    def _engine_cores(cls, value: str) -> str:
+        if value in ("runner", "any"):
+            return value
+        try:
+            cores = parse_cores(value)
+        except ValueError as error:
+            raise ValueError(f'"runner", "any" or a core list such as "7": {error}') from None
+        allowed = os.sched_getaffinity(0)
+        if not cores or not cores <= allowed:
+            raise ValueError(
+                f"cores {sorted(cores - allowed) or value!r} are not among this machine's "
+                f"{sorted(allowed)}"
+            )
+        return value
