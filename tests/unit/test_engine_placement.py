@@ -4,10 +4,12 @@ while the runner keeps the cores vLLM bound it to."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import NamedTuple
 
 import pytest
 from pydantic import ValidationError
@@ -15,19 +17,29 @@ from pydantic import ValidationError
 from tokenmesh.worker.config import WorkerSettings
 from tokenmesh.worker.placement import bound_cores, descendants, place_engine
 
-# A child standing for vLLM's engine core: it starts a grandchild bound to one core (as vLLM
-# binds its model runner), then a thread of its own, prints the runner's pid and waits.
+# A process standing for the worker: it starts one for vLLM's engine core, which starts one
+# bound to a core (as vLLM binds its model runner) and a thread of its own; the worker prints
+# both pids and waits. The tests place the engine below it, never below pytest (whose own
+# children, in a whole test session, include real services and engines).
+WORKER = """
+import subprocess, sys, time
+engine = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]],
+                          stdout=subprocess.PIPE, text=True)
+print(engine.pid, engine.stdout.readline().strip(), flush=True)
+time.sleep(60)
+"""
 ENGINE = """
 import os, subprocess, sys, threading, time
-core = int(sys.argv[1])
+core = sys.argv[1]
 runner = subprocess.Popen([sys.executable, "-c",
-    "import os, time; os.sched_setaffinity(0, {%d}); print('bound', flush=True); time.sleep(60)"
+    "import os, time; os.sched_setaffinity(0, {%s}); print('bound', flush=True); time.sleep(60)"
     % core], stdout=subprocess.PIPE, text=True)
 runner.stdout.readline()
 threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
 print(runner.pid, flush=True)
 time.sleep(60)
 """
+IDLE = "import time; print(0, flush=True); time.sleep(60)"  # no runner: prints pid 0
 
 
 def threads_cores(process: int) -> set[frozenset[int]]:
@@ -37,72 +49,78 @@ def threads_cores(process: int) -> set[frozenset[int]]:
     }
 
 
+class Engine(NamedTuple):
+    worker: int
+    engine_core: int
+    runner: int
+    core: frozenset[int]  # the runner's
+    machine: frozenset[int]
+
+
+@contextmanager
+def worker_process(engine_program: str, core: int) -> Iterator[tuple[int, int, int]]:
+    """(worker, engine core, runner) pids; the worker and all below it end with the block."""
+    worker = subprocess.Popen(
+        [sys.executable, "-c", WORKER, engine_program, str(core)],
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        engine_core, runner = worker.stdout.readline().split()  # type: ignore[union-attr]
+        yield worker.pid, int(engine_core), int(runner)
+    finally:
+        os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait(10)
+
+
 @pytest.fixture
-def engine() -> Iterator[tuple[int, int, frozenset[int], frozenset[int]]]:
-    """(engine core pid, runner pid, the runner's core, the machine's cores)."""
+def engine() -> Iterator[Engine]:
     allowed = frozenset(os.sched_getaffinity(0))
     if len(allowed) < 2:
         pytest.skip(f"needs 2 cores to tell a bound process from the rest, this one has {allowed}")
     core = min(allowed)
-    child = subprocess.Popen([sys.executable, "-c", ENGINE, str(core)], stdout=subprocess.PIPE)
-    try:
-        runner = int(child.stdout.readline())  # type: ignore[union-attr]
-        yield child.pid, runner, frozenset({core}), allowed
-    finally:
-        child.kill()
-        child.wait(10)
+    with worker_process(ENGINE, core) as (worker, engine_core, runner):
+        yield Engine(worker, engine_core, runner, frozenset({core}), allowed)
 
 
-def test_the_engines_processes_are_found_below_the_worker(engine) -> None:  # type: ignore[no-untyped-def]
-    engine_core, runner, _, _ = engine
-    assert set(descendants(engine_core)) == {runner}
-    assert {engine_core, runner} <= set(descendants(os.getpid()))
+def test_the_engines_processes_are_found_below_the_worker(engine: Engine) -> None:
+    assert set(descendants(engine.worker)) == {engine.engine_core, engine.runner}
+    assert set(descendants(engine.engine_core)) == {engine.runner}
 
 
-def test_the_narrowest_binding_is_the_runners_and_none_means_none(engine) -> None:  # type: ignore[no-untyped-def]
-    engine_core, runner, core, machine = engine
-    assert bound_cores([engine_core, runner], machine) == core
-    assert bound_cores([engine_core], machine) == frozenset()
-    assert bound_cores([], machine) == frozenset()
+def test_the_narrowest_binding_is_the_runners_and_none_means_none(engine: Engine) -> None:
+    assert bound_cores([engine.engine_core, engine.runner], engine.machine) == engine.core
+    assert bound_cores([engine.engine_core], engine.machine) == frozenset()
+    assert bound_cores([], engine.machine) == frozenset()
 
 
-def test_runner_moves_the_engine_core_onto_the_runners_cores(engine) -> None:  # type: ignore[no-untyped-def]
-    engine_core, runner, core, machine = engine
+def test_runner_moves_the_engine_core_onto_the_runners_cores(engine: Engine) -> None:
     # Before: the engine core's threads may use every core.
-    assert threads_cores(engine_core) == {machine}
-    # The test process stands for the worker: its children are the engine's processes.
-    assert place_engine("runner", os.getpid()) == core
-    assert threads_cores(engine_core) == {core}
-    assert threads_cores(runner) == {core}
+    assert threads_cores(engine.engine_core) == {engine.machine}
+    assert place_engine("runner", engine.worker) == engine.core
+    assert threads_cores(engine.engine_core) == {engine.core}
+    assert threads_cores(engine.runner) == {engine.core}
 
 
-def test_a_core_list_gives_the_engine_core_its_own_and_the_runner_keeps_its(engine) -> None:  # type: ignore[no-untyped-def]
-    engine_core, runner, core, machine = engine
-    own = frozenset({max(machine)})
-    assert place_engine(str(max(machine)), os.getpid()) == own
-    assert threads_cores(engine_core) == {own}
-    assert threads_cores(runner) == {core}
+def test_a_core_list_gives_the_engine_core_its_own_and_the_runner_keeps_its(
+    engine: Engine,
+) -> None:
+    own = frozenset({max(engine.machine)})
+    assert place_engine(str(max(engine.machine)), engine.worker) == own
+    assert threads_cores(engine.engine_core) == {own}
+    assert threads_cores(engine.runner) == {engine.core}
 
 
-def test_any_leaves_every_process_where_it_started(engine) -> None:  # type: ignore[no-untyped-def]
-    engine_core, runner, core, machine = engine
-    assert place_engine("any", os.getpid()) == frozenset()
-    assert threads_cores(engine_core) == {machine}
-    assert threads_cores(runner) == {core}
+def test_any_leaves_every_process_where_it_started(engine: Engine) -> None:
+    assert place_engine("any", engine.worker) == frozenset()
+    assert threads_cores(engine.engine_core) == {engine.machine}
+    assert threads_cores(engine.runner) == {engine.core}
 
 
 def test_nothing_moves_when_no_engine_process_is_bound() -> None:
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        for _ in range(100):
-            if child.pid in descendants(os.getpid()):
-                break
-            time.sleep(0.05)
-        assert place_engine("runner", os.getpid()) == frozenset()
-        assert threads_cores(child.pid) == {frozenset(os.sched_getaffinity(0))}
-    finally:
-        child.kill()
-        child.wait(10)
+    with worker_process(IDLE, 0) as (worker, engine_core, _):
+        assert place_engine("runner", worker) == frozenset()
+        assert threads_cores(engine_core) == {frozenset(os.sched_getaffinity(0))}
 
 
 @pytest.mark.parametrize("value", ["runner", "any", "0"])
