@@ -41,6 +41,8 @@ OK = "OK"
 HUNG = "HUNG"
 # More than one Token message's bytes on the wire (a message of one token is about 30 bytes).
 TOKEN_BYTES = 64
+# A stream's answer headers and its first few tokens, as the edge sends them to a client.
+CLIENT_BYTES = 4 * TOKEN_BYTES
 # A worker a scenario keeps busy can take seconds to answer a stats call or a metrics scrape
 # (measured: over 5 s with 50 streams of 20 logprobs each on two cores).
 BUSY_CALL_TIMEOUT_SECONDS = 30
@@ -256,18 +258,28 @@ class ScenarioMesh:
 
     def received_from(self, cluster: str) -> int:
         """Bytes Envoy has received from the cluster's hosts (its upstream_cx_rx_bytes_total)."""
-        stat = f"cluster.{cluster}.upstream_cx_rx_bytes_total"
+        return self._envoy_counter(f"cluster.{cluster}.upstream_cx_rx_bytes_total")
+
+    def sent_to_clients(self) -> int:
+        """Bytes Envoy's edge has sent to its clients (downstream_cx_tx_bytes_total)."""
+        return self._envoy_counter("http.edge.downstream_cx_tx_bytes_total")
+
+    def _envoy_counter(self, stat: str) -> int:
         admin = f"http://127.0.0.1:{self.local_mesh.settings.envoy_admin_port}"
         _, _, value = fetch(f"{admin}/stats?filter=^{stat}$").strip().rpartition(" ")
         return int(value) if value.isdigit() else 0
 
     def kill_when_generating(
-        self, within: float, kill: Callable[[dict[str, int]], None]
+        self, within: float, kill: Callable[[dict[str, int]], None], to_clients: bool = False
     ) -> tuple[dict[str, int] | None, dict[str, Any]]:
         """Once every worker has streams open at Envoy and tokens are coming from the workers
         (Envoy has received more than a token's bytes per open stream since this began), call
         kill(streams open per worker) at once and return those streams; None if that did not
-        come within `within` seconds. Also what was last seen, for a report.
+        come within `within` seconds. Also what was last seen, for a report. to_clients: and
+        tokens are going out at the edge too (a few tokens' bytes per open stream): the clients'
+        calls have their answers' headers, so a kill of Envoy cuts them instead of leaving
+        them to the clients' transparent retries (a warm engine's first tokens reach the
+        workers' hop before any has left the edge).
 
         Blocking, for a thread of its own: a warm engine makes a stream of 2,000 tokens in
         about a second, while the scenario's event loop can be busy reading tokens for tens of
@@ -277,12 +289,24 @@ class ScenarioMesh:
         seen: dict[str, Any] = {"looks": 0}
         begun = time.monotonic()
         before = self.received_from("worker")
+        sent_before = self.sent_to_clients() if to_clients else 0
         while time.monotonic() - begun < within:
             open_now = self.open_streams("worker")
             streams = {w.name: open_now.get(w.address, 0) for w in workers}
             received = self.received_from("worker") - before
-            seen.update(envoy_open=streams, received_bytes=received, looks=seen["looks"] + 1)
-            if all(streams.values()) and received >= TOKEN_BYTES * sum(streams.values()):
+            sent = self.sent_to_clients() - sent_before if to_clients else 0
+            seen.update(
+                envoy_open=streams,
+                received_bytes=received,
+                sent_bytes=sent,
+                looks=seen["looks"] + 1,
+            )
+            open_total = sum(streams.values())
+            if (
+                all(streams.values())
+                and received >= TOKEN_BYTES * open_total
+                and (not to_clients or sent >= CLIENT_BYTES * open_total)
+            ):
                 kill(streams)
                 seen["after_s"] = round(time.monotonic() - begun, 2)
                 return streams, seen
@@ -748,7 +772,7 @@ async def envoy_restart(mesh: ScenarioMesh, short: bool) -> Row:
             killed.append(time.monotonic())
             killpg(pid, signal.SIGKILL)
 
-        generating, seen = await asyncio.to_thread(mesh.kill_when_generating, 180, kill)
+        generating, seen = await asyncio.to_thread(mesh.kill_when_generating, 180, kill, True)
         killed_at = killed[0] if killed else time.monotonic()
         row.notes["first_tokens_seen_at_kill"] = sum(event.is_set() for event in events)
         row.check(generating is not None, f"the workers were generating within 180 s: {seen}")
