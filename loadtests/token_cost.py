@@ -33,7 +33,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtests import report
@@ -49,6 +48,7 @@ from loadtests.scenarios import (
 from loadtests.scenarios import program as program_named
 from tokenmesh.localmesh.mesh import LocalMesh
 from tokenmesh.meshconfig.config import MeshSettings
+from tokenmesh.worker.placement import descendants
 
 CONCURRENCY = (1, 32, 64)
 QUICK_CONCURRENCY = (1, 32)
@@ -87,10 +87,6 @@ def cpu_seconds(pids: list[int]) -> float:
         # utime and stime are fields 14 and 15 of stat; [0] here is field 3 (state).
         total += int(fields[11]) + int(fields[12])
     return total / TICKS
-
-
-def descendants(process: int) -> list[int]:
-    return [child.pid for child in psutil.Process(process).children(recursive=True)]
 
 
 @dataclass(frozen=True)

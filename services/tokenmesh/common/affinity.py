@@ -19,6 +19,17 @@ def parse_cores(text: str) -> frozenset[int]:
     return frozenset(cores)
 
 
+def known_cores(text: str) -> frozenset[int]:
+    """parse_cores, refusing cores this process may not run on (a setting's validator)."""
+    cores = parse_cores(text)
+    allowed = os.sched_getaffinity(0)
+    if not cores <= allowed:
+        raise ValueError(
+            f"cores {sorted(cores - allowed)} are not among this machine's {sorted(allowed)}"
+        )
+    return cores
+
+
 def pin_threads(cores: frozenset[int], process: int | str = "self") -> None:
     """Every thread of a process (this one by default) onto `cores` (threads started later
     inherit it from their starter). A process's affinity is per thread in Linux, so each is

@@ -9,7 +9,7 @@ from typing import Literal, Self
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from tokenmesh.common.affinity import parse_cores
+from tokenmesh.common.affinity import known_cores, parse_cores
 
 MIB = 1024 * 1024
 
@@ -189,12 +189,7 @@ class ServiceSettings(BaseSettings):
     @field_validator("cpu_affinity")
     @classmethod
     def _known_cores(cls, value: str) -> str:
-        cores = parse_cores(value)
-        allowed = os.sched_getaffinity(0)
-        if not cores <= allowed:
-            raise ValueError(
-                f"cores {sorted(cores - allowed)} are not among this machine's {sorted(allowed)}"
-            )
+        known_cores(value)
         return value
 
     @property

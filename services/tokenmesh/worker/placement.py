@@ -12,7 +12,8 @@ log = logging.getLogger(__name__)
 
 
 def descendants(root: int) -> list[int]:
-    """Every process below `root` (children, theirs, ...), from /proc."""
+    """Every process below `root` (children, theirs, ...), from /proc. Read here rather than
+    with psutil, which the services do not depend on (only the tests and benchmarks do)."""
     parents: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
