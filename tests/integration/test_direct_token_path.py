@@ -1,8 +1,8 @@
-"""The direct token path: a second Envoy, rendered with direct_token_path, in front of the
-session mesh's gateways and workers (endpoints from its control plane). Generate is prepared by
-a gateway (Envoy's external processor) and streamed by Envoy straight from a worker: gRPC and
-REST callers see the same stream and the same errors, cancels still free the engine, and only
-what a gateway prepared reaches a worker."""
+"""The direct token path (the mesh's default): Generate is prepared by a gateway (Envoy's
+external processor) and streamed by Envoy straight from a worker. gRPC and REST callers see the
+same stream and the same errors, cancels still free the engine, only what a gateway prepared
+reaches a worker, and the gateways still count every stream (Envoy's access log). A second
+Envoy with the path off shows the gateway path is still there."""
 
 from __future__ import annotations
 
@@ -44,13 +44,18 @@ PROCESS = {"grpc_service": "envoy.service.ext_proc.v3.ExternalProcessor", "grpc_
 
 
 @pytest.fixture(scope="module")
-def direct(mesh: LocalMesh) -> Iterator[MeshSettings]:
-    """A second Envoy with the direct token path, sharing the mesh's services (its config and
-    access log among the mesh's logs)."""
-    with second_envoy(mesh, mesh.log_dir, direct_token_path=True) as (
-        settings,
-        _,
-    ):
+def direct(mesh: LocalMesh) -> MeshSettings:
+    """The session mesh's own Envoy: the direct token path is the default."""
+    settings = mesh.settings.mesh()
+    assert settings.direct_token_path
+    return settings
+
+
+@pytest.fixture(scope="module")
+def through_gateways(mesh: LocalMesh) -> Iterator[MeshSettings]:
+    """A second Envoy with the direct token path off, sharing the mesh's services (its config
+    and access log among the mesh's logs)."""
+    with second_envoy(mesh, mesh.log_dir, direct_token_path=False) as (settings, _):
         yield settings
 
 
@@ -306,3 +311,83 @@ async def test_a_degraded_answer_keeps_its_warning_and_trailer(
     while not any(ok for _, ok in mesh.envoy_hosts().get("reranker", [])):
         assert time.monotonic() < deadline, "the reranker did not rejoin"
         await asyncio.sleep(0.2)
+
+
+GATEWAY_COUNTS = (
+    ("grpc_server_handled_total", {**GENERATE_METHOD, "grpc_code": "OK"}),
+    ("grpc_server_handled_total", {**GENERATE_METHOD, "grpc_code": "CANCELLED"}),
+    ("grpc_server_handled_total", {**GENERATE_METHOD, "grpc_code": "DEADLINE_EXCEEDED"}),
+    ("grpc_server_stream_msg_sent_total", GENERATE_METHOD),
+    ("tokenmesh_ttft_seconds_count", {}),
+    ("tokenmesh_tokens_generated_total", {}),
+    ("tokenmesh_request_duration_seconds_count", {"grpc_code": "OK"}),
+)
+
+
+def gateway_counts(mesh: LocalMesh) -> list[float]:
+    return [total(mesh, "gateway", name, **labels) for name, labels in GATEWAY_COUNTS]
+
+
+async def test_the_gateways_count_the_streams_they_never_see(
+    mesh: LocalMesh, direct: MeshSettings, edge: llm_pb2_grpc.LLMServiceStub
+) -> None:
+    """The dashboards and the TTFT alert read the gateways' metrics: direct streams count there
+    (from Envoy's access log, a moment after each ends) with the status the caller saw, their
+    first token and their tokens, whether the caller speaks gRPC or gRPC-Web."""
+    # Earlier tests' streams are logged within Envoy's flush interval (0.5 s) of their end.
+    await asyncio.sleep(1.5)
+    before = gateway_counts(mesh)
+    request = llm_pb2.GenerateRequest(prompt="counted", max_tokens=16, ignore_eos=True)
+    call = edge.Generate(request, timeout=60)
+    tokens = [token async for token in call]
+    assert tokens[-1].usage.completion_tokens == 16
+    _, web_tokens, _ = grpc_web_generate(direct.edge_port, 8, "http://localhost:3000")
+    assert positions(web_tokens) == list(range(8))
+    cancelled = edge.Generate(
+        llm_pb2.GenerateRequest(prompt="cancelled", max_tokens=2000, ignore_eos=True), timeout=60
+    )
+    assert (await cancelled.read()).index == 0
+    cancelled.cancel()
+    with pytest.raises(aio.AioRpcError) as expired:
+        request = llm_pb2.GenerateRequest(prompt="expired", max_tokens=2000, ignore_eos=True)
+        [token async for token in edge.Generate(request, timeout=1.0)]
+    assert expired.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    expected = [2, 1, 1, len(tokens) + len(web_tokens), 4, 16 + 8, 2]
+
+    def added() -> list[float]:
+        return [now - then for now, then in zip(gateway_counts(mesh), before, strict=True)]
+
+    deadline = time.monotonic() + 15
+    while added() != expected:
+        assert time.monotonic() < deadline, (added(), expected)
+        await asyncio.sleep(0.25)
+
+
+async def test_envoys_own_interfaces_are_not_served_at_the_edge(direct: MeshSettings) -> None:
+    """A caller cannot write the gateways' metrics through the access log, nor ask for a
+    preparation: those are for the mesh's Envoys."""
+    async with aio.insecure_channel(f"127.0.0.1:{direct.edge_port}") as channel:
+        log = channel.stream_unary("/envoy.service.accesslog.v3.AccessLogService/StreamAccessLogs")
+        with pytest.raises(aio.AioRpcError) as refused:
+            await log(iter([b""]), timeout=30)
+    assert refused.value.code() is grpc.StatusCode.UNIMPLEMENTED
+
+
+async def test_with_the_direct_path_off_every_token_passes_a_gateway(
+    mesh: LocalMesh, through_gateways: MeshSettings
+) -> None:
+    before = {
+        "generate": started(mesh, "gateway", GENERATE_METHOD),
+        "process": started(mesh, "gateway", PROCESS),
+        "itl": total(mesh, "gateway", "tokenmesh_inter_token_latency_seconds_count"),
+    }
+    async with aio.insecure_channel(f"127.0.0.1:{through_gateways.edge_port}") as channel:
+        stub = llm_pb2_grpc.LLMServiceStub(channel)
+        request = llm_pb2.GenerateRequest(prompt="gateway path", max_tokens=32, ignore_eos=True)
+        tokens = [token async for token in stub.Generate(request, timeout=120)]
+    assert positions(tokens) == list(range(32))
+    assert started(mesh, "gateway", GENERATE_METHOD) - before["generate"] == 1
+    assert started(mesh, "gateway", PROCESS) == before["process"]
+    # The gateway timed the gaps between the messages it sent.
+    itl = total(mesh, "gateway", "tokenmesh_inter_token_latency_seconds_count") - before["itl"]
+    assert itl >= 31

@@ -143,7 +143,12 @@ async def test_a_request_the_gateway_would_refuse_goes_on_to_its_own_handler() -
     compressed = ext_proc.ProcessingRequest(
         request_body=ext_proc.HttpBody(body=b"\x01" + grpc_frame(b"x")[1:], end_of_stream=True)
     )
-    for request in (body(too_many), garbage, compressed):
+    # Over the edge's buffer: Envoy sends the body's start, its end still to come.
+    valid = llm_pb2.GenerateRequest(prompt="question", max_tokens=3)
+    partial = ext_proc.ProcessingRequest(
+        request_body=ext_proc.HttpBody(body=grpc_frame(valid.SerializeToString()))
+    )
+    for request in (body(too_many), garbage, compressed, partial):
         _, reply = await replies(Prepared(), headers(GENERATE_PATH), request, metrics=metrics)
         assert reply.request_body == ext_proc.BodyResponse()  # unchanged, to the gateways
     # Quotas on: the headers go on and the stream ends, before any body is asked for.
@@ -152,7 +157,7 @@ async def test_a_request_the_gateway_would_refuse_goes_on_to_its_own_handler() -
     only = await replies(metered, headers(GENERATE_PATH), body(request), metrics=metrics)
     assert [reply.WhichOneof("response") for reply in only] == ["request_headers"]
     assert metered.remaining == []
-    assert metrics.requests.labels(outcome="gateway")._value.get() == 4
+    assert metrics.requests.labels(outcome="gateway")._value.get() == 5
     assert metrics.requests.labels(outcome="direct")._value.get() == 0
 
 

@@ -15,7 +15,7 @@ from prometheus_client.registry import Collector
 
 from tokenmesh.common.affinity import pin_threads
 from tokenmesh.common.interceptors import standard_interceptors
-from tokenmesh.common.metrics import MetricsEndpoint
+from tokenmesh.common.metrics import GrpcServerMetrics, MetricsEndpoint
 from tokenmesh.common.registration import ConsulRegistration, instance_for
 from tokenmesh.common.server import (
     Health,
@@ -63,6 +63,9 @@ class ServiceHost:
         self.role = role
         self.settings = settings
         self.registry = CollectorRegistry()
+        # grpc_server_*: recorded by the server's interceptors, and by a service for RPCs it
+        # learns of otherwise (the gateway: streams Envoy sent straight from a worker).
+        self.rpc_metrics = GrpcServerMetrics(self.registry)
         self.tracing = Tracing(f"tokenmesh-{role}", settings.otlp_endpoint)
         self.health = Health(service_names)
         self._service_names = tuple(service_names)
@@ -91,7 +94,8 @@ class ServiceHost:
         health and reflection are on it. Built on the first call."""
         if self._server is None:
             self._server = build_server(
-                self.settings, standard_interceptors(self.registry, self.tracer, interceptors)
+                self.settings,
+                standard_interceptors(self.registry, self.tracer, interceptors, self.rpc_metrics),
             )
             self.health.register(self._server)
             enable_reflection(self._server, self._service_names)

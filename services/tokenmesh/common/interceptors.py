@@ -485,13 +485,15 @@ def standard_interceptors(
     registry: CollectorRegistry,
     tracer: Tracer | None = None,
     inner: Sequence[aio.ServerInterceptor] = (),
+    metrics: GrpcServerMetrics | None = None,
 ) -> list[aio.ServerInterceptor]:
     """Every service's interceptors, outermost first: the observer (span, log line, metrics)
     sees the final status code that error mapping produced, and its span is current for
     everything inside; no tracer (tracing off): no spans at all. `inner` ones (authentication,
-    tenant limits) run inside error mapping, so the errors they raise map like a handler's."""
+    tenant limits) run inside error mapping, so the errors they raise map like a handler's.
+    `metrics`: the grpc_server_* set on `registry`, when the caller records in it too."""
     return [
-        ObservingInterceptor(GrpcServerMetrics(registry), tracer),
+        ObservingInterceptor(metrics or GrpcServerMetrics(registry), tracer),
         ErrorMappingInterceptor(),
         *inner,
     ]

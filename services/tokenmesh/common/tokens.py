@@ -9,6 +9,23 @@ from tokenmesh.v1 import token_pb2
 # worker returns it as a trailer.
 DEGRADED_HEADER = "x-tokenmesh-degraded"
 DEGRADED_BY_RERANKER = "reranker"
+# The trailer a worker ends a finished stream with: its prompt and completion tokens and the
+# messages it sent ("12 128 40"). Envoy logs it for the gateway when it streams a worker's
+# tokens straight to the caller (gateway/accesslog.py), where no gateway sees the messages.
+USAGE_TRAILER = "x-tokenmesh-usage"
+
+
+def usage_trailer(prompt_tokens: int, completion_tokens: int, messages: int) -> str:
+    return f"{prompt_tokens} {completion_tokens} {messages}"
+
+
+def parse_usage_trailer(value: str) -> tuple[int, int, int] | None:
+    """(prompt tokens, completion tokens, messages); None when absent or malformed."""
+    parts = value.split()
+    if len(parts) != 3 or not all(part.isdigit() for part in parts):
+        return None
+    prompt_tokens, completion_tokens, messages = (int(part) for part in parts)
+    return prompt_tokens, completion_tokens, messages
 
 
 def token_count(token: token_pb2.Token) -> int:

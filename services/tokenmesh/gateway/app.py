@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass, field
 
 import grpc
+from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from grpc import aio
 from prometheus_client import CollectorRegistry
@@ -13,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from tokenmesh.common.channels import Dependency
 from tokenmesh.common.host import ServiceHost
 from tokenmesh.common.metrics import StreamMetrics
+from tokenmesh.gateway.accesslog import DirectStreamLog
 from tokenmesh.gateway.auth import AuthInterceptor, KeysFileError, KeyStore
 from tokenmesh.gateway.breaker import CircuitBreaker
 from tokenmesh.gateway.client import standard_client_interceptors
@@ -99,7 +101,10 @@ async def serve(settings: GatewaySettings) -> int:
     # Used when Envoy's edge sends Generate's tokens straight from workers (the mesh's
     # direct_token_path); idle otherwise.
     ext_proc_grpc.add_ExternalProcessorServicer_to_server(
-        ExternalProcessor(pipeline, settings, DirectMetrics(host.registry)), server
+        ExternalProcessor(pipeline, settings, DirectMetrics(host.registry), host.tracer), server
+    )
+    als_pb2_grpc.add_AccessLogServiceServicer_to_server(
+        DirectStreamLog(stream_metrics, host.rpc_metrics, host.tracer), server
     )
     if tenancy.store is not None:
         host.keep_running(tenancy.store.watch(settings.keys_reload_seconds), "keys-watch")

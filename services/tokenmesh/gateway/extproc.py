@@ -15,11 +15,14 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf.message import DecodeError
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Tracer
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from tokenmesh.common.errors import ServiceError
 from tokenmesh.common.metrics import RPC_BUCKETS
 from tokenmesh.common.tokens import DEGRADED_BY_RERANKER, DEGRADED_HEADER
+from tokenmesh.common.tracing import extract
 from tokenmesh.gateway.config import GatewaySettings
 from tokenmesh.gateway.pipeline import Pipeline
 from tokenmesh.gateway.requests import generation_job
@@ -115,11 +118,16 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
     refuse go on unchanged, to its own handler."""
 
     def __init__(
-        self, pipeline: Pipeline, settings: GatewaySettings, metrics: DirectMetrics
+        self,
+        pipeline: Pipeline,
+        settings: GatewaySettings,
+        metrics: DirectMetrics,
+        tracer: Tracer | None = None,
     ) -> None:
         self._pipeline = pipeline
         self._settings = settings
         self._metrics = metrics
+        self._tracer = tracer
 
     async def Process(
         self, request_iterator: AsyncIterator[ext_proc.ProcessingRequest], context: Any
@@ -143,7 +151,13 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
                     self._metrics.requests.labels(outcome="gateway").inc()
                     return
             elif kind == "request_body":
-                yield await self._prepared(headers, message.request_body.body, started)
+                body = message.request_body
+                if not body.end_of_stream:
+                    # Over the edge's buffer: only the gateway's handler sees all of it.
+                    self._metrics.requests.labels(outcome="gateway").inc()
+                    yield ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse())
+                    return
+                yield await self._prepared(headers, body.body, started)
                 return
             else:
                 log.warning("external processor: unexpected %s", kind)
@@ -186,7 +200,17 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         timeout = grpc_timeout(headers.get("grpc-timeout"))
         remaining = None if timeout is None else timeout - (time.monotonic() - started)
         job = generation_job(request, self._settings)
-        prepared = await self._pipeline.prepare(job, remaining)
+        if self._tracer is None:
+            prepared = await self._pipeline.prepare(job, remaining)
+        else:
+            # In the caller's trace (its traceparent is among the request's headers), beside
+            # the stream's own span (accesslog.py) and the worker's; the reranker call inside.
+            span = self._tracer.start_span(
+                "prepare", context=extract(headers.items()), kind=SpanKind.INTERNAL
+            )
+            with trace.use_span(span, end_on_exit=True):
+                prepared = await self._pipeline.prepare(job, remaining)
+                span.set_attribute("tokenmesh.degraded", prepared.degraded)
         worker = self._pipeline.worker_request(prepared.prompt, job.sampling)
         worker.warnings.extend(prepared.warnings)
         mutation = ext_proc.HeaderMutation(

@@ -13,6 +13,7 @@ from typing import Any
 from google.protobuf import descriptor_pb2
 from google.protobuf.descriptor import FileDescriptor
 
+from tokenmesh.common.tokens import USAGE_TRAILER
 from tokenmesh.meshconfig.config import MeshSettings
 from tokenmesh.v1 import inference_pb2, llm_pb2, ops_pb2, rerank_pb2, token_pb2
 
@@ -154,6 +155,76 @@ def access_log(listener: str) -> list[Config]:
     ]
 
 
+def direct_stream_log(mesh: MeshSettings) -> list[Config]:
+    """With direct_token_path: each stream the edge sent straight from a worker is logged to the
+    gateways (gateway/accesslog.py), which record it in their metrics as if they had served it:
+    its timings, the caller's deadline, its status and the worker's usage trailer. Batched, off
+    the token path; no stream waits for it."""
+    if not mesh.direct_token_path:
+        return []
+    worker = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name + "/Generate"
+    return [
+        {
+            "name": "envoy.access_loggers.http_grpc",
+            "filter": {
+                "header_filter": {
+                    "header": {"name": ":path", "string_match": {"exact": f"/{worker}"}}
+                }
+            },
+            "typed_config": {
+                "@type": TYPE + "envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
+                "common_config": {
+                    "log_name": "direct_streams",
+                    "transport_api_version": "V3",
+                    "grpc_service": {"envoy_grpc": {"cluster_name": "gateway"}},
+                    "buffer_flush_interval": "0.5s",
+                },
+                # The caller's deadline, and its trace for the gateway's span of the stream.
+                "additional_request_headers_to_log": ["grpc-timeout", "traceparent", "tracestate"],
+                "additional_response_headers_to_log": ["grpc-status"],
+                "additional_response_trailers_to_log": ["grpc-status", USAGE_TRAILER],
+            },
+        }
+    ]
+
+
+def edge_local_replies(mesh: MeshSettings) -> Config:
+    """A request body over the edge's buffer (only the direct token path's external processor
+    buffers a gRPC body whole; every valid request fits with the default limits) is refused
+    with HTTP 413, which gRPC would read as UNKNOWN: RESOURCE_EXHAUSTED with a message, as
+    the gateways refuse a message over their cap."""
+    if not mesh.direct_token_path:
+        return {}
+    return {
+        "local_reply_config": {
+            "mappers": [
+                {
+                    "filter": {
+                        "status_code_filter": {
+                            "comparison": {
+                                "op": "EQ",
+                                "value": {"default_value": 413, "runtime_key": "edge_413"},
+                            }
+                        }
+                    },
+                    "headers_to_add": [
+                        {
+                            "header": {"key": "grpc-status", "value": "8"},
+                            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+                        }
+                    ],
+                    "body": {
+                        "inline_string": (
+                            f"request: the body is over the edge's limit of "
+                            f"{mesh.buffer_limit_bytes} bytes"
+                        )
+                    },
+                }
+            ]
+        }
+    }
+
+
 def always() -> Config:
     return {"default_value": {"numerator": 100, "denominator": "HUNDRED"}}
 
@@ -250,6 +321,9 @@ def external_processor(mesh: MeshSettings) -> list[Config]:
                 # one, but then a stream's first token reached the caller late at 1 stream).
                 "processing_mode": {
                     "request_header_mode": "SEND",
+                    # Whole (BUFFERED_PARTIAL lets the headers go on before the body's
+                    # answer, to the gateways, when the body comes in a later read). A body
+                    # over the edge's buffer is refused (edge_local_replies).
                     "request_body_mode": "BUFFERED",
                     "response_header_mode": "SKIP",
                     "response_body_mode": "NONE",
@@ -292,6 +366,12 @@ def edge_routes(mesh: MeshSettings) -> list[Config]:
         ),
         {"match": {"path": OPS_PAGE.rstrip("/")}, "redirect": {"path_redirect": OPS_PAGE}},
         {"match": {"prefix": OPS_PAGE}, "route": {"cluster": "ops_page", "timeout": "10s"}},
+        # Envoy's own interfaces on the gateways (external processor, access log) are for the
+        # mesh's Envoys, not callers: UNIMPLEMENTED (HTTP 404).
+        {
+            "match": {"prefix": "/envoy.service."},
+            "direct_response": {"status": 404, "body": {"inline_string": "not served here"}},
+        },
         *direct_routes(mesh),
         *openai_routes(mesh),
         route_to("gateway", mesh),
@@ -371,7 +451,8 @@ def listener(name: str, host: str, port: int, cluster: str, mesh: MeshSettings) 
         "max_request_headers_kb": mesh.max_request_headers_kib,
         "common_http_protocol_options": {"max_headers_count": mesh.max_headers_count},
         "request_headers_timeout": seconds(mesh.request_headers_timeout_seconds),
-        "access_log": access_log(name),
+        **(edge_local_replies(mesh) if edge else {}),
+        "access_log": access_log(name) + (direct_stream_log(mesh) if edge else []),
         "route_config": {"name": name, "virtual_hosts": [virtual_host]},
         "http_filters": edge_filters(mesh)
         if edge

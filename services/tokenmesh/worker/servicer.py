@@ -13,7 +13,7 @@ from prometheus_client import Counter
 
 from tokenmesh.common.metrics import StreamMetrics
 from tokenmesh.common.outcome import Deadline
-from tokenmesh.common.tokens import DEGRADED_HEADER
+from tokenmesh.common.tokens import DEGRADED_HEADER, USAGE_TRAILER, usage_trailer
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
 from tokenmesh.worker.admission import Admission
 from tokenmesh.worker.config import WorkerSettings
@@ -81,13 +81,22 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         degraded = next(
             (str(v) for k, v in context.invocation_metadata() or () if k == DEGRADED_HEADER), None
         )
-        if degraded:
-            context.set_trailing_metadata(((DEGRADED_HEADER, degraded),))
+        trailers = ((DEGRADED_HEADER, degraded),) if degraded else ()
+        if trailers:
+            context.set_trailing_metadata(trailers)
         engine = self._engines.get()
+        messages = 0
         # Closing the inner stream (the caller went away) aborts the engine request.
         with self._admission.admit(engine.load.waiting):
             async with contextlib.aclosing(self._generate(engine, spec, context)) as tokens:
                 async for token in tokens:
+                    messages += 1
+                    if token.finish_reason:
+                        usage = token.usage
+                        value = usage_trailer(
+                            usage.prompt_tokens, usage.completion_tokens, messages
+                        )
+                        context.set_trailing_metadata((*trailers, (USAGE_TRAILER, value)))
                     yield token
 
     async def _generate(

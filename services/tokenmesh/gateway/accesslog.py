@@ -1,0 +1,147 @@
+"""Envoy's access log of the streams it sent straight from a worker: the gateway's metrics."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from envoy.data.accesslog.v3 import accesslog_pb2
+from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+from google.protobuf.duration_pb2 import Duration
+from opentelemetry.trace import SpanKind, StatusCode, Tracer
+
+from tokenmesh.common.interceptors import SERVER_ERROR_CODES
+from tokenmesh.common.metrics import GrpcServerMetrics, StreamMetrics
+from tokenmesh.common.outcome import (
+    CANCELLED,
+    DEADLINE_EXCEEDED,
+    DEADLINE_SLACK_SECONDS,
+    INTERRUPTED,
+)
+from tokenmesh.common.tokens import USAGE_TRAILER, parse_usage_trailer
+from tokenmesh.common.tracing import extract
+from tokenmesh.gateway.extproc import GENERATE_PATH, WORKER_PATH, grpc_timeout
+
+log = logging.getLogger(__name__)
+
+CODE_NAMES: dict[int, str] = {code.value[0]: code.name for code in grpc.StatusCode}
+
+
+def seconds(duration: Duration) -> float:
+    return float(duration.seconds + duration.nanos / 1e9)
+
+
+def final_code(entry: accesslog_pb2.HTTPAccessLogEntry, duration: float) -> str:
+    """The status the caller saw: the worker's (or Envoy's) grpc-status, in the trailers or a
+    trailers-only answer's headers; for a stream reset before its end, the caller's deadline
+    passing, its cancel, or a worker that went away."""
+    response = entry.response
+    status: str | None = response.response_trailers.get(
+        "grpc-status"
+    ) or response.response_headers.get("grpc-status")
+    if status is not None and status.isdigit():
+        return CODE_NAMES.get(int(status), "UNKNOWN")
+    flags = entry.common_properties.response_flags
+    if flags.downstream_remote_reset or flags.downstream_connection_termination:
+        timeout = grpc_timeout(entry.request.request_headers.get("grpc-timeout"))
+        if timeout is not None and duration >= timeout - DEADLINE_SLACK_SECONDS:
+            return DEADLINE_EXCEEDED
+        return CANCELLED
+    if (
+        flags.upstream_remote_reset
+        or flags.upstream_connection_termination
+        or flags.upstream_connection_failure
+        or flags.no_healthy_upstream
+    ):
+        return "UNAVAILABLE"
+    return "UNKNOWN"
+
+
+class DirectStreamLog(als_pb2_grpc.AccessLogServiceServicer):
+    """Envoy's edge logs each Generate stream it sent straight from a worker (the direct token
+    path) here, a second or less after it ends, and the gateway records it as it records the
+    streams it serves itself: grpc_server_* for LLMService/Generate (started, handled by code,
+    messages, handling seconds) and tokenmesh_ttft_seconds, tokenmesh_request_duration_seconds,
+    tokenmesh_tokens_generated and tokenmesh_prompt_tokens, with Envoy's own timings (time to
+    the first byte sent to the caller: the worker sends its headers with its first token).
+    Tokens are counted from the worker's usage trailer, so a stream cut short counts none here;
+    inter-token gaps are the worker's to record (it sees every message; no gateway does).
+    With a tracer, each stream is also a SERVER span in the caller's trace (Envoy logs its
+    traceparent), timed by Envoy, with its status and a "cancelled" event as on other RPCs."""
+
+    def __init__(
+        self, streams: StreamMetrics, rpcs: GrpcServerMetrics, tracer: Tracer | None = None
+    ) -> None:
+        self._streams = streams
+        self._rpc = rpcs.for_method(GENERATE_PATH, "server_stream")
+        self._tracer = tracer
+
+    async def StreamAccessLogs(
+        self, request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage], context: Any
+    ) -> als_pb2.StreamAccessLogsResponse:
+        async for message in request_iterator:
+            for entry in message.http_logs.log_entry:
+                self.record(entry)
+        return als_pb2.StreamAccessLogsResponse()
+
+    def record(self, entry: accesslog_pb2.HTTPAccessLogEntry) -> None:
+        if entry.request.path != WORKER_PATH:
+            return
+        common = entry.common_properties
+        if common.HasField("duration"):
+            duration = seconds(common.duration)
+        else:
+            duration = seconds(common.time_to_last_downstream_tx_byte)
+        code = final_code(entry, duration)
+        rpc = self._rpc
+        rpc.started.inc()
+        rpc.received.inc()
+        streams = self._streams
+        if entry.response.response_body_bytes and common.HasField(
+            "time_to_first_downstream_tx_byte"
+        ):
+            streams.ttft.observe(seconds(common.time_to_first_downstream_tx_byte))
+        usage = parse_usage_trailer(entry.response.response_trailers.get(USAGE_TRAILER, ""))
+        if usage is not None:
+            prompt_tokens, completion_tokens, messages = usage
+            streams.prompt_tokens.inc(prompt_tokens)
+            streams.tokens.inc(completion_tokens)
+            rpc.sent.inc(messages)
+        rpc.finish(code, duration)
+        streams.duration.labels(code).observe(duration)
+        if self._tracer is not None:
+            self._span(self._tracer, entry, code, duration)
+        log.debug(
+            "direct stream %s %.1f ms",
+            code,
+            duration * 1000,
+            extra={"grpc_code": code, "duration_ms": round(duration * 1000, 3)},
+        )
+
+    @staticmethod
+    def _span(
+        tracer: Tracer, entry: accesslog_pb2.HTTPAccessLogEntry, code: str, duration: float
+    ) -> None:
+        start = entry.common_properties.start_time.ToNanoseconds()
+        end = start + int(duration * 1e9)
+        service, _, method = GENERATE_PATH.lstrip("/").partition("/")
+        span = tracer.start_span(
+            GENERATE_PATH.lstrip("/"),
+            context=extract(entry.request.request_headers.items()),
+            kind=SpanKind.SERVER,
+            attributes={
+                "rpc.system": "grpc",
+                "rpc.service": service,
+                "rpc.method": method,
+                "rpc.grpc.status_code": grpc.StatusCode[code].value[0],
+                "tokenmesh.direct": True,
+            },
+            start_time=start,
+        )
+        if code in INTERRUPTED:
+            span.add_event("cancelled", {"tokenmesh.reason": code.lower()}, timestamp=end)
+        if code in SERVER_ERROR_CODES:
+            span.set_status(StatusCode.ERROR, code)
+        span.end(end_time=end)

@@ -1,0 +1,155 @@
+"""The gateway's metrics for streams Envoy sent straight from a worker, from Envoy's access log."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+from envoy.data.accesslog.v3 import accesslog_pb2
+from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+from grpc import aio
+from prometheus_client import CollectorRegistry
+
+from tokenmesh.common.metrics import GrpcServerMetrics, StreamMetrics
+from tokenmesh.common.tokens import USAGE_TRAILER, parse_usage_trailer, usage_trailer
+from tokenmesh.gateway.accesslog import DirectStreamLog
+
+GENERATE = {
+    "grpc_type": "server_stream",
+    "grpc_service": "tokenmesh.v1.LLMService",
+    "grpc_method": "Generate",
+}
+
+
+def entry(
+    *,
+    path: str = "/tokenmesh.v1.InferenceService/Generate",
+    duration: float = 1.5,
+    first_byte: float | None = 0.25,
+    body_bytes: int = 900,
+    trailers: dict[str, str] | None = None,
+    headers: dict[str, str] | None = None,
+    timeout: str | None = None,
+    **flags: bool,
+) -> accesslog_pb2.HTTPAccessLogEntry:
+    log = accesslog_pb2.HTTPAccessLogEntry()
+    log.request.path = path
+    if timeout is not None:
+        log.request.request_headers["grpc-timeout"] = timeout
+    log.common_properties.duration.FromNanoseconds(int(duration * 1e9))
+    if first_byte is not None:
+        log.common_properties.time_to_first_downstream_tx_byte.FromNanoseconds(
+            int(first_byte * 1e9)
+        )
+    for flag, value in flags.items():
+        setattr(log.common_properties.response_flags, flag, value)
+    log.response.response_code.value = 200
+    log.response.response_body_bytes = body_bytes
+    log.response.response_trailers.update(trailers or {})
+    log.response.response_headers.update(headers or {})
+    return log
+
+
+class Recorded:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.log = DirectStreamLog(StreamMetrics(self.registry), GrpcServerMetrics(self.registry))
+
+    def value(self, name: str, **labels: str) -> float:
+        return self.registry.get_sample_value(name, labels) or 0.0
+
+
+def test_a_finished_stream_counts_as_the_gateways_own() -> None:
+    seen = Recorded()
+    usage = usage_trailer(prompt_tokens=12, completion_tokens=128, messages=40)
+    seen.log.record(entry(trailers={"grpc-status": "0", USAGE_TRAILER: usage}))
+    assert seen.value("grpc_server_started_total", **GENERATE) == 1
+    assert seen.value("grpc_server_handled_total", **GENERATE, grpc_code="OK") == 1
+    assert seen.value("grpc_server_stream_msg_received_total", **GENERATE) == 1
+    assert seen.value("grpc_server_stream_msg_sent_total", **GENERATE) == 40
+    assert seen.value("grpc_server_handling_seconds_sum", **GENERATE) == pytest.approx(1.5)
+    assert seen.value("tokenmesh_ttft_seconds_count") == 1
+    assert seen.value("tokenmesh_ttft_seconds_sum") == pytest.approx(0.25)
+    assert seen.value("tokenmesh_tokens_generated_total") == 128
+    assert seen.value("tokenmesh_prompt_tokens_total") == 12
+    assert seen.value("tokenmesh_request_duration_seconds_count", grpc_code="OK") == 1
+    # No gateway saw the gaps between messages: the worker records them.
+    assert seen.value("tokenmesh_inter_token_latency_seconds_count") == 0
+
+
+def test_an_error_answered_before_any_token_has_no_first_token() -> None:
+    seen = Recorded()
+    # Trailers-only: the status comes in the headers, and no message was sent.
+    seen.log.record(entry(body_bytes=0, headers={"grpc-status": "8"}, trailers={}))
+    assert seen.value("grpc_server_handled_total", **GENERATE, grpc_code="RESOURCE_EXHAUSTED") == 1
+    assert seen.value("tokenmesh_ttft_seconds_count") == 0
+    assert seen.value("tokenmesh_tokens_generated_total") == 0
+
+
+@pytest.mark.parametrize(
+    ("timeout", "duration", "flags", "code"),
+    [
+        ("500m", 0.5, {"downstream_remote_reset": True}, "DEADLINE_EXCEEDED"),
+        ("500m", 0.45, {"downstream_remote_reset": True}, "DEADLINE_EXCEEDED"),  # its slack
+        ("5S", 0.5, {"downstream_remote_reset": True}, "CANCELLED"),
+        (None, 0.5, {"downstream_connection_termination": True}, "CANCELLED"),
+        (None, 0.5, {"upstream_remote_reset": True}, "UNAVAILABLE"),
+        (None, 0.5, {}, "UNKNOWN"),
+    ],
+)
+def test_a_stream_cut_short_ends_as_the_caller_saw_it(
+    timeout: str | None, duration: float, flags: dict[str, bool], code: str
+) -> None:
+    seen = Recorded()
+    seen.log.record(entry(timeout=timeout, duration=duration, trailers={}, **flags))
+    assert seen.value("grpc_server_handled_total", **GENERATE, grpc_code=code) == 1
+    assert seen.value("tokenmesh_request_duration_seconds_count", grpc_code=code) == 1
+    # Cut short: the worker sent no usage, so no tokens are counted here.
+    assert seen.value("tokenmesh_tokens_generated_total") == 0
+    assert seen.value("tokenmesh_ttft_seconds_count") == 1  # a token had been sent
+
+
+def test_other_paths_and_malformed_usage_are_not_counted() -> None:
+    seen = Recorded()
+    seen.log.record(entry(path="/tokenmesh.v1.LLMService/Generate"))
+    assert seen.value("grpc_server_started_total", **GENERATE) == 0
+    seen.log.record(entry(trailers={"grpc-status": "0", USAGE_TRAILER: "12 x 3"}))
+    assert seen.value("grpc_server_handled_total", **GENERATE, grpc_code="OK") == 1
+    assert seen.value("tokenmesh_tokens_generated_total") == 0
+
+
+@pytest.mark.parametrize(
+    ("value", "parsed"),
+    [("12 128 40", (12, 128, 40)), ("12 128", None), ("", None), ("1 -2 3", None)],
+)
+def test_the_usage_trailer(value: str, parsed: tuple[int, int, int] | None) -> None:
+    assert parse_usage_trailer(value) == parsed
+    if parsed is not None:
+        assert usage_trailer(*parsed) == value
+
+
+async def test_envoys_log_stream_is_served_over_grpc() -> None:
+    """The service as Envoy calls it: a client stream of batches of entries."""
+    seen = Recorded()
+    server = aio.server()
+    als_pb2_grpc.add_AccessLogServiceServicer_to_server(seen.log, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        usage = usage_trailer(prompt_tokens=3, completion_tokens=7, messages=7)
+        finished = entry(trailers={"grpc-status": "0", USAGE_TRAILER: usage})
+
+        async def batches() -> AsyncIterator[als_pb2.StreamAccessLogsMessage]:
+            for _ in range(2):
+                message = als_pb2.StreamAccessLogsMessage()
+                message.identifier.log_name = "direct_streams"
+                message.http_logs.log_entry.extend([finished, finished])
+                yield message
+
+        async with aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = als_pb2_grpc.AccessLogServiceStub(channel)
+            await stub.StreamAccessLogs(batches())
+    finally:
+        await server.stop(None)
+    assert seen.value("grpc_server_handled_total", **GENERATE, grpc_code="OK") == 4
+    assert seen.value("tokenmesh_tokens_generated_total") == 28
