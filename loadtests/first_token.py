@@ -1,9 +1,8 @@
 """First tokens at 1 stream, hop by hop: where a lone stream's first token waits.
 
-A 1-gateway/1-worker mesh and a second Envoy with the direct token path off; one stream at a
-time, 128 tokens each, in interleaved rounds over four paths: the worker itself, the worker
-behind Envoy's worker listener, the edge (the direct token path, the default) and the second
-Envoy's edge (a gateway on the token path). Reports
+A 1-gateway/1-worker mesh and a second Envoy with the direct token path; one stream at a time,
+128 tokens each, in interleaved rounds over four paths: the worker itself, the worker behind
+Envoy's worker listener, the edge (gateway on the token path) and the direct-path edge. Reports
 each path's TTFT of every request, p50/p90/max and the share over 50 ms, and the same for the
 time the first token spent between the worker building its message and the client reading it.
 
@@ -78,14 +77,14 @@ def main() -> None:
         parser.error("requests 1-200, rounds 1-10")
     with (
         private_mesh() as local_mesh,
-        second_envoy(local_mesh, local_mesh.run_dir, direct_token_path=False) as (gateway, _),
+        second_envoy(local_mesh, local_mesh.run_dir, direct_token_path=True) as (direct, _),
     ):
         s = local_mesh.settings
         paths = {
             "worker": (program(local_mesh, "worker-0").address, True),
             "Envoy>worker": (f"127.0.0.1:{s.worker_listener_port}", True),
-            "edge>gateway>Envoy>worker": (f"127.0.0.1:{gateway.edge_port}", False),
-            "edge>worker (direct token path)": (f"127.0.0.1:{s.edge_port}", False),
+            "edge>gateway>Envoy>worker": (f"127.0.0.1:{s.edge_port}", False),
+            "edge>worker (direct token path)": (f"127.0.0.1:{direct.edge_port}", False),
         }
         times: dict[str, list[float]] = {name: [] for name in paths}
         held: dict[str, list[float]] = {name: [] for name in paths}

@@ -2,9 +2,8 @@
 server on the same model and core binding, both up, in interleaved rounds at 1, 32 and 64
 streams of 128 tokens: tokens/s, TTFT and client ITL p50/p99, and CPU microseconds per
 delivered token of each process (worker, engine, gateway, Envoy; vLLM's API server and engine),
-read from /proc before and after each round. The edge streams by the direct token path (the
-default: gateways prepare, Envoy streams from the workers); beside it, the same services behind
-a second Envoy with the direct token path off (every token through a gateway), and at 32
+read from /proc before and after each round. Beside them: the same services behind a second
+Envoy with the direct token path (gateways prepare, Envoy streams from the workers), and at 32
 and 64 streams the edge with stream_interval 8, and a second vLLM server placed as the mesh
 places a worker (its engine's processes on the engine's core, the server's threads on the
 others; --no-placed-baseline leaves it out). With --profile, py-spy samples the worker and
@@ -108,8 +107,6 @@ class Route:
 
 
 def mesh_path(local_mesh: LocalMesh) -> Route:
-    """The mesh's edge as shipped: the direct token path (a gateway prepares each request,
-    Envoy streams the worker's tokens to the caller: one Envoy hop)."""
     worker = pid(local_mesh, "worker-0")
     return Route(
         label="edge gRPC",
@@ -122,7 +119,7 @@ def mesh_path(local_mesh: LocalMesh) -> Route:
             "gateway": [pid(local_mesh, "gateway-0")],
             "envoy": [pid(local_mesh, "envoy")],
         },
-        hops={"envoy": 1},
+        hops={"envoy": 2},
         metrics={
             name: program.metrics_port
             for name, program in (
@@ -141,15 +138,15 @@ def openai_path(mesh: Route, local_mesh: LocalMesh) -> Route:
     )
 
 
-def gateway_path(mesh: Route, envoy: MeshSettings, envoy_pid: int) -> Route:
-    """The same gateway and worker behind an Envoy with the direct token path off: every token
-    through the gateway and two Envoy hops (this Envoy's edge, the mesh Envoy's worker hop)."""
+def direct_path(mesh: Route, envoy: MeshSettings, envoy_pid: int) -> Route:
+    """The same gateway and worker behind an Envoy with the direct token path: the gateway
+    prepares each request, Envoy streams the worker's tokens to the caller (one Envoy hop)."""
     return replace(
         mesh,
-        label="edge gRPC, gateway path",
+        label="edge gRPC, direct token path",
         address=f"127.0.0.1:{envoy.edge_port}",
-        processes={**mesh.processes, "envoy": [envoy_pid, *mesh.processes["envoy"]]},
-        hops={"envoy": 2},
+        processes={**mesh.processes, "envoy": [envoy_pid]},
+        hops={"envoy": 1},
     )
 
 
@@ -316,8 +313,8 @@ def cost(
         (
             contextlib.nullcontext((None, 0))
             if openai
-            else second_envoy(local_mesh, local_mesh.run_dir, direct_token_path=False)
-        ) as (through_gateway, through_gateway_pid),
+            else second_envoy(local_mesh, local_mesh.run_dir, direct_token_path=True)
+        ) as (direct, direct_pid),
         openai_server() as (address, server),
         openai_server(placed=True) if placed_baseline else contextlib.nullcontext(("", 0)) as (
             placed_address,
@@ -329,8 +326,8 @@ def cost(
         if openai:
             paths = [openai_path(mesh, local_mesh), sse, mesh]
         else:
-            assert through_gateway is not None
-            paths = [mesh, sse, gateway_path(mesh, through_gateway, through_gateway_pid)]
+            assert direct is not None
+            paths = [mesh, sse, direct_path(mesh, direct, direct_pid)]
         if placed_baseline:
             paths.append(sse_path(placed_address, placed_server, placed=True))
         for c in concurrency:

@@ -192,7 +192,7 @@ async def test_one_trace_from_the_client_through_envoy_to_reranker_and_worker(
 async def test_a_cancelled_stream_records_the_cancellation_in_gateway_and_worker_spans(
     edge, otlp_collector: OtlpCollector
 ) -> None:
-    traceparent, trace_id, client_span_id = client_traceparent()
+    traceparent, trace_id, _ = client_traceparent()
     # 20 logprobs a token make the 2,000 tokens take the worker ~9 s instead of ~3 s: a cancel
     # that reached this mesh's edge only as the worker's stream ended, ~2.9 s after it was sent,
     # once let the worker finish first (not explained yet; make up's mesh: 13-22 ms).
@@ -206,17 +206,11 @@ async def test_a_cancelled_stream_records_the_cancellation_in_gateway_and_worker
     call.cancel()
     print(f"cancelled {time.monotonic() - began:.3f} s after the call began")
     generate = ("tokenmesh-gateway", "tokenmesh.v1.LLMService/Generate")
-    prepare = ("tokenmesh-gateway", "prepare")
     spans = await otlp_collector.wait_for(
-        trace_id, lambda found: has(found, generate, prepare, WORKER, DECODE)
+        trace_id, lambda found: has(found, generate, WORKER, DECODE)
     )
     gateway, worker, decode = one(spans, *generate), one(spans, *WORKER), one(spans, *DECODE)
-    # The direct token path: a gateway prepared the request and Envoy streamed it from the
-    # worker; the gateway's span of the stream (from Envoy's access log), its preparation and
-    # the worker's span all continue the caller's trace.
-    assert gateway.parent_span_id == client_span_id and gateway.kind == SERVER
-    assert worker.parent_span_id == client_span_id == one(spans, *prepare).parent_span_id
-    assert gateway.attributes["rpc.grpc.status_code"] == 1  # CANCELLED
+    assert worker.parent_span_id == gateway.span_id
     for span in (gateway, worker, decode):
         assert span.events.get("cancelled") == {"tokenmesh.reason": "cancelled"}, spans
     assert worker.attributes["rpc.grpc.status_code"] == 1  # CANCELLED

@@ -153,3 +153,29 @@ async def test_envoys_log_stream_is_served_over_grpc() -> None:
         await server.stop(None)
     assert seen.value("grpc_server_handled_total", **GENERATE, grpc_code="OK") == 4
     assert seen.value("tokenmesh_tokens_generated_total") == 28
+
+
+def test_each_stream_is_a_span_in_the_callers_trace() -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    registry = CollectorRegistry()
+    log = DirectStreamLog(
+        StreamMetrics(registry), GrpcServerMetrics(registry), provider.get_tracer("test")
+    )
+    trace_id, caller = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+    cancelled = entry(duration=0.75, trailers={}, downstream_remote_reset=True)
+    cancelled.request.request_headers["traceparent"] = f"00-{trace_id}-{caller}-01"
+    cancelled.common_properties.start_time.FromNanoseconds(1_000_000_000)
+    log.record(cancelled)
+    (span,) = exporter.get_finished_spans()
+    assert span.name == "tokenmesh.v1.LLMService/Generate"
+    assert f"{span.context.trace_id:032x}" == trace_id
+    assert span.parent is not None and f"{span.parent.span_id:016x}" == caller
+    assert (span.start_time, span.end_time) == (1_000_000_000, 1_750_000_000)
+    assert span.attributes is not None and span.attributes["rpc.grpc.status_code"] == 1
+    assert [event.name for event in span.events] == ["cancelled"]

@@ -134,7 +134,6 @@ def test_listeners_are_safe_for_long_streams_and_push_back() -> None:
         "envoy.filters.http.cors",
         "envoy.filters.http.local_ratelimit",
         "envoy.filters.http.grpc_json_transcoder",
-        "envoy.filters.http.ext_proc",
         "envoy.filters.http.router",
     ]
 
@@ -198,12 +197,10 @@ def test_edge_routes_the_ops_feed_and_page_to_the_control_plane() -> None:
     mesh = MeshSettings(controlplane_port=18111, ops_page_port=19222)
     config = render(mesh)
     routes = listeners(config)["edge"]["route_config"]["virtual_hosts"][0]["routes"]
-    ops_feed, redirect, page, envoys_own, generate, worker, openai, rest = routes
+    ops_feed, redirect, page, envoys_own, openai, rest = routes
     # Envoy's interfaces on the gateways (external processor, access log) are not the callers'.
     assert envoys_own["match"] == {"prefix": "/envoy.service."}
     assert envoys_own["direct_response"]["status"] == 404
-    assert generate["match"] == {"path": "/tokenmesh.v1.LLMService/Generate"}
-    assert worker["match"] == {"path": "/tokenmesh.v1.InferenceService/Generate"}
     assert ops_feed["match"] == {"prefix": "/tokenmesh.v1.OpsService/"}
     assert ops_feed["route"]["cluster"] == "ops"
     assert ops_feed["route"]["timeout"] == "0s"  # a subscription lasts as long as the page
@@ -390,12 +387,14 @@ def test_edge_rate_limit_is_a_shared_bucket_refusing_grpc_with_resource_exhauste
 
 
 def test_the_direct_token_path_processes_generate_only_and_routes_it_to_workers() -> None:
-    plain = listeners(render(MeshSettings(direct_token_path=False)))["edge"]
+    plain = listeners(render(MeshSettings()))["edge"]
     assert all(f["name"] != "envoy.filters.http.ext_proc" for f in plain["http_filters"])
     assert [log["name"] for log in plain["access_log"]] == ["envoy.access_loggers.stdout"]
     routes = plain["route_config"]["virtual_hosts"][0]["routes"]
     assert all("/Generate" not in r["match"].get("path", "") for r in routes)
-    edge = listeners(render(MeshSettings(prepare_timeout_seconds=7)))["edge"]
+    edge = listeners(render(MeshSettings(direct_token_path=True, prepare_timeout_seconds=7)))[
+        "edge"
+    ]
     names = [f["name"] for f in edge["http_filters"]]
     # After gRPC-Web and REST become gRPC, before routing.
     assert (
@@ -424,7 +423,7 @@ def test_the_direct_token_path_processes_generate_only_and_routes_it_to_workers(
 def test_the_direct_token_path_logs_each_worker_stream_to_the_gateways() -> None:
     """The gateways' metrics count the streams they never see (gateway/accesslog.py) from
     Envoy's gRPC access log: only the workers' Generate, with what the gateway reads."""
-    found = listeners(render(MeshSettings()))
+    found = listeners(render(MeshSettings(direct_token_path=True)))
     logs = {log["name"]: log for log in found["edge"]["access_log"]}
     direct = logs["envoy.access_loggers.http_grpc"]
     path = direct["filter"]["header_filter"]["header"]
@@ -449,10 +448,10 @@ def test_the_direct_token_path_logs_each_worker_stream_to_the_gateways() -> None
 def test_a_body_over_the_edges_buffer_is_resource_exhausted_for_grpc() -> None:
     """The direct token path buffers Generate's body whole; Envoy refuses a larger one with 413,
     which gRPC reads as UNKNOWN: the edge says RESOURCE_EXHAUSTED (8) and the limit instead."""
-    edge = listeners(render(MeshSettings(buffer_limit_bytes=65536)))["edge"]
+    edge = listeners(render(MeshSettings(direct_token_path=True, buffer_limit_bytes=65536)))["edge"]
     (mapper,) = edge["local_reply_config"]["mappers"]
     assert mapper["filter"]["status_code_filter"]["comparison"]["value"]["default_value"] == 413
     assert mapper["headers_to_add"][0]["header"] == {"key": "grpc-status", "value": "8"}
     assert "65536 bytes" in mapper["body"]["inline_string"]
-    off = listeners(render(MeshSettings(direct_token_path=False)))["edge"]
+    off = listeners(render(MeshSettings()))["edge"]
     assert "local_reply_config" not in off

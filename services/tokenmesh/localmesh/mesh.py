@@ -97,7 +97,7 @@ class LocalMeshSettings(BaseSettings):
     pin_mesh_cores: bool = True
     # Envoy streams Generate's tokens straight from the workers; gateways only prepare each
     # request (MeshSettings.direct_token_path).
-    direct_token_path: bool = True
+    direct_token_path: bool = False
     # Replica i of a service listens on base + i (gRPC) and metrics base + i.
     gateway_port: int = Field(default=50051, ge=1, le=65535)
     gateway_metrics_port: int = Field(default=9451, ge=1, le=65535)

@@ -283,7 +283,7 @@ class MeshSettings(BaseSettings):
         ),
     )
     direct_token_path: bool = Field(
-        default=True,
+        default=False,
         description=(
             "Generate's tokens go from a worker through Envoy straight to the caller: the "
             "edge asks a gateway (Envoy's external processor) to validate and prepare each "
