@@ -274,7 +274,6 @@ class ScenarioMesh:
         within: float,
         kill: Callable[[dict[str, int]], None],
         to_clients: bool = False,
-        answered: Callable[[], bool] | None = None,
     ) -> tuple[dict[str, int] | None, dict[str, Any]]:
         """Once every worker has streams open at Envoy and tokens are coming from the workers
         (Envoy has received more than a token's bytes per open stream since this began), call
@@ -283,9 +282,7 @@ class ScenarioMesh:
         tokens are going out at the edge too (a few tokens' bytes per open stream): the clients'
         calls have their answers' headers, so a kill of Envoy cuts them instead of leaving
         them to the clients' transparent retries (a warm engine's first tokens reach the
-        workers' hop before any has left the edge). answered: and this holds (a client has
-        read a first token: bytes Envoy sent but the client had not read yet are lost with the
-        connection's reset, and the call is retried as if never answered).
+        workers' hop before any has left the edge).
 
         Blocking, for a thread of its own: a warm engine makes a stream of 2,000 tokens in
         about a second, while the scenario's event loop can be busy reading tokens for tens of
@@ -312,7 +309,6 @@ class ScenarioMesh:
                 all(streams.values())
                 and received >= TOKEN_BYTES * open_total
                 and (not to_clients or sent >= CLIENT_BYTES * open_total)
-                and (answered is None or answered())
             ):
                 kill(streams)
                 seen["after_s"] = round(time.monotonic() - begun, 2)
@@ -787,13 +783,7 @@ async def envoy_restart(mesh: ScenarioMesh, short: bool) -> Row:
             killed.append(time.monotonic())
             killpg(pid, signal.SIGKILL)
 
-        generating, seen = await asyncio.to_thread(
-            mesh.kill_when_generating,
-            180,
-            kill,
-            True,
-            lambda: any(event.is_set() for event in events),
-        )
+        generating, seen = await asyncio.to_thread(mesh.kill_when_generating, 180, kill, True)
         killed_at = killed[0] if killed else time.monotonic()
         row.notes["first_tokens_seen_at_kill"] = sum(event.is_set() for event in events)
         row.check(generating is not None, f"the workers were generating within 180 s: {seen}")
