@@ -356,13 +356,19 @@ class _ServerSpan(_RpcObserver):
         self._span = span
 
     def end(self, code: str, seconds: float) -> None:
-        span = self._span
-        span.set_attribute("rpc.grpc.status_code", grpc.StatusCode[code].value[0])
-        if code in INTERRUPTED:
-            span.add_event("cancelled", {"tokenmesh.reason": code.lower()})
-        if code in SERVER_ERROR_CODES:
-            span.set_status(StatusCode.ERROR, code)
-        span.end()
+        end_server_span(self._span, code)
+
+
+def end_server_span(span: Span, code: str, end_time: int | None = None) -> None:
+    """End an RPC's SERVER span with its status code (now, or at end_time in ns since the
+    epoch): the code as an attribute, a "cancelled" event when interrupted, ERROR status for
+    a server error."""
+    span.set_attribute("rpc.grpc.status_code", grpc.StatusCode[code].value[0])
+    if code in INTERRUPTED:
+        span.add_event("cancelled", {"tokenmesh.reason": code.lower()}, timestamp=end_time)
+    if code in SERVER_ERROR_CODES:
+        span.set_status(StatusCode.ERROR, code)
+    span.end(end_time=end_time)
 
 
 class _RpcLogLine(_RpcObserver):

@@ -32,6 +32,12 @@ class Deadline:
     def of(cls, context: aio.ServicerContext[Any, Any]) -> Deadline:
         return cls(context.time_remaining())
 
+    @classmethod
+    def after(cls, timeout: float | None, elapsed: float) -> Deadline:
+        """A deadline `timeout` seconds from an RPC's start, `elapsed` seconds after it (an
+        RPC known from a log, after its end)."""
+        return cls(None if timeout is None else timeout - elapsed)
+
     def passed(self) -> bool:
         """Whether the deadline has (all but) passed."""
         return self._at is not None and time.monotonic() >= self._at - DEADLINE_SLACK_SECONDS

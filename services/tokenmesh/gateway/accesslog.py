@@ -10,16 +10,11 @@ import grpc
 from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from google.protobuf.duration_pb2 import Duration
-from opentelemetry.trace import SpanKind, StatusCode, Tracer
+from opentelemetry.trace import SpanKind, Tracer
 
-from tokenmesh.common.interceptors import SERVER_ERROR_CODES
+from tokenmesh.common.interceptors import end_server_span
 from tokenmesh.common.metrics import GrpcServerMetrics, StreamMetrics
-from tokenmesh.common.outcome import (
-    CANCELLED,
-    DEADLINE_EXCEEDED,
-    DEADLINE_SLACK_SECONDS,
-    INTERRUPTED,
-)
+from tokenmesh.common.outcome import Deadline
 from tokenmesh.common.tokens import USAGE_TRAILER, parse_usage_trailer
 from tokenmesh.common.tracing import extract
 from tokenmesh.gateway.extproc import GENERATE_PATH, WORKER_PATH, grpc_timeout
@@ -46,9 +41,7 @@ def final_code(entry: accesslog_pb2.HTTPAccessLogEntry, duration: float) -> str:
     flags = entry.common_properties.response_flags
     if flags.downstream_remote_reset or flags.downstream_connection_termination:
         timeout = grpc_timeout(entry.request.request_headers.get("grpc-timeout"))
-        if timeout is not None and duration >= timeout - DEADLINE_SLACK_SECONDS:
-            return DEADLINE_EXCEEDED
-        return CANCELLED
+        return Deadline.after(timeout, duration).interruption()
     if (
         flags.upstream_remote_reset
         or flags.upstream_connection_termination
@@ -135,13 +128,8 @@ class DirectStreamLog(als_pb2_grpc.AccessLogServiceServicer):
                 "rpc.system": "grpc",
                 "rpc.service": service,
                 "rpc.method": method,
-                "rpc.grpc.status_code": grpc.StatusCode[code].value[0],
                 "tokenmesh.direct": True,
             },
             start_time=start,
         )
-        if code in INTERRUPTED:
-            span.add_event("cancelled", {"tokenmesh.reason": code.lower()}, timestamp=end)
-        if code in SERVER_ERROR_CODES:
-            span.set_status(StatusCode.ERROR, code)
-        span.end(end_time=end)
+        end_server_span(span, code, end)

@@ -153,7 +153,8 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
             elif kind == "request_body":
                 body = message.request_body
                 if not body.end_of_stream:
-                    # Over the edge's buffer: only the gateway's handler sees all of it.
+                    # Not the whole body (Envoy buffers it whole; a larger one it refuses):
+                    # nothing to prepare from, so the gateway's handler takes the request.
                     self._metrics.requests.labels(outcome="gateway").inc()
                     yield ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse())
                     return

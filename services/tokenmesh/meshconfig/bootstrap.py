@@ -25,6 +25,11 @@ ROUTER = TYPE + "envoy.extensions.filters.http.router.v3.Router"
 HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 LOCAL_RATE_LIMIT = TYPE + "envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit"
 EXT_PROC = "envoy.filters.http.ext_proc"
+# The workers' Generate: routed from the edge, and logged to the gateways, with the direct
+# token path.
+WORKER_GENERATE = (
+    "/" + inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name + "/Generate"
+)
 EXT_PROC_PER_ROUTE = TYPE + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
 DOWNSTREAM_CONNECTIONS = (
     TYPE
@@ -162,13 +167,12 @@ def direct_stream_log(mesh: MeshSettings) -> list[Config]:
     the token path; no stream waits for it."""
     if not mesh.direct_token_path:
         return []
-    worker = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name + "/Generate"
     return [
         {
             "name": "envoy.access_loggers.http_grpc",
             "filter": {
                 "header_filter": {
-                    "header": {"name": ":path", "string_match": {"exact": f"/{worker}"}}
+                    "header": {"name": ":path", "string_match": {"exact": WORKER_GENERATE}}
                 }
             },
             "typed_config": {
@@ -412,7 +416,6 @@ def direct_routes(mesh: MeshSettings) -> list[Config]:
     if not mesh.direct_token_path:
         return []
     generate = llm_pb2.DESCRIPTOR.services_by_name["LLMService"].full_name + "/Generate"
-    worker = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name + "/Generate"
     to_workers = route_to("worker", mesh)
     # The caller's deadline is its own timer's and the worker's (grpc-timeout goes on to it):
     # Envoy cutting the stream at the same instant would reset it (INTERNAL) where the caller
@@ -420,7 +423,7 @@ def direct_routes(mesh: MeshSettings) -> list[Config]:
     del to_workers["route"]["max_stream_duration"]
     return [
         {**route_to("gateway", mesh), "match": {"path": f"/{generate}"}, **processed()},
-        {**to_workers, "match": {"path": f"/{worker}"}, **processed()},
+        {**to_workers, "match": {"path": WORKER_GENERATE}, **processed()},
     ]
 
 
