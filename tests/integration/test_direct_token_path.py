@@ -252,13 +252,19 @@ async def test_a_client_that_reads_late_is_held_back_not_cut_off(
     assert flood_closes(direct.admin_port) == 0
 
 
-def test_grpc_web_generate_streams_from_a_worker(direct: MeshSettings) -> None:
+def test_grpc_web_generate_takes_the_gateways_path(mesh: LocalMesh, direct: MeshSettings) -> None:
+    """Envoy's gRPC-Web filter moves a stream's trailers into its body, out of the access log's
+    sight: the gateway's own handler serves gRPC-Web, so its status and tokens are counted."""
+    outcomes = "tokenmesh_gateway_direct_requests_total"
+    before = [total(mesh, "gateway", outcomes, outcome=o) for o in ("gateway", "direct")]
     origin = "http://localhost:3000"
     response, tokens, trailers = grpc_web_generate(direct.edge_port, 8, origin)
     assert response.status == 200
     assert response.getheader("access-control-allow-origin") == origin
     assert positions(tokens) == list(range(8))
     assert "grpc-status:0" in trailers.replace(" ", "")
+    after = [total(mesh, "gateway", outcomes, outcome=o) for o in ("gateway", "direct")]
+    assert [now - then for now, then in zip(after, before, strict=True)] == [1, 0]
 
 
 async def test_the_callers_deadline_holds_and_reaches_the_worker(
@@ -335,9 +341,7 @@ async def test_the_gateways_count_the_streams_they_never_see(
 ) -> None:
     """The dashboards and the TTFT alert read the gateways' metrics: direct streams count there
     (from Envoy's access log, a moment after each ends) with the status the caller saw, their
-    first token and their tokens. A gRPC-Web stream is logged without its trailers (Envoy's
-    gRPC-Web filter moves them into the body): its first token counts, its status is not
-    known (UNKNOWN) and its tokens are not counted (docs/architecture.md)."""
+    first token and their tokens; a gRPC-Web stream, which takes the gateway's path, once."""
     # Earlier tests' streams are logged within Envoy's flush interval (0.5 s) of their end.
     await asyncio.sleep(1.5)
     before = gateway_counts(mesh)
@@ -356,7 +360,7 @@ async def test_the_gateways_count_the_streams_they_never_see(
         request = llm_pb2.GenerateRequest(prompt="expired", max_tokens=2000, ignore_eos=True)
         [token async for token in edge.Generate(request, timeout=1.0)]
     assert expired.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
-    expected = [1, 1, 1, len(tokens), 4, 16, 1]
+    expected = [2, 1, 1, len(tokens) + len(web_tokens), 4, 16 + 8, 2]
 
     def added() -> list[float]:
         return [now - then for now, then in zip(gateway_counts(mesh), before, strict=True)]

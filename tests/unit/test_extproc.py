@@ -12,7 +12,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from prometheus_client import CollectorRegistry
 
-from tokenmesh.common.tokens import DEGRADED_HEADER
+from tokenmesh.common.tokens import CALLER_CONTENT_TYPE, DEGRADED_HEADER, EDGE_METADATA
 from tokenmesh.gateway.config import GatewaySettings
 from tokenmesh.gateway.extproc import (
     GENERATE_PATH,
@@ -159,6 +159,41 @@ async def test_a_request_the_gateway_would_refuse_goes_on_to_its_own_handler() -
     assert metered.remaining == []
     assert metrics.requests.labels(outcome="gateway")._value.get() == 5
     assert metrics.requests.labels(outcome="direct")._value.get() == 0
+
+
+def from_caller(
+    message: ext_proc.ProcessingRequest, content_type: str
+) -> ext_proc.ProcessingRequest:
+    """message with the caller's content-type as the edge keeps it (before gRPC-Web's filter)."""
+    message.metadata_context.filter_metadata[EDGE_METADATA].fields[
+        CALLER_CONTENT_TYPE
+    ].string_value = content_type
+    return message
+
+
+async def test_grpc_web_goes_on_to_the_gateways_own_handler() -> None:
+    """Envoy's gRPC-Web filter moves a stream's trailers into its body, where the access log
+    never sees them: such a stream takes the gateway's path; gRPC and REST (as gRPC) do not."""
+    metrics = DirectMetrics(CollectorRegistry())
+    request = llm_pb2.GenerateRequest(prompt="question", max_tokens=3)
+    for content_type in ("application/grpc-web+proto", "application/grpc-web-text"):
+        only = await replies(
+            Prepared(),
+            from_caller(headers(GENERATE_PATH), content_type),
+            body(request),
+            metrics=metrics,
+        )
+        assert [reply.WhichOneof("response") for reply in only] == ["request_headers"]
+    for content_type in ("application/grpc", "application/json"):
+        _, reply = await replies(
+            Prepared(),
+            from_caller(headers(GENERATE_PATH), content_type),
+            body(request),
+            metrics=metrics,
+        )
+        assert set_headers(reply.request_body.response.header_mutation)[":path"] == WORKER_PATH
+    assert metrics.requests.labels(outcome="gateway")._value.get() == 2
+    assert metrics.requests.labels(outcome="direct")._value.get() == 2
 
 
 async def test_other_paths_are_refused_at_once() -> None:

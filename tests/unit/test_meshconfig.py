@@ -389,6 +389,7 @@ def test_edge_rate_limit_is_a_shared_bucket_refusing_grpc_with_resource_exhauste
 def test_the_direct_token_path_processes_generate_only_and_routes_it_to_workers() -> None:
     plain = listeners(render(MeshSettings()))["edge"]
     assert all(f["name"] != "envoy.filters.http.ext_proc" for f in plain["http_filters"])
+    assert all(f["name"] != "envoy.filters.http.header_to_metadata" for f in plain["http_filters"])
     assert [log["name"] for log in plain["access_log"]] == ["envoy.access_loggers.stdout"]
     routes = plain["route_config"]["virtual_hosts"][0]["routes"]
     assert all("/Generate" not in r["match"].get("path", "") for r in routes)
@@ -404,6 +405,15 @@ def test_the_direct_token_path_processes_generate_only_and_routes_it_to_workers(
     )
     processor = edge["http_filters"][names.index("envoy.filters.http.ext_proc")]["typed_config"]
     assert processor["grpc_service"]["envoy_grpc"]["cluster_name"] == "gateway"
+    # The caller's content-type reaches the processor as it came, before gRPC-Web rewrites it.
+    kept = edge["http_filters"][names.index("envoy.filters.http.header_to_metadata")]
+    assert names.index("envoy.filters.http.header_to_metadata") < names.index(
+        "envoy.filters.http.grpc_web"
+    )
+    (rule,) = kept["typed_config"]["request_rules"]
+    assert rule["header"] == "content-type"
+    namespace = rule["on_header_present"]["metadata_namespace"]
+    assert processor["metadata_options"]["forwarding_namespaces"]["untyped"] == [namespace]
     assert processor["message_timeout"] == "7s" and not processor["failure_mode_allow"]
     assert processor["processing_mode"]["response_body_mode"] == "NONE"  # tokens bypass it
     host = edge["route_config"]["virtual_hosts"][0]

@@ -13,6 +13,10 @@ DEGRADED_BY_RERANKER = "reranker"
 # messages it sent ("12 128 40"). Envoy logs it for the gateway when it streams a worker's
 # tokens straight to the caller (gateway/accesslog.py), where no gateway sees the messages.
 USAGE_TRAILER = "x-tokenmesh-usage"
+# Where the edge keeps the caller's own content-type for the external processor (a gRPC-Web
+# request's is rewritten to gRPC before it runs).
+EDGE_METADATA = "tokenmesh.edge"
+CALLER_CONTENT_TYPE = "content-type"
 
 
 def usage_trailer(prompt_tokens: int, completion_tokens: int, messages: int) -> str:

@@ -21,7 +21,12 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from tokenmesh.common.errors import ServiceError
 from tokenmesh.common.metrics import RPC_BUCKETS
-from tokenmesh.common.tokens import DEGRADED_BY_RERANKER, DEGRADED_HEADER
+from tokenmesh.common.tokens import (
+    CALLER_CONTENT_TYPE,
+    DEGRADED_BY_RERANKER,
+    DEGRADED_HEADER,
+    EDGE_METADATA,
+)
 from tokenmesh.common.tracing import extract
 from tokenmesh.gateway.config import GatewaySettings
 from tokenmesh.gateway.pipeline import Pipeline
@@ -62,6 +67,14 @@ def grpc_timeout(value: str | None) -> float | None:
     return int(value[:-1]) * TIMEOUT_UNITS[value[-1]]
 
 
+def grpc_web(metadata: base_pb2.Metadata) -> bool:
+    """Whether the caller spoke gRPC-Web (its content-type, as the edge kept it): Envoy's
+    access log gets no trailers of such a stream, so its status and usage would be lost."""
+    edge = metadata.filter_metadata.get(EDGE_METADATA)
+    value = edge.fields.get(CALLER_CONTENT_TYPE) if edge is not None else None
+    return value is not None and value.string_value.startswith("application/grpc-web")
+
+
 def header_map(headers: Iterable[base_pb2.HeaderValue]) -> dict[str, str]:
     return {h.key: h.raw_value.decode() if h.raw_value else h.value for h in headers}
 
@@ -96,8 +109,8 @@ class DirectMetrics:
         self.requests = Counter(
             "tokenmesh_gateway_direct_requests",
             "Generate requests seen as Envoy's external processor, by outcome: direct (streamed "
-            "from a worker by Envoy), gateway (left to the gateway's own handler: quotas on, or "
-            "a request it refuses), refused (not Generate).",
+            "from a worker by Envoy), gateway (left to the gateway's own handler: quotas on, "
+            "gRPC-Web, or a request it refuses), refused (not Generate).",
             ["outcome"],
             registry=registry,
         )
@@ -114,8 +127,9 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
     validates it and builds the worker's request as its own handler would (context documents,
     reranker, prompt, warnings), and Envoy sends that to a worker and streams the worker's
     tokens to the caller, with no gateway on the way. Requests whose tokens the gateway must
-    see (quotas: a keys file is configured), that it cannot read here (compressed) or would
-    refuse go on unchanged, to its own handler."""
+    see (quotas: a keys file is configured; gRPC-Web, whose trailers Envoy's access log never
+    gets), that it cannot read here (compressed) or would refuse go on unchanged, to its own
+    handler."""
 
     def __init__(
         self,
@@ -146,7 +160,11 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
                     yield immediate(grpc.StatusCode.UNIMPLEMENTED, 501, f"{path}: not served here")
                     return
                 yield ext_proc.ProcessingResponse(request_headers=ext_proc.HeadersResponse())
-                if self._pipeline.metered or message.request_headers.end_of_stream:
+                if (
+                    self._pipeline.metered
+                    or message.request_headers.end_of_stream
+                    or grpc_web(message.metadata_context)
+                ):
                     # Closing the stream lets Envoy go on unprocessed, to the gateway's handler.
                     self._metrics.requests.labels(outcome="gateway").inc()
                     return

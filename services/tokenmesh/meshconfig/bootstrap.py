@@ -13,7 +13,7 @@ from typing import Any
 from google.protobuf import descriptor_pb2
 from google.protobuf.descriptor import FileDescriptor
 
-from tokenmesh.common.tokens import USAGE_TRAILER
+from tokenmesh.common.tokens import CALLER_CONTENT_TYPE, EDGE_METADATA, USAGE_TRAILER
 from tokenmesh.meshconfig.config import MeshSettings
 from tokenmesh.v1 import inference_pb2, llm_pb2, ops_pb2, rerank_pb2, token_pb2
 
@@ -58,6 +58,10 @@ OVERLOADED = ",resource-exhausted"
 # without this every retry can land on the same dead host.
 PREVIOUS_HOSTS = "envoy.retry_host_predicates.previous_hosts"
 PREVIOUS_HOSTS_TYPE = TYPE + "envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
+# How often a retry may pick again when it lands on a previous host. LEAST_REQUEST draws two
+# hosts with replacement and keeps the less busy, so with two workers the dead, idle one is
+# drawn 3 times in 4: 5 picks still landed on it 1 time in 4 (0.75^5), 20 about 1 in 300.
+HOST_SELECTION_ATTEMPTS = 20
 ACCESS_LOG_FIELDS = {
     "time": "%START_TIME%",
     "path": "%REQ(:PATH)%",
@@ -142,7 +146,7 @@ def route_to(cluster: str, mesh: MeshSettings, prefix: str = "/") -> Config:
                 "retry_host_predicate": [
                     {"name": PREVIOUS_HOSTS, "typed_config": {"@type": PREVIOUS_HOSTS_TYPE}}
                 ],
-                "host_selection_retry_max_attempts": 5,
+                "host_selection_retry_max_attempts": HOST_SELECTION_ATTEMPTS,
             },
         },
     }
@@ -270,6 +274,7 @@ def edge_filters(mesh: MeshSettings) -> list[Config]:
     """gRPC-Web and CORS for browsers, the edge rate limit, REST/JSON transcoding, then
     routing."""
     return [
+        *caller_content_type(mesh),
         {
             "name": "envoy.filters.http.grpc_web",
             "typed_config": {"@type": TYPE + "envoy.extensions.filters.http.grpc_web.v3.GrpcWeb"},
@@ -301,6 +306,33 @@ def edge_filters(mesh: MeshSettings) -> list[Config]:
         },
         *external_processor(mesh),
         {"name": "envoy.filters.http.router", "typed_config": {"@type": ROUTER}},
+    ]
+
+
+def caller_content_type(mesh: MeshSettings) -> list[Config]:
+    """With direct_token_path: the caller's content-type, kept in the stream's metadata for the
+    external processor before the gRPC-Web filter rewrites it to gRPC. That filter moves a
+    stream's trailers into its body, so Envoy's access log would get neither its status nor its
+    usage: gRPC-Web streams take the gateway's path."""
+    if not mesh.direct_token_path:
+        return []
+    return [
+        {
+            "name": "envoy.filters.http.header_to_metadata",
+            "typed_config": {
+                "@type": TYPE + "envoy.extensions.filters.http.header_to_metadata.v3.Config",
+                "request_rules": [
+                    {
+                        "header": "content-type",
+                        "on_header_present": {
+                            "metadata_namespace": EDGE_METADATA,
+                            "key": CALLER_CONTENT_TYPE,
+                            "type": "STRING",
+                        },
+                    }
+                ],
+            },
+        }
     ]
 
 
@@ -337,6 +369,7 @@ def external_processor(mesh: MeshSettings) -> list[Config]:
                 # UNAVAILABLE (HTTP 503), as when no gateway can take it on the other path.
                 "failure_mode_allow": False,
                 "status_on_error": {"code": "ServiceUnavailable"},
+                "metadata_options": {"forwarding_namespaces": {"untyped": [EDGE_METADATA]}},
             },
         }
     ]
@@ -401,7 +434,7 @@ def openai_routes(mesh: MeshSettings) -> list[Config]:
                     "retry_host_predicate": [
                         {"name": PREVIOUS_HOSTS, "typed_config": {"@type": PREVIOUS_HOSTS_TYPE}}
                     ],
-                    "host_selection_retry_max_attempts": 5,
+                    "host_selection_retry_max_attempts": HOST_SELECTION_ATTEMPTS,
                 },
             },
         }
