@@ -27,6 +27,23 @@ COLUMNS = (
 )
 
 
+# The vector extensions vLLM's CPU kernels use: without AVX-512 the same engine is several
+# times slower per token, so results from machines that differ here do not compare.
+VECTOR_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def processor() -> dict[str, Any]:
+    """The CPU's model name and which of VECTOR_FLAGS it has, from /proc/cpuinfo."""
+    model, flags = "", set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and not model:
+            model = value.strip()
+        elif key.strip() == "flags" and not flags:
+            flags = set(value.split())
+    return {"cpu_model": model, "cpu_flags": [f for f in VECTOR_FLAGS if f in flags]}
+
+
 def write_json(result: dict[str, Any], path: Path) -> None:
     """Indented, except the per-request timeline: one compact row per line."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -489,6 +489,7 @@ def bench_command(names: str, quick: bool, out: Path | None) -> int:
     bench.out.mkdir(parents=True, exist_ok=True)
     machine = {
         "cpus": os.cpu_count(),
+        **report.processor(),
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "load_average_at_start": [round(v, 2) for v in os.getloadavg()],
         "started_at": datetime.now(UTC).isoformat(timespec="seconds"),

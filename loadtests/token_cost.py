@@ -508,6 +508,7 @@ def main() -> None:
     name = "openai" if args.openai else "cost"
     result["machine"] = {
         "cpus": os.cpu_count(),
+        **report.processor(),
         "started_at": started,
         "load_average_at_end": [round(v, 2) for v in os.getloadavg()],
     }

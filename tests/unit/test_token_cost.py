@@ -6,6 +6,7 @@ import os
 import time
 from pathlib import Path
 
+from loadtests import report
 from loadtests.token_cost import Route, cpu_seconds, per_token, where_time_goes
 
 
@@ -53,3 +54,14 @@ def test_first_token_summary_counts_the_slow_ones() -> None:
 
     figures = summary([10.0, 12.0, 300.0, 11.0, 80.0])
     assert figures == {"p50_ms": 12.0, "p90_ms": 300.0, "max_ms": 300.0, "over_50ms_share": 0.4}
+
+
+def test_the_machine_record_names_the_cpu_and_its_vector_extensions() -> None:
+    found = report.processor()
+    assert found["cpu_model"]
+    flags = next(
+        line.partition(":")[2].split()
+        for line in Path("/proc/cpuinfo").read_text().splitlines()
+        if line.startswith("flags")
+    )
+    assert found["cpu_flags"] == [f for f in report.VECTOR_FLAGS if f in flags]
