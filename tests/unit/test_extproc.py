@@ -12,11 +12,15 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from prometheus_client import CollectorRegistry
 
-from tokenmesh.common.tokens import CALLER_CONTENT_TYPE, DEGRADED_HEADER, EDGE_METADATA
+from tokenmesh.common.tokens import (
+    CALLER_CONTENT_TYPE,
+    DEGRADED_HEADER,
+    EDGE_METADATA,
+    LLM_GENERATE,
+    WORKER_GENERATE,
+)
 from tokenmesh.gateway.config import GatewaySettings
 from tokenmesh.gateway.extproc import (
-    GENERATE_PATH,
-    WORKER_PATH,
     DirectMetrics,
     ExternalProcessor,
     grpc_frame,
@@ -106,14 +110,12 @@ def set_headers(mutation: ext_proc.HeaderMutation) -> dict[str, str]:
 async def test_generate_is_rewritten_into_the_workers_request() -> None:
     pipeline = Prepared(warnings=("reranker_unavailable: UNAVAILABLE",))
     request = llm_pb2.GenerateRequest(prompt="question", max_tokens=7, ignore_eos=True)
-    first, second = await replies(
-        pipeline, headers(GENERATE_PATH, grpc_timeout="2S"), body(request)
-    )
+    first, second = await replies(pipeline, headers(LLM_GENERATE, grpc_timeout="2S"), body(request))
     assert first.request_headers == ext_proc.HeadersResponse()  # the body is awaited
     common = second.request_body.response
     assert common.clear_route_cache
     rewritten = set_headers(common.header_mutation)
-    assert rewritten[":path"] == WORKER_PATH
+    assert rewritten[":path"] == WORKER_GENERATE
     assert rewritten[DEGRADED_HEADER] == "reranker"
     # The reranker call gets what is left of the 2 s; the worker the caller's own grpc-timeout.
     assert pipeline.remaining and 0 < (pipeline.remaining[0] or 0) <= 2.0
@@ -126,7 +128,7 @@ async def test_generate_is_rewritten_into_the_workers_request() -> None:
 
 async def test_an_answer_that_is_not_degraded_drops_a_callers_degraded_header() -> None:
     request = llm_pb2.GenerateRequest(prompt="question", max_tokens=3)
-    _, second = await replies(Prepared(), headers(GENERATE_PATH), body(request))
+    _, second = await replies(Prepared(), headers(LLM_GENERATE), body(request))
     mutation = second.request_body.response.header_mutation
     assert DEGRADED_HEADER not in set_headers(mutation)
     assert DEGRADED_HEADER in mutation.remove_headers
@@ -149,12 +151,12 @@ async def test_a_request_the_gateway_would_refuse_goes_on_to_its_own_handler() -
         request_body=ext_proc.HttpBody(body=grpc_frame(valid.SerializeToString()))
     )
     for request in (body(too_many), garbage, compressed, partial):
-        _, reply = await replies(Prepared(), headers(GENERATE_PATH), request, metrics=metrics)
+        _, reply = await replies(Prepared(), headers(LLM_GENERATE), request, metrics=metrics)
         assert reply.request_body == ext_proc.BodyResponse()  # unchanged, to the gateways
     # Quotas on: the headers go on and the stream ends, before any body is asked for.
     metered = Prepared(metered=True)
     request = llm_pb2.GenerateRequest(prompt="question", max_tokens=3)
-    only = await replies(metered, headers(GENERATE_PATH), body(request), metrics=metrics)
+    only = await replies(metered, headers(LLM_GENERATE), body(request), metrics=metrics)
     assert [reply.WhichOneof("response") for reply in only] == ["request_headers"]
     assert metered.remaining == []
     assert metrics.requests.labels(outcome="gateway")._value.get() == 5
@@ -179,7 +181,7 @@ async def test_grpc_web_goes_on_to_the_gateways_own_handler() -> None:
     for content_type in ("application/grpc-web+proto", "application/grpc-web-text"):
         only = await replies(
             Prepared(),
-            from_caller(headers(GENERATE_PATH), content_type),
+            from_caller(headers(LLM_GENERATE), content_type),
             body(request),
             metrics=metrics,
         )
@@ -187,19 +189,19 @@ async def test_grpc_web_goes_on_to_the_gateways_own_handler() -> None:
     for content_type in ("application/grpc", "application/json"):
         _, reply = await replies(
             Prepared(),
-            from_caller(headers(GENERATE_PATH), content_type),
+            from_caller(headers(LLM_GENERATE), content_type),
             body(request),
             metrics=metrics,
         )
-        assert set_headers(reply.request_body.response.header_mutation)[":path"] == WORKER_PATH
+        assert set_headers(reply.request_body.response.header_mutation)[":path"] == WORKER_GENERATE
     assert metrics.requests.labels(outcome="gateway")._value.get() == 2
     assert metrics.requests.labels(outcome="direct")._value.get() == 2
 
 
 async def test_other_paths_are_refused_at_once() -> None:
-    (refused,) = await replies(Prepared(), headers(WORKER_PATH))
+    (refused,) = await replies(Prepared(), headers(WORKER_GENERATE))
     immediate = refused.immediate_response
     assert immediate.grpc_status.status == grpc.StatusCode.UNIMPLEMENTED.value[0]
     assert immediate.status.code == 501
     message = urllib.parse.unquote(set_headers(immediate.headers)["grpc-message"])
-    assert message == f"{WORKER_PATH}: not served here"
+    assert message == f"{WORKER_GENERATE}: not served here"

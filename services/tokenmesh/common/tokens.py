@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tokenmesh.v1 import token_pb2
+from tokenmesh.v1 import inference_pb2, llm_pb2, token_pb2
 
 # The trailer marking an answer made without a dependency, and its value for the reranker. On a
 # stream Envoy takes straight from a worker, the gateway sets it as a request header and the
@@ -13,6 +13,13 @@ DEGRADED_BY_RERANKER = "reranker"
 # messages it sent ("12 128 40"). Envoy logs it for the gateway when it streams a worker's
 # tokens straight to the caller (gateway/accesslog.py), where no gateway sees the messages.
 USAGE_TRAILER = "x-tokenmesh-usage"
+# The callers' Generate and the workers': on the direct token path the edge routes the first
+# to a gateway to prepare, then the rewritten second to a worker, and logs that one to the
+# gateways.
+LLM_GENERATE = "/" + llm_pb2.DESCRIPTOR.services_by_name["LLMService"].full_name + "/Generate"
+WORKER_GENERATE = (
+    "/" + inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name + "/Generate"
+)
 # Where the edge keeps the caller's own content-type for the external processor (a gRPC-Web
 # request's is rewritten to gRPC before it runs).
 EDGE_METADATA = "tokenmesh.edge"

@@ -15,9 +15,14 @@ from opentelemetry.trace import SpanKind, Tracer
 from tokenmesh.common.interceptors import end_server_span
 from tokenmesh.common.metrics import GrpcServerMetrics, StreamMetrics
 from tokenmesh.common.outcome import Deadline
-from tokenmesh.common.tokens import USAGE_TRAILER, parse_usage_trailer
+from tokenmesh.common.tokens import (
+    LLM_GENERATE,
+    USAGE_TRAILER,
+    WORKER_GENERATE,
+    parse_usage_trailer,
+)
 from tokenmesh.common.tracing import extract
-from tokenmesh.gateway.extproc import GENERATE_PATH, WORKER_PATH, grpc_timeout
+from tokenmesh.gateway.extproc import grpc_timeout
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +73,7 @@ class DirectStreamLog(als_pb2_grpc.AccessLogServiceServicer):
         self, streams: StreamMetrics, rpcs: GrpcServerMetrics, tracer: Tracer | None = None
     ) -> None:
         self._streams = streams
-        self._rpc = rpcs.for_method(GENERATE_PATH, "server_stream")
+        self._rpc = rpcs.for_method(LLM_GENERATE, "server_stream")
         self._tracer = tracer
 
     async def StreamAccessLogs(
@@ -80,7 +85,7 @@ class DirectStreamLog(als_pb2_grpc.AccessLogServiceServicer):
         return als_pb2.StreamAccessLogsResponse()
 
     def record(self, entry: accesslog_pb2.HTTPAccessLogEntry) -> None:
-        if entry.request.path != WORKER_PATH:
+        if entry.request.path != WORKER_GENERATE:
             return
         common = entry.common_properties
         if common.HasField("duration"):
@@ -119,9 +124,9 @@ class DirectStreamLog(als_pb2_grpc.AccessLogServiceServicer):
     ) -> None:
         start = entry.common_properties.start_time.ToNanoseconds()
         end = start + int(duration * 1e9)
-        service, _, method = GENERATE_PATH.lstrip("/").partition("/")
+        service, _, method = LLM_GENERATE.lstrip("/").partition("/")
         span = tracer.start_span(
-            GENERATE_PATH.lstrip("/"),
+            LLM_GENERATE.lstrip("/"),
             context=extract(entry.request.request_headers.items()),
             kind=SpanKind.SERVER,
             attributes={

@@ -26,6 +26,8 @@ from tokenmesh.common.tokens import (
     DEGRADED_BY_RERANKER,
     DEGRADED_HEADER,
     EDGE_METADATA,
+    LLM_GENERATE,
+    WORKER_GENERATE,
 )
 from tokenmesh.common.tracing import extract
 from tokenmesh.gateway.config import GatewaySettings
@@ -35,8 +37,6 @@ from tokenmesh.v1 import llm_pb2
 
 log = logging.getLogger(__name__)
 
-GENERATE_PATH = "/tokenmesh.v1.LLMService/Generate"
-WORKER_PATH = "/tokenmesh.v1.InferenceService/Generate"
 PROCESS_METHOD = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 # gRPC's length prefix: a compressed-flag byte and a 4-byte big-endian length.
 PREFIX = struct.Struct(">BI")
@@ -153,7 +153,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
             if kind == "request_headers":
                 headers = header_map(message.request_headers.headers.headers)
                 path = headers.get(":path", "")
-                if path != GENERATE_PATH:
+                if path != LLM_GENERATE:
                     # Only Generate is processed; a caller asking the edge for the workers'
                     # own method gets what the gateway says of methods it does not serve.
                     self._metrics.requests.labels(outcome="refused").inc()
@@ -233,7 +233,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         worker = self._pipeline.worker_request(prepared.prompt, job.sampling)
         worker.warnings.extend(prepared.warnings)
         mutation = ext_proc.HeaderMutation(
-            set_headers=[header(":path", WORKER_PATH)],
+            set_headers=[header(":path", WORKER_GENERATE)],
             # Only the gateway says an answer is degraded, never the caller.
             remove_headers=[DEGRADED_HEADER],
         )

@@ -13,7 +13,13 @@ from typing import Any
 from google.protobuf import descriptor_pb2
 from google.protobuf.descriptor import FileDescriptor
 
-from tokenmesh.common.tokens import CALLER_CONTENT_TYPE, EDGE_METADATA, USAGE_TRAILER
+from tokenmesh.common.tokens import (
+    CALLER_CONTENT_TYPE,
+    EDGE_METADATA,
+    LLM_GENERATE,
+    USAGE_TRAILER,
+    WORKER_GENERATE,
+)
 from tokenmesh.meshconfig.config import MeshSettings
 from tokenmesh.v1 import inference_pb2, llm_pb2, ops_pb2, rerank_pb2, token_pb2
 
@@ -25,11 +31,6 @@ ROUTER = TYPE + "envoy.extensions.filters.http.router.v3.Router"
 HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 LOCAL_RATE_LIMIT = TYPE + "envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit"
 EXT_PROC = "envoy.filters.http.ext_proc"
-# The workers' Generate: routed from the edge, and logged to the gateways, with the direct
-# token path.
-WORKER_GENERATE = (
-    "/" + inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name + "/Generate"
-)
 EXT_PROC_PER_ROUTE = TYPE + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
 DOWNSTREAM_CONNECTIONS = (
     TYPE
@@ -448,14 +449,13 @@ def direct_routes(mesh: MeshSettings) -> list[Config]:
     refuses it: only what a gateway prepared reaches a worker from the edge."""
     if not mesh.direct_token_path:
         return []
-    generate = llm_pb2.DESCRIPTOR.services_by_name["LLMService"].full_name + "/Generate"
     to_workers = route_to("worker", mesh)
     # The caller's deadline is its own timer's and the worker's (grpc-timeout goes on to it):
     # Envoy cutting the stream at the same instant would reset it (INTERNAL) where the caller
     # would have seen DEADLINE_EXCEEDED; there is no gateway here to answer first.
     del to_workers["route"]["max_stream_duration"]
     return [
-        {**route_to("gateway", mesh), "match": {"path": f"/{generate}"}, **processed()},
+        {**route_to("gateway", mesh), "match": {"path": LLM_GENERATE}, **processed()},
         {**to_workers, "match": {"path": WORKER_GENERATE}, **processed()},
     ]
 
