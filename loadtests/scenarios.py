@@ -161,7 +161,7 @@ def second_envoy(
     # Its access log (stdout) and errors beside its config.
     log = (run_dir / f"envoy-{ports[0]}.log").open("w")
     process = subprocess.Popen(
-        [*pinned, envoy, "-c", str(config), "--base-id", str(ports[0]), "--log-level", "error"],
+        [*pinned, envoy, "-c", str(config), "--base-id", str(ports[0]), "--log-level", "warn"],
         stdout=log,
         stderr=subprocess.STDOUT,
     )

@@ -35,7 +35,7 @@ from tests.support import (
     scrape_metrics,
     within_budget,
 )
-from tokenmesh.localmesh.mesh import LocalMesh
+from tokenmesh.localmesh.mesh import LocalMesh, Program, envoy_hosts
 from tokenmesh.meshconfig.config import MeshSettings
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, llm_pb2, llm_pb2_grpc, token_pb2
 
@@ -379,3 +379,70 @@ async def test_envoys_own_interfaces_are_not_served_at_the_edge(direct: MeshSett
         with pytest.raises(aio.AioRpcError) as refused:
             await log(iter([b""]), timeout=30)
     assert refused.value.code() is grpc.StatusCode.UNIMPLEMENTED
+
+
+async def test_a_request_no_gateway_prepared_in_time_says_so(mesh: LocalMesh) -> None:
+    """Envoy fails a request its external processor did not answer within the edge's limit
+    (UNAVAILABLE: retry) with no message of its own: the edge's says why and names the limit.
+    (Its health checks, slowed here, would soon take hung gateways out of its rotation.)"""
+    gateways = [
+        psutil.Process(int(mesh.ctl("pid", gateway.name).stdout.strip()))
+        for gateway in replicas(mesh, "gateway")
+    ]
+    with second_envoy(
+        mesh,
+        mesh.log_dir,
+        direct_token_path=True,
+        prepare_timeout_seconds=1,
+        health_check_interval_seconds=60,
+    ) as (settings, _):
+        async with aio.insecure_channel(f"127.0.0.1:{settings.edge_port}") as channel:
+            request = llm_pb2.GenerateRequest(prompt="in time?", max_tokens=4)
+            for gateway in gateways:
+                gateway.suspend()  # SIGSTOP: hung, it answers nothing
+            try:
+                with pytest.raises(aio.AioRpcError) as failed:
+                    stream = llm_pb2_grpc.LLMServiceStub(channel).Generate(request, timeout=60)
+                    [token async for token in stream]
+            finally:
+                for gateway in gateways:
+                    gateway.resume()
+    await back_in_rotation(mesh, replicas(mesh, "gateway"))
+    assert failed.value.code() is grpc.StatusCode.UNAVAILABLE
+    assert failed.value.details() == (
+        "no gateway prepared the request within the edge's prepare_timeout_seconds (1 s); retry"
+    )
+
+
+async def back_in_rotation(
+    mesh: LocalMesh, programs: list[Program], *others: MeshSettings, within: float = 180
+) -> None:
+    """Until the mesh's Envoy (and the `others`) route to every one of `programs` again."""
+    deadline = time.monotonic() + within
+    for program in programs:
+        while not all(
+            (program.address, True) in hosts.get(program.service or "", [])
+            for hosts in [mesh.envoy_hosts(), *(envoy_hosts(o.admin_port) for o in others)]
+        ):
+            assert time.monotonic() < deadline, f"{program.name} not back within {within} s"
+            await asyncio.sleep(0.5)
+
+
+async def test_a_killed_gateway_costs_no_caller_a_request(
+    mesh: LocalMesh, direct: MeshSettings, edge: llm_pb2_grpc.LLMServiceStub
+) -> None:
+    """Until Envoy's health checks see a gateway is gone, it still sends it preparations; each
+    fails before the gateway answered (refused or reset), and another gateway prepares it."""
+
+    async def generate(i: int) -> list[int]:
+        request = llm_pb2.GenerateRequest(prompt=f"gone {i}", max_tokens=4, ignore_eos=True)
+        return positions([token async for token in edge.Generate(request, timeout=60)])
+
+    gateway = replicas(mesh, "gateway")[-1]
+    psutil.Process(int(mesh.ctl("pid", gateway.name).stdout.strip())).kill()
+    try:
+        results = await asyncio.gather(*map(generate, range(16)), return_exceptions=True)
+    finally:
+        # supervisord starts it again; later tests need it back in both Envoys' rotation.
+        await back_in_rotation(mesh, [gateway], direct)
+    assert results == [list(range(4))] * 16

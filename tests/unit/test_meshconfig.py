@@ -415,6 +415,10 @@ def test_the_direct_token_path_processes_generate_only_and_routes_it_to_workers(
     namespace = rule["on_header_present"]["metadata_namespace"]
     assert processor["metadata_options"]["forwarding_namespaces"]["untyped"] == [namespace]
     assert processor["message_timeout"] == "7s" and not processor["failure_mode_allow"]
+    # A preparation whose gateway failed before answering goes to another gateway.
+    retry = processor["grpc_service"]["retry_policy"]
+    assert set(retry["retry_on"].split(",")) >= {"connect-failure", "refused-stream", "reset"}
+    assert retry["num_retries"] >= 1 and retry["retry_host_predicate"]
     assert processor["processing_mode"]["response_body_mode"] == "NONE"  # tokens bypass it
     host = edge["route_config"]["virtual_hosts"][0]
     assert host["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["disabled"]
@@ -459,9 +463,27 @@ def test_a_body_over_the_edges_buffer_is_resource_exhausted_for_grpc() -> None:
     """The direct token path buffers Generate's body whole; Envoy refuses a larger one with 413,
     which gRPC reads as UNKNOWN: the edge says RESOURCE_EXHAUSTED (8) and the limit instead."""
     edge = listeners(render(MeshSettings(direct_token_path=True, buffer_limit_bytes=65536)))["edge"]
-    (mapper,) = edge["local_reply_config"]["mappers"]
+    *_, mapper = edge["local_reply_config"]["mappers"]
     assert mapper["filter"]["status_code_filter"]["comparison"]["value"]["default_value"] == 413
     assert mapper["headers_to_add"][0]["header"] == {"key": "grpc-status", "value": "8"}
     assert "65536 bytes" in mapper["body"]["inline_string"]
     off = listeners(render(MeshSettings()))["edge"]
     assert "local_reply_config" not in off
+
+
+def test_a_request_no_gateway_prepared_says_why() -> None:
+    """Envoy fails a request its external processor did not prepare with no message: the edge
+    names the limit that passed, or the processor's error, and says to retry."""
+    settings = MeshSettings(direct_token_path=True, prepare_timeout_seconds=2.5)
+    timeout, failed, _ = listeners(render(settings))["edge"]["local_reply_config"]["mappers"]
+    expressions = [
+        mapper["filter"]["extension_filter"]["typed_config"]["expression"]
+        for mapper in (timeout, failed)
+    ]
+    assert expressions == [
+        "response.code_details == 'ext_proc_error_per-message_timeout_exceeded'",
+        "response.code_details.startsWith('ext_proc_error')",
+    ]
+    assert "prepare_timeout_seconds (2.5 s)" in timeout["body"]["inline_string"]
+    details = failed["body_format_override"]["text_format_source"]["inline_string"]
+    assert "%RESPONSE_CODE_DETAILS%" in details

@@ -140,16 +140,23 @@ def route_to(cluster: str, mesh: MeshSettings, prefix: str = "/") -> Config:
             # the caller's grpc-timeout is honoured instead (0s: no cap on it).
             "timeout": "0s",
             "max_stream_duration": {"grpc_timeout_header_max": "0s"},
-            "retry_policy": {
-                "retry_on": RETRY_ON + (OVERLOADED if cluster == "worker" else ""),
-                "num_retries": mesh.retry_attempts,
-                "retry_back_off": {"base_interval": "0.025s", "max_interval": "0.25s"},
-                "retry_host_predicate": [
-                    {"name": PREVIOUS_HOSTS, "typed_config": {"@type": PREVIOUS_HOSTS_TYPE}}
-                ],
-                "host_selection_retry_max_attempts": HOST_SELECTION_ATTEMPTS,
-            },
+            "retry_policy": retry_policy(
+                RETRY_ON + (OVERLOADED if cluster == "worker" else ""), mesh
+            ),
         },
+    }
+
+
+def retry_policy(retry_on: str, mesh: MeshSettings) -> Config:
+    """Retries on another host, with a short back-off (a route's, or a gRPC service's)."""
+    return {
+        "retry_on": retry_on,
+        "num_retries": mesh.retry_attempts,
+        "retry_back_off": {"base_interval": "0.025s", "max_interval": "0.25s"},
+        "retry_host_predicate": [
+            {"name": PREVIOUS_HOSTS, "typed_config": {"@type": PREVIOUS_HOSTS_TYPE}}
+        ],
+        "host_selection_retry_max_attempts": HOST_SELECTION_ATTEMPTS,
     }
 
 
@@ -197,16 +204,52 @@ def direct_stream_log(mesh: MeshSettings) -> list[Config]:
     ]
 
 
+def code_details(expression: str) -> Config:
+    """A local reply mapper's filter on why Envoy answered itself (%RESPONSE_CODE_DETAILS%,
+    `response.code_details` in CEL: no other filter reads it)."""
+    return {
+        "extension_filter": {
+            "name": "envoy.access_loggers.extension_filters.cel",
+            "typed_config": {
+                "@type": TYPE + "envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter",
+                "expression": expression,
+            },
+        }
+    }
+
+
 def edge_local_replies(mesh: MeshSettings) -> Config:
-    """A request body over the edge's buffer (only the direct token path's external processor
-    buffers a gRPC body whole; every valid request fits with the default limits) is refused
-    with HTTP 413, which gRPC would read as UNKNOWN: RESOURCE_EXHAUSTED with a message, as
-    the gateways refuse a message over their cap."""
+    """With the direct token path, Envoy's own answers get the message a caller needs. A
+    request body over the edge's buffer (only the external processor buffers a gRPC body
+    whole; every valid request fits with the default limits) is refused with HTTP 413, which
+    gRPC would read as UNKNOWN: RESOURCE_EXHAUSTED with a message, as the gateways refuse a
+    message over their cap. A request no gateway prepared fails UNAVAILABLE (HTTP 503/504:
+    retry), which Envoy sends without a message: it says why, and names the limit."""
     if not mesh.direct_token_path:
         return {}
+    prepare_failed = "no gateway prepared the request"
     return {
         "local_reply_config": {
             "mappers": [
+                {
+                    "filter": code_details(
+                        "response.code_details == 'ext_proc_error_per-message_timeout_exceeded'"
+                    ),
+                    "body": {
+                        "inline_string": (
+                            f"{prepare_failed} within the edge's prepare_timeout_seconds "
+                            f"({mesh.prepare_timeout_seconds:g} s); retry"
+                        )
+                    },
+                },
+                {
+                    "filter": code_details("response.code_details.startsWith('ext_proc_error')"),
+                    "body_format_override": {
+                        "text_format_source": {
+                            "inline_string": f"{prepare_failed} (%RESPONSE_CODE_DETAILS%); retry"
+                        }
+                    },
+                },
                 {
                     "filter": {
                         "status_code_filter": {
@@ -228,7 +271,7 @@ def edge_local_replies(mesh: MeshSettings) -> Config:
                             f"{mesh.buffer_limit_bytes} bytes"
                         )
                     },
-                }
+                },
             ]
         }
     }
@@ -352,6 +395,11 @@ def external_processor(mesh: MeshSettings) -> list[Config]:
                 "grpc_service": {
                     "envoy_grpc": {"cluster_name": "gateway"},
                     "timeout": seconds(mesh.prepare_timeout_seconds),
+                    # A gateway that is gone, or closing the connection the stream was opened
+                    # on (GOAWAY: idle or aged connections), fails the stream before it has
+                    # answered: another gateway prepares it, as the router retries on the
+                    # other path (Envoy keeps what it sent for a retry).
+                    "retry_policy": retry_policy(RETRY_ON, mesh),
                 },
                 "message_timeout": seconds(mesh.prepare_timeout_seconds),
                 # The headers, then the whole body (two round trips: full-duplex mode makes it
@@ -428,15 +476,7 @@ def openai_routes(mesh: MeshSettings) -> list[Config]:
             "route": {
                 "cluster": OPENAI_CLUSTER,
                 "timeout": "0s",
-                "retry_policy": {
-                    "retry_on": "connect-failure,reset-before-request",
-                    "num_retries": mesh.retry_attempts,
-                    "retry_back_off": {"base_interval": "0.025s", "max_interval": "0.25s"},
-                    "retry_host_predicate": [
-                        {"name": PREVIOUS_HOSTS, "typed_config": {"@type": PREVIOUS_HOSTS_TYPE}}
-                    ],
-                    "host_selection_retry_max_attempts": HOST_SELECTION_ATTEMPTS,
-                },
+                "retry_policy": retry_policy("connect-failure,reset-before-request", mesh),
             },
         }
     ]
