@@ -4,6 +4,7 @@ takes about a minute), and stopped as soon as the last test using it is done."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +18,8 @@ LOG_OFFSETS = pytest.StashKey[tuple[Path, dict[Path, int]]]()
 # What a failed test's report shows of each mesh log: its notable lines written during the test.
 NOTABLE_LINES = 40
 QUIET_LEVELS = {"DEBUG", "INFO", "info", "debug"}
+# Info lines of the processes that do not log JSON: Envoy, vLLM, supervisord, Prometheus.
+QUIET = re.compile(r"\]\[(info|debug)\]\[| (INFO|DEBUG) |level=(info|debug)")
 
 
 @pytest.fixture(scope="session")
@@ -52,7 +55,7 @@ def notable(line: str) -> bool:
     try:
         record = json.loads(line)
     except ValueError:
-        return bool(line.strip()) and "level=info" not in line and "][info][" not in line
+        return bool(line.strip()) and not QUIET.search(line)
     if not isinstance(record, dict):
         return True
     if "grpc_status" in record:
