@@ -31,7 +31,7 @@ import psutil
 import yaml
 from grpc import aio
 
-from tokenmesh.common.tokens import token_count
+from tokenmesh.common.tokens import WORKER_GENERATE, token_count
 from tokenmesh.localmesh.mesh import LocalMesh, LocalMeshSettings, Program, envoy_host_statuses
 from tokenmesh.localmesh.probes import engine_empty_at, fetch_text, series_values
 from tokenmesh.v1 import inference_pb2_grpc, llm_pb2, llm_pb2_grpc
@@ -43,6 +43,9 @@ HUNG = "HUNG"
 TOKEN_BYTES = 64
 # A stream's answer headers and its first few tokens, as the edge sends them to a client.
 CLIENT_BYTES = 4 * TOKEN_BYTES
+# The workers' Generate, as their grpc_server_* metrics label it.
+_SERVICE, _METHOD = WORKER_GENERATE.strip("/").split("/")
+INFERENCE = {"grpc_service": _SERVICE, "grpc_method": _METHOD}
 # A worker a scenario keeps busy can take seconds to answer a stats call or a metrics scrape
 # (measured: over 5 s with 50 streams of 20 logprobs each on two cores).
 BUSY_CALL_TIMEOUT_SECONDS = 30
@@ -269,6 +272,18 @@ class ScenarioMesh:
         _, _, value = fetch(f"{admin}/stats?filter=^{stat}$").strip().rpartition(" ")
         return int(value) if value.isdigit() else 0
 
+    def sent_by_workers(self) -> dict[str, float]:
+        """Token messages each worker has sent on its Generate streams (its own counter), by
+        name; a worker that does not answer in time is left out."""
+        sent = {}
+        for worker in self.replicas("worker"):
+            text = fetch(f"http://127.0.0.1:{worker.metrics_port}/metrics")
+            if text:
+                sent[worker.name] = sum(
+                    series_values(text, "grpc_server_stream_msg_sent_total", **INFERENCE)
+                )
+        return sent
+
     def kill_when_generating(
         self,
         within: float,
@@ -284,13 +299,19 @@ class ScenarioMesh:
         them to the clients' transparent retries (a warm engine's first tokens reach the
         workers' hop before any has left the edge).
 
+        Then every worker must also have sent token messages since this began, by its own
+        count: Envoy's bytes are the cluster's, and a worker whose engine has not started yet
+        has streams open but none answered, which Envoy retries elsewhere when it dies, so
+        its kill would test nothing (docs/failure-behaviour.md).
+
         Blocking, for a thread of its own: a warm engine makes a stream of 2,000 tokens in
         about a second, while the scenario's event loop can be busy reading tokens for tens of
-        seconds, so neither the polling nor the kill may wait for the loop. Only Envoy's admin
-        is asked (a busy worker answers slowly)."""
+        seconds, so neither the polling nor the kill may wait for the loop. Envoy's admin is
+        polled; the workers (a busy worker answers slowly) only once Envoy's count holds."""
         workers = self.replicas("worker")
         seen: dict[str, Any] = {"looks": 0}
         begun = time.monotonic()
+        messages_before = self.sent_by_workers()
         before = self.received_from("worker")
         sent_before = self.sent_to_clients() if to_clients else 0
         while time.monotonic() - begun < within:
@@ -310,6 +331,18 @@ class ScenarioMesh:
                 and received >= TOKEN_BYTES * open_total
                 and (not to_clients or sent >= CLIENT_BYTES * open_total)
             ):
+                now = self.sent_by_workers()
+                for name in now.keys() - messages_before.keys():
+                    messages_before[name] = now[name]  # not answering at first: from now
+                streamed = {
+                    w.name: now[w.name] - messages_before[w.name]
+                    for w in workers
+                    if w.name in now and w.name in messages_before
+                }
+                seen["worker_messages"] = streamed
+                if len(streamed) < len(workers) or not all(streamed.values()):
+                    time.sleep(0.02)
+                    continue
                 kill(streams)
                 seen["after_s"] = round(time.monotonic() - begun, 2)
                 return streams, seen
