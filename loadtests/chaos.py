@@ -49,6 +49,8 @@ INFERENCE = {"grpc_service": _SERVICE, "grpc_method": _METHOD}
 # A worker a scenario keeps busy can take seconds to answer a stats call or a metrics scrape
 # (measured: over 5 s with 50 streams of 20 logprobs each on two cores).
 BUSY_CALL_TIMEOUT_SECONDS = 30
+# How long the kill's watcher waits for a worker's metrics before it looks again.
+WATCH_CALL_TIMEOUT_SECONDS = 1.0
 # A request still running this long after its own deadline is counted as hung (and cancelled).
 HANG_MARGIN_SECONDS = 5.0
 # A restarted worker loads vLLM again (~30 s idle, more on a busy 2-core box).
@@ -201,12 +203,10 @@ class ScenarioMesh:
         return [program for program in self.local_mesh.programs if program.service == service]
 
     def program(self, name: str) -> Program:
-        return next(program for program in self.local_mesh.programs if program.name == name)
+        return self.local_mesh.program(name)
 
     def pid(self, name: str) -> int:
-        """The program's pid (supervisord starts each in its own process group)."""
-        text = self.local_mesh.ctl("pid", name).stdout.strip()
-        return int(text) if text.isdigit() else 0
+        return self.local_mesh.pid(name)
 
     def healthy(self, cluster: str) -> set[str]:
         return {address for address, ok in self.local_mesh.envoy_hosts().get(cluster, []) if ok}
@@ -272,12 +272,13 @@ class ScenarioMesh:
         _, _, value = fetch(f"{admin}/stats?filter=^{stat}$").strip().rpartition(" ")
         return int(value) if value.isdigit() else 0
 
-    def sent_by_workers(self) -> dict[str, float]:
+    def sent_by_workers(self, timeout: float = BUSY_CALL_TIMEOUT_SECONDS) -> dict[str, float]:
         """Token messages each worker has sent on its Generate streams (its own counter), by
-        name; a worker that does not answer in time is left out."""
+        name; a worker that does not answer within `timeout` is left out."""
         sent = {}
         for worker in self.replicas("worker"):
-            text = fetch(f"http://127.0.0.1:{worker.metrics_port}/metrics")
+            url = f"http://127.0.0.1:{worker.metrics_port}/metrics"
+            text = fetch_text(url, timeout, default="")
             if text:
                 sent[worker.name] = sum(
                     series_values(text, "grpc_server_stream_msg_sent_total", **INFERENCE)
@@ -288,6 +289,7 @@ class ScenarioMesh:
         self,
         within: float,
         kill: Callable[[dict[str, int]], None],
+        messages_before: dict[str, float],
         to_clients: bool = False,
     ) -> tuple[dict[str, int] | None, dict[str, Any]]:
         """Once every worker has streams open at Envoy and tokens are coming from the workers
@@ -299,19 +301,21 @@ class ScenarioMesh:
         them to the clients' transparent retries (a warm engine's first tokens reach the
         workers' hop before any has left the edge).
 
-        Then every worker must also have sent token messages since this began, by its own
-        count: Envoy's bytes are the cluster's, and a worker whose engine has not started yet
-        has streams open but none answered, which Envoy retries elsewhere when it dies, so
-        its kill would test nothing (docs/failure-behaviour.md).
+        Then every worker must also have sent token messages since messages_before (taken by
+        sent_by_workers() before the scenario's streams began, while the workers answer at
+        once), by its own count: Envoy's bytes are the cluster's, and a worker whose engine
+        has not started yet has streams open but none answered, which Envoy retries elsewhere
+        when it dies, so its kill would test nothing (docs/failure-behaviour.md). A busy worker
+        that does not answer within WATCH_CALL_TIMEOUT_SECONDS is asked again on the next
+        look, so the kill never lands long after the streams were seen.
 
         Blocking, for a thread of its own: a warm engine makes a stream of 2,000 tokens in
         about a second, while the scenario's event loop can be busy reading tokens for tens of
         seconds, so neither the polling nor the kill may wait for the loop. Envoy's admin is
         polled; the workers (a busy worker answers slowly) only once Envoy's count holds."""
         workers = self.replicas("worker")
-        seen: dict[str, Any] = {"looks": 0}
+        seen: dict[str, Any] = {"looks": 0, "slowest_worker_metrics_s": 0.0}
         begun = time.monotonic()
-        messages_before = self.sent_by_workers()
         before = self.received_from("worker")
         sent_before = self.sent_to_clients() if to_clients else 0
         while time.monotonic() - begun < within:
@@ -331,9 +335,11 @@ class ScenarioMesh:
                 and received >= TOKEN_BYTES * open_total
                 and (not to_clients or sent >= CLIENT_BYTES * open_total)
             ):
-                now = self.sent_by_workers()
-                for name in now.keys() - messages_before.keys():
-                    messages_before[name] = now[name]  # not answering at first: from now
+                asked = time.monotonic()
+                now = self.sent_by_workers(WATCH_CALL_TIMEOUT_SECONDS)
+                seen["slowest_worker_metrics_s"] = round(
+                    max(seen["slowest_worker_metrics_s"], time.monotonic() - asked), 2
+                )
                 streamed = {
                     w.name: now[w.name] - messages_before[w.name]
                     for w in workers
@@ -392,6 +398,7 @@ async def worker_kill(mesh: ScenarioMesh, short: bool) -> Row:
         return row
     # Enough long streams that both workers are still generating when the kill comes.
     streams, burst = (24, 16) if short else (48, 48)
+    messages_before = await asyncio.to_thread(mesh.sent_by_workers)
     async with mesh.channel() as channel:
         stub = llm_pb2_grpc.LLMServiceStub(channel)
         events = [asyncio.Event() for _ in range(streams)]
@@ -415,8 +422,11 @@ async def worker_kill(mesh: ScenarioMesh, short: bool) -> Row:
             os.kill(pids[victim.name], signal.SIGKILL)
             killed["ended"] = end_times(engine[1:], 15)
 
-        running_now, seen = await asyncio.to_thread(mesh.kill_when_generating, 180, kill)
+        running_now, seen = await asyncio.to_thread(
+            mesh.kill_when_generating, 180, kill, messages_before
+        )
         row.notes["generating_after_s"] = seen.get("after_s")
+        row.notes["watch"] = seen
         row.notes["first_tokens_seen_at_kill"] = sum(event.is_set() for event in events)
         if running_now is None:
             row.violations.append(f"the workers were not both generating within 180 s: {seen}")
@@ -804,6 +814,7 @@ async def envoy_restart(mesh: ScenarioMesh, short: bool) -> Row:
     pid = mesh.pid("envoy")
     # Enough long streams that they are still generating when the kill comes.
     streams, fresh_count = (16, 8) if short else (32, 32)
+    messages_before = await asyncio.to_thread(mesh.sent_by_workers)
     async with mesh.channel(retries=True) as channel:
         stub = llm_pb2_grpc.LLMServiceStub(channel)
         events = [asyncio.Event() for _ in range(streams)]
@@ -821,9 +832,12 @@ async def envoy_restart(mesh: ScenarioMesh, short: bool) -> Row:
             killpg(pid, signal.SIGKILL)
             answered.extend(i for i, event in enumerate(events) if event.is_set())
 
-        generating, seen = await asyncio.to_thread(mesh.kill_when_generating, 180, kill, True)
+        generating, seen = await asyncio.to_thread(
+            mesh.kill_when_generating, 180, kill, messages_before, True
+        )
         killed_at = killed[0] if killed else time.monotonic()
         row.notes["first_tokens_seen_at_kill"] = len(answered)
+        row.notes["watch"] = seen
         row.check(generating is not None, f"the workers were generating within 180 s: {seen}")
         if generating is None:
             killpg(pid, signal.SIGKILL)
@@ -864,6 +878,10 @@ async def envoy_restart(mesh: ScenarioMesh, short: bool) -> Row:
 
 # Deadline of each overload stream: a refusal must come long before it.
 OVERLOAD_DEADLINE = 60.0
+# Tokens of each overload stream: enough to keep the batch full while the rest arrive, few enough
+# that the queue (two batches' worth) drains within the small mesh's 5 s stream idle timeout, as
+# a queued stream sends nothing until it runs.
+OVERLOAD_TOKENS = 64
 
 
 # The small mesh for overload (and the short stalled-client run): 1 gateway, 1 worker whose batch
@@ -907,7 +925,9 @@ async def overload(mesh: ScenarioMesh, short: bool) -> Row:
         for round_ in range(rounds):
             outcomes += await asyncio.gather(
                 *(
-                    generate(stub, request(f"overload {round_} {i}", 256), OVERLOAD_DEADLINE)
+                    generate(
+                        stub, request(f"overload {round_} {i}", OVERLOAD_TOKENS), OVERLOAD_DEADLINE
+                    )
                     for i in range(2 * capacity)
                 )
             )

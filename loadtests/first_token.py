@@ -1,6 +1,6 @@
 """First tokens at 1 stream, hop by hop: where a lone stream's first token waits.
 
-A 1-gateway/1-worker mesh and a second Envoy with the direct token path; one stream at a time,
+A 1-gateway/1-worker mesh and a second Envoy on the other token path; one stream at a time,
 128 tokens each, in interleaved rounds over four paths: the worker itself, the worker behind
 Envoy's worker listener, the edge (gateway on the token path) and the direct-path edge. Reports
 each path's TTFT of every request, p50/p90/max and the share over 50 ms, and the same for the
@@ -24,7 +24,7 @@ import uvloop
 from grpc import aio
 
 from loadtests.report import emit
-from loadtests.scenarios import private_mesh, program, second_envoy
+from loadtests.scenarios import private_mesh, second_envoy
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, llm_pb2, llm_pb2_grpc
 
 PROMPT = "hello there " * 8
@@ -77,13 +77,18 @@ def main() -> None:
         parser.error("requests 1-200, rounds 1-10")
     with (
         private_mesh() as local_mesh,
-        second_envoy(local_mesh, local_mesh.run_dir, direct_token_path=True) as (direct, _),
+        second_envoy(
+            local_mesh,
+            local_mesh.run_dir,
+            direct_token_path=not local_mesh.settings.direct_token_path,
+        ) as (other, _),
     ):
         s = local_mesh.settings
+        direct, through_gateway = (s, other) if s.direct_token_path else (other, s)
         paths = {
-            "worker": (program(local_mesh, "worker-0").address, True),
+            "worker": (local_mesh.program("worker-0").address, True),
             "Envoy>worker": (f"127.0.0.1:{s.worker_listener_port}", True),
-            "edge>gateway>Envoy>worker": (f"127.0.0.1:{s.edge_port}", False),
+            "edge>gateway>Envoy>worker": (f"127.0.0.1:{through_gateway.edge_port}", False),
             "edge>worker (direct token path)": (f"127.0.0.1:{direct.edge_port}", False),
         }
         times: dict[str, list[float]] = {name: [] for name in paths}

@@ -182,21 +182,13 @@ def second_envoy(
         log.close()
 
 
-def program(local_mesh: LocalMesh, name: str) -> Any:
-    return next(p for p in local_mesh.programs if p.name == name)
-
-
-def pid(local_mesh: LocalMesh, name: str) -> int:
-    return int(local_mesh.ctl("pid", name).stdout.strip())
-
-
 def hops(local_mesh: LocalMesh) -> list[tuple[str, str, str]]:
     """(label, target kind, address) for each path to the engine, shortest first."""
     s = local_mesh.settings
     return [
-        ("worker", "worker", program(local_mesh, "worker-0").address),
+        ("worker", "worker", local_mesh.program("worker-0").address),
         ("envoy>worker", "worker", f"127.0.0.1:{s.worker_listener_port}"),
-        ("gateway>envoy>worker", "llm", program(local_mesh, "gateway-0").address),
+        ("gateway>envoy>worker", "llm", local_mesh.program("gateway-0").address),
         ("edge>gateway>envoy>worker", "llm", f"127.0.0.1:{s.edge_port}"),
     ]
 
@@ -268,7 +260,7 @@ def many(bench: Bench, local_mesh: LocalMesh) -> None:
 
 def rss(local_mesh: LocalMesh) -> dict[str, int]:
     names = ("gateway-0", "worker-0", "envoy")
-    return {name: psutil.Process(pid(local_mesh, name)).memory_info().rss for name in names}
+    return {name: psutil.Process(local_mesh.pid(name)).memory_info().rss for name in names}
 
 
 def slow(bench: Bench, local_mesh: LocalMesh) -> None:
@@ -321,7 +313,7 @@ def degraded(bench: Bench, local_mesh: LocalMesh) -> None:
         warmup=2.0,
         label="reranker stopped halfway",
     )
-    reranker = pid(local_mesh, "reranker")
+    reranker = local_mesh.pid("reranker")
     stopped_at: list[float] = []
 
     def stop_reranker() -> None:

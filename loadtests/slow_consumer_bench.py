@@ -103,9 +103,6 @@ class SlowConsumerProbe:
         (program,) = [p for p in self._local_mesh.programs if p.service == service]
         return program
 
-    def _pid(self, name: str) -> int:
-        return int(self._local_mesh.ctl("pid", name).stdout.strip())
-
     def envoy_allocated(self) -> int:
         """Bytes Envoy's allocator holds (admin /memory), steadier than RSS."""
         url = f"http://127.0.0.1:{self._local_mesh.settings.envoy_admin_port}/memory"
@@ -145,7 +142,7 @@ class SlowConsumerProbe:
     async def run(
         self, streams: int, max_tokens: int, settle_seconds: float = 3.0, limit: float = 120.0
     ) -> SlowConsumerResult:
-        gateway = psutil.Process(self._pid(self._gateway.name))
+        gateway = psutil.Process(self._local_mesh.pid(self._gateway.name))
         envoy_before, rss_before = self.envoy_allocated(), gateway.memory_info().rss
         gateway_before, worker_before = self.sent()
         edge = f"127.0.0.1:{self._local_mesh.settings.edge_port}"

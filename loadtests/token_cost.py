@@ -3,7 +3,8 @@ server on the same model and core binding, both up, in interleaved rounds at 1, 
 streams of 128 tokens: tokens/s, TTFT and client ITL p50/p99, and CPU microseconds per
 delivered token of each process (worker, engine, gateway, Envoy; vLLM's API server and engine),
 read from /proc before and after each round. Beside them: the same services behind a second
-Envoy with the direct token path (gateways prepare, Envoy streams from the workers), and at 32
+Envoy on the other token path (the mesh's own edge has the direct token path by default:
+gateways prepare, Envoy streams from the workers; the second one the gateway path), and at 32
 and 64 streams the edge with stream_interval 8, and a second vLLM server placed as the mesh
 places a worker (its engine's processes on the engine's core, the server's threads on the
 others; --no-placed-baseline leaves it out). With --profile, py-spy samples the worker and
@@ -41,11 +42,9 @@ from loadtests.scenarios import (
     RESULTS,
     Bench,
     openai_server,
-    pid,
     private_mesh,
     second_envoy,
 )
-from loadtests.scenarios import program as program_named
 from tokenmesh.localmesh.mesh import LocalMesh
 from tokenmesh.meshconfig.config import MeshSettings
 from tokenmesh.worker.placement import descendants
@@ -106,25 +105,30 @@ class Route:
     interval: int = 0
 
 
+# The mesh's own edge (its token path as configured) and a second Envoy on the other path.
+MESH_LABEL = "edge gRPC"
+PATH_LABELS = {True: "edge gRPC, direct token path", False: "edge gRPC, gateway path"}
+
+
 def mesh_path(local_mesh: LocalMesh) -> Route:
-    worker = pid(local_mesh, "worker-0")
+    worker = local_mesh.pid("worker-0")
     return Route(
-        label="edge gRPC",
+        label=MESH_LABEL,
         target="llm",
         address=f"127.0.0.1:{local_mesh.settings.edge_port}",
         model="",
         processes={
             "worker": [worker],
             "engine": descendants(worker),
-            "gateway": [pid(local_mesh, "gateway-0")],
-            "envoy": [pid(local_mesh, "envoy")],
+            "gateway": [local_mesh.pid("gateway-0")],
+            "envoy": [local_mesh.pid("envoy")],
         },
-        hops={"envoy": 2},
+        hops={"envoy": 1 if local_mesh.settings.direct_token_path else 2},
         metrics={
             name: program.metrics_port
             for name, program in (
-                ("worker", program_named(local_mesh, "worker-0")),
-                ("gateway", program_named(local_mesh, "gateway-0")),
+                ("worker", local_mesh.program("worker-0")),
+                ("gateway", local_mesh.program("gateway-0")),
             )
             if program.metrics_port is not None
         },
@@ -138,15 +142,16 @@ def openai_path(mesh: Route, local_mesh: LocalMesh) -> Route:
     )
 
 
-def direct_path(mesh: Route, envoy: MeshSettings, envoy_pid: int) -> Route:
-    """The same gateway and worker behind an Envoy with the direct token path: the gateway
-    prepares each request, Envoy streams the worker's tokens to the caller (one Envoy hop)."""
+def other_path(mesh: Route, envoy: MeshSettings, envoy_pid: int) -> Route:
+    """The same gateway and worker behind a second Envoy on the other token path: with the
+    direct token path the gateway prepares each request and Envoy streams the worker's tokens
+    to the caller (one Envoy hop); without it every token passes through the gateway (two)."""
     return replace(
         mesh,
-        label="edge gRPC, direct token path",
+        label=PATH_LABELS[envoy.direct_token_path],
         address=f"127.0.0.1:{envoy.edge_port}",
         processes={**mesh.processes, "envoy": [envoy_pid]},
-        hops={"envoy": 1},
+        hops={"envoy": 1 if envoy.direct_token_path else 2},
     )
 
 
@@ -313,8 +318,12 @@ def cost(
         (
             contextlib.nullcontext((None, 0))
             if openai
-            else second_envoy(local_mesh, local_mesh.run_dir, direct_token_path=True)
-        ) as (direct, direct_pid),
+            else second_envoy(
+                local_mesh,
+                local_mesh.run_dir,
+                direct_token_path=not local_mesh.settings.direct_token_path,
+            )
+        ) as (other, other_pid),
         openai_server() as (address, server),
         openai_server(placed=True) if placed_baseline else contextlib.nullcontext(("", 0)) as (
             placed_address,
@@ -326,8 +335,8 @@ def cost(
         if openai:
             paths = [openai_path(mesh, local_mesh), sse, mesh]
         else:
-            assert direct is not None
-            paths = [mesh, sse, direct_path(mesh, direct, direct_pid)]
+            assert other is not None
+            paths = [mesh, sse, other_path(mesh, other, other_pid)]
         if placed_baseline:
             paths.append(sse_path(placed_address, placed_server, placed=True))
         for c in concurrency:
@@ -361,7 +370,13 @@ def cost(
             rows.extend(group)
             comparisons[str(c)] = compare(group)
             print(markdown(group, {str(c): comparisons[str(c)]}), file=sys.stderr, flush=True)
-        report_: dict[str, Any] = {"rows": rows, "comparisons": comparisons, "profiles": None}
+        report_: dict[str, Any] = {
+            # The path of the mesh's own edge ("edge gRPC"); the second Envoy has the other.
+            "mesh_token_path": "direct" if local_mesh.settings.direct_token_path else "gateway",
+            "rows": rows,
+            "comparisons": comparisons,
+            "profiles": None,
+        }
         (bench.out / name).mkdir(parents=True, exist_ok=True)
         (bench.out / name / "cost.md").write_text(markdown(rows, comparisons))
         report.write_json(report_, bench.out / name / "summary.json")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -10,6 +12,7 @@ from grpc import aio
 
 from tests.consul_fake import FakeConsul
 from tests.otlp_collector import OtlpCollector
+from tests.stalls import StallWatch, describe, stalled_seconds
 from tests.support import TINY_MODEL, ServiceProcess, reranker_process, worker_process
 from tokenmesh.v1 import inference_pb2_grpc
 
@@ -20,13 +23,56 @@ WORKER_START_TIMEOUT = 300.0
 RERANKER_START_TIMEOUT = 120.0
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests that stop the shared worker run after all others, in their file order."""
+STALL_WATCH = pytest.StashKey[StallWatch]()
+TEST_BEGUN = pytest.StashKey[float]()
+# A failed integration test runs once more if the machine stalled this long while it ran (a
+# CPU taken by the hypervisor, the VM paused, a kernel lockup): its processes are pinned to
+# cores, and a stall of one stops them for as long.
+RERUN_AFTER_STALLED_SECONDS = 1.0
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests that stop the shared worker run after all others, in their file order; an
+    integration test that fails while the machine stalled runs once more (pytest-rerunfailures,
+    reported as a rerun)."""
     items.sort(key=lambda item: item.get_closest_marker("stops_worker") is not None)
+    for item in items:
+        if item.get_closest_marker("integration") is not None:
+            item.add_marker(pytest.mark.flaky(reruns=1, condition=functools.partial(stalled, item)))
+
+
+def stalled(item: pytest.Item) -> bool:
+    """The machine stalled for RERUN_AFTER_STALLED_SECONDS or more since the test began."""
+    stalls = item.config.stash[STALL_WATCH].since(item.stash.get(TEST_BEGUN, 0.0))
+    return bool(stalls) and stalled_seconds(stalls) >= RERUN_AFTER_STALLED_SECONDS
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "stops_worker: ends the session's shared worker process")
+    watch = StallWatch()
+    watch.start()
+    config.stash[STALL_WATCH] = watch
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    watch = config.stash.get(STALL_WATCH, None)
+    if watch is not None:
+        watch.stop()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item.stash[TEST_BEGUN] = time.monotonic()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> None:
+    """A failed test's report says how long the machine stalled while it ran."""
+    if call.excinfo is None:
+        return
+    stalls = item.config.stash[STALL_WATCH].since(item.stash.get(TEST_BEGUN, 0.0))
+    if stalls:
+        item.add_report_section(call.when, "machine stalls", describe(stalls))
 
 
 # Spans leave a service 100 ms after they end, so tests see them soon (the default is 5 s).

@@ -304,6 +304,11 @@ STAGGER_SECONDS = 0.2
 # grpc_server_* metric labels of the two Generate methods (the gateway's and the workers').
 GENERATE_METHOD = {"grpc_service": "tokenmesh.v1.LLMService", "grpc_method": "Generate"}
 INFERENCE_METHOD = {"grpc_service": "tokenmesh.v1.InferenceService", "grpc_method": "Generate"}
+# A gateway preparing a Generate request for the direct token path (Envoy's external processor).
+PREPARE_METHOD = {
+    "grpc_service": "envoy.service.ext_proc.v3.ExternalProcessor",
+    "grpc_method": "Process",
+}
 # A gateway preparing a Generate for Envoy to stream from a worker (the direct token path).
 PREPARE_METHOD = {
     "grpc_service": "envoy.service.ext_proc.v3.ExternalProcessor",

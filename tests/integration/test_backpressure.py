@@ -58,12 +58,12 @@ def test_the_mesh_runs_off_the_engines_core(slow_mesh: LocalMesh) -> None:
         pytest.skip(f"needs 2 cores to keep the mesh off the engine's, this machine has {cores}")
     mesh = set(range(1, cores))
     for name in ("envoy", "gateway-0", "worker-0"):
-        process = psutil.Process(int(slow_mesh.ctl("pid", name).stdout.strip()))
+        process = psutil.Process(slow_mesh.pid(name))
         threads = {thread.id: os.sched_getaffinity(thread.id) for thread in process.threads()}
         assert all(allowed == mesh for allowed in threads.values()), (name, threads)
     # The engine's processes, all of them (the engine core that schedules and busy-waits, as
     # well as the runner vLLM binds), keep to the engine's core 0.
-    worker = psutil.Process(int(slow_mesh.ctl("pid", "worker-0").stdout.strip()))
+    worker = psutil.Process(slow_mesh.pid("worker-0"))
     engine = [child for child in worker.children(recursive=True) if "VLLM" in child.name()]
     assert {child.name() for child in engine} >= {"VLLM::EngineCore", "VLLM::Worker"}, engine
     placed = {(c.name(), t.id): os.sched_getaffinity(t.id) for c in engine for t in c.threads()}

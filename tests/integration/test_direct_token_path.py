@@ -25,6 +25,7 @@ from loadtests.scenarios import second_envoy
 from tests.support import (
     GENERATE_METHOD,
     INFERENCE_METHOD,
+    PREPARE_METHOD,
     ROOT,
     cancel_generations,
     engine_empty_at,
@@ -40,8 +41,6 @@ from tokenmesh.meshconfig.config import MeshSettings
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, llm_pb2, llm_pb2_grpc, token_pb2
 
 pytestmark = pytest.mark.integration
-
-PROCESS = {"grpc_service": "envoy.service.ext_proc.v3.ExternalProcessor", "grpc_method": "Process"}
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +73,7 @@ async def test_generate_streams_from_a_worker_with_no_gateway_on_the_way(
 ) -> None:
     before = {
         "itl": total(mesh, "gateway", "tokenmesh_inter_token_latency_seconds_count"),
-        "process": started(mesh, "gateway", PROCESS),
+        "process": started(mesh, "gateway", PREPARE_METHOD),
         "worker": started(mesh, "worker", INFERENCE_METHOD),
         "direct": total(
             mesh, "gateway", "tokenmesh_gateway_direct_requests_total", outcome="direct"
@@ -87,7 +86,7 @@ async def test_generate_streams_from_a_worker_with_no_gateway_on_the_way(
     assert tokens[-1].usage.completion_tokens == 64
     # One external-processor call and one worker stream; no gateway sent its messages (the
     # gateways count the stream itself from Envoy's access log: a test below).
-    assert started(mesh, "gateway", PROCESS) - before["process"] == 1
+    assert started(mesh, "gateway", PREPARE_METHOD) - before["process"] == 1
     itl = total(mesh, "gateway", "tokenmesh_inter_token_latency_seconds_count")
     assert itl == before["itl"]
     assert started(mesh, "worker", INFERENCE_METHOD) - before["worker"] == 1
@@ -297,7 +296,7 @@ async def test_a_degraded_answer_keeps_its_warning_and_trailer(
     """With the reranker stopped, the gateway prepares the answer without it: the worker's
     first token carries the gateway's warning, and the stream ends with the degraded trailer."""
     reranker = replicas(mesh, "reranker")[0]
-    process = psutil.Process(int(mesh.ctl("pid", reranker.name).stdout.strip()))
+    process = psutil.Process(mesh.pid(reranker.name))
     direct = "tokenmesh_gateway_direct_requests_total"
     before = total(mesh, "gateway", direct, outcome="direct")
     request = llm_pb2.GenerateRequest(
@@ -385,10 +384,7 @@ async def test_a_request_no_gateway_prepared_in_time_says_so(mesh: LocalMesh) ->
     """Envoy fails a request its external processor did not answer within the edge's limit
     (UNAVAILABLE: retry) with no message of its own: the edge's says why and names the limit.
     (Its health checks, slowed here, would soon take hung gateways out of its rotation.)"""
-    gateways = [
-        psutil.Process(int(mesh.ctl("pid", gateway.name).stdout.strip()))
-        for gateway in replicas(mesh, "gateway")
-    ]
+    gateways = [psutil.Process(mesh.pid(gateway.name)) for gateway in replicas(mesh, "gateway")]
     with second_envoy(
         mesh,
         mesh.log_dir,
@@ -439,7 +435,7 @@ async def test_a_killed_gateway_costs_no_caller_a_request(
         return positions([token async for token in edge.Generate(request, timeout=60)])
 
     gateway = replicas(mesh, "gateway")[-1]
-    psutil.Process(int(mesh.ctl("pid", gateway.name).stdout.strip())).kill()
+    psutil.Process(mesh.pid(gateway.name)).kill()
     try:
         results = await asyncio.gather(*map(generate, range(16)), return_exceptions=True)
     finally:

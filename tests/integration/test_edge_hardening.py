@@ -174,11 +174,8 @@ def call(channel: grpc.Channel, case: Case) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
-def pids(local_mesh: LocalMesh) -> dict[str, str]:
-    return {
-        program.name: local_mesh.ctl("pid", program.name).stdout.strip()
-        for program in local_mesh.programs
-    }
+def pids(local_mesh: LocalMesh) -> dict[str, int]:
+    return {program.name: local_mesh.pid(program.name) for program in local_mesh.programs}
 
 
 def engines_empty(local_mesh: LocalMesh, within: float = 30.0) -> None:

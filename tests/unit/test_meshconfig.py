@@ -53,9 +53,9 @@ def test_committed_config_is_the_rendered_one() -> None:
     [
         MeshSettings(),
         MeshSettings(edge_port=18080, internal_host="0.0.0.0", retry_attempts=0),
-        MeshSettings(direct_token_path=True),
+        MeshSettings(direct_token_path=False),
     ],
-    ids=["defaults", "custom", "direct token path"],
+    ids=["defaults", "custom", "gateway token path"],
 )
 def test_envoy_accepts_the_rendered_config(settings: MeshSettings, tmp_path: Path) -> None:
     path = tmp_path / "envoy.yaml"
@@ -118,7 +118,7 @@ def test_service_clusters_are_health_checked_eds_clusters_named_after_services()
 
 
 def test_listeners_are_safe_for_long_streams_and_push_back() -> None:
-    found = listeners(render(MeshSettings(stream_idle_timeout_seconds=30)))
+    found = listeners(render(MeshSettings(stream_idle_timeout_seconds=30, direct_token_path=False)))
     assert set(found) == {"edge", "worker", "reranker"}
     for manager in found.values():
         assert manager["stream_idle_timeout"] == "30s"
@@ -194,7 +194,7 @@ def test_flow_control_limits_reach_every_listener_and_cluster() -> None:
 
 
 def test_edge_routes_the_ops_feed_and_page_to_the_control_plane() -> None:
-    mesh = MeshSettings(controlplane_port=18111, ops_page_port=19222)
+    mesh = MeshSettings(controlplane_port=18111, ops_page_port=19222, direct_token_path=False)
     config = render(mesh)
     routes = listeners(config)["edge"]["route_config"]["virtual_hosts"][0]["routes"]
     ops_feed, redirect, page, envoys_own, openai, rest = routes
@@ -387,7 +387,7 @@ def test_edge_rate_limit_is_a_shared_bucket_refusing_grpc_with_resource_exhauste
 
 
 def test_the_direct_token_path_processes_generate_only_and_routes_it_to_workers() -> None:
-    plain = listeners(render(MeshSettings()))["edge"]
+    plain = listeners(render(MeshSettings(direct_token_path=False)))["edge"]
     assert all(f["name"] != "envoy.filters.http.ext_proc" for f in plain["http_filters"])
     assert all(f["name"] != "envoy.filters.http.header_to_metadata" for f in plain["http_filters"])
     assert [log["name"] for log in plain["access_log"]] == ["envoy.access_loggers.stdout"]
@@ -467,7 +467,7 @@ def test_a_body_over_the_edges_buffer_is_resource_exhausted_for_grpc() -> None:
     assert mapper["filter"]["status_code_filter"]["comparison"]["value"]["default_value"] == 413
     assert mapper["headers_to_add"][0]["header"] == {"key": "grpc-status", "value": "8"}
     assert "65536 bytes" in mapper["body"]["inline_string"]
-    off = listeners(render(MeshSettings()))["edge"]
+    off = listeners(render(MeshSettings(direct_token_path=False)))["edge"]
     assert "local_reply_config" not in off
 
 

@@ -96,8 +96,8 @@ class LocalMeshSettings(BaseSettings):
     # when there are such cores; otherwise, and when off, wherever the kernel puts them.
     pin_mesh_cores: bool = True
     # Envoy streams Generate's tokens straight from the workers; gateways only prepare each
-    # request (MeshSettings.direct_token_path).
-    direct_token_path: bool = False
+    # request (MeshSettings.direct_token_path). False: every token passes through a gateway.
+    direct_token_path: bool = True
     # Replica i of a service listens on base + i (gRPC) and metrics base + i.
     gateway_port: int = Field(default=50051, ge=1, le=65535)
     gateway_metrics_port: int = Field(default=9451, ge=1, le=65535)
@@ -561,6 +561,14 @@ stdout_logfile_backups=2
         except (FileNotFoundError, ValueError, ProcessLookupError):
             return None
         return pid
+
+    def program(self, name: str) -> Program:
+        return next(program for program in self.programs if program.name == name)
+
+    def pid(self, name: str) -> int:
+        """The program's pid from supervisord; 0 when it is not running."""
+        text = self.ctl("pid", name).stdout.strip()
+        return int(text) if text.isdigit() else 0
 
     def ctl(self, *args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(

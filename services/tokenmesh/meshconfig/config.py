@@ -283,13 +283,14 @@ class MeshSettings(BaseSettings):
         ),
     )
     direct_token_path: bool = Field(
-        default=False,
+        default=True,
         description=(
             "Generate's tokens go from a worker through Envoy straight to the caller: the "
             "edge asks a gateway (Envoy's external processor) to validate and prepare each "
             "request, then routes it to the workers, so no gateway reads and writes every "
             "token (docs/architecture.md, the direct token path). Off: every token passes "
-            "through a gateway, as every other method's messages do."
+            "through a gateway, as every other method's messages do (a worker that dies "
+            "mid-stream then ends its streams UNAVAILABLE with a message, not a reset)."
         ),
     )
     prepare_timeout_seconds: float = Field(

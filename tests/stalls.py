@@ -1,0 +1,146 @@
+"""The machine's stalls: CPU time the VM lost, as steal time, late wake-ups and kernel lockups."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+PROC_STAT = Path("/proc/stat")
+# Sampled this often; a stall shows as one interval that lost a lot.
+SAMPLE_SECONDS = 0.5
+# Stolen time in one interval that counts as a stall (a quiet VM steals ~0 here).
+STALL_SECONDS = 0.25
+# A wake-up this late: the VM was paused, or this process got no CPU for that long.
+LATE_SECONDS = 1.0
+# The kernel's own reports of a CPU that made no progress ("BUG: workqueue lockup - pool
+# cpus=1 ... stuck for 169s!", "soft lockup - CPU#1 stuck for 23s!"), read every this often.
+KERNEL_EVERY_SECONDS = 10.0
+KERNEL_LOCKUP = re.compile(r"lockup.*stuck for (\d+)s")
+TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK")
+
+
+def stolen_seconds(stat: str) -> dict[str, float]:
+    """Each CPU's steal time (the eighth value of its cpuN line), in seconds."""
+    stolen = {}
+    for line in stat.splitlines():
+        name, *values = line.split()
+        if name.startswith("cpu") and name != "cpu" and len(values) >= 8:
+            stolen[name] = int(values[7]) / TICKS_PER_SECOND
+    return stolen
+
+
+def kernel_lockups(log: str) -> list[int]:
+    """Seconds stuck, of each lockup the kernel log reports."""
+    return [int(found.group(1)) for found in KERNEL_LOCKUP.finditer(log)]
+
+
+def read_kernel_log() -> str:
+    """The kernel's ring buffer (dmesg needs root or CAP_SYSLOG; without them: nothing)."""
+    try:
+        return subprocess.run(
+            ["dmesg"], capture_output=True, text=True, timeout=5, check=False
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+@dataclass(frozen=True)
+class Stall:
+    ended: float  # time.monotonic() when it was seen
+    source: str  # "steal cpuN", "late wake-up" or "kernel lockup"
+    seconds: float
+
+
+class StallWatch:
+    """A daemon thread that records the moments this VM lost its CPUs: a CPU stolen by the
+    hypervisor for STALL_SECONDS or more within one interval, the thread itself waking
+    LATE_SECONDS or more late, or a new lockup in the kernel's log. Such a stall stops every
+    process pinned to that CPU for as long (docs/testing.md)."""
+
+    def __init__(
+        self,
+        stat: Path = PROC_STAT,
+        every: float = SAMPLE_SECONDS,
+        kernel_log: Callable[[], str] = read_kernel_log,
+    ) -> None:
+        self._stat = stat
+        self._every = every
+        self._kernel_log = kernel_log
+        self._stalls: list[Stall] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stall-watch", daemon=True)
+
+    @property
+    def available(self) -> bool:
+        return self._stat.exists()
+
+    def start(self) -> None:
+        if self.available:
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def record(self, stall: Stall) -> None:
+        with self._lock:
+            self._stalls.append(stall)
+
+    def sample(self, before: dict[str, float], after: dict[str, float], now: float) -> None:
+        """Record the CPUs stolen between two readings of stolen_seconds()."""
+        for cpu in after:
+            stolen = after[cpu] - before.get(cpu, after[cpu])
+            if stolen >= STALL_SECONDS:
+                self.record(Stall(now, f"steal {cpu}", round(stolen, 2)))
+
+    def woke(self, slept: float, now: float) -> None:
+        """Record a wake-up that came LATE_SECONDS or more after it was due."""
+        late = slept - self._every
+        if late >= LATE_SECONDS:
+            self.record(Stall(now, "late wake-up", round(late, 2)))
+
+    def kernel(self, seen: int, log: str, now: float) -> int:
+        """Record the lockups the kernel reported after the first `seen`; how many it has."""
+        lockups = kernel_lockups(log)
+        if len(lockups) > seen:
+            self.record(Stall(now, "kernel lockup", float(max(lockups[seen:]))))
+        return len(lockups)
+
+    def since(self, begun: float) -> list[Stall]:
+        """The stalls seen after time.monotonic() was `begun`."""
+        with self._lock:
+            return [stall for stall in self._stalls if stall.ended >= begun]
+
+    def _run(self) -> None:
+        before = stolen_seconds(self._stat.read_text())
+        lockups = len(kernel_lockups(self._kernel_log()))
+        last = kernel_checked = time.monotonic()
+        while not self._stop.wait(self._every):
+            now = time.monotonic()
+            self.woke(now - last, now)
+            after = stolen_seconds(self._stat.read_text())
+            self.sample(before, after, now)
+            before, last = after, now
+            if now - kernel_checked >= KERNEL_EVERY_SECONDS:
+                lockups = self.kernel(lockups, self._kernel_log(), now)
+                kernel_checked = now
+
+
+def stalled_seconds(stalls: list[Stall]) -> float:
+    """How long the machine stalled, by its worst signal: stolen time summed over the CPUs'
+    intervals, or the longest late wake-up or kernel lockup."""
+    stolen = sum(s.seconds for s in stalls if s.source.startswith("steal"))
+    others = [s.seconds for s in stalls if not s.source.startswith("steal")]
+    return max([stolen, *others])
+
+
+def describe(stalls: list[Stall]) -> str:
+    """The total, then one entry a stall."""
+    listed = ", ".join(f"{s.source} {s.seconds} s" for s in stalls[:40])
+    return f"the machine stalled for {stalled_seconds(stalls):.1f} s in all: {listed}"
