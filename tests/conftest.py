@@ -25,6 +25,7 @@ RERANKER_START_TIMEOUT = 120.0
 
 STALL_WATCH = pytest.StashKey[StallWatch]()
 TEST_BEGUN = pytest.StashKey[float]()
+ATTEMPT_FAILED = pytest.StashKey[bool]()
 # A failed integration test runs once more if the machine stalled this long while it ran (a
 # CPU taken by the hypervisor, the VM paused, a kernel lockup): its processes are pinned to
 # cores, and a stall of one stops them for as long.
@@ -42,9 +43,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def stalled(item: pytest.Item) -> bool:
-    """The machine stalled for RERUN_AFTER_STALLED_SECONDS or more since the test began."""
+    """The machine stalled for RERUN_AFTER_STALLED_SECONDS or more since the test began (then
+    the run's output says so: a rerun's first failure is not shown)."""
     stalls = item.config.stash[STALL_WATCH].since(item.stash.get(TEST_BEGUN, 0.0))
-    return bool(stalls) and stalled_seconds(stalls) >= RERUN_AFTER_STALLED_SECONDS
+    if not stalls or stalled_seconds(stalls) < RERUN_AFTER_STALLED_SECONDS:
+        return False
+    reporter = item.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and item.stash.get(ATTEMPT_FAILED, False):
+        reporter.write_line(f"\n{item.nodeid} failed; runs once more: {describe(stalls)}")
+    return True
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -63,6 +70,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     item.stash[TEST_BEGUN] = time.monotonic()
+    item.stash[ATTEMPT_FAILED] = False
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -70,6 +78,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     """A failed test's report says how long the machine stalled while it ran."""
     if call.excinfo is None:
         return
+    item.stash[ATTEMPT_FAILED] = True
     stalls = item.config.stash[STALL_WATCH].since(item.stash.get(TEST_BEGUN, 0.0))
     if stalls:
         item.add_report_section(call.when, "machine stalls", describe(stalls))
