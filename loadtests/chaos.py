@@ -585,6 +585,15 @@ async def rolling_restart(mesh: ScenarioMesh, short: bool) -> Row:
     in Envoy: no request fails."""
     row = Row("rolling_restart")
     workers = mesh.replicas("worker")[:1] if short else mesh.replicas("worker")
+    # A rollout starts from a healthy set (a worker restarted just before, by another
+    # scenario or a stalled machine, may still be loading its model).
+    addresses = {worker.address for worker in mesh.replicas("worker")}
+    healthy = await mesh.wait_until(
+        lambda: addresses <= mesh.healthy("worker"), REJOIN_WITHIN_SECONDS, 1
+    )
+    if healthy is None:
+        row.violations.append(f"the workers were not all healthy: {mesh.healthy('worker')}")
+        return row
     stop = asyncio.Event()
     async with mesh.channel() as channel:
         stub = llm_pb2_grpc.LLMServiceStub(channel)

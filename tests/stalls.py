@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PROC_STAT = Path("/proc/stat")
+# Pressure stall information: time in which every runnable task waited on I/O ("full").
+IO_PRESSURE = Path("/proc/pressure/io")
 # Sampled this often; a stall shows as one interval that lost a lot.
 SAMPLE_SECONDS = 0.5
 # Stolen time in one interval that counts as a stall (a quiet VM steals ~0 here).
@@ -35,6 +37,22 @@ def stolen_seconds(stat: str) -> dict[str, float]:
     return stolen
 
 
+def io_full_seconds(pressure: str) -> float:
+    """The "full" total of /proc/pressure/io, in seconds (0 without PSI)."""
+    for line in pressure.splitlines():
+        if line.startswith("full "):
+            fields = dict(field.split("=", 1) for field in line.split()[1:])
+            return int(fields.get("total", "0")) / 1e6
+    return 0.0
+
+
+def read_io_pressure(path: Path = IO_PRESSURE) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
 def kernel_lockups(log: str) -> list[int]:
     """Seconds stuck, of each lockup the kernel log reports."""
     return [int(found.group(1)) for found in KERNEL_LOCKUP.finditer(log)]
@@ -53,15 +71,17 @@ def read_kernel_log() -> str:
 @dataclass(frozen=True)
 class Stall:
     ended: float  # time.monotonic() when it was seen
-    source: str  # "steal cpuN", "late wake-up" or "kernel lockup"
+    source: str  # "steal cpuN", "io stall", "late wake-up" or "kernel lockup"
     seconds: float
 
 
 class StallWatch:
-    """A daemon thread that records the moments this VM lost its CPUs: a CPU stolen by the
-    hypervisor for STALL_SECONDS or more within one interval, the thread itself waking
-    LATE_SECONDS or more late, or a new lockup in the kernel's log. Such a stall stops every
-    process pinned to that CPU for as long (docs/testing.md)."""
+    """A daemon thread that records the moments this VM lost its CPUs or its disk: a CPU
+    stolen by the hypervisor for STALL_SECONDS or more within one interval, every task
+    waiting on I/O that long (a restarted worker reading vLLM's libraries from a stalled
+    disk), the thread itself waking LATE_SECONDS or more late, or a new lockup in the
+    kernel's log. Such a stall stops every process it touches for as long
+    (docs/testing.md)."""
 
     def __init__(
         self,
@@ -99,6 +119,11 @@ class StallWatch:
             if stolen >= STALL_SECONDS:
                 self.record(Stall(now, f"steal {cpu}", round(stolen, 2)))
 
+    def io(self, before: float, after: float, now: float) -> None:
+        """Record an interval in which every task waited on I/O for STALL_SECONDS or more."""
+        if after - before >= STALL_SECONDS:
+            self.record(Stall(now, "io stall", round(after - before, 2)))
+
     def woke(self, slept: float, now: float) -> None:
         """Record a wake-up that came LATE_SECONDS or more after it was due."""
         late = slept - self._every
@@ -119,6 +144,7 @@ class StallWatch:
 
     def _run(self) -> None:
         before = stolen_seconds(self._stat.read_text())
+        io_before = io_full_seconds(read_io_pressure())
         lockups = len(kernel_lockups(self._kernel_log()))
         last = kernel_checked = time.monotonic()
         while not self._stop.wait(self._every):
@@ -126,18 +152,21 @@ class StallWatch:
             self.woke(now - last, now)
             after = stolen_seconds(self._stat.read_text())
             self.sample(before, after, now)
-            before, last = after, now
+            io_after = io_full_seconds(read_io_pressure())
+            self.io(io_before, io_after, now)
+            before, io_before, last = after, io_after, now
             if now - kernel_checked >= KERNEL_EVERY_SECONDS:
                 lockups = self.kernel(lockups, self._kernel_log(), now)
                 kernel_checked = now
 
 
 def stalled_seconds(stalls: list[Stall]) -> float:
-    """How long the machine stalled, by its worst signal: stolen time summed over the CPUs'
-    intervals, or the longest late wake-up or kernel lockup."""
+    """How long the machine stalled, by its worst signal: stolen time or I/O stall time summed
+    over their intervals, or the longest late wake-up or kernel lockup."""
     stolen = sum(s.seconds for s in stalls if s.source.startswith("steal"))
-    others = [s.seconds for s in stalls if not s.source.startswith("steal")]
-    return max([stolen, *others])
+    io = sum(s.seconds for s in stalls if s.source == "io stall")
+    others = [s.seconds for s in stalls if s.source in ("late wake-up", "kernel lockup")]
+    return max([stolen, io, *others])
 
 
 def describe(stalls: list[Stall]) -> str:

@@ -10,6 +10,7 @@ from tests.stalls import (
     Stall,
     StallWatch,
     describe,
+    io_full_seconds,
     kernel_lockups,
     stalled_seconds,
     stolen_seconds,
@@ -83,3 +84,18 @@ def test_stalled_seconds_sums_steal_but_not_repeated_reports() -> None:
 def test_the_watch_reads_this_machine() -> None:
     assert StallWatch().available
     assert set(stolen_seconds(PROC_STAT.read_text())) >= {"cpu0"}
+
+
+def test_io_stalls_come_from_the_full_line_of_io_pressure() -> None:
+    pressure = (
+        "some avg10=0.00 avg60=0.00 avg300=0.06 total=210490544\n"
+        "full avg10=0.00 avg60=0.00 avg300=0.00 total=154529271\n"
+    )
+    assert io_full_seconds(pressure) == 154.529271
+    assert io_full_seconds("") == 0.0
+    watch = StallWatch()
+    watch.io(154.0, 154.0 + STALL_SECONDS - 0.01, now=1.0)
+    assert watch.since(0.0) == []
+    watch.io(154.0, 160.0, now=2.0)
+    assert [(s.source, s.seconds) for s in watch.since(0.0)] == [("io stall", 6.0)]
+    assert stalled_seconds([Stall(1.0, "io stall", 0.5), Stall(2.0, "io stall", 0.75)]) == 1.25
