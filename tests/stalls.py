@@ -23,7 +23,7 @@ LATE_SECONDS = 1.0
 # The kernel's own reports of a CPU that made no progress ("BUG: workqueue lockup - pool
 # cpus=1 ... stuck for 169s!", "soft lockup - CPU#1 stuck for 23s!"), read every this often.
 KERNEL_EVERY_SECONDS = 10.0
-KERNEL_LOCKUP = re.compile(r"lockup.*stuck for (\d+)s")
+KERNEL_LOCKUP = re.compile(r"^\[\s*(\d+\.\d+)\].*lockup.*stuck for (\d+)s", re.MULTILINE)
 TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK")
 
 
@@ -53,9 +53,9 @@ def read_io_pressure(path: Path = IO_PRESSURE) -> str:
         return ""
 
 
-def kernel_lockups(log: str) -> list[int]:
-    """Seconds stuck, of each lockup the kernel log reports."""
-    return [int(found.group(1)) for found in KERNEL_LOCKUP.finditer(log)]
+def kernel_lockups(log: str) -> list[tuple[float, int]]:
+    """Each lockup the kernel log reports: its kernel timestamp and the seconds stuck."""
+    return [(float(found[1]), int(found[2])) for found in KERNEL_LOCKUP.finditer(log)]
 
 
 def read_kernel_log() -> str:
@@ -130,12 +130,14 @@ class StallWatch:
         if late >= LATE_SECONDS:
             self.record(Stall(now, "late wake-up", round(late, 2)))
 
-    def kernel(self, seen: int, log: str, now: float) -> int:
-        """Record the lockups the kernel reported after the first `seen`; how many it has."""
-        lockups = kernel_lockups(log)
-        if len(lockups) > seen:
-            self.record(Stall(now, "kernel lockup", float(max(lockups[seen:]))))
-        return len(lockups)
+    def kernel(self, seen_until: float, log: str, now: float) -> float:
+        """Record the lockups the kernel reported after its timestamp `seen_until` (by time,
+        not position: the ring buffer drops its oldest lines); the newest timestamp seen."""
+        reported = kernel_lockups(log)
+        new = [stuck for at, stuck in reported if at > seen_until]
+        if new:
+            self.record(Stall(now, "kernel lockup", float(max(new))))
+        return max([seen_until, *(at for at, _ in reported)])
 
     def since(self, begun: float) -> list[Stall]:
         """The stalls seen after time.monotonic() was `begun`."""
@@ -145,7 +147,8 @@ class StallWatch:
     def _run(self) -> None:
         before = stolen_seconds(self._stat.read_text())
         io_before = io_full_seconds(read_io_pressure())
-        lockups = len(kernel_lockups(self._kernel_log()))
+        # Lockups reported before the watch began are not this run's.
+        lockups = max([0.0, *(at for at, _ in kernel_lockups(self._kernel_log()))])
         last = kernel_checked = time.monotonic()
         while not self._stop.wait(self._every):
             now = time.monotonic()

@@ -59,14 +59,17 @@ def test_a_late_wake_up_counts_past_its_threshold() -> None:
 
 
 def test_only_new_kernel_lockups_count_with_the_longest_stuck_time() -> None:
-    assert kernel_lockups(KERNEL_LOG) == [139, 169]
+    assert kernel_lockups(KERNEL_LOG) == [(23127.1, 139), (23157.8, 169)]
     watch = StallWatch()
-    seen = watch.kernel(0, KERNEL_LOG.splitlines()[0], now=1.0)
-    assert seen == 0 and watch.since(0.0) == []
+    seen = watch.kernel(0.0, KERNEL_LOG.splitlines()[0], now=1.0)
+    assert seen == 0.0 and watch.since(0.0) == []
     seen = watch.kernel(seen, KERNEL_LOG, now=2.0)
-    assert seen == 2
+    assert seen == 23157.8
     assert [(s.source, s.seconds) for s in watch.since(0.0)] == [("kernel lockup", 169.0)]
-    assert watch.kernel(seen, KERNEL_LOG, now=3.0) == 2 and len(watch.since(0.0)) == 1
+    assert watch.kernel(seen, KERNEL_LOG, now=3.0) == seen and len(watch.since(0.0)) == 1
+    # The ring buffer dropped the older line: the newer one is not counted again.
+    rotated = KERNEL_LOG.splitlines()[-1]
+    assert watch.kernel(seen, rotated, now=4.0) == seen and len(watch.since(0.0)) == 1
 
 
 def test_stalled_seconds_sums_steal_but_not_repeated_reports() -> None:
