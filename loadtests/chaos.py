@@ -199,15 +199,6 @@ class ScenarioMesh:
         self.local_mesh = local_mesh
         self.edge = f"127.0.0.1:{local_mesh.settings.edge_port}"
 
-    def replicas(self, service: str) -> list[Program]:
-        return [program for program in self.local_mesh.programs if program.service == service]
-
-    def program(self, name: str) -> Program:
-        return self.local_mesh.program(name)
-
-    def pid(self, name: str) -> int:
-        return self.local_mesh.pid(name)
-
     def healthy(self, cluster: str) -> set[str]:
         return {address for address, ok in self.local_mesh.envoy_hosts().get(cluster, []) if ok}
 
@@ -236,9 +227,9 @@ class ScenarioMesh:
         return aio.insecure_channel(self.edge, options=options)
 
     def metric(self, program: Program, name: str, **labels: str) -> float:
-        """Sum of the series name{labels} on one program's /metrics (0 when absent)."""
-        text = fetch(f"http://127.0.0.1:{program.metrics_port}/metrics")
-        return sum(series_values(text, name, **labels))
+        """Sum of the series name{labels} on one program's /metrics (0 when absent, or when
+        the program does not answer)."""
+        return sum(series_values(metrics_page(program), name, **labels))
 
     async def wait_until(
         self, condition: Callable[[], bool], within: float, every: float = 0.1
@@ -275,15 +266,13 @@ class ScenarioMesh:
     def sent_by_workers(self, timeout: float = BUSY_CALL_TIMEOUT_SECONDS) -> dict[str, float]:
         """Token messages each worker has sent on its Generate streams (its own counter), by
         name; a worker that does not answer within `timeout` is left out."""
-        sent = {}
-        for worker in self.replicas("worker"):
-            url = f"http://127.0.0.1:{worker.metrics_port}/metrics"
-            text = fetch_text(url, timeout, default="")
-            if text:
-                sent[worker.name] = sum(
-                    series_values(text, "grpc_server_stream_msg_sent_total", **INFERENCE)
-                )
-        return sent
+        workers = self.local_mesh.replicas("worker")
+        pages = {worker.name: metrics_page(worker, timeout) for worker in workers}
+        return {
+            name: sum(series_values(page, "grpc_server_stream_msg_sent_total", **INFERENCE))
+            for name, page in pages.items()
+            if page
+        }
 
     def kill_when_generating(
         self,
@@ -313,7 +302,7 @@ class ScenarioMesh:
         about a second, while the scenario's event loop can be busy reading tokens for tens of
         seconds, so neither the polling nor the kill may wait for the loop. Envoy's admin is
         polled; the workers (a busy worker answers slowly) only once Envoy's count holds."""
-        workers = self.replicas("worker")
+        workers = self.local_mesh.replicas("worker")
         seen: dict[str, Any] = {"looks": 0, "slowest_worker_metrics_s": 0.0}
         begun = time.monotonic()
         before = self.received_from("worker")
@@ -368,9 +357,14 @@ class ScenarioMesh:
                 return None
 
 
-def fetch(url: str) -> str:
+def fetch(url: str, timeout: float = BUSY_CALL_TIMEOUT_SECONDS) -> str:
     """The page at url, or "" when it does not answer."""
-    return fetch_text(url, BUSY_CALL_TIMEOUT_SECONDS, default="")
+    return fetch_text(url, timeout, default="")
+
+
+def metrics_page(program: Program, timeout: float = BUSY_CALL_TIMEOUT_SECONDS) -> str:
+    """The program's /metrics page, or "" when it does not answer within `timeout`."""
+    return fetch(f"http://127.0.0.1:{program.metrics_port}/metrics", timeout)
 
 
 def killpg(pid: int, sig: signal.Signals) -> None:
@@ -386,8 +380,8 @@ async def worker_kill(mesh: ScenarioMesh, short: bool) -> Row:
     worker within seconds, and it rejoins once supervisord has restarted it, with one
     engine's memory, not two."""
     row = Row("worker_kill")
-    workers = mesh.replicas("worker")
-    pids = {worker.name: mesh.pid(worker.name) for worker in workers}
+    workers = mesh.local_mesh.replicas("worker")
+    pids = {worker.name: mesh.local_mesh.pid(worker.name) for worker in workers}
     # Both workers must be routable first: after an endpoint update (a control plane that
     # restarted) Envoy may health-check a host again before it routes to it.
     addresses = {worker.address for worker in workers}
@@ -501,7 +495,7 @@ async def worker_kill(mesh: ScenarioMesh, short: bool) -> Row:
     row.notes["rejoined_after_restart_s"] = round(time.monotonic() - rejoin_started, 1)
     # What the worker holds now: its restarted tree, plus anything of the old one still running
     # (an orphaned engine would double it).
-    restarted = process_tree(mesh.pid(victim.name))
+    restarted = process_tree(mesh.local_mesh.pid(victim.name))
     rss_after = tree_rss(restarted) + tree_rss([p for p in engine if alive([p])])
     row.notes["worker_rss_mib_before_after"] = [rss_before >> 20, rss_after >> 20]
     row.check(
@@ -584,10 +578,11 @@ async def rolling_restart(mesh: ScenarioMesh, short: bool) -> Row:
     """SIGTERM each worker in turn under steady load, the next once the previous one is back
     in Envoy: no request fails."""
     row = Row("rolling_restart")
-    workers = mesh.replicas("worker")[:1] if short else mesh.replicas("worker")
+    workers = mesh.local_mesh.replicas("worker")
+    workers = workers[:1] if short else workers
     # A rollout starts from a healthy set (a worker restarted just before, by another
     # scenario or a stalled machine, may still be loading its model).
-    addresses = {worker.address for worker in mesh.replicas("worker")}
+    addresses = {worker.address for worker in mesh.local_mesh.replicas("worker")}
     healthy = await mesh.wait_until(
         lambda: addresses <= mesh.healthy("worker"), REJOIN_WITHIN_SECONDS, 1
     )
@@ -601,7 +596,7 @@ async def rolling_restart(mesh: ScenarioMesh, short: bool) -> Row:
         await asyncio.sleep(1)
         for worker in workers:
             begun = time.monotonic()
-            os.kill(mesh.pid(worker.name), signal.SIGTERM)
+            os.kill(mesh.local_mesh.pid(worker.name), signal.SIGTERM)
             left = await mesh.wait_until(
                 lambda w=worker: w.address not in mesh.healthy("worker"), 10
             )
@@ -627,9 +622,9 @@ async def reranker_hang(mesh: ScenarioMesh, short: bool) -> Row:
     the warning, and once every gateway's breaker is open, at normal latency; SIGCONT: answers
     are reranked again after the breaker's half-open probe."""
     row = Row("reranker_hang")
-    reranker = mesh.program("reranker")
-    gateways = mesh.replicas("gateway")
-    pid = mesh.pid("reranker")
+    reranker = mesh.local_mesh.program("reranker")
+    gateways = mesh.local_mesh.replicas("gateway")
+    pid = mesh.local_mesh.pid("reranker")
     half_open_before = sum(
         mesh.metric(g, "tokenmesh_reranker_circuit_transitions_total", to="half_open")
         for g in gateways
@@ -713,7 +708,7 @@ async def deadline_storm(mesh: ScenarioMesh, short: bool) -> Row:
     row = Row("deadline_storm")
     count, bystanders = (100, 2) if short else (500, 4)
     rng = random.Random(7)
-    workers = mesh.replicas("worker")
+    workers = mesh.local_mesh.replicas("worker")
     aborted_before = sum(mesh.metric(w, "tokenmesh_worker_aborted_requests_total") for w in workers)
     async with mesh.channel() as channel, mesh.channel() as other_channel:
         stub = llm_pb2_grpc.LLMServiceStub(channel)
@@ -744,7 +739,7 @@ async def deadline_storm(mesh: ScenarioMesh, short: bool) -> Row:
         f"requests beside the storm complete: {[o.code for o in beside_outcomes]}",
     )
     lags = []
-    for worker in mesh.replicas("worker"):
+    for worker in mesh.local_mesh.replicas("worker"):
         empty_since = await mesh.engine_empty_since(worker, within=10)
         # Negative: the worker had aborted everything before the last client saw its deadline
         # (each hop's deadline is the caller's minus a margin).
@@ -766,7 +761,7 @@ async def controlplane_down(mesh: ScenarioMesh, short: bool) -> Row:
     """Stop the control plane: Envoy keeps routing to its last known endpoints. A discovery
     change made meanwhile applies once it is back."""
     row = Row("controlplane_down")
-    workers = mesh.replicas("worker")
+    workers = mesh.local_mesh.replicas("worker")
     removed = workers[-1]
     local_mesh = mesh.local_mesh
     n = 8 if short else 32
@@ -820,7 +815,7 @@ async def envoy_restart(mesh: ScenarioMesh, short: bool) -> Row:
     status; clients with docs/failure-behaviour.md's retry and wait-for-ready settings get
     answers as soon as it is back."""
     row = Row("envoy_restart")
-    pid = mesh.pid("envoy")
+    pid = mesh.local_mesh.pid("envoy")
     # Enough long streams that they are still generating when the kill comes.
     streams, fresh_count = (16, 8) if short else (32, 32)
     messages_before = await asyncio.to_thread(mesh.sent_by_workers)
@@ -918,7 +913,7 @@ async def overload(mesh: ScenarioMesh, short: bool) -> Row:
     refused at once with RESOURCE_EXHAUSTED (no timeouts), and the admitted ones complete."""
     row = Row("overload")
     running, waiting = worker_limits()
-    capacity = len(mesh.replicas("worker")) * (running + waiting)
+    capacity = len(mesh.local_mesh.replicas("worker")) * (running + waiting)
     row.notes["capacity"] = capacity
     if capacity > 64:
         row.violations.append(
@@ -989,9 +984,9 @@ async def stalled_client(mesh: ScenarioMesh, short: bool) -> Row:
     top_logprobs = 20 if short else 5
     idle_timeout = MeshSettings().stream_idle_timeout_seconds
     row.notes["stream_idle_timeout_s"] = idle_timeout
-    workers = mesh.replicas("worker")
-    names = [gateway.name for gateway in mesh.replicas("gateway")] + ["envoy"]
-    processes = {name: psutil.Process(mesh.pid(name)) for name in names}
+    workers = mesh.local_mesh.replicas("worker")
+    names = [gateway.name for gateway in mesh.local_mesh.replicas("gateway")] + ["envoy"]
+    processes = {name: psutil.Process(mesh.local_mesh.pid(name)) for name in names}
     # Long enough for the engine to finish the streams and the idle timeout to pass after that.
     deadline = idle_timeout + 180
     before = {name: p.memory_info().rss for name, p in processes.items()}

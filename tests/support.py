@@ -12,10 +12,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -28,6 +28,9 @@ from tokenmesh.localmesh.probes import (
     health,
     series_values,
 )
+
+if TYPE_CHECKING:
+    from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL = ROOT / "models" / "tiny-llama"
@@ -280,20 +283,33 @@ async def _cancel_once_generating(calls: list[Any], engines: list[Any], within: 
     cancelled_at = time.time_ns()
     for call in calls:
         call.cancel()
+    return await seconds_until_emptied(engines, reports, cancelled_at)
+
+
+async def seconds_until_emptied(
+    engines: Sequence[inference_pb2_grpc.InferenceServiceStub],
+    reports: Sequence[inference_pb2.EngineStats],
+    ended_at: int,
+) -> float:
+    """Seconds from ended_at (time.time_ns(), when the client cancelled or closed its streams)
+    until every engine that was busy in `reports` had emptied; inf when there is nothing to
+    measure: no engine was busy, or one emptied before ended_at (it finished its streams before
+    the end reached it)."""
     busy = [
         (engine, report)
         for engine, report in zip(engines, reports, strict=True)
         if report.running_requests or report.waiting_requests
     ]
+    if not busy:
+        print("no engine was busy")
+        return math.inf
     empty_at = [
         await engine_empty_at(engine, report.reported_unix_nanos) for engine, report in busy
     ]
-    if min(empty_at) < cancelled_at:
-        # An engine finished its streams before the cancel reached it: this round proves
-        # nothing about the cancel.
-        print("an engine emptied before the cancel")
+    if min(empty_at) < ended_at:
+        print("an engine emptied before the streams ended")
         return math.inf
-    return (max(empty_at) - cancelled_at) / 1e9
+    return (max(empty_at) - ended_at) / 1e9
 
 
 # How long cancel_until_empty waits for streams that start one after another (a gateway slow
@@ -314,11 +330,6 @@ PREPARE_METHOD = {
     "grpc_service": "envoy.service.ext_proc.v3.ExternalProcessor",
     "grpc_method": "Process",
 }
-
-
-def replicas(local_mesh: LocalMesh, service: str) -> list[Any]:
-    """The mesh's programs of one service (its Envoy cluster), in order."""
-    return [program for program in local_mesh.programs if program.service == service]
 
 
 async def cancel_generations(edge: Any, worker_addresses: Iterable[str], streams: int = 8) -> float:

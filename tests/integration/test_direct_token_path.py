@@ -32,7 +32,6 @@ from tests.support import (
     grpc_web_generate,
     metric_value,
     positions,
-    replicas,
     scrape_metrics,
     within_budget,
 )
@@ -60,7 +59,7 @@ async def edge(direct: MeshSettings) -> AsyncIterator[llm_pb2_grpc.LLMServiceStu
 def total(mesh: LocalMesh, service: str, name: str, **labels: str) -> float:
     return sum(
         metric_value(scrape_metrics(program.metrics_port or 0), name, 0.0, **labels)
-        for program in replicas(mesh, service)
+        for program in mesh.replicas(service)
     )
 
 
@@ -161,7 +160,7 @@ async def test_the_workers_method_is_not_served_at_the_edge(
 async def test_a_cancel_frees_the_engine_at_once(
     mesh: LocalMesh, edge: llm_pb2_grpc.LLMServiceStub
 ) -> None:
-    workers = [worker.address for worker in replicas(mesh, "worker")]
+    workers = [worker.address for worker in mesh.replicas("worker")]
     await within_budget(
         "every engine empty after the cancel (direct path)",
         lambda: cancel_generations(edge, workers),
@@ -229,7 +228,7 @@ async def test_a_client_that_reads_late_is_held_back_not_cut_off(
         psutil.Process(reader.pid).suspend()  # SIGSTOP: it reads nothing more
         try:
             async with contextlib.AsyncExitStack() as channels:
-                for worker in replicas(mesh, "worker"):
+                for worker in mesh.replicas("worker"):
                     channel = await channels.enter_async_context(
                         aio.insecure_channel(worker.address)
                     )
@@ -295,7 +294,7 @@ async def test_a_degraded_answer_keeps_its_warning_and_trailer(
 ) -> None:
     """With the reranker stopped, the gateway prepares the answer without it: the worker's
     first token carries the gateway's warning, and the stream ends with the degraded trailer."""
-    reranker = replicas(mesh, "reranker")[0]
+    reranker = mesh.replicas("reranker")[0]
     process = psutil.Process(mesh.pid(reranker.name))
     direct = "tokenmesh_gateway_direct_requests_total"
     before = total(mesh, "gateway", direct, outcome="direct")
@@ -384,7 +383,7 @@ async def test_a_request_no_gateway_prepared_in_time_says_so(mesh: LocalMesh) ->
     """Envoy fails a request its external processor did not answer within the edge's limit
     (UNAVAILABLE: retry) with no message of its own: the edge's says why and names the limit.
     (Its health checks, slowed here, would soon take hung gateways out of its rotation.)"""
-    gateways = [psutil.Process(mesh.pid(gateway.name)) for gateway in replicas(mesh, "gateway")]
+    gateways = [psutil.Process(mesh.pid(gateway.name)) for gateway in mesh.replicas("gateway")]
     with second_envoy(
         mesh,
         mesh.log_dir,
@@ -403,7 +402,7 @@ async def test_a_request_no_gateway_prepared_in_time_says_so(mesh: LocalMesh) ->
             finally:
                 for gateway in gateways:
                     gateway.resume()
-    await back_in_rotation(mesh, replicas(mesh, "gateway"))
+    await back_in_rotation(mesh, mesh.replicas("gateway"))
     assert failed.value.code() is grpc.StatusCode.UNAVAILABLE
     assert failed.value.details() == (
         "no gateway prepared the request within the edge's prepare_timeout_seconds (1 s); retry"
@@ -434,7 +433,7 @@ async def test_a_killed_gateway_costs_no_caller_a_request(
         request = llm_pb2.GenerateRequest(prompt=f"gone {i}", max_tokens=4, ignore_eos=True)
         return positions([token async for token in edge.Generate(request, timeout=60)])
 
-    gateway = replicas(mesh, "gateway")[-1]
+    gateway = mesh.replicas("gateway")[-1]
     psutil.Process(mesh.pid(gateway.name)).kill()
     try:
         results = await asyncio.gather(*map(generate, range(16)), return_exceptions=True)

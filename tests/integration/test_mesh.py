@@ -28,7 +28,6 @@ from tests.support import (
     grpcurl_messages,
     metric_value,
     positions,
-    replicas,
     scrape_metrics,
     within_budget,
 )
@@ -51,7 +50,7 @@ def started_on(program: Program, method: dict[str, str]) -> float:
 
 
 def started(local_mesh: LocalMesh, service: str, method: dict[str, str]) -> list[float]:
-    return [started_on(program, method) for program in replicas(local_mesh, service)]
+    return [started_on(program, method) for program in local_mesh.replicas(service)]
 
 
 @pytest.fixture(scope="module")
@@ -202,14 +201,14 @@ def test_grpc_web_generate_streams_tokens(local_mesh: LocalMesh) -> None:
 async def test_client_cancel_through_the_edge_frees_every_engine(
     local_mesh: LocalMesh, edge
 ) -> None:
-    workers = [worker.address for worker in replicas(local_mesh, "worker")]
+    workers = [worker.address for worker in local_mesh.replicas("worker")]
     await within_budget(
         "every engine empty after the cancel", lambda: cancel_generations(edge, workers)
     )
 
 
 async def test_stopped_worker_gets_no_new_streams_and_rejoins(local_mesh: LocalMesh, edge) -> None:
-    first, second = replicas(local_mesh, "worker")
+    first, second = local_mesh.replicas("worker")
     pid = local_mesh.pid(second.name)
     psutil.Process(pid).suspend()  # SIGSTOP: health checks time out, like a wedged host
     try:
@@ -243,7 +242,7 @@ async def test_discovery_change_reaches_envoy(local_mesh: LocalMesh, edge) -> No
     assert took <= 3.5
     # Once Envoy reports it healthy, its load balancers use it at once (no merge window): the
     # first streams after that already reach it.
-    back = next(worker for worker in replicas(local_mesh, "worker") if worker.address == removed)
+    back = next(worker for worker in local_mesh.replicas("worker") if worker.address == removed)
     before = started_on(back, INFERENCE_METHOD)
     results = await asyncio.gather(*(generate(edge, i, tokens=32) for i in range(8)))
     assert all(indexes == list(range(32)) for indexes in results)
@@ -252,7 +251,7 @@ async def test_discovery_change_reaches_envoy(local_mesh: LocalMesh, edge) -> No
 
 def test_sigterm_drains_a_worker_while_its_stream_finishes(local_mesh: LocalMesh) -> None:
     """Rolling update of one worker: NOT_SERVING, no new streams, the in-flight one completes."""
-    worker = replicas(local_mesh, "worker")[0]
+    worker = local_mesh.replicas("worker")[0]
     with grpc.insecure_channel(f"127.0.0.1:{local_mesh.settings.edge_port}") as channel:
         stub = llm_pb2_grpc.LLMServiceStub(channel)
         # Aim a long stream at this worker: ask until one lands there (bounded).

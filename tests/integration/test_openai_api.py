@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import math
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
@@ -22,10 +21,9 @@ from tests.conftest import LOG_DIR
 from tests.support import (
     TINY_MODEL,
     ServiceProcess,
-    engine_empty_at,
     free_port,
     gateway_process,
-    replicas,
+    seconds_until_emptied,
     within_budget,
 )
 from tokenmesh.gateway.auth import hash_key
@@ -226,22 +224,10 @@ async def test_closing_a_stream_frees_the_engine_at_once(
             reports = await asyncio.gather(
                 *(engine.GetEngineStats(inference_pb2.EngineStatsRequest()) for engine in engines)
             )
-            busy = [
-                (engine, report)
-                for engine, report in zip(engines, reports, strict=True)
-                if report.running_requests or report.waiting_requests
-            ]
             closed_at = time.time_ns()
             for stream in streams:
                 await stream.close()
-            if not busy:
-                return math.inf
-            empty_at = [
-                await engine_empty_at(engine, report.reported_unix_nanos) for engine, report in busy
-            ]
-            if min(empty_at) < closed_at:
-                return math.inf  # an engine ended its streams before the close reached it
-            return (max(empty_at) - closed_at) / 1e9
+            return await seconds_until_emptied(engines, reports, closed_at)
 
         await within_budget("every engine empty after the streams closed", close_round)
 
@@ -254,7 +240,7 @@ async def worker_stubs(
     async with contextlib.AsyncExitStack() as stack:
         channels = [
             await stack.enter_async_context(aio.insecure_channel(w.address))
-            for w in replicas(mesh, "worker")
+            for w in mesh.replicas("worker")
         ]
         yield [inference_pb2_grpc.InferenceServiceStub(channel) for channel in channels]
 

@@ -331,7 +331,7 @@ def test_json_log_line_carries_the_rpc_fields_and_trace_id(
     assert line["trace_id"] == trace.format_trace_id(span.get_span_context().trace_id)
 
 
-def test_stack_sends_the_otlp_endpoint_to_every_traced_service(tmp_path: Path) -> None:
+def test_local_mesh_sends_the_otlp_endpoint_to_every_traced_service(tmp_path: Path) -> None:
     local_mesh = LocalMesh(
         LocalMeshSettings(otlp_endpoint="127.0.0.1:4317", workers=1), root=tmp_path
     )

@@ -107,7 +107,7 @@ def test_alert_rules_pass_their_promtool_unit_tests() -> None:
     shutil.which("prometheus") is None,
     reason="no prometheus on PATH: `make setup` installs the Debian prometheus package as root",
 )
-def test_stack_runs_prometheus_on_its_port_with_storage_in_the_run_dir(tmp_path: Path) -> None:
+def test_local_mesh_runs_prometheus_on_its_port_with_storage_in_the_run_dir(tmp_path: Path) -> None:
     settings = LocalMeshSettings(run_dir=tmp_path, workers=1, prometheus_port=7090)
     mesh = LocalMesh(settings, root=ROOT)
     program = next(program for program in mesh.programs if program.name == "prometheus")

@@ -16,7 +16,7 @@ def main() -> int:
     local_mesh = LocalMesh(LocalMeshSettings(), root=Path.cwd())
     if command in ("status", "down", "logs") and local_mesh.settings_path.exists():
         # The settings the mesh was started with (its ports, TLS), whatever this shell's
-        # TOKENMESH_STACK_* variables say.
+        # TOKENMESH_LOCALMESH_* variables say.
         saved = LocalMeshSettings.model_validate_json(local_mesh.settings_path.read_text())
         local_mesh = LocalMesh(saved, root=Path.cwd())
     if command == "config":

@@ -82,9 +82,11 @@ def free_port_block(size: int, attempts: int = 200) -> int:
 
 
 class LocalMeshSettings(BaseSettings):
-    """Ports, replicas and model of the local mesh, from TOKENMESH_STACK_* variables."""
+    """Ports, replicas and model of the local mesh, from TOKENMESH_LOCALMESH_* variables."""
 
-    model_config = SettingsConfigDict(env_prefix="TOKENMESH_STACK_", frozen=True, extra="ignore")
+    model_config = SettingsConfigDict(
+        env_prefix="TOKENMESH_LOCALMESH_", frozen=True, extra="ignore"
+    )
 
     # Where supervisord keeps its socket, pid file, generated configs and the services' logs.
     run_dir: Path = Path(".run")
@@ -524,7 +526,7 @@ serverurl=unix://{self.run_dir}/supervisor.sock
             sections.append(
                 f"""[program:{program.name}]
 command={shlex.join(program.command)}
-environment={env or 'TOKENMESH_STACK="1"'}
+environment={env or 'TOKENMESH_LOCALMESH="1"'}
 autorestart=true
 startsecs=2
 stopsignal=TERM
@@ -564,6 +566,10 @@ stdout_logfile_backups=2
 
     def program(self, name: str) -> Program:
         return next(program for program in self.programs if program.name == name)
+
+    def replicas(self, service: str) -> list[Program]:
+        """The programs of one service (its Envoy cluster), in order."""
+        return [program for program in self.programs if program.service == service]
 
     def pid(self, name: str) -> int:
         """The program's pid from supervisord; 0 when it is not running."""
