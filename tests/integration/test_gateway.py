@@ -13,6 +13,7 @@ from grpc import aio
 
 from tests.support import (
     ROOT,
+    TINY_MODEL,
     ServiceProcess,
     cancel_until_empty,
     engine_empty_at,
@@ -23,6 +24,7 @@ from tests.support import (
     read_rest,
     within_budget,
 )
+from tokenmesh.gateway.prompts import context_question
 from tokenmesh.v1 import llm_pb2, llm_pb2_grpc, token_pb2
 
 pytestmark = pytest.mark.integration
@@ -175,6 +177,47 @@ async def test_chat_keeps_history_across_turns_and_ends_on_half_close(llm) -> No
     await chat.call.done_writing()
     assert await chat.call.read() is grpc.aio.EOF
     assert await chat.call.code() == grpc.StatusCode.OK
+
+
+def template_tokens(conversation: list[tuple[str, str]]) -> int:
+    """How many tokens transformers' apply_chat_template makes of the conversation on the
+    tiny model's tokenizer, with the generation prompt (what vLLM renders)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
+    assert tokenizer.chat_template, f"{TINY_MODEL} has no chat template: run `make setup`"
+    messages = [{"role": role, "content": content} for role, content in conversation]
+    ids = tokenizer.apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=True, return_dict=False
+    )
+    return len(ids)
+
+
+async def test_chat_turns_reach_the_model_through_its_chat_template(llm) -> None:
+    chat = ChatClient(llm)
+    await chat.say("Hello there", max_tokens=6)
+    tokens1, end1, _ = await chat.until_turn_end()
+    await chat.say("And what next?", max_tokens=6)
+    _, end2, _ = await chat.until_turn_end()
+    await chat.call.done_writing()
+    answer1 = "".join(token.text for token in tokens1)
+    assert end1.usage.prompt_tokens == template_tokens([("user", "Hello there")])
+    assert end2.usage.prompt_tokens == template_tokens(
+        [("user", "Hello there"), ("assistant", answer1), ("user", "And what next?")]
+    )
+
+
+async def test_a_question_with_documents_reaches_the_model_through_its_chat_template(
+    llm,
+) -> None:
+    question = "What is the capital of France?"
+    answer = await llm.GetAnswer(
+        llm_pb2.Query(prompt=question, max_tokens=4, documents=FRANCE, top_k_documents=2)
+    )
+    chosen = [FRANCE[index] for index in answer.used_document_indices]
+    assert len(chosen) == 2 and not answer.warnings
+    expected = template_tokens([("user", context_question(question, chosen))])
+    assert answer.usage.prompt_tokens == expected
 
 
 async def test_chat_cancel_stops_the_generation_and_the_chat_goes_on(

@@ -7,9 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.server
 import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import openai
@@ -21,13 +29,16 @@ from tests.conftest import LOG_DIR
 from tests.support import (
     TINY_MODEL,
     ServiceProcess,
+    controlplane_process,
     free_port,
     gateway_process,
     seconds_until_emptied,
     within_budget,
 )
 from tokenmesh.gateway.auth import hash_key
-from tokenmesh.localmesh.mesh import LocalMesh
+from tokenmesh.localmesh.mesh import LocalMesh, envoy_hosts
+from tokenmesh.meshconfig.__main__ import render_yaml
+from tokenmesh.meshconfig.config import MeshSettings
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
 
 pytestmark = pytest.mark.integration
@@ -83,6 +94,22 @@ def test_a_chat_is_prompted_with_the_models_own_template(client: openai.OpenAI) 
     assert answer.usage.prompt_tokens == len(templated)
     assert answer.usage.completion_tokens == 8
     assert answer.usage.total_tokens == len(templated) + 8
+
+
+def test_a_chat_naming_no_max_tokens_generates_to_the_end_of_the_context(
+    client: openai.OpenAI,
+) -> None:
+    """As vLLM's server: no max_tokens means what the model context leaves after the prompt,
+    not the cap (which, with the prompt, would not fit the context and be refused)."""
+    half = " ".join(["word"] * 950)  # each message within max_chat_message_bytes
+    long = [{"role": "system", "content": half}, {"role": "user", "content": half}]
+    answer = client.chat.completions.create(
+        model=MODEL, messages=long, extra_body={"ignore_eos": True}, **GREEDY
+    )
+    assert answer.usage is not None
+    context = 2048  # the mesh's workers' max_model_len (their default)
+    assert 0 < answer.usage.completion_tokens == context - answer.usage.prompt_tokens
+    assert answer.choices[0].finish_reason == "length"
 
 
 def test_a_streamed_chat_is_the_same_answer_in_chunks_with_usage_last(
@@ -352,3 +379,175 @@ def test_the_curl_examples_in_the_docs_run(mesh: LocalMesh) -> None:
         events = [line[6:] for line in run.stdout.splitlines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]", run.stdout
         assert all("choices" in json.loads(event) for event in events[:-1])
+
+
+# --- Envoy's own answers on /v1/: an edge of its own, its openai cluster from a control plane --
+
+ENVOY = shutil.which("envoy", path=str(Path(sys.executable).parent)) or "envoy"
+# What a gateway of the stand-in answers: a 503 of its own that Envoy's mappers would rewrite.
+GATEWAY_ERROR = {
+    "error": {"message": "from the gateway", "type": "gateway_own", "param": "p", "code": "c"}
+}
+
+
+class GatewayStandIn(http.server.BaseHTTPRequestHandler):
+    """A gateway's HTTP port that is healthy and answers every request with GATEWAY_ERROR."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        self.reply(200, {"status": "SERVING"})
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        self.reply(503, GATEWAY_ERROR)
+
+    def reply(self, status: int, body: object) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class LoneEdge:
+    """A real Envoy rendered from settings, its endpoints from a control plane reading the
+    file `endpoints`; no gateway behind it."""
+
+    settings: MeshSettings
+    endpoints: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.settings.edge_port}/v1"
+
+    def route_openai_to(self, address: str) -> None:
+        write_openai_endpoint(self.endpoints, address)
+
+    def wait_for_openai_host(self, address: str, healthy: bool, within: float = 60.0) -> None:
+        deadline = time.monotonic() + within
+        while envoy_hosts(self.settings.admin_port).get("openai") != [(address, healthy)]:
+            assert time.monotonic() < deadline, envoy_hosts(self.settings.admin_port)
+            time.sleep(0.1)
+
+
+def write_openai_endpoint(path: Path, address: str) -> None:
+    """Replace the file atomically: the control plane follows it."""
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps({"clusters": {"openai": [address]}}))
+    os.replace(temporary, path)
+
+
+@pytest.fixture(scope="module")
+def lone_edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoneEdge]:
+    """An edge with a small bucket (1/s, burst 5) whose openai cluster's one host is a closed
+    port: no gateway is healthy."""
+    directory = tmp_path_factory.mktemp("lone-edge")
+    endpoints = directory / "endpoints.json"
+    closed = f"127.0.0.1:{free_port()}"
+    write_openai_endpoint(endpoints, closed)
+    controlplane = controlplane_process(LOG_DIR, endpoints, name="controlplane-lone-edge")
+    controlplane.start()
+    try:
+        controlplane.wait_serving(60)
+        ports = [free_port() for _ in range(5)]
+        edge = LoneEdge(
+            MeshSettings(
+                edge_port=ports[0],
+                admin_port=ports[1],
+                worker_listener_port=ports[2],
+                reranker_listener_port=ports[3],
+                ops_page_port=ports[4],
+                controlplane_port=controlplane.port,
+                node_id="tokenmesh-envoy-lone-edge",
+                edge_rate_limit_per_second=1,
+                edge_rate_burst=5,
+            ),
+            endpoints,
+        )
+        config = directory / "envoy.yaml"
+        config.write_text(render_yaml(edge.settings))
+        with (LOG_DIR / "envoy-lone-edge.log").open("wb") as log:
+            envoy = subprocess.Popen(
+                [ENVOY, "-c", str(config), "--base-id", str(random.randint(60_001, 65_000)),
+                 "--log-level", "warn"],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        try:
+            edge.wait_for_openai_host(closed, healthy=False)
+            yield edge
+        finally:
+            envoy.terminate()
+            envoy.wait(30)
+    finally:
+        controlplane.stop(timeout=10)
+
+
+def test_no_healthy_gateway_is_a_503_openai_error_from_the_edge(lone_edge: LoneEdge) -> None:
+    """Envoy's own "no healthy upstream" on /v1/ is OpenAI's error object in JSON, so the SDK
+    raises InternalServerError with Envoy's reason as the message."""
+    with (
+        openai.OpenAI(base_url=lone_edge.url, api_key="unused", max_retries=0) as sdk,
+        pytest.raises(openai.InternalServerError) as error,
+    ):
+        sdk.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+    assert error.value.status_code == 503
+    assert error.value.response.headers["content-type"] == "application/json"
+    assert error.value.body == {
+        "message": "no healthy upstream",
+        "type": "service_unavailable",
+        "param": None,
+        "code": None,
+    }
+
+
+def test_a_gateways_own_error_passes_the_edge_untouched(lone_edge: LoneEdge) -> None:
+    """Only Envoy's own replies are rewritten: a gateway's 503 reaches the caller as it sent
+    it, though the same status from Envoy would have been mapped."""
+    stand_in = http.server.ThreadingHTTPServer(("127.0.0.1", 0), GatewayStandIn)
+    threading.Thread(target=stand_in.serve_forever, daemon=True).start()
+    address = f"127.0.0.1:{stand_in.server_address[1]}"
+    try:
+        lone_edge.route_openai_to(address)
+        lone_edge.wait_for_openai_host(address, healthy=True)
+        with (
+            openai.OpenAI(base_url=lone_edge.url, api_key="unused", max_retries=0) as sdk,
+            pytest.raises(openai.InternalServerError) as error,
+        ):
+            sdk.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+            )
+    finally:
+        stand_in.shutdown()
+        stand_in.server_close()
+    assert error.value.status_code == 503
+    assert error.value.body == GATEWAY_ERROR["error"]
+
+
+def test_the_edges_rate_limit_is_a_429_openai_error(lone_edge: LoneEdge) -> None:
+    """Past the edge's bucket, Envoy's 429 on /v1/ is a rate_limit_error the SDK raises as
+    RateLimitError, with retry-after-ms for its back-off."""
+    with openai.OpenAI(base_url=lone_edge.url, api_key="unused", max_retries=0) as sdk:
+        for _ in range(30):
+            try:
+                sdk.models.list()
+            except openai.RateLimitError as limited:
+                error = limited
+                break
+            except openai.APIStatusError:
+                continue  # through the bucket: no gateway answered
+        else:
+            pytest.fail("30 requests at once and none refused by a bucket of 5 at 1/s")
+    assert error.status_code == 429
+    assert error.response.headers["retry-after-ms"] == "1000"
+    assert isinstance(error.body, dict)
+    assert error.body["type"] == "rate_limit_error" and error.body["message"]
+    assert error.body["param"] is None and error.body["code"] is None

@@ -14,11 +14,13 @@ import urllib.request
 from collections.abc import Iterator
 
 import grpc
+import httpx
+import openai
 import pytest
 from grpc import aio
 
 from tests.support import grpcurl, grpcurl_messages, positions, running_mesh
-from tokenmesh.localmesh.certs import CertMaker, CertPaths, CertSettings
+from tokenmesh.localmesh.certs import ENVOY_CLIENT, CertMaker, CertPaths, CertSettings
 from tokenmesh.localmesh.mesh import LocalMesh, LocalMeshSettings
 from tokenmesh.localmesh.probes import health
 from tokenmesh.v1 import llm_pb2, llm_pb2_grpc
@@ -153,3 +155,64 @@ def test_envoys_internal_listeners_speak_tls_to_the_gateways(tls_mesh: LocalMesh
     assert health(listener, None, TIMEOUT) == "UNAVAILABLE"
     gateway = next(p for p in tls_mesh.programs if p.service == "gateway")
     assert gateway.env["TOKENMESH_GATEWAY_DEPENDENCY_TLS_CA_FILE"] == str(tls_mesh.certs.ca_cert)
+
+
+def test_openai_chat_streams_through_the_tls_edge_over_mtls_to_the_gateway(
+    tls_mesh: LocalMesh,
+) -> None:
+    """The OpenAI SDK trusting the mesh's CA streams a chat through the TLS edge; Envoy reaches
+    the gateway's HTTP port over mTLS, which refuses plaintext and clients without Envoy's
+    certificate, as the gRPC port does."""
+    ca = str(tls_mesh.certs.ca_cert)
+    edge_url = f"https://127.0.0.1:{tls_mesh.settings.edge_port}/v1"
+    with (
+        httpx.Client(verify=ssl.create_default_context(cafile=ca)) as client,
+        openai.OpenAI(
+            base_url=edge_url, api_key="unused", http_client=client, max_retries=0
+        ) as sdk,
+    ):
+        model = sdk.models.list().data[0].id
+        chunks = list(
+            sdk.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": "hello"}],
+                max_tokens=4,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
+        )
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
+    reasons = [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices]
+    assert reasons[-1] == "length"
+    url = (
+        f"http://127.0.0.1:{tls_mesh.settings.envoy_admin_port}/stats?filter=openai.ssl.handshake$"
+    )
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        stats = dict(line.split(": ") for line in reply.read().decode().splitlines())
+    assert int(stats["cluster.openai.ssl.handshake"]) > 0, stats
+    (gateway,) = [p for p in tls_mesh.programs if p.openai_port is not None]
+    without_certificate = ssl.create_default_context(cafile=ca)
+    with_certificate = ssl.create_default_context(cafile=ca)
+    with_certificate.load_cert_chain(
+        tls_mesh.certs.cert(ENVOY_CLIENT), tls_mesh.certs.key(ENVOY_CLIENT)
+    )
+    for context in (None, without_certificate):
+        with pytest.raises((OSError, http.client.HTTPException)):
+            openai_health(gateway.openai_port, context)
+    assert openai_health(gateway.openai_port, with_certificate) == 200
+
+
+def openai_health(port: int | None, context: ssl.SSLContext | None) -> int:
+    """GET /health on a gateway's OpenAI port, plaintext or with context."""
+    assert port is not None
+    connection = (
+        http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT)
+        if context is None
+        else http.client.HTTPSConnection("127.0.0.1", port, timeout=TIMEOUT, context=context)
+    )
+    try:
+        connection.request("GET", "/health")
+        return connection.getresponse().status
+    finally:
+        connection.close()

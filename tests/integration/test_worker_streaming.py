@@ -9,6 +9,7 @@ import time
 
 import grpc
 import pytest
+from grpc import aio
 
 from tests.support import (
     ServiceProcess,
@@ -294,3 +295,21 @@ async def test_engine_stats_report_model_and_context(inference, worker: ServiceP
     assert report.model.endswith("tiny-llama")
     assert report.max_model_len == 2048
     assert 0.0 <= report.kv_cache_usage <= 1.0
+
+
+async def test_max_tokens_within_context_stops_where_the_context_ends(inference) -> None:
+    """With max_tokens_within_context, a request asking for more than the context leaves
+    generates to the context's end; without it, it is refused naming max_tokens."""
+    prompt = " ".join(["word"] * 1000)
+    first = [t async for t in inference.Generate(generate_request(prompt, max_tokens=1))]
+    prompt_tokens = first[-1].usage.prompt_tokens
+    room = 2048 - prompt_tokens  # the worker's max_model_len in tests (its default)
+    assert 0 < room < 2000
+    within = generate_request(prompt, 2000, ignore_eos=True, max_tokens_within_context=True)
+    tokens = [token async for token in inference.Generate(within)]
+    assert tokens[-1].usage.completion_tokens == room
+    assert tokens[-1].finish_reason == token_pb2.FINISH_REASON_LENGTH
+    with pytest.raises(aio.AioRpcError) as refused:
+        await anext(aiter(inference.Generate(generate_request(prompt, 2000, ignore_eos=True))))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"(at most {room} here)" in refused.value.details()

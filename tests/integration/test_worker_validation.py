@@ -69,12 +69,6 @@ def conversation(*messages: tuple[str, str]) -> list[inference_pb2.ConversationM
 
 # Each: request fields, sampling fields, the field the error names, and what it says.
 MESSAGE_CASES = {
-    "prompt and messages": (
-        dict(prompt="hello", messages=conversation(("user", "hi"))),
-        {},
-        "messages",
-        "set together with prompt: send exactly one of the two",
-    ),
     "unknown role": (
         dict(messages=conversation(("system", "s"), ("tool", "t"))),
         {},

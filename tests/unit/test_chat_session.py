@@ -10,6 +10,7 @@ import pytest
 
 from tokenmesh.common.errors import InvalidArgument, ResourceExhausted
 from tokenmesh.gateway.config import GatewaySettings
+from tokenmesh.gateway.prompts import Conversation
 from tokenmesh.gateway.servicer import ChatSession
 from tokenmesh.v1 import llm_pb2, token_pb2
 
@@ -29,9 +30,9 @@ class QuickPipeline:
     """Every turn streams one last token at once; the prompts it was given are kept."""
 
     def __init__(self) -> None:
-        self.prompts: list[str] = []
+        self.prompts: list[Conversation] = []
 
-    def stream(self, prompt: str, *args: Any) -> AsyncIterator[token_pb2.Token]:
+    def stream(self, prompt: Conversation, *args: Any) -> AsyncIterator[token_pb2.Token]:
         self.prompts.append(prompt)
 
         async def tokens() -> AsyncIterator[token_pb2.Token]:
@@ -93,10 +94,9 @@ async def test_turns_sent_together_are_answered_in_order_then_the_stream_ends() 
     contents = ["one", "two", "three", "four"]
     async with asyncio.timeout(5):
         events = [e async for e in session.run(half_closed(*(user(c) for c in contents)))]
-    asked = [
-        prompt.rsplit("User: ", 1)[1].removesuffix("\nAssistant:") for prompt in pipeline.prompts
-    ]
-    assert asked == contents
+    assert [prompt.messages[-1].content for prompt in pipeline.prompts] == contents
+    # Each turn's conversation holds the turns answered before it, user and assistant.
+    assert [len(prompt.messages) for prompt in pipeline.prompts] == [1, 3, 5, 7]
     assert [e.turn for e in events if e.HasField("turn_end")] == [0, 1, 2, 3]
 
 
@@ -113,14 +113,14 @@ class ClosingPipeline:
     def __init__(self) -> None:
         self.closed: list[bool] = []
 
-    def stream(self, prompt: str, *args: Any) -> AsyncIterator[token_pb2.Token]:
+    def stream(self, prompt: Conversation, *args: Any) -> AsyncIterator[token_pb2.Token]:
         turn = len(self.closed)
         self.closed.append(False)
 
         async def tokens() -> AsyncIterator[token_pb2.Token]:
             try:
                 yield token_pb2.Token(text="a")
-                if "short" in prompt.rsplit("User: ", 1)[1]:
+                if "short" in prompt.messages[-1].content:
                     yield token_pb2.Token(text="b", finish_reason=token_pb2.FINISH_REASON_STOP)
                     return
                 await asyncio.sleep(30)

@@ -63,7 +63,7 @@ class Prepared:
 
     async def prepare(self, job: GenerationJob, remaining: float | None) -> PreparedPrompt:
         self.remaining.append(remaining)
-        return PreparedPrompt(f"[ctx] {job.prompt}", (), self.warnings)
+        return PreparedPrompt(f"[ctx] {job.prompt}", (), (), self.warnings)
 
     def worker_request(
         self, prompt: str, sampling: inference_pb2.SamplingParams

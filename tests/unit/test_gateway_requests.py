@@ -8,8 +8,14 @@ import pytest
 
 from tokenmesh.common.errors import InvalidArgument
 from tokenmesh.gateway.config import GatewaySettings
-from tokenmesh.gateway.pipeline import PROMPT_LOGGER, Pipeline
-from tokenmesh.gateway.prompts import ChatHistory, ChatTurn, with_context
+from tokenmesh.gateway.pipeline import PROMPT_LOGGER, Pipeline, PreparedPrompt
+from tokenmesh.gateway.prompts import (
+    ChatHistory,
+    ChatTurn,
+    Conversation,
+    context_question,
+    with_context,
+)
 from tokenmesh.gateway.requests import generation_job
 from tokenmesh.v1 import inference_pb2, llm_pb2
 
@@ -73,7 +79,20 @@ def test_invalid_fields_name_field_and_limit(
 def test_context_lists_documents_in_order() -> None:
     prompt = with_context("Why?", ["first doc", "second doc"])
     assert prompt.index("[1] first doc") < prompt.index("[2] second doc") < prompt.index("Why?")
+    assert prompt.endswith("\nAnswer:")
     assert with_context("plain", []) == "plain"
+
+
+def test_a_question_with_context_is_one_user_message_with_the_plain_prompt_as_fallback() -> None:
+    prepared = PreparedPrompt("Why?", ("first doc", "second doc"), (1, 0))
+    prompt = prepared.prompt
+    assert isinstance(prompt, Conversation)
+    (question,) = prompt.messages
+    assert question.role == "user"
+    assert question.content == context_question("Why?", ["first doc", "second doc"])
+    assert not question.content.endswith("Answer:")
+    assert prompt.fallback == with_context("Why?", ["first doc", "second doc"])
+    assert PreparedPrompt("Why?", (), ()).prompt == "Why?"
 
 
 def test_chat_history_drops_oldest_turns_past_the_turn_bound() -> None:
@@ -81,9 +100,27 @@ def test_chat_history_drops_oldest_turns_past_the_turn_bound() -> None:
     assert history.add(ChatTurn("u1", "a1", 10)) == 0
     assert history.add(ChatTurn("u2", "a2", 10)) == 0
     assert history.add(ChatTurn("u3", "a3", 10)) == 1
-    prompt = history.prompt("u4")
-    assert "u1" not in prompt and prompt.index("u2") < prompt.index("u3") < prompt.index("u4")
-    assert prompt.endswith("User: u4\nAssistant:")
+    conversation = history.conversation("u4")
+    assert [(m.role, m.content) for m in conversation.messages] == [
+        ("user", "u2"),
+        ("assistant", "a2"),
+        ("user", "u3"),
+        ("assistant", "a3"),
+        ("user", "u4"),
+    ]
+    assert (
+        conversation.fallback
+        == "User: u2\nAssistant: a2\nUser: u3\nAssistant: a3\nUser: u4\nAssistant:"
+    )
+
+
+def test_a_turn_cancelled_before_its_first_token_is_left_out_of_the_conversation() -> None:
+    history = ChatHistory(max_turns=10, max_tokens=1000)
+    history.add(ChatTurn("u1", "", 3))
+    history.add(ChatTurn("u2", "a2", 10))
+    conversation = history.conversation("u3")
+    assert [m.content for m in conversation.messages] == ["u2", "a2", "u3"]
+    assert "u1" not in conversation.fallback
 
 
 def test_chat_history_drops_oldest_turns_past_the_token_bound() -> None:

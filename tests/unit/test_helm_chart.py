@@ -608,7 +608,7 @@ def test_envoy_accepts_the_configmap(
     assert (tls is not None) == (value_set in ("tls", "mtls"))
     upstream = [c for c in config["static_resources"]["clusters"] if "transport_socket" in c]
     assert [c["name"] for c in upstream] == (
-        ["gateway", "worker", "reranker"] if value_set.startswith("mtls") else []
+        ["gateway", "worker", "reranker", "openai"] if value_set.startswith("mtls") else []
     )
     # The mounted Secrets' files, here test certificates.
     text = text.replace("/etc/envoy/tls", str(certificate))

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from tests.support import ROOT
 from tokenmesh.common.tokens import USAGE_TRAILER
+from tokenmesh.gateway.openai_protocol import error_body
 from tokenmesh.localmesh.certs import (
     EDGE,
     ENVOY_CLIENT,
@@ -468,14 +469,14 @@ def test_a_body_over_the_edges_buffer_is_resource_exhausted_for_grpc() -> None:
     assert mapper["headers_to_add"][0]["header"] == {"key": "grpc-status", "value": "8"}
     assert "65536 bytes" in mapper["body"]["inline_string"]
     off = listeners(render(MeshSettings(direct_token_path=False)))["edge"]
-    assert "local_reply_config" not in off
+    assert "grpc-status" not in json.dumps(off.get("local_reply_config", {}))
 
 
 def test_a_request_no_gateway_prepared_says_why() -> None:
     """Envoy fails a request its external processor did not prepare with no message: the edge
     names the limit that passed, or the processor's error, and says to retry."""
     settings = MeshSettings(direct_token_path=True, prepare_timeout_seconds=2.5)
-    timeout, failed, _ = listeners(render(settings))["edge"]["local_reply_config"]["mappers"]
+    *_, timeout, failed, _ = listeners(render(settings))["edge"]["local_reply_config"]["mappers"]
     expressions = [
         mapper["filter"]["extension_filter"]["typed_config"]["expression"]
         for mapper in (timeout, failed)
@@ -487,3 +488,78 @@ def test_a_request_no_gateway_prepared_says_why() -> None:
     assert "prepare_timeout_seconds (2.5 s)" in timeout["body"]["inline_string"]
     details = failed["body_format_override"]["text_format_source"]["inline_string"]
     assert "%RESPONSE_CODE_DETAILS%" in details
+
+
+def first_mapper(mappers: list[dict], path: str, status: int) -> dict | None:
+    """The local reply mapper Envoy applies to its own reply with status on path (the filters
+    these mappers use; the direct path's CEL filters on response details never match here)."""
+
+    def matches(condition: dict) -> bool:
+        if "and_filter" in condition:
+            return all(matches(part) for part in condition["and_filter"]["filters"])
+        if "header_filter" in condition:
+            header = condition["header_filter"]["header"]
+            assert header["name"] == ":path"
+            return path.startswith(header["string_match"]["prefix"])
+        if "status_code_filter" in condition:
+            comparison = condition["status_code_filter"]["comparison"]
+            value = comparison["value"]["default_value"]
+            return {"EQ": status == value, "GE": status >= value, "LE": status <= value}[
+                comparison["op"]
+            ]
+        return False
+
+    return next((mapper for mapper in mappers if matches(mapper["filter"])), None)
+
+
+def test_envoys_own_replies_on_openai_paths_are_the_gateways_openai_error_object() -> None:
+    """No healthy gateway (503), the edge's rate limit (429), a timeout (504), a body too
+    large (413): on /v1/ Envoy answers with error_body(), its reason as the message, the
+    gateway's type for each status (any other client error an invalid request); gRPC and REST
+    keep Envoy's own replies and the direct token path's 413."""
+    mappers = listeners(render(MeshSettings(direct_token_path=True)))["edge"]["local_reply_config"][
+        "mappers"
+    ]
+    named = {400, 401, 403, 404, 429}
+    for status in range(400, 600):
+        mapper = first_mapper(mappers, "/v1/chat/completions", status)
+        assert mapper is not None, status
+        body = mapper["body_format_override"]["json_format"]
+        expected = error_body("%LOCAL_REPLY_BODY%", status)
+        if status < 500 and status not in named:
+            expected["error"]["type"] = "invalid_request_error"
+        assert body == expected, status
+        assert body["error"]["param"] is None and body["error"]["code"] is None
+        assert "headers_to_add" not in mapper  # no grpc-status on an HTTP/JSON answer
+    for path in ("/tokenmesh.v1.LLMService/Generate", "/v1", "/ops/"):
+        for status in (404, 429, 503, 504):
+            assert first_mapper(mappers, path, status) is None, (path, status)
+    too_large = first_mapper(mappers, "/tokenmesh.v1.LLMService/Generate", 413)
+    assert too_large is not None and too_large["headers_to_add"][0]["header"]["value"] == "8"
+    off = listeners(render(MeshSettings(openai_api=False, direct_token_path=False)))["edge"]
+    assert "local_reply_config" not in off
+    only_openai = listeners(render(MeshSettings(direct_token_path=False)))["edge"]
+    assert first_mapper(only_openai["local_reply_config"]["mappers"], "/v1/models", 503)
+
+
+def test_the_openai_cluster_speaks_mtls_to_the_gateways_http_port(certs: CertPaths) -> None:
+    """With mTLS, Envoy reaches the gateways' OpenAI port as it reaches their gRPC port: its
+    client certificate, the gateway's name checked, over HTTP/1.1, health checks included."""
+    found = clusters(render(mtls_mesh(certs)))
+    openai_socket = found["openai"]["transport_socket"]
+    context = openai_socket["typed_config"]
+    assert context["@type"].endswith("UpstreamTlsContext")
+    assert context["sni"] == "gateway"
+    tls = context["common_tls_context"]
+    assert tls["alpn_protocols"] == ["http/1.1"]
+    gateway_tls = found["gateway"]["transport_socket"]["typed_config"]["common_tls_context"]
+    assert tls["tls_certificates"] == gateway_tls["tls_certificates"]
+    assert tls["validation_context"] == gateway_tls["validation_context"]
+    assert tls["validation_context"]["match_typed_subject_alt_names"] == [
+        {"san_type": "DNS", "matcher": {"exact": "gateway"}}
+    ]
+    check = found["openai"]["health_checks"][0]
+    assert check["http_health_check"] == {"path": "/health"}
+    assert "transport_socket_match_criteria" not in check
+    assert "typed_extension_protocol_options" not in found["openai"]  # HTTP/1.1 to uvicorn
+    assert "transport_socket" not in clusters(render(MeshSettings()))["openai"]

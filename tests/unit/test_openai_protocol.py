@@ -11,6 +11,8 @@ from tokenmesh.gateway.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     Shape,
+    chat_logprobs,
+    completion_logprobs,
     error_body,
     parse,
     per_token,
@@ -90,6 +92,9 @@ def test_a_chat_becomes_a_generate_of_its_last_user_message_and_its_messages() -
 def test_completions_default_to_openais_16_tokens_and_chats_to_the_cap() -> None:
     completion = parse(CompletionRequest, b'{"model": "m", "prompt": "p"}')
     assert completion.generate_request(4096).max_tokens == 16
+    # A chat naming no limit asks for the cap, which the worker cuts to what the context
+    # leaves (max_tokens_within_context, set by the API for exactly these).
+    assert chat().max_tokens_named is None
     assert chat().generate_request(4096).max_tokens == 4096
 
 
@@ -129,3 +134,43 @@ def test_errors_have_openais_shape_and_type() -> None:
     }
     assert error_body("no", 429)["error"]["type"] == "rate_limit_error"
     assert error_body("down", 503)["error"]["type"] == "service_unavailable"
+
+
+def test_every_chunk_validates_against_the_openai_sdks_own_models() -> None:
+    """The SDK parses leniently; its pydantic models, validated, hold each field's type."""
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletionChunk
+
+    token = token_pb2.Token(
+        text="hi",
+        token_ids=[1],
+        logprob=-0.25,
+        top_logprobs=[token_pb2.TokenLogprob(text="ho", logprob=-1.0)],
+        finish_reason=token_pb2.FINISH_REASON_LENGTH,
+        usage=token_pb2.Usage(prompt_tokens=3, completion_tokens=1),
+    )
+    extra = {"tokenmesh": {"degraded": "reranker", "warnings": ["reranker_unavailable: x"]}}
+    for is_chat, model in ((True, ChatCompletionChunk), (False, Completion)):
+        shape = Shape.new(is_chat, "m", extra)
+        head, tail = shape.text_chunk_parts()
+        piece = {"content": "hi"} if is_chat else "hi"
+        logprobs = chat_logprobs(token) if is_chat else completion_logprobs(token, 0)
+        chunks = [
+            head + json.dumps("hi").encode() + tail,
+            shape.chunk(
+                {
+                    "index": 0,
+                    ("delta" if is_chat else "text"): piece,
+                    "logprobs": logprobs,
+                    "finish_reason": "length",
+                }
+            ),
+            shape.usage_chunk(token),
+        ]
+        # The SDK's Completion (streamed completions too) requires a finish reason, which
+        # OpenAI's own streams leave null until the last chunk.
+        for chunk in chunks if is_chat else chunks[1:]:
+            assert chunk.startswith(b"data: ") and chunk.endswith(b"\n\n")
+            parsed = model.model_validate(json.loads(chunk[6:]))
+            assert parsed.id == shape.id and parsed.model == "m"
+        assert model.model_validate(json.loads(chunks[-1][6:])).usage.total_tokens == 4

@@ -96,10 +96,23 @@ def test_messages_reach_the_spec_in_order_with_no_prompt() -> None:
     assert validate(request(), LIMITS).messages == ()
 
 
-def test_prompt_and_messages_together_are_rejected_naming_messages() -> None:
-    error = rejection(chat_request(("user", "hi"), prompt="hello"))
-    assert error.field == "messages"
-    assert error.message == "messages: set together with prompt: send exactly one of the two"
+def test_a_prompt_beside_messages_is_kept_as_their_plain_fallback() -> None:
+    spec = validate(chat_request(("user", "hi"), prompt="User: hi"), CHAT_LIMITS)
+    assert spec.prompt == "User: hi"
+    assert spec.messages == (Message("user", "hi"),)
+
+
+def test_a_fallback_prompt_is_held_to_the_prompt_limit() -> None:
+    oversized = "x" * (CHAT_LIMITS.max_prompt_bytes + 1)
+    error = rejection(chat_request(("user", "hi"), prompt=oversized))
+    assert error.field == "prompt"
+
+
+def test_max_tokens_within_context_reaches_the_spec() -> None:
+    message = request()
+    message.sampling.max_tokens_within_context = True
+    assert validate(message, LIMITS).max_tokens_within_context
+    assert not validate(request(), LIMITS).max_tokens_within_context
 
 
 def test_neither_prompt_nor_messages_is_rejected_naming_prompt() -> None:

@@ -94,7 +94,8 @@ class ServiceSettings(BaseSettings):
     tls_cert_file: Path | None = Field(
         default=None,
         description=(
-            "mTLS on the gRPC port (docs/security.md, TLS): this service's PEM certificate "
+            "mTLS on the gRPC port, and the gateway's OpenAI port (docs/security.md, TLS): "
+            "this service's PEM certificate "
             "chain. With tls_key_file and tls_client_ca_file: all three or none; set, the "
             "port speaks only TLS and refuses clients without a certificate from that CA. "
             "Read once at start-up: a renewed certificate takes a restart."

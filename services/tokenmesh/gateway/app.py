@@ -120,7 +120,15 @@ async def serve(settings: GatewaySettings) -> int:
             host.registry,
             lambda: host.health.serving,
         )
-        http = HttpServer(api.app(), settings.host, settings.openai_port, settings.grace_seconds)
+        http = HttpServer(
+            api.app(),
+            settings.host,
+            settings.openai_port,
+            settings.grace_seconds,
+            settings.tls_cert_file,
+            settings.tls_key_file,
+            settings.tls_client_ca_file,
+        )
 
         async def start() -> None:
             host.ports["openai_port"] = await http.start()

@@ -6,9 +6,11 @@ import asyncio
 import contextlib
 import json
 import logging
+import ssl
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -51,7 +53,8 @@ from tokenmesh.gateway.openai_protocol import (
     sse,
     usage,
 )
-from tokenmesh.gateway.pipeline import Pipeline, PreparedPrompt
+from tokenmesh.gateway.pipeline import Pipeline, PreparedPrompt, Prompt
+from tokenmesh.gateway.prompts import Conversation
 from tokenmesh.gateway.requests import generation_job
 from tokenmesh.gateway.tenant_metrics import TenantMetrics
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
@@ -60,6 +63,8 @@ log = logging.getLogger(__name__)
 
 # How long the served model's name is trusted before the workers are asked again.
 MODEL_NAME_TTL_SECONDS = 30.0
+# The back-off a client is told when every worker was full (a batch turns over in about this).
+OVERLOADED_RETRY_AFTER_MS = 1000
 
 
 class ModelCatalog:
@@ -157,6 +162,10 @@ def error_response(exc: Exception) -> tuple[int, dict[str, Any], list[tuple[byte
         param = getattr(exc, "field", None)
         headers = []
         retry_after_ms = getattr(exc, "retry_after_ms", None)
+        if isinstance(exc, DependencyError) and exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            # The workers are full, not the caller over a limit of its own: 503, as OpenAI
+            # answers an overloaded engine (429 stays the tenant's limits).
+            status, retry_after_ms = 503, OVERLOADED_RETRY_AFTER_MS
         if retry_after_ms is not None:
             headers.append((b"retry-after", str(max(1, -(-retry_after_ms // 1000))).encode()))
             headers.append((b"retry-after-ms", str(retry_after_ms).encode()))
@@ -406,11 +415,14 @@ class OpenAIApi:
             }
         if prepared.degraded:
             headers.append((DEGRADED_HEADER.encode(), DEGRADED_BY_RERANKER.encode()))
+        prompt: Prompt = prepared.prompt
         if isinstance(body, ChatCompletionRequest):
-            context = prepared.prompt if job.documents else None
-            prompt: Any = body.conversation(context)
-        else:
-            prompt = prepared.prompt
+            # No plain fallback: a model without a chat template refuses a chat, as vLLM does.
+            prompt = Conversation(
+                body.conversation(prepared.context_question if prepared.documents else None)
+            )
+            # Without a limit, as vLLM's server: up to what the context leaves.
+            job.sampling.max_tokens_within_context = body.max_tokens_named is None
         tokens = self._pipeline.stream(prompt, job.sampling, remaining)
         return Job(
             shape=Shape.new(chat, model, extra),
@@ -584,12 +596,17 @@ class HttpServer:
     bodies) on uvicorn with httptools is what vLLM's own OpenAI server stands on, kept up by
     the same people as the ASGI spec; neither touches a streamed token: each chunk is written
     by Answer straight to the ASGI send, whose wait for the transport (uvicorn's flow control)
-    holds the worker's stream back when a client reads slowly."""
+    holds the worker's stream back when a client reads slowly. With the TLS files (the
+    gateway's tls_* settings, as on its gRPC port) it speaks only TLS and refuses clients
+    without a certificate signed by tls_client_ca_file (Envoy's, mTLS)."""
 
     app: Starlette
     host: str
     port: int
     grace_seconds: float
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    tls_client_ca_file: Path | None = None
     _server: uvicorn.Server | None = None
     _task: asyncio.Task[None] | None = None
 
@@ -604,6 +621,11 @@ class HttpServer:
             log_config=None,
             access_log=False,
             timeout_graceful_shutdown=max(1, int(self.grace_seconds)),
+            # Unset (the default): plaintext. The settings come all three or none.
+            ssl_certfile=self.tls_cert_file,
+            ssl_keyfile=self.tls_key_file,
+            ssl_ca_certs=self.tls_client_ca_file,
+            ssl_cert_reqs=ssl.CERT_NONE if self.tls_client_ca_file is None else ssl.CERT_REQUIRED,
         )
         self._server = _HostedServer(config)
         self._task = asyncio.create_task(self._server.serve(), name="openai-http")

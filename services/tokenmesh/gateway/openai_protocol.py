@@ -147,8 +147,9 @@ class ChatCompletionRequest(_Request):
                     f"messages[{position}].role",
                     f"must be one of {', '.join(ROLES)}, got {message.role!r}",
                 )
-        limit = self.max_completion_tokens or self.max_tokens
-        request = self._generate_request(self.last_user_text(), limit or max_tokens_cap)
+        request = self._generate_request(
+            self.last_user_text(), self.max_tokens_named or max_tokens_cap
+        )
         if self.logprobs:
             request.logprobs = True
             request.top_logprobs = self.top_logprobs or 0
@@ -156,25 +157,31 @@ class ChatCompletionRequest(_Request):
             raise InvalidArgument("top_logprobs", "needs logprobs set to true")
         return request
 
+    @property
+    def max_tokens_named(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
     def last_user_text(self) -> str:
         users = [message for message in self.messages if message.role == "user"]
         return users[-1].text() if users else self.messages[-1].text()
 
-    def conversation(self, context_prompt: str | None) -> list[inference_pb2.ConversationMessage]:
-        """The messages for the worker's chat template; context_prompt (the last user message
+    def conversation(
+        self, context_question: str | None
+    ) -> tuple[inference_pb2.ConversationMessage, ...]:
+        """The messages for the worker's chat template; context_question (the last user message
         with the chosen documents as context) replaces the last user message's text."""
         last_user = max(
             (i for i, message in enumerate(self.messages) if message.role == "user"), default=-1
         )
-        return [
+        return tuple(
             inference_pb2.ConversationMessage(
                 role=message.role,
-                content=context_prompt
-                if i == last_user and context_prompt is not None
+                content=context_question
+                if i == last_user and context_question is not None
                 else message.text(),
             )
             for i, message in enumerate(self.messages)
-        ]
+        )
 
 
 def parse(model: type[_Request], body: bytes) -> Any:

@@ -25,7 +25,7 @@ from tokenmesh.common.tenants import TENANT_HEADER, current_tenant
 from tokenmesh.common.tokens import merge, token_count
 from tokenmesh.gateway.breaker import CircuitBreaker, CircuitOpenError, CircuitState
 from tokenmesh.gateway.config import GatewaySettings
-from tokenmesh.gateway.prompts import with_context
+from tokenmesh.gateway.prompts import Conversation, context_question, message, with_context
 from tokenmesh.gateway.quota import QuotaMeter
 from tokenmesh.gateway.requests import GenerationJob
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, rerank_pb2, rerank_pb2_grpc, token_pb2
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 # Where prompts go when GatewaySettings.log_prompts is on (and nowhere otherwise).
 PROMPT_LOGGER = "tokenmesh.gateway.prompts"
 # A prompt's text, or a conversation for the worker to render with the model's chat template.
-Prompt: TypeAlias = str | Sequence[inference_pb2.ConversationMessage]
+Prompt: TypeAlias = str | Conversation
 
 # Reranker outcomes that count against its circuit: it is down, slow or broken. A rejected
 # request (INVALID_ARGUMENT) or a caller who went away says nothing about its health.
@@ -93,13 +93,31 @@ class Selection:
 
 @dataclass(frozen=True)
 class PreparedPrompt:
-    prompt: str
+    """A question with the documents chosen as its context."""
+
+    question: str
+    documents: tuple[str, ...]
     used_document_indices: tuple[int, ...]
     warnings: tuple[str, ...] = field(default=())
 
     @property
     def degraded(self) -> bool:
         return bool(self.warnings)
+
+    @property
+    def context_question(self) -> str:
+        """The question with its context, as a user message for a chat template."""
+        return context_question(self.question, self.documents)
+
+    @property
+    def prompt(self) -> Prompt:
+        """What the worker gets: the question alone as text; with context, one user message
+        for the model's chat template, the plain context prompt as its fallback."""
+        if not self.documents:
+            return self.question
+        return Conversation(
+            (message("user", self.context_question),), with_context(self.question, self.documents)
+        )
 
 
 def remaining_after_margin(remaining: float | None, margin: float) -> float | None:
@@ -315,9 +333,9 @@ class Pipeline:
         selection = await self._selector.select(
             job.prompt, job.documents, job.top_k_documents, remaining
         )
-        chosen = [job.documents[index] for index in selection.indices]
         return PreparedPrompt(
-            prompt=with_context(job.prompt, chosen),
+            question=job.prompt,
+            documents=tuple(job.documents[index] for index in selection.indices),
             used_document_indices=selection.indices,
             warnings=selection.warnings,
         )
@@ -333,9 +351,14 @@ class Pipeline:
         if isinstance(prompt, str):
             request.prompt = prompt
         else:
-            request.messages.extend(prompt)
+            request.messages.extend(prompt.messages)
+            request.prompt = prompt.fallback
         if self._prompt_log is not None:
-            logged = prompt if isinstance(prompt, str) else [(m.role, m.content) for m in prompt]
+            logged = (
+                prompt
+                if isinstance(prompt, str)
+                else [(m.role, m.content) for m in prompt.messages]
+            )
             self._prompt_log.info(
                 "prompt", extra={"request_id": request.request_id, "prompt": logged}
             )

@@ -6,13 +6,36 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tokenmesh.v1 import inference_pb2
 
-def with_context(prompt: str, documents: Sequence[str]) -> str:
-    """The prompt with the chosen documents as numbered context, best first."""
+
+@dataclass(frozen=True)
+class Conversation:
+    """Messages for the worker to render with the model's chat template, and the plain text it
+    uses instead when the model has none ("": no fallback, such a model refuses them)."""
+
+    messages: tuple[inference_pb2.ConversationMessage, ...]
+    fallback: str = ""
+
+
+def message(role: str, content: str) -> inference_pb2.ConversationMessage:
+    return inference_pb2.ConversationMessage(role=role, content=content)
+
+
+def context_question(prompt: str, documents: Sequence[str]) -> str:
+    """The question with the chosen documents as numbered context, best first: one user
+    message for a chat template."""
     if not documents:
         return prompt
     context = "\n".join(f"[{number}] {text}" for number, text in enumerate(documents, 1))
-    return f"Context:\n{context}\n\nQuestion: {prompt}\nAnswer:"
+    return f"Context:\n{context}\n\nQuestion: {prompt}"
+
+
+def with_context(prompt: str, documents: Sequence[str]) -> str:
+    """The question with its context as plain text for the model to continue."""
+    if not documents:
+        return prompt
+    return f"{context_question(prompt, documents)}\nAnswer:"
 
 
 def summary_request(instruction: str, text: str) -> str:
@@ -42,10 +65,20 @@ class ChatHistory:
     def __len__(self) -> int:
         return len(self._turns)
 
-    def prompt(self, user_message: str) -> str:
-        lines = [f"User: {turn.user}\nAssistant: {turn.assistant}" for turn in self._turns]
+    def conversation(self, user_message: str) -> Conversation:
+        """The past turns and the new user message, for the model's chat template; the
+        documented plain fallback ("User: ...\nAssistant: ..." lines) for a model without one.
+        A turn cancelled before its first token is left out (a template wants an answer)."""
+        messages: list[inference_pb2.ConversationMessage] = []
+        lines = []
+        for turn in self._turns:
+            if not turn.assistant:
+                continue
+            messages += [message("user", turn.user), message("assistant", turn.assistant)]
+            lines.append(f"User: {turn.user}\nAssistant: {turn.assistant}")
+        messages.append(message("user", user_message))
         lines.append(f"User: {user_message}\nAssistant:")
-        return "\n".join(lines)
+        return Conversation(tuple(messages), "\n".join(lines))
 
     def add(self, turn: ChatTurn) -> int:
         """Append a finished turn; returns how many old turns were dropped to stay in bounds."""

@@ -232,7 +232,9 @@ class ChatSession:
 
         async def generate() -> None:
             stream = self._pipeline.stream(
-                self._history.prompt(user.content), queued.sampling, self._context.time_remaining()
+                self._history.conversation(user.content),
+                queued.sampling,
+                self._context.time_remaining(),
             )
             async with contextlib.aclosing(stream):
                 async for token in stream:

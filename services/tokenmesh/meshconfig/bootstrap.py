@@ -20,6 +20,7 @@ from tokenmesh.common.tokens import (
     USAGE_TRAILER,
     WORKER_GENERATE,
 )
+from tokenmesh.gateway.openai_protocol import error_body
 from tokenmesh.meshconfig.config import MeshSettings
 from tokenmesh.v1 import inference_pb2, llm_pb2, ops_pb2, rerank_pb2, token_pb2
 
@@ -48,6 +49,18 @@ HEALTH_SERVICES = {
 OPENAI_CLUSTER = "openai"
 OPENAI_PREFIX = "/v1/"
 OPENAI_HEALTH_PATH = "/health"
+# Envoy's own replies on OpenAI's paths, by status range (low, high), each answered as the
+# gateway answers the status named (error_body(): OpenAI's error type for it); a client error
+# the gateway never sends (408, 413, 431) is an invalid request.
+OPENAI_REPLY_STATUSES = [
+    (401, 401, 401),
+    (403, 403, 403),
+    (404, 404, 404),
+    (429, 429, 429),
+    (400, 499, 400),
+    (500, 502, 500),
+    (503, 599, 503),
+]
 # Where the edge serves the ops page (from the control plane's page port).
 OPS_PAGE = "/ops/"
 RETRY_ON = "unavailable,reset,connect-failure,refused-stream"
@@ -219,6 +232,53 @@ def code_details(expression: str) -> Config:
 
 
 def edge_local_replies(mesh: MeshSettings) -> Config:
+    """Envoy's own answers, in the shape each caller reads: OpenAI's error object on OpenAI's
+    paths (first: their 413 is not gRPC's), then the direct token path's messages."""
+    mappers = openai_local_replies(mesh) + direct_local_replies(mesh)
+    return {"local_reply_config": {"mappers": mappers}} if mappers else {}
+
+
+def status_filter(op: str, status: int) -> Config:
+    return {
+        "status_code_filter": {
+            "comparison": {
+                "op": op,
+                "value": {"default_value": status, "runtime_key": f"edge_{op.lower()}_{status}"},
+            }
+        }
+    }
+
+
+def openai_local_replies(mesh: MeshSettings) -> list[Config]:
+    """With openai_api: what Envoy answers itself on OpenAI's paths (no healthy gateway, the
+    edge's rate limit, an overflowing circuit breaker, a timeout, a body too large) becomes
+    the gateway's own error_body(), with Envoy's reason as the message and application/json,
+    so SDKs raise their usual errors. Local reply mappers never touch an upstream's answer:
+    a gateway's own errors pass as they are."""
+    if not mesh.openai_api:
+        return []
+    mappers = []
+    for low, high, status in OPENAI_REPLY_STATUSES:
+        on_openai_paths = {
+            "header_filter": {
+                "header": {"name": ":path", "string_match": {"prefix": OPENAI_PREFIX}}
+            }
+        }
+        statuses = (
+            [status_filter("EQ", low)]
+            if low == high
+            else [status_filter("GE", low), status_filter("LE", high)]
+        )
+        mappers.append(
+            {
+                "filter": {"and_filter": {"filters": [on_openai_paths, *statuses]}},
+                "body_format_override": {"json_format": error_body("%LOCAL_REPLY_BODY%", status)},
+            }
+        )
+    return mappers
+
+
+def direct_local_replies(mesh: MeshSettings) -> list[Config]:
     """With the direct token path, Envoy's own answers get the message a caller needs. A
     request body over the edge's buffer (only the external processor buffers a gRPC body
     whole; every valid request fits with the default limits) is refused with HTTP 413, which
@@ -226,55 +286,50 @@ def edge_local_replies(mesh: MeshSettings) -> Config:
     message over their cap. A request no gateway prepared fails UNAVAILABLE (HTTP 503/504:
     retry), which Envoy sends without a message: it says why, and names the limit."""
     if not mesh.direct_token_path:
-        return {}
+        return []
     prepare_failed = "no gateway prepared the request"
-    return {
-        "local_reply_config": {
-            "mappers": [
+    return [
+        {
+            "filter": code_details(
+                "response.code_details == 'ext_proc_error_per-message_timeout_exceeded'"
+            ),
+            "body": {
+                "inline_string": (
+                    f"{prepare_failed} within the edge's prepare_timeout_seconds "
+                    f"({mesh.prepare_timeout_seconds:g} s); retry"
+                )
+            },
+        },
+        {
+            "filter": code_details("response.code_details.startsWith('ext_proc_error')"),
+            "body_format_override": {
+                "text_format_source": {
+                    "inline_string": f"{prepare_failed} (%RESPONSE_CODE_DETAILS%); retry"
+                }
+            },
+        },
+        {
+            "filter": {
+                "status_code_filter": {
+                    "comparison": {
+                        "op": "EQ",
+                        "value": {"default_value": 413, "runtime_key": "edge_413"},
+                    }
+                }
+            },
+            "headers_to_add": [
                 {
-                    "filter": code_details(
-                        "response.code_details == 'ext_proc_error_per-message_timeout_exceeded'"
-                    ),
-                    "body": {
-                        "inline_string": (
-                            f"{prepare_failed} within the edge's prepare_timeout_seconds "
-                            f"({mesh.prepare_timeout_seconds:g} s); retry"
-                        )
-                    },
-                },
-                {
-                    "filter": code_details("response.code_details.startsWith('ext_proc_error')"),
-                    "body_format_override": {
-                        "text_format_source": {
-                            "inline_string": f"{prepare_failed} (%RESPONSE_CODE_DETAILS%); retry"
-                        }
-                    },
-                },
-                {
-                    "filter": {
-                        "status_code_filter": {
-                            "comparison": {
-                                "op": "EQ",
-                                "value": {"default_value": 413, "runtime_key": "edge_413"},
-                            }
-                        }
-                    },
-                    "headers_to_add": [
-                        {
-                            "header": {"key": "grpc-status", "value": "8"},
-                            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
-                        }
-                    ],
-                    "body": {
-                        "inline_string": (
-                            f"request: the body is over the edge's limit of "
-                            f"{mesh.buffer_limit_bytes} bytes"
-                        )
-                    },
-                },
-            ]
-        }
-    }
+                    "header": {"key": "grpc-status", "value": "8"},
+                    "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+                }
+            ],
+            "body": {
+                "inline_string": (
+                    f"request: the body is over the edge's limit of {mesh.buffer_limit_bytes} bytes"
+                )
+            },
+        },
+    ]
 
 
 def always() -> Config:
@@ -586,15 +641,18 @@ def downstream_tls(cert_file: str, key_file: str, alpn: list[str]) -> Config:
 def upstream_tls(name: str, mesh: MeshSettings) -> Config:
     """mTLS towards a service cluster: Envoy's client certificate, the CA, and the service's
     certificate must name the cluster (DNS SAN; also sent as SNI). HTTP/2 only, by ALPN. The
-    cluster's gRPC health checks use this transport socket too."""
+    cluster's health checks use this transport socket too. The openai cluster's hosts are the
+    gateways' HTTP ports: their certificate names the gateway, over HTTP/1.1."""
     assert mesh.upstream_tls_cert_file and mesh.upstream_tls_key_file and mesh.upstream_tls_ca_file
+    openai = name == OPENAI_CLUSTER
+    service = "gateway" if openai else name
     return {
         "name": "envoy.transport_sockets.tls",
         "typed_config": {
             "@type": TYPE + "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
-            "sni": name,
+            "sni": service,
             "common_tls_context": {
-                "alpn_protocols": ["h2"],
+                "alpn_protocols": ["http/1.1"] if openai else ["h2"],
                 "tls_certificates": [
                     {
                         "certificate_chain": {"filename": mesh.upstream_tls_cert_file},
@@ -607,7 +665,7 @@ def upstream_tls(name: str, mesh: MeshSettings) -> Config:
                 "validation_context": {
                     "trusted_ca": {"filename": mesh.upstream_tls_ca_file},
                     "match_typed_subject_alt_names": [
-                        {"san_type": "DNS", "matcher": {"exact": name}}
+                        {"san_type": "DNS", "matcher": {"exact": service}}
                     ],
                 },
             },
@@ -680,7 +738,7 @@ def service_cluster(name: str, mesh: MeshSettings) -> Config:
     if name == OPENAI_CLUSTER:
         # HTTP/1.1 (uvicorn), a connection per stream in flight.
         del cluster["typed_extension_protocol_options"]
-    elif mesh.upstream_mtls:
+    if mesh.upstream_mtls:
         cluster["transport_socket"] = upstream_tls(name, mesh)
     if name == "reranker":
         # Eject a failing reranker host quickly, before the gateway's own breaker opens, and

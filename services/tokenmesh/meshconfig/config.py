@@ -35,7 +35,7 @@ class MeshSettings(BaseSettings):
     upstream_tls_cert_file: str | None = Field(
         default=None,
         description=(
-            "mTLS from Envoy to the services (the gateway, worker and reranker clusters, "
+            "mTLS from Envoy to the services (the gateway, openai, worker and reranker clusters, "
             "their health checks included): Envoy's client certificate. Each service's "
             "certificate must carry its cluster's name (gateway, worker, reranker) as a DNS "
             "SAN, which Envoy also sends as SNI. With upstream_tls_key_file and "

@@ -368,40 +368,52 @@ class VllmEngine:
     def errored(self) -> bool:
         return bool(self._llm.errored)
 
-    async def _tokenize(self, spec: GenerationSpec) -> Any:
-        """The engine input of a prompt, or of messages rendered with the chat template."""
+    async def _tokenize(self, spec: GenerationSpec) -> tuple[Any, int]:
+        """The engine input of a prompt, or of messages rendered with the chat template (the
+        prompt, when the model has none and the request carries one); and the tokens it may
+        generate."""
+        engine_input = None
+        subject, whose, size = "messages", "messages'", "are {} tokens with the chat template"
         if spec.messages:
-            conversation: list[Any] = [
-                {"role": message.role, "content": message.content} for message in spec.messages
-            ]
-            _, (engine_input,) = await self._llm.renderer.render_chat_async(
-                [conversation], self._chat_params, self._chat_tokenize_params
-            )
-            subject, whose, size = "messages", "messages'", "are {} tokens with the chat template"
-        else:
+            try:
+                engine_input = await self._render_chat(spec)
+            except ChatTemplateResolutionError:
+                if not spec.prompt:
+                    raise
+        if engine_input is None:
             (engine_input,) = await self._llm.renderer.render_cmpl_async(
                 [{"prompt": spec.prompt}], self._tokenize_params
             )
             subject, whose, size = "prompt", "prompt's", "is {} tokens"
         prompt_tokens = len(engine_input["prompt_token_ids"])
-        if prompt_tokens + spec.max_tokens > self.max_model_len:
-            if prompt_tokens >= self.max_model_len:
-                raise InvalidArgument(
-                    subject,
-                    f"{size.format(prompt_tokens)}; the model context is "
-                    f"{self.max_model_len} tokens",
-                )
+        if prompt_tokens >= self.max_model_len:
+            raise InvalidArgument(
+                subject,
+                f"{size.format(prompt_tokens)}; the model context is {self.max_model_len} tokens",
+            )
+        room = self.max_model_len - prompt_tokens
+        if spec.max_tokens_within_context:
+            return engine_input, min(spec.max_tokens, room)
+        if spec.max_tokens > room:
             raise InvalidArgument(
                 "max_tokens",
                 f"{spec.max_tokens} plus the {whose} {prompt_tokens} tokens exceeds the model "
-                f"context of {self.max_model_len} tokens (at most "
-                f"{self.max_model_len - prompt_tokens} here)",
+                f"context of {self.max_model_len} tokens (at most {room} here)",
             )
+        return engine_input, spec.max_tokens
+
+    async def _render_chat(self, spec: GenerationSpec) -> Any:
+        conversation: list[Any] = [
+            {"role": message.role, "content": message.content} for message in spec.messages
+        ]
+        _, (engine_input,) = await self._llm.renderer.render_chat_async(
+            [conversation], self._chat_params, self._chat_tokenize_params
+        )
         return engine_input
 
-    def _sampling_params(self, spec: GenerationSpec) -> SamplingParams:
+    def _sampling_params(self, spec: GenerationSpec, max_tokens: int) -> SamplingParams:
         return SamplingParams(
-            max_tokens=spec.max_tokens,
+            max_tokens=max_tokens,
             temperature=spec.temperature,
             top_p=spec.top_p,
             top_k=spec.top_k,
@@ -422,11 +434,11 @@ class VllmEngine:
         that ended the request. Cancelling this aborts the engine request (vLLM's generate()
         does so when cancelled)."""
         try:
-            engine_input = await self._tokenize(spec)
+            engine_input, max_tokens = await self._tokenize(spec)
             prompt_tokens = len(engine_input["prompt_token_ids"])
             index = 0
             async for output in self._llm.generate(
-                engine_input, self._sampling_params(spec), spec.request_id
+                engine_input, self._sampling_params(spec, max_tokens), spec.request_id
             ):
                 tokens = output_tokens(output, index, prompt_tokens, spec.top_logprobs)
                 index += len(tokens.token_ids)

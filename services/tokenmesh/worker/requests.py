@@ -49,24 +49,20 @@ class GenerationSpec:
     stream_interval: int = 1
     # Sent on the first token (the gateway's warnings for a request it prepared).
     warnings: tuple[str, ...] = ()
-    # A conversation instead of a prompt (then prompt is empty): the engine renders it with
-    # the model's chat template.
+    # A conversation the engine renders with the model's chat template; prompt is then the
+    # plain-text fallback for a model without one (empty: none, the request is refused).
     messages: tuple[Message, ...] = ()
+    # max_tokens is an upper bound: at most what the context leaves after the prompt.
+    max_tokens_within_context: bool = False
 
 
 def validate(request: inference_pb2.InferenceRequest, settings: WorkerSettings) -> GenerationSpec:
     """Check every field against the worker's limits; raise InvalidArgument naming it."""
-    if request.messages:
-        if request.prompt:
-            raise InvalidArgument(
-                "messages", "set together with prompt: send exactly one of the two"
-            )
-        messages = check_messages(request.messages, settings)
-    else:
-        if not request.prompt:
-            raise InvalidArgument("prompt", "must not be empty (or send messages instead)")
+    messages = check_messages(request.messages, settings) if request.messages else ()
+    if request.prompt:
         check_text("prompt", request.prompt, settings.max_prompt_bytes)
-        messages = ()
+    elif not messages:
+        raise InvalidArgument("prompt", "must not be empty (or send messages instead)")
     sampling = request.sampling
     if not 1 <= sampling.max_tokens <= settings.max_tokens_cap:
         raise InvalidArgument(
@@ -126,6 +122,7 @@ def validate(request: inference_pb2.InferenceRequest, settings: WorkerSettings) 
         stream_interval=max(sampling.stream_interval, 1),
         warnings=tuple(request.warnings),
         messages=messages,
+        max_tokens_within_context=sampling.max_tokens_within_context,
     )
 
 
