@@ -10,12 +10,14 @@ import signal
 import time
 from collections.abc import AsyncIterator, Iterator
 
+import openai
 import pytest
 from grpc import aio
 
 from tests.support import (
     ROOT,
     ServiceProcess,
+    free_port,
     gateway_process,
     health_status,
     metric_value,
@@ -37,12 +39,14 @@ DOCUMENTS = ["alpha", "beta", "gamma", "delta"]
 class RerankedGateway:
     reranker: ServiceProcess
     gateway: ServiceProcess
+    openai_port: int
 
 
 @pytest.fixture(scope="module")
 def faulty(worker: ServiceProcess) -> Iterator[RerankedGateway]:
     reranker = reranker_process(LOG_DIR, name="reranker-faults")
     reranker.start()
+    openai_port = free_port()
     gateway = gateway_process(
         LOG_DIR,
         worker.address,
@@ -52,9 +56,10 @@ def faulty(worker: ServiceProcess) -> Iterator[RerankedGateway]:
         breaker__consecutive_failures="3",
         breaker__min_calls_in_window="100",
         breaker__open_seconds=str(OPEN_SECONDS),
+        openai_port=str(openai_port),
     )
     gateway.start()
-    faulty = RerankedGateway(reranker, gateway)
+    faulty = RerankedGateway(reranker, gateway, openai_port)
     try:
         reranker.wait_serving(180)
         gateway.wait_serving(60)
@@ -176,3 +181,36 @@ async def test_killed_then_restarted_reranker_degrades_then_recovers(
         await asyncio.sleep(0.5)
     assert not answer.warnings, answer.warnings
     assert gateway_metric(faulty, "tokenmesh_reranker_circuit_state") == 0
+
+
+def test_a_degraded_openai_answer_says_so_in_its_header_and_every_object(
+    faulty: RerankedGateway,
+) -> None:
+    """The OpenAI API's degraded answers (the same pipeline as gRPC's): the
+    x-tokenmesh-degraded header, and the documented tokenmesh field in the object and in
+    every streamed chunk."""
+    url = f"http://127.0.0.1:{faulty.openai_port}/v1"
+    faulty.reranker.signal(signal.SIGSTOP)
+    try:
+        with openai.OpenAI(base_url=url, api_key="unused", max_retries=0) as sdk:
+            model = sdk.models.list().data[0].id
+            ask = dict(
+                model=model,
+                messages=[{"role": "user", "content": "which one?"}],
+                max_tokens=4,
+                extra_body={"documents": DOCUMENTS, "ignore_eos": True},
+            )
+            raw = sdk.chat.completions.with_raw_response.create(**ask)  # type: ignore[call-overload]
+            assert raw.headers["x-tokenmesh-degraded"] == "reranker"
+            marker = (raw.parse().model_extra or {})["tokenmesh"]
+            assert marker["degraded"] == "reranker"
+            assert marker["warnings"][0].startswith("reranker_unavailable:")
+            with sdk.chat.completions.with_streaming_response.create(  # type: ignore[call-overload]
+                stream=True, **ask
+            ) as streamed:
+                assert streamed.headers["x-tokenmesh-degraded"] == "reranker"
+                chunks = list(streamed.parse())
+            assert chunks
+            assert all((c.model_extra or {})["tokenmesh"]["degraded"] == "reranker" for c in chunks)
+    finally:
+        faulty.reranker.signal(signal.SIGCONT)

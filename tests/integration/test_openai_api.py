@@ -204,6 +204,41 @@ def test_logprobs_come_per_token_with_their_alternatives(client: openai.OpenAI) 
     assert "".join(entry.token for entry in content) == answer.choices[0].message.content
 
 
+def test_completion_logprobs_whole_and_streamed_agree_with_their_offsets(
+    client: openai.OpenAI,
+) -> None:
+    ask = dict(
+        model=MODEL,
+        prompt="the same prompt",
+        max_tokens=8,
+        logprobs=2,
+        top_p=0.9,
+        user="someone",
+        extra_body={"ignore_eos": True},
+        **GREEDY,
+    )
+    whole = client.completions.create(**ask)  # type: ignore[call-overload]
+    logprobs = whole.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens and len(logprobs.tokens) == 8
+    text = whole.choices[0].text
+    assert "".join(logprobs.tokens) == text
+    # Each token's offset is where its text starts in the answer.
+    assert logprobs.text_offset == [
+        sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(logprobs.tokens))
+    ]
+    assert all(len(alternatives) <= 2 for alternatives in logprobs.top_logprobs or [])
+    streamed = [
+        chunk.choices[0]
+        for chunk in client.completions.create(stream=True, **ask)  # type: ignore[call-overload]
+        if chunk.choices
+    ]
+    assert "".join(choice.text for choice in streamed) == text
+    tokens = [t for choice in streamed for t in (choice.logprobs.tokens or [])]  # type: ignore[union-attr]
+    assert tokens == logprobs.tokens
+    offsets = [o for c in streamed for o in (c.logprobs.text_offset or [])]  # type: ignore[union-attr]
+    assert offsets == logprobs.text_offset
+
+
 @pytest.mark.parametrize(
     ("fields", "named"),
     [

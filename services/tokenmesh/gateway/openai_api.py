@@ -503,6 +503,7 @@ class OpenAIApi:
         parts: list[str] = []
         content: list[Any] = []
         merged: dict[str, list[Any]] = {}
+        offset = 0
         last: token_pb2.Token | None = None
         try:
             async with contextlib.aclosing(job.tokens) as tokens:
@@ -511,10 +512,10 @@ class OpenAIApi:
                         if shape.chat:
                             content.extend(chat_logprobs(token)["content"])
                         else:
-                            offset = sum(len(part) for part in parts)
                             for key, values in completion_logprobs(token, offset).items():
                                 merged.setdefault(key, []).extend(values)
                     parts.append(token.text)
+                    offset += len(token.text)
                     timer.sent(token)
                     if token.finish_reason:
                         last = token
