@@ -32,6 +32,8 @@ from tests.support import (
     controlplane_process,
     free_port,
     gateway_process,
+    metric_value,
+    scrape_metrics,
     seconds_until_emptied,
     within_budget,
 )
@@ -239,6 +241,43 @@ def test_completion_logprobs_whole_and_streamed_agree_with_their_offsets(
     assert offsets == logprobs.text_offset
 
 
+def http_requests(mesh: LocalMesh, route: str, status: str) -> float:
+    """The OpenAI requests the mesh's gateways have counted on route with status."""
+    return sum(
+        metric_value(
+            scrape_metrics(g.metrics_port),
+            "tokenmesh_gateway_http_requests_total",
+            0.0,
+            route=route,
+            status=status,
+        )
+        for g in mesh.replicas("gateway")
+    )
+
+
+def test_each_request_is_counted_by_route_and_status(
+    client: openai.OpenAI, mesh: LocalMesh
+) -> None:
+    route = "/v1/chat/completions"
+    served, refused = http_requests(mesh, route, "200"), http_requests(mesh, route, "400")
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=0)
+    assert http_requests(mesh, route, "200") == served + 1
+    assert http_requests(mesh, route, "400") == refused + 1
+    gone = http_requests(mesh, route, "499")
+    with client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=200, stream=True, extra_body={"ignore_eos": True}
+    ) as stream:
+        next(iter(stream))
+    # The gateway learns of the close from its connection: counted as the client going away.
+    deadline = time.monotonic() + 10
+    while http_requests(mesh, route, "499") == gone and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert http_requests(mesh, route, "499") == gone + 1
+    assert http_requests(mesh, route, "200") == served + 1
+
+
 @pytest.mark.parametrize(
     ("fields", "named"),
     [
@@ -311,13 +350,16 @@ async def worker_stubs(
 
 KEY = "tm_openai-integration-key-0123456789"
 NARROW_KEY = "tm_openai-narrow-key-0123456789"
+METERED_KEY = "tm_openai-metered-key-0123456789"
+QUOTA = 5
 
 
 @pytest.fixture(scope="module")
 def keyed(
     tmp_path_factory: pytest.TempPathFactory, worker: ServiceProcess, reranker: ServiceProcess
 ) -> Iterator[str]:
-    """The OpenAI API of a gateway with API keys (one tenant limited to one stream at once)."""
+    """The OpenAI API of a gateway with API keys (one tenant limited to one stream at once,
+    one to QUOTA generated tokens a day)."""
     keys = tmp_path_factory.mktemp("openai-keys") / "keys.json"
     keys.write_text(
         json.dumps(
@@ -327,6 +369,10 @@ def keyed(
                     "narrow": {
                         "key_sha256": [hash_key(NARROW_KEY)],
                         "limits": {"max_concurrent_streams": 1},
+                    },
+                    "metered": {
+                        "key_sha256": [hash_key(METERED_KEY)],
+                        "limits": {"tokens_per_window": QUOTA, "window_seconds": 86400},
                     },
                 }
             }
@@ -370,6 +416,20 @@ def test_a_valid_key_is_served(keyed: str) -> None:
             model=model, prompt="hi", max_tokens=3, extra_body={"ignore_eos": True}
         )
     assert answer.usage is not None and answer.usage.completion_tokens == 3
+
+
+def test_a_token_quota_cuts_the_answer_then_refuses_with_rate_limit_error(keyed: str) -> None:
+    model = served_model(keyed, METERED_KEY)
+    with openai.OpenAI(base_url=keyed, api_key=METERED_KEY, max_retries=0) as sdk:
+        cut = sdk.completions.create(
+            model=model, prompt="hi", max_tokens=QUOTA + 3, extra_body={"ignore_eos": True}
+        )
+        assert cut.usage is not None and cut.usage.completion_tokens == QUOTA
+        assert cut.choices[0].finish_reason == "length"
+        with pytest.raises(openai.RateLimitError) as refused:
+            sdk.completions.create(model=model, prompt="hi", max_tokens=2)
+    assert "quota" in refused.value.message
+    assert int(refused.value.response.headers["retry-after"]) >= 1
 
 
 async def test_a_tenant_over_its_stream_limit_gets_rate_limit_error_with_retry_after(

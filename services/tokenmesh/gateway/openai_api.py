@@ -194,10 +194,13 @@ class Answer(Response):
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            # Whether the answer was all sent: once it is, the server reports a disconnect
+            # at once, which must not count as the client going away.
+            answered = work.done()
             for task in (work, gone):
                 task.cancel()
             await asyncio.gather(work, gone, return_exceptions=True)
-        if gone.done() and not gone.cancelled():
+        if not answered:
             self._outcome.status = 499
             self._outcome.error = "client disconnected"
         elif not work.cancelled() and work.exception() is not None:
