@@ -346,6 +346,54 @@ async def worker_stubs(
         yield [inference_pb2_grpc.InferenceServiceStub(channel) for channel in channels]
 
 
+# --- a gateway whose OpenAI requests may take 1 s ----------------------------------------
+
+
+@contextlib.contextmanager
+def openai_gateway(
+    worker: ServiceProcess, reranker: ServiceProcess, name: str, **settings: str
+) -> Iterator[str]:
+    """A gateway of its own with these settings; the base URL of its OpenAI API."""
+    port = free_port()
+    process = gateway_process(
+        LOG_DIR, worker.address, reranker.address, name=name, openai_port=str(port), **settings
+    )
+    process.start()
+    try:
+        process.wait_serving(60)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        process.stop()
+
+
+@pytest.fixture(scope="module")
+def hurried(worker: ServiceProcess, reranker: ServiceProcess) -> Iterator[str]:
+    with openai_gateway(
+        worker, reranker, "gateway-openai-hurried", http_request_timeout_seconds="1"
+    ) as url:
+        yield url
+
+
+def test_a_request_past_its_time_is_a_504_or_ends_its_stream_with_the_error(
+    hurried: str,
+) -> None:
+    """http_request_timeout_seconds is the worker call's deadline: a whole answer that cannot
+    finish in time is 504; a stream already answering ends with the error as its last event."""
+    long = dict(max_tokens=2000, extra_body={"ignore_eos": True})
+    with openai.OpenAI(base_url=hurried, api_key="unused", max_retries=0) as sdk:
+        model = sdk.models.list().data[0].id
+        with pytest.raises(openai.APIStatusError) as late:
+            sdk.completions.create(model=model, prompt="hi", **long)  # type: ignore[call-overload]
+        assert late.value.status_code == 504
+        assert "deadline" in late.value.message
+        with pytest.raises(openai.APIError) as cut:
+            for _ in sdk.completions.create(  # type: ignore[call-overload]
+                model=model, prompt="hi", stream=True, **long
+            ):
+                pass
+        assert "deadline" in str(cut.value.message)
+
+
 # --- keys on: a gateway with a keys file, its OpenAI port called straight -----------------
 
 KEY = "tm_openai-integration-key-0123456789"
@@ -378,21 +426,8 @@ def keyed(
             }
         )
     )
-    port = free_port()
-    process = gateway_process(
-        LOG_DIR,
-        worker.address,
-        reranker.address,
-        name="gateway-openai-keys",
-        keys_file=str(keys),
-        openai_port=str(port),
-    )
-    process.start()
-    try:
-        process.wait_serving(60)
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        process.stop()
+    with openai_gateway(worker, reranker, "gateway-openai-keys", keys_file=str(keys)) as url:
+        yield url
 
 
 def served_model(url: str, key: str) -> str:
