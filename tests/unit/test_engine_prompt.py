@@ -114,3 +114,25 @@ def test_a_prompt_that_fills_the_context_is_refused_even_within_context() -> Non
         tokenize(True, spec(" ".join(["w"] * 64), max_tokens_within_context=True))
     assert error.value.field == "prompt"
     assert error.value.message == "prompt: is 64 tokens; the model context is 64 tokens"
+
+
+def test_a_model_found_without_a_template_is_not_asked_again_for_requests_with_a_fallback() -> None:
+    async def run() -> list[int]:
+        worker = engine(False)
+        renderer = worker._llm.renderer
+        calls = []
+        render = renderer.render_chat_async
+
+        async def counted(*args: Any) -> Any:
+            calls.append(1)
+            return await render(*args)
+
+        renderer.render_chat_async = counted
+        for _ in range(3):
+            await worker._tokenize(spec("User: hi\nAssistant:", ("user", "hi")))
+        with pytest.raises(ChatTemplateResolutionError):
+            await worker._tokenize(spec("", ("user", "hi")))
+        return calls
+
+    # The first request learns it; one without a fallback still gets vLLM's own error.
+    assert len(asyncio.run(run())) == 2

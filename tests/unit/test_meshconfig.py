@@ -14,8 +14,8 @@ import yaml
 from pydantic import ValidationError
 
 from tests.support import ROOT
+from tokenmesh.common.errors import error_body
 from tokenmesh.common.tokens import USAGE_TRAILER
-from tokenmesh.gateway.openai_protocol import error_body
 from tokenmesh.localmesh.certs import (
     EDGE,
     ENVOY_CLIENT,

@@ -6,14 +6,13 @@ import json
 
 import pytest
 
-from tokenmesh.common.errors import InvalidArgument
+from tokenmesh.common.errors import InvalidArgument, error_body
 from tokenmesh.gateway.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     Shape,
     chat_logprobs,
     completion_logprobs,
-    error_body,
     parse,
     per_token,
 )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 
 
@@ -91,3 +93,23 @@ HTTP_STATUS = {
 
 class NotFound(ServiceError):
     code = grpc.StatusCode.NOT_FOUND
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object for an HTTP status: what the gateway's OpenAI API answers and
+    what the edge answers on its paths (meshconfig), one shape."""
+    kinds = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        403: "permission_error",
+        404: "not_found_error",
+        429: "rate_limit_error",
+    }
+    return {
+        "error": {
+            "message": message,
+            "type": kinds.get(status, "server_error" if status < 503 else "service_unavailable"),
+            "param": param,
+            "code": None,
+        }
+    }

@@ -32,6 +32,7 @@ from tokenmesh.common.errors import (
     InvalidArgument,
     NotFound,
     ServiceError,
+    error_body,
 )
 from tokenmesh.common.metrics import RPC_BUCKETS, StreamMetrics
 from tokenmesh.common.tenants import enter_tenant
@@ -47,7 +48,6 @@ from tokenmesh.gateway.openai_protocol import (
     Shape,
     chat_logprobs,
     completion_logprobs,
-    error_body,
     finish_reason,
     parse,
     sse,

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tokenmesh.common.errors import InvalidArgument
+from tokenmesh.gateway.prompts import message as conversation_message
 from tokenmesh.v1 import inference_pb2, llm_pb2, token_pb2
 
 # OpenAI's default for /v1/completions when max_tokens is left out.
@@ -171,16 +172,16 @@ class ChatCompletionRequest(_Request):
         """The messages for the worker's chat template; context_question (the last user message
         with the chosen documents as context) replaces the last user message's text."""
         last_user = max(
-            (i for i, message in enumerate(self.messages) if message.role == "user"), default=-1
+            (i for i, said in enumerate(self.messages) if said.role == "user"), default=-1
         )
         return tuple(
-            inference_pb2.ConversationMessage(
-                role=message.role,
-                content=context_question
+            conversation_message(
+                said.role,
+                context_question
                 if i == last_user and context_question is not None
-                else message.text(),
+                else said.text(),
             )
-            for i, message in enumerate(self.messages)
+            for i, said in enumerate(self.messages)
         )
 
 
@@ -322,22 +323,3 @@ def sse(data: Any) -> bytes:
 
 
 DONE = b"data: [DONE]\n\n"
-
-
-def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
-    """OpenAI's error object."""
-    kinds = {
-        400: "invalid_request_error",
-        401: "authentication_error",
-        403: "permission_error",
-        404: "not_found_error",
-        429: "rate_limit_error",
-    }
-    return {
-        "error": {
-            "message": message,
-            "type": kinds.get(status, "server_error" if status < 503 else "service_unavailable"),
-            "param": param,
-            "code": None,
-        }
-    }

@@ -13,6 +13,7 @@ from typing import Any
 from google.protobuf import descriptor_pb2
 from google.protobuf.descriptor import FileDescriptor
 
+from tokenmesh.common.errors import error_body
 from tokenmesh.common.tokens import (
     CALLER_CONTENT_TYPE,
     EDGE_METADATA,
@@ -20,7 +21,6 @@ from tokenmesh.common.tokens import (
     USAGE_TRAILER,
     WORKER_GENERATE,
 )
-from tokenmesh.gateway.openai_protocol import error_body
 from tokenmesh.meshconfig.config import MeshSettings
 from tokenmesh.v1 import inference_pb2, llm_pb2, ops_pb2, rerank_pb2, token_pb2
 
@@ -309,14 +309,7 @@ def direct_local_replies(mesh: MeshSettings) -> list[Config]:
             },
         },
         {
-            "filter": {
-                "status_code_filter": {
-                    "comparison": {
-                        "op": "EQ",
-                        "value": {"default_value": 413, "runtime_key": "edge_413"},
-                    }
-                }
-            },
+            "filter": status_filter("EQ", 413),
             "headers_to_add": [
                 {
                     "header": {"key": "grpc-status", "value": "8"},

@@ -307,6 +307,8 @@ class VllmEngine:
         self._chat_tokenize_params = dataclasses.replace(
             llm.renderer.default_chat_tok_params, max_total_tokens=None
         )
+        # False once vLLM found no chat template for the model (it looks on every render).
+        self._has_chat_template = True
         # What vLLM's chat completions render with by default: the model's own template, the
         # assistant's generation prompt after the last message, rendered as text and then
         # tokenized without added special tokens (the template places them).
@@ -374,10 +376,12 @@ class VllmEngine:
         generate."""
         engine_input = None
         subject, whose, size = "messages", "messages'", "are {} tokens with the chat template"
-        if spec.messages:
+        if spec.messages and (self._has_chat_template or not spec.prompt):
             try:
                 engine_input = await self._render_chat(spec)
             except ChatTemplateResolutionError:
+                # Learnt once: later requests with a fallback go straight to it.
+                self._has_chat_template = False
                 if not spec.prompt:
                     raise
         if engine_input is None:
