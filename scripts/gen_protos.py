@@ -8,6 +8,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from google.api import httpbody_pb2
 from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -15,6 +16,8 @@ PROTO_ROOT = ROOT / "protos"
 OUT_ROOT = ROOT / "services"
 PACKAGE_DIR = Path("tokenmesh") / "v1"
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
+# google/api/*.proto (HttpBody, the HTTP annotations) as googleapis-common-protos ships them.
+GOOGLE_APIS = Path(httpbody_pb2.__file__).parent.parent.parent
 
 
 def proto_files() -> list[Path]:
@@ -30,6 +33,7 @@ def generate(out_root: Path) -> list[Path]:
         "grpc_tools.protoc",
         f"-I{PROTO_ROOT}",
         f"-I{well_known}",
+        f"-I{GOOGLE_APIS}",
         f"--python_out={out_root}",
         f"--pyi_out={out_root}",
         f"--grpc_python_out={out_root}",
@@ -69,6 +73,7 @@ def descriptor_set(path: Path) -> None:
         "grpc_tools.protoc",
         f"-I{PROTO_ROOT}",
         f"-I{well_known}",
+        f"-I{GOOGLE_APIS}",
         "--include_imports",
         "--include_source_info",
         f"--descriptor_set_out={path}",

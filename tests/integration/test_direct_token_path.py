@@ -75,7 +75,7 @@ async def test_generate_streams_from_a_worker_with_no_gateway_on_the_way(
         "process": started(mesh, "gateway", PREPARE_METHOD),
         "worker": started(mesh, "worker", INFERENCE_METHOD),
         "direct": total(
-            mesh, "gateway", "tokenmesh_gateway_direct_requests_total", outcome="direct"
+            mesh, "gateway", "tokenmesh_gateway_direct_requests_total", api="grpc", outcome="direct"
         ),
     }
     request = llm_pb2.GenerateRequest(prompt="direct path", max_tokens=64, ignore_eos=True)
@@ -89,7 +89,9 @@ async def test_generate_streams_from_a_worker_with_no_gateway_on_the_way(
     itl = total(mesh, "gateway", "tokenmesh_inter_token_latency_seconds_count")
     assert itl == before["itl"]
     assert started(mesh, "worker", INFERENCE_METHOD) - before["worker"] == 1
-    direct_now = total(mesh, "gateway", "tokenmesh_gateway_direct_requests_total", outcome="direct")
+    direct_now = total(
+        mesh, "gateway", "tokenmesh_gateway_direct_requests_total", api="grpc", outcome="direct"
+    )
     assert direct_now - before["direct"] == 1
 
 
@@ -254,14 +256,16 @@ def test_grpc_web_generate_takes_the_gateways_path(mesh: LocalMesh, direct: Mesh
     """Envoy's gRPC-Web filter moves a stream's trailers into its body, out of the access log's
     sight: the gateway's own handler serves gRPC-Web, so its status and tokens are counted."""
     outcomes = "tokenmesh_gateway_direct_requests_total"
-    before = [total(mesh, "gateway", outcomes, outcome=o) for o in ("gateway", "direct")]
+    before = [
+        total(mesh, "gateway", outcomes, api="grpc", outcome=o) for o in ("gateway", "direct")
+    ]
     origin = "http://localhost:3000"
     response, tokens, trailers = grpc_web_generate(direct.edge_port, 8, origin)
     assert response.status == 200
     assert response.getheader("access-control-allow-origin") == origin
     assert positions(tokens) == list(range(8))
     assert "grpc-status:0" in trailers.replace(" ", "")
-    after = [total(mesh, "gateway", outcomes, outcome=o) for o in ("gateway", "direct")]
+    after = [total(mesh, "gateway", outcomes, api="grpc", outcome=o) for o in ("gateway", "direct")]
     assert [now - then for now, then in zip(after, before, strict=True)] == [1, 0]
 
 
@@ -297,7 +301,7 @@ async def test_a_degraded_answer_keeps_its_warning_and_trailer(
     reranker = mesh.replicas("reranker")[0]
     process = psutil.Process(mesh.pid(reranker.name))
     direct = "tokenmesh_gateway_direct_requests_total"
-    before = total(mesh, "gateway", direct, outcome="direct")
+    before = total(mesh, "gateway", direct, api="grpc", outcome="direct")
     request = llm_pb2.GenerateRequest(
         prompt="which one?", documents=["alpha", "beta", "gamma"], top_k_documents=2, max_tokens=4
     )
@@ -312,7 +316,7 @@ async def test_a_degraded_answer_keeps_its_warning_and_trailer(
     assert tokens[0].warnings and tokens[0].warnings[0].startswith("reranker_unavailable")
     assert not any(token.warnings for token in tokens[1:])
     assert ("x-tokenmesh-degraded", "reranker") in trailers
-    assert total(mesh, "gateway", direct, outcome="direct") - before == 1
+    assert total(mesh, "gateway", direct, api="grpc", outcome="direct") - before == 1
     deadline = time.monotonic() + 30
     while not any(ok for _, ok in mesh.envoy_hosts().get("reranker", [])):
         assert time.monotonic() < deadline, "the reranker did not rejoin"

@@ -1,7 +1,8 @@
 """OpenAI's HTTP API through the real mesh's edge, called with the official `openai` SDK (sync
 and async): models, chat and text completions streamed and whole, usage counted on the model's
 own chat template, stop strings, logprobs, errors as the SDK's exception classes, a stream
-closed mid-way freeing the engine; and, at a gateway with a keys file, keys and tenant limits."""
+closed mid-way freeing the engine; at a gateway with a keys file, straight and through an edge,
+keys and tenant limits; and a gateway with no worker answering 503."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -37,7 +39,7 @@ from tests.support import (
     seconds_until_emptied,
     within_budget,
 )
-from tokenmesh.gateway.auth import hash_key
+from tokenmesh.gateway.auth import UNAUTHENTICATED_MESSAGE, hash_key
 from tokenmesh.localmesh.mesh import LocalMesh, envoy_hosts
 from tokenmesh.meshconfig.__main__ import render_yaml
 from tokenmesh.meshconfig.config import MeshSettings
@@ -257,6 +259,13 @@ def http_requests(mesh: LocalMesh, route: str, status: str) -> float:
     )
 
 
+def counted_within(seconds: float, counted: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + seconds
+    while not counted():
+        assert time.monotonic() < deadline, "not counted"
+        time.sleep(0.05)
+
+
 def test_each_request_is_counted_by_route_and_status(
     client: openai.OpenAI, mesh: LocalMesh
 ) -> None:
@@ -265,18 +274,18 @@ def test_each_request_is_counted_by_route_and_status(
     client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=0)
-    assert http_requests(mesh, route, "200") == served + 1
+    # An answer a worker streamed straight to the caller (the direct token path) is counted
+    # when the edge's access log reaches the gateways (every 0.5 s).
+    counted_within(10, lambda: http_requests(mesh, route, "200") == served + 1)
     assert http_requests(mesh, route, "400") == refused + 1
     gone = http_requests(mesh, route, "499")
     with client.chat.completions.create(
         model=MODEL, messages=MESSAGES, max_tokens=200, stream=True, extra_body={"ignore_eos": True}
     ) as stream:
         next(iter(stream))
-    # The gateway learns of the close from its connection: counted as the client going away.
-    deadline = time.monotonic() + 10
-    while http_requests(mesh, route, "499") == gone and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert http_requests(mesh, route, "499") == gone + 1
+    # Counted as the client going away: by the gateway that streamed it, from its connection,
+    # or on the direct path from the edge's access log.
+    counted_within(10, lambda: http_requests(mesh, route, "499") == gone + 1)
     assert http_requests(mesh, route, "200") == served + 1
 
 
@@ -284,6 +293,8 @@ def test_each_request_is_counted_by_route_and_status(
     ("fields", "named"),
     [
         ({"max_tokens": 10**6}, "max_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_completion_tokens": 0, "max_tokens": 5}, "max_tokens"),
         ({"n": 2}, "n"),
         ({"temperature": 9.0}, "temperature"),
         ({"messages": [{"role": "user", "content": "x" * 10**5}]}, "messages[0].content"),
@@ -351,29 +362,56 @@ async def worker_stubs(
 # --- a gateway whose OpenAI requests may take 1 s ----------------------------------------
 
 
+@dataclass(frozen=True)
+class OpenAIGateway:
+    process: ServiceProcess
+    openai_port: int
+
+    @property
+    def openai_address(self) -> str:
+        return f"127.0.0.1:{self.openai_port}"
+
+    @property
+    def url(self) -> str:
+        """The base URL of its OpenAI API."""
+        return f"http://{self.openai_address}/v1"
+
+
 @contextlib.contextmanager
 def openai_gateway(
-    worker: ServiceProcess, reranker: ServiceProcess, name: str, **settings: str
-) -> Iterator[str]:
-    """A gateway of its own with these settings; the base URL of its OpenAI API."""
+    worker_address: str, reranker_address: str, name: str, **settings: str
+) -> Iterator[OpenAIGateway]:
+    """A gateway of its own with these settings, its OpenAI API on a port of its own."""
     port = free_port()
     process = gateway_process(
-        LOG_DIR, worker.address, reranker.address, name=name, openai_port=str(port), **settings
+        LOG_DIR, worker_address, reranker_address, name=name, openai_port=str(port), **settings
     )
     process.start()
     try:
         process.wait_serving(60)
-        yield f"http://127.0.0.1:{port}/v1"
+        yield OpenAIGateway(process, port)
     finally:
         process.stop()
 
 
-@pytest.fixture(scope="module")
-def hurried(worker: ServiceProcess, reranker: ServiceProcess) -> Iterator[str]:
+@pytest.fixture(scope="module", params=("gateway", "edge"))
+def hurried(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    worker: ServiceProcess,
+    reranker: ServiceProcess,
+) -> Iterator[str]:
+    """A gateway whose OpenAI requests may take 1 s: at its own HTTP port, or behind an edge
+    of its own (the direct token path: the worker keeps the time)."""
     with openai_gateway(
-        worker, reranker, "gateway-openai-hurried", http_request_timeout_seconds="1"
-    ) as url:
-        yield url
+        worker.address, reranker.address, "gateway-openai-hurried", http_request_timeout_seconds="1"
+    ) as gateway:
+        if request.param == "gateway":
+            yield gateway.url
+        else:
+            directory = tmp_path_factory.mktemp("hurried-edge")
+            with edge_in_front_of(gateway, worker, reranker, directory, "hurried-edge") as edge:
+                yield edge.url
 
 
 def test_a_request_past_its_time_is_a_504_or_ends_its_stream_with_the_error(
@@ -396,40 +434,96 @@ def test_a_request_past_its_time_is_a_504_or_ends_its_stream_with_the_error(
         assert "deadline" in str(cut.value.message)
 
 
-# --- keys on: a gateway with a keys file, its OpenAI port called straight -----------------
+# --- keys on: a gateway with a keys file, its OpenAI port called straight and through an edge --
 
-KEY = "tm_openai-integration-key-0123456789"
-NARROW_KEY = "tm_openai-narrow-key-0123456789"
-METERED_KEY = "tm_openai-metered-key-0123456789"
 QUOTA = 5
+# The ways to the keyed gateway's OpenAI API: its own port, and an edge of its own in front of
+# it (which hands OpenAI requests back to the gateway's HTTP API: keys on, tokens are metered).
+WAYS = ("gateway", "edge")
+# Each way has its own tenants (and keys), so that one way's spent limits do not meet the
+# other's: one open, one limited to one stream at once, one to QUOTA generated tokens a day.
+LIMITS: dict[str, dict[str, int]] = {
+    "open": {},
+    "narrow": {"max_concurrent_streams": 1},
+    "metered": {"tokens_per_window": QUOTA, "window_seconds": 86400},
+}
+
+
+def tenant_key(tenant: str, way: str) -> str:
+    return f"tm_openai-{tenant}-{way}-key-0123456789"
+
+
+@dataclass(frozen=True)
+class Keyed:
+    """The keyed gateway's OpenAI API as reached one way, and that way's tenants' keys."""
+
+    url: str
+    way: str
+
+    def key(self, tenant: str) -> str:
+        return tenant_key(tenant, self.way)
 
 
 @pytest.fixture(scope="module")
-def keyed(
+def keyed_gateway(
     tmp_path_factory: pytest.TempPathFactory, worker: ServiceProcess, reranker: ServiceProcess
-) -> Iterator[str]:
-    """The OpenAI API of a gateway with API keys (one tenant limited to one stream at once,
-    one to QUOTA generated tokens a day)."""
+) -> Iterator[OpenAIGateway]:
+    """A gateway with API keys: every tenant of LIMITS, once for each way."""
     keys = tmp_path_factory.mktemp("openai-keys") / "keys.json"
-    keys.write_text(
-        json.dumps(
-            {
-                "tenants": {
-                    "open": {"key_sha256": [hash_key(KEY)]},
-                    "narrow": {
-                        "key_sha256": [hash_key(NARROW_KEY)],
-                        "limits": {"max_concurrent_streams": 1},
-                    },
-                    "metered": {
-                        "key_sha256": [hash_key(METERED_KEY)],
-                        "limits": {"tokens_per_window": QUOTA, "window_seconds": 86400},
-                    },
-                }
-            }
-        )
-    )
-    with openai_gateway(worker, reranker, "gateway-openai-keys", keys_file=str(keys)) as url:
-        yield url
+    tenants = {
+        f"{tenant}-{way}": {"key_sha256": [hash_key(tenant_key(tenant, way))], "limits": limits}
+        for tenant, limits in LIMITS.items()
+        for way in WAYS
+    }
+    keys.write_text(json.dumps({"tenants": tenants}))
+    with openai_gateway(
+        worker.address, reranker.address, "gateway-openai-keys", keys_file=str(keys)
+    ) as gateway:
+        yield gateway
+
+
+@pytest.fixture(scope="module")
+def keyed_edge(
+    tmp_path_factory: pytest.TempPathFactory,
+    keyed_gateway: OpenAIGateway,
+    worker: ServiceProcess,
+    reranker: ServiceProcess,
+) -> Iterator[Edge]:
+    """An edge of its own in front of the keyed gateway (and the session's worker and
+    reranker), every host healthy."""
+    directory = tmp_path_factory.mktemp("keyed-edge")
+    with edge_in_front_of(keyed_gateway, worker, reranker, directory, "keyed-edge") as edge:
+        yield edge
+
+
+@contextlib.contextmanager
+def edge_in_front_of(
+    gateway: OpenAIGateway,
+    worker: ServiceProcess,
+    reranker: ServiceProcess,
+    directory: Path,
+    name: str,
+) -> Iterator[Edge]:
+    """An edge of its own in front of this gateway (and the session's worker and reranker),
+    every host healthy."""
+    clusters = {
+        "gateway": [gateway.process.address],
+        "openai": [gateway.openai_address],
+        "worker": [worker.address],
+        "reranker": [reranker.address],
+    }
+    with edge_of_its_own(directory, name, clusters) as edge:
+        edge.wait_for_hosts({name: [(a, True) for a in hosts] for name, hosts in clusters.items()})
+        yield edge
+
+
+@pytest.fixture(scope="module", params=WAYS)
+def keyed(request: pytest.FixtureRequest) -> Keyed:
+    """The keyed gateway's OpenAI API: at its own port, or at the edge's (Envoy's) port."""
+    way = request.param
+    if way == "edge":
+        return Keyed(request.getfixturevalue("keyed_edge").url, way)
+    return Keyed(request.getfixturevalue("keyed_gateway").url, way)
 
 
 def served_model(url: str, key: str) -> str:
@@ -438,26 +532,33 @@ def served_model(url: str, key: str) -> str:
 
 
 @pytest.mark.parametrize("key", ["", "tm_not-a-key-0123456789"])
-def test_no_or_a_bad_key_raises_authentication_error(keyed: str, key: str) -> None:
-    with openai.OpenAI(base_url=keyed, api_key=key or "x", max_retries=0) as sdk:
+def test_no_or_a_bad_key_raises_authentication_error(keyed: Keyed, key: str) -> None:
+    with openai.OpenAI(base_url=keyed.url, api_key=key or "x", max_retries=0) as sdk:
         headers = {"Authorization": ""} if not key else None
         with pytest.raises(openai.AuthenticationError) as error:
             sdk.completions.create(model="any", prompt="hi", max_tokens=2, extra_headers=headers)
     assert error.value.status_code == 401
+    assert error.value.response.headers["content-type"] == "application/json"
+    assert error.value.body == {
+        "message": UNAUTHENTICATED_MESSAGE,
+        "type": "authentication_error",
+        "param": None,
+        "code": None,
+    }
 
 
-def test_a_valid_key_is_served(keyed: str) -> None:
-    model = served_model(keyed, KEY)
-    with openai.OpenAI(base_url=keyed, api_key=KEY, max_retries=0) as sdk:
+def test_a_valid_key_is_served(keyed: Keyed) -> None:
+    model = served_model(keyed.url, keyed.key("open"))
+    with openai.OpenAI(base_url=keyed.url, api_key=keyed.key("open"), max_retries=0) as sdk:
         answer = sdk.completions.create(
             model=model, prompt="hi", max_tokens=3, extra_body={"ignore_eos": True}
         )
     assert answer.usage is not None and answer.usage.completion_tokens == 3
 
 
-def test_a_token_quota_cuts_the_answer_then_refuses_with_rate_limit_error(keyed: str) -> None:
-    model = served_model(keyed, METERED_KEY)
-    with openai.OpenAI(base_url=keyed, api_key=METERED_KEY, max_retries=0) as sdk:
+def test_a_token_quota_cuts_the_answer_then_refuses_with_rate_limit_error(keyed: Keyed) -> None:
+    model = served_model(keyed.url, keyed.key("metered"))
+    with openai.OpenAI(base_url=keyed.url, api_key=keyed.key("metered"), max_retries=0) as sdk:
         cut = sdk.completions.create(
             model=model, prompt="hi", max_tokens=QUOTA + 3, extra_body={"ignore_eos": True}
         )
@@ -465,15 +566,18 @@ def test_a_token_quota_cuts_the_answer_then_refuses_with_rate_limit_error(keyed:
         assert cut.choices[0].finish_reason == "length"
         with pytest.raises(openai.RateLimitError) as refused:
             sdk.completions.create(model=model, prompt="hi", max_tokens=2)
+    assert refused.value.status_code == 429
     assert "quota" in refused.value.message
+    assert isinstance(refused.value.body, dict) and refused.value.body["type"] == "rate_limit_error"
     assert int(refused.value.response.headers["retry-after"]) >= 1
 
 
 async def test_a_tenant_over_its_stream_limit_gets_rate_limit_error_with_retry_after(
-    keyed: str,
+    keyed: Keyed,
 ) -> None:
-    model = served_model(keyed, NARROW_KEY)
-    async with openai.AsyncOpenAI(base_url=keyed, api_key=NARROW_KEY, max_retries=0) as sdk:
+    model = served_model(keyed.url, keyed.key("narrow"))
+    key = keyed.key("narrow")
+    async with openai.AsyncOpenAI(base_url=keyed.url, api_key=key, max_retries=0) as sdk:
         first = await sdk.chat.completions.create(
             model=model,
             messages=[{"role": "user", "content": "long"}],
@@ -490,7 +594,40 @@ async def test_a_tenant_over_its_stream_limit_gets_rate_limit_error_with_retry_a
             await first.close()
     assert error.value.status_code == 429
     assert "concurrent stream limit 1" in error.value.message
+    assert isinstance(error.value.body, dict) and error.value.body["type"] == "rate_limit_error"
     assert int(error.value.response.headers["retry-after"]) >= 1
+
+
+# --- no worker: a gateway of its own whose worker address is a closed port ----------------
+
+
+@pytest.fixture(scope="module")
+def workerless(reranker: ServiceProcess) -> Iterator[str]:
+    closed = f"127.0.0.1:{free_port()}"
+    with openai_gateway(closed, reranker.address, "gateway-openai-workerless") as gateway:
+        yield gateway.url
+
+
+@pytest.mark.parametrize("ask", ["models", "chat"])
+def test_with_no_worker_to_answer_the_gateway_says_503_at_once(workerless: str, ask: str) -> None:
+    """The model catalog asks a worker: with none, listing models and answering a chat both
+    fail 503 in OpenAI's error object, saying no worker answered, well within the timeout."""
+    with openai.OpenAI(base_url=workerless, api_key="unused", max_retries=0, timeout=30) as sdk:
+        begun = time.monotonic()
+        with pytest.raises(openai.InternalServerError) as error:
+            if ask == "models":
+                sdk.models.list()
+            else:
+                sdk.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+                )
+        took = time.monotonic() - begun
+    assert error.value.status_code == 503
+    assert error.value.response.headers["content-type"] == "application/json"
+    assert isinstance(error.value.body, dict)
+    assert error.value.body["type"] == "service_unavailable"
+    assert "no worker answered" in error.value.body["message"]
+    assert took < 15, f"took {took:.1f} s"
 
 
 def test_the_curl_examples_in_the_docs_run(mesh: LocalMesh) -> None:
@@ -523,12 +660,16 @@ GATEWAY_ERROR = {
 
 
 class GatewayStandIn(http.server.BaseHTTPRequestHandler):
-    """A gateway's HTTP port that is healthy and answers every request with GATEWAY_ERROR."""
+    """A gateway's HTTP port that is healthy and answers every other request with
+    GATEWAY_ERROR."""
 
     protocol_version = "HTTP/1.1"
 
     def do_GET(self) -> None:
-        self.reply(200, {"status": "SERVING"})
+        if self.path == "/health":
+            self.reply(200, {"status": "SERVING"})
+        else:
+            self.reply(503, GATEWAY_ERROR)
 
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("content-length", 0)))
@@ -547,9 +688,9 @@ class GatewayStandIn(http.server.BaseHTTPRequestHandler):
 
 
 @dataclass(frozen=True)
-class LoneEdge:
-    """A real Envoy rendered from settings, its endpoints from a control plane reading the
-    file `endpoints`; no gateway behind it."""
+class Edge:
+    """A real Envoy rendered from settings, its endpoints from a control plane of its own
+    reading the file `endpoints`."""
 
     settings: MeshSettings
     endpoints: Path
@@ -562,33 +703,46 @@ class LoneEdge:
         write_openai_endpoint(self.endpoints, address)
 
     def wait_for_openai_host(self, address: str, healthy: bool, within: float = 60.0) -> None:
+        self.wait_for_hosts({"openai": [(address, healthy)]}, within)
+
+    def wait_for_hosts(
+        self, clusters: Mapping[str, list[tuple[str, bool]]], within: float = 60.0
+    ) -> None:
+        """Until Envoy has these hosts in these clusters, healthy or not as given."""
         deadline = time.monotonic() + within
-        while envoy_hosts(self.settings.admin_port).get("openai") != [(address, healthy)]:
-            assert time.monotonic() < deadline, envoy_hosts(self.settings.admin_port)
+        while True:
+            hosts = envoy_hosts(self.settings.admin_port)
+            if all(sorted(hosts.get(name, [])) == sorted(want) for name, want in clusters.items()):
+                return
+            assert time.monotonic() < deadline, hosts
             time.sleep(0.1)
 
 
-def write_openai_endpoint(path: Path, address: str) -> None:
+def write_endpoints(path: Path, clusters: Mapping[str, list[str]]) -> None:
     """Replace the file atomically: the control plane follows it."""
     temporary = path.with_suffix(".tmp")
-    temporary.write_text(json.dumps({"clusters": {"openai": [address]}}))
+    temporary.write_text(json.dumps({"clusters": clusters}))
     os.replace(temporary, path)
 
 
-@pytest.fixture(scope="module")
-def lone_edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoneEdge]:
-    """An edge with a small bucket (1/s, burst 5) whose openai cluster's one host is a closed
-    port: no gateway is healthy."""
-    directory = tmp_path_factory.mktemp("lone-edge")
+def write_openai_endpoint(path: Path, address: str) -> None:
+    write_endpoints(path, {"openai": [address]})
+
+
+@contextlib.contextmanager
+def edge_of_its_own(
+    directory: Path, name: str, clusters: Mapping[str, list[str]], **settings: Any
+) -> Iterator[Edge]:
+    """A control plane serving these clusters' hosts and an Envoy rendered from MeshSettings
+    (these settings, on free ports) that it feeds; its hosts' health not waited for."""
     endpoints = directory / "endpoints.json"
-    closed = f"127.0.0.1:{free_port()}"
-    write_openai_endpoint(endpoints, closed)
-    controlplane = controlplane_process(LOG_DIR, endpoints, name="controlplane-lone-edge")
+    write_endpoints(endpoints, clusters)
+    controlplane = controlplane_process(LOG_DIR, endpoints, name=f"controlplane-{name}")
     controlplane.start()
     try:
         controlplane.wait_serving(60)
         ports = [free_port() for _ in range(5)]
-        edge = LoneEdge(
+        edge = Edge(
             MeshSettings(
                 edge_port=ports[0],
                 admin_port=ports[1],
@@ -596,15 +750,14 @@ def lone_edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoneEdge]:
                 reranker_listener_port=ports[3],
                 ops_page_port=ports[4],
                 controlplane_port=controlplane.port,
-                node_id="tokenmesh-envoy-lone-edge",
-                edge_rate_limit_per_second=1,
-                edge_rate_burst=5,
+                node_id=f"tokenmesh-envoy-{name}",
+                **settings,
             ),
             endpoints,
         )
         config = directory / "envoy.yaml"
         config.write_text(render_yaml(edge.settings))
-        with (LOG_DIR / "envoy-lone-edge.log").open("wb") as log:
+        with (LOG_DIR / f"envoy-{name}.log").open("wb") as log:
             envoy = subprocess.Popen(
                 [ENVOY, "-c", str(config), "--base-id", str(random.randint(60_001, 65_000)),
                  "--log-level", "warn"],
@@ -612,7 +765,6 @@ def lone_edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoneEdge]:
                 stderr=subprocess.STDOUT,
             )  # fmt: skip
         try:
-            edge.wait_for_openai_host(closed, healthy=False)
             yield edge
         finally:
             envoy.terminate()
@@ -621,27 +773,50 @@ def lone_edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoneEdge]:
         controlplane.stop(timeout=10)
 
 
-def test_no_healthy_gateway_is_a_503_openai_error_from_the_edge(lone_edge: LoneEdge) -> None:
-    """Envoy's own "no healthy upstream" on /v1/ is OpenAI's error object in JSON, so the SDK
-    raises InternalServerError with Envoy's reason as the message."""
-    with (
-        openai.OpenAI(base_url=lone_edge.url, api_key="unused", max_retries=0) as sdk,
-        pytest.raises(openai.InternalServerError) as error,
-    ):
-        sdk.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2
-        )
-    assert error.value.status_code == 503
-    assert error.value.response.headers["content-type"] == "application/json"
-    assert error.value.body == {
+@pytest.fixture(scope="module")
+def lone_edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Edge]:
+    """An edge with a small bucket (1/s, burst 5) whose openai cluster's one host is a closed
+    port: no gateway is healthy."""
+    closed = f"127.0.0.1:{free_port()}"
+    with edge_of_its_own(
+        tmp_path_factory.mktemp("lone-edge"),
+        "lone-edge",
+        {"openai": [closed]},
+        edge_rate_limit_per_second=1,
+        edge_rate_burst=5,
+    ) as edge:
+        edge.wait_for_openai_host(closed, healthy=False)
+        yield edge
+
+
+def test_no_healthy_gateway_is_a_503_openai_error_from_the_edge(lone_edge: Edge) -> None:
+    """Envoy's own answers on /v1/ when no gateway is there are OpenAI's error object in JSON,
+    so the SDK raises InternalServerError with Envoy's reason as the message: "no healthy
+    upstream" for the models list, and for a completion (which a gateway must first prepare)
+    that no gateway prepared it, and why."""
+    with openai.OpenAI(base_url=lone_edge.url, api_key="unused", max_retries=0) as sdk:
+        with pytest.raises(openai.InternalServerError) as listed:
+            sdk.models.list()
+        with pytest.raises(openai.InternalServerError) as chat:
+            sdk.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+            )
+    for error in (listed, chat):
+        assert error.value.status_code == 503
+        assert error.value.response.headers["content-type"] == "application/json"
+    assert listed.value.body == {
         "message": "no healthy upstream",
         "type": "service_unavailable",
         "param": None,
         "code": None,
     }
+    assert isinstance(chat.value.body, dict)
+    message = chat.value.body["message"]
+    assert message.startswith("no gateway prepared the request (ext_proc_error"), message
+    assert message.endswith("; retry") and chat.value.body["type"] == "service_unavailable"
 
 
-def test_a_gateways_own_error_passes_the_edge_untouched(lone_edge: LoneEdge) -> None:
+def test_a_gateways_own_error_passes_the_edge_untouched(lone_edge: Edge) -> None:
     """Only Envoy's own replies are rewritten: a gateway's 503 reaches the caller as it sent
     it, though the same status from Envoy would have been mapped."""
     stand_in = http.server.ThreadingHTTPServer(("127.0.0.1", 0), GatewayStandIn)
@@ -654,9 +829,9 @@ def test_a_gateways_own_error_passes_the_edge_untouched(lone_edge: LoneEdge) -> 
             openai.OpenAI(base_url=lone_edge.url, api_key="unused", max_retries=0) as sdk,
             pytest.raises(openai.InternalServerError) as error,
         ):
-            sdk.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2
-            )
+            # Straight to the gateways' HTTP API (completions first meet a gateway's external
+            # processor, which this edge has none of).
+            sdk.models.list()
     finally:
         stand_in.shutdown()
         stand_in.server_close()
@@ -664,7 +839,7 @@ def test_a_gateways_own_error_passes_the_edge_untouched(lone_edge: LoneEdge) -> 
     assert error.value.body == GATEWAY_ERROR["error"]
 
 
-def test_the_edges_rate_limit_is_a_429_openai_error(lone_edge: LoneEdge) -> None:
+def test_the_edges_rate_limit_is_a_429_openai_error(lone_edge: Edge) -> None:
     """Past the edge's bucket, Envoy's 429 on /v1/ is a rate_limit_error the SDK raises as
     RateLimitError, with retry-after-ms for its back-off."""
     with openai.OpenAI(base_url=lone_edge.url, api_key="unused", max_retries=0) as sdk:

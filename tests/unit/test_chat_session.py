@@ -176,3 +176,38 @@ async def test_a_cancel_right_after_its_turn_never_hangs_the_stream(yields: int)
         events = [event async for event in session.run(requests())]
     ends = [e.turn_end for e in events if e.HasField("turn_end")]
     assert len(ends) == 1 and ends[0].finish_reason == token_pb2.FINISH_REASON_CANCELLED
+
+
+class ScriptedPipeline:
+    """Each turn streams the next of its scripted token lists; the prompts it was given are kept."""
+
+    def __init__(self, *turns: list[token_pb2.Token]) -> None:
+        self.turns = list(turns)
+        self.prompts: list[Conversation] = []
+
+    def stream(self, prompt: Conversation, *args: Any) -> AsyncIterator[token_pb2.Token]:
+        self.prompts.append(prompt)
+        script = self.turns.pop(0)
+
+        async def tokens() -> AsyncIterator[token_pb2.Token]:
+            for token in script:
+                yield token
+
+        return tokens()
+
+
+async def test_a_turn_that_ends_without_text_takes_no_room_in_the_history() -> None:
+    stop = token_pb2.FINISH_REASON_STOP
+    pipeline = ScriptedPipeline(
+        [token_pb2.Token(text="a", token_id=5, finish_reason=stop, usage={"prompt_tokens": 10})],
+        # The model ends at once: no text, yet the worker counted the whole prompt.
+        [token_pb2.Token(token_id=-1, finish_reason=stop, usage={"prompt_tokens": 25})],
+        [token_pb2.Token(text="c", token_id=7, finish_reason=stop, usage={"prompt_tokens": 14})],
+    )
+    settings = GatewaySettings(max_chat_history_tokens=20)
+    session = ChatSession(pipeline, settings, Context())  # type: ignore[arg-type]
+    async with asyncio.timeout(5):
+        events = [e async for e in session.run(half_closed(user("u1"), user("u2"), user("u3")))]
+    assert [e.turn_end.dropped_turns for e in events if e.HasField("turn_end")] == [0, 0, 0]
+    # The first turn is still sent: the empty one did not push it out.
+    assert [m.content for m in pipeline.prompts[2].messages] == ["u1", "a", "u3"]

@@ -11,8 +11,15 @@ from grpc import aio
 from prometheus_client import CollectorRegistry
 
 from tokenmesh.common.metrics import GrpcServerMetrics, StreamMetrics
-from tokenmesh.common.tokens import USAGE_TRAILER, parse_usage_trailer, usage_trailer
+from tokenmesh.common.tokens import (
+    ROUTE_HEADER,
+    USAGE_TRAILER,
+    WORKER_GENERATE_OPENAI,
+    parse_usage_trailer,
+    usage_trailer,
+)
 from tokenmesh.gateway.accesslog import DirectStreamLog
+from tokenmesh.gateway.openai_api import HttpMetrics
 
 GENERATE = {
     "grpc_type": "server_stream",
@@ -179,3 +186,35 @@ def test_each_stream_is_a_span_in_the_callers_trace() -> None:
     assert (span.start_time, span.end_time) == (1_000_000_000, 1_750_000_000)
     assert span.attributes is not None and span.attributes["rpc.grpc.status_code"] == 1
     assert [event.name for event in span.events] == ["cancelled"]
+
+
+def test_an_openai_answer_counts_as_the_gateways_http_api_counts_its_own() -> None:
+    """By route and HTTP status as the caller got it (a refusal the external processor
+    answered, a begun stream's end by its code, 499 for a caller gone), with its tokens; not
+    as LLMService/Generate."""
+    registry = CollectorRegistry()
+    log = DirectStreamLog(
+        StreamMetrics(registry), GrpcServerMetrics(registry), None, HttpMetrics(registry)
+    )
+    chat = {ROUTE_HEADER: "/v1/chat/completions"}
+    usage = usage_trailer(prompt_tokens=14, completion_tokens=8, messages=8)
+    answers = [
+        entry(headers=chat, trailers={"grpc-status": "0", USAGE_TRAILER: usage}),
+        entry(headers=chat, trailers={"grpc-status": "4"}),
+        entry(headers=chat, trailers={}, downstream_remote_reset=True),
+    ]
+    refused = entry(headers=chat, body_bytes=0, first_byte=None, trailers={})
+    refused.response.response_code.value = 400
+    for answer in [*answers, refused]:
+        answer.request.path = WORKER_GENERATE_OPENAI
+        answer.request.request_headers.update(chat)
+        log.record(answer)
+
+    def requests(status: str) -> float:
+        labels = {"route": "/v1/chat/completions", "status": status}
+        return registry.get_sample_value("tokenmesh_gateway_http_requests_total", labels) or 0.0
+
+    assert [requests(s) for s in ("200", "504", "499", "400")] == [1, 1, 1, 1]
+    assert registry.get_sample_value("tokenmesh_tokens_generated_total") == 8
+    assert registry.get_sample_value("tokenmesh_ttft_seconds_count") == 3
+    assert (registry.get_sample_value("grpc_server_started_total", GENERATE) or 0) == 0

@@ -27,7 +27,7 @@ from tokenmesh.gateway.extproc import (
     grpc_timeout,
     single_message,
 )
-from tokenmesh.gateway.pipeline import PreparedPrompt
+from tokenmesh.gateway.pipeline import PreparedPrompt, Prompt
 from tokenmesh.gateway.requests import GenerationJob
 from tokenmesh.v1 import inference_pb2, llm_pb2
 
@@ -66,9 +66,15 @@ class Prepared:
         return PreparedPrompt(f"[ctx] {job.prompt}", (), (), self.warnings)
 
     def worker_request(
-        self, prompt: str, sampling: inference_pb2.SamplingParams
+        self, prompt: Prompt, sampling: inference_pb2.SamplingParams
     ) -> inference_pb2.InferenceRequest:
-        return inference_pb2.InferenceRequest(request_id="r1", prompt=prompt, sampling=sampling)
+        request = inference_pb2.InferenceRequest(request_id="r1", sampling=sampling)
+        if isinstance(prompt, str):
+            request.prompt = prompt
+        else:
+            request.messages.extend(prompt.messages)
+            request.prompt = prompt.fallback
+        return request
 
 
 def headers(path: str, **extra: str) -> ext_proc.ProcessingRequest:
@@ -159,8 +165,8 @@ async def test_a_request_the_gateway_would_refuse_goes_on_to_its_own_handler() -
     only = await replies(metered, headers(LLM_GENERATE), body(request), metrics=metrics)
     assert [reply.WhichOneof("response") for reply in only] == ["request_headers"]
     assert metered.remaining == []
-    assert metrics.requests.labels(outcome="gateway")._value.get() == 5
-    assert metrics.requests.labels(outcome="direct")._value.get() == 0
+    assert metrics.requests.labels(api="grpc", outcome="gateway")._value.get() == 5
+    assert metrics.requests.labels(api="grpc", outcome="direct")._value.get() == 0
 
 
 def from_caller(
@@ -194,8 +200,8 @@ async def test_grpc_web_goes_on_to_the_gateways_own_handler() -> None:
             metrics=metrics,
         )
         assert set_headers(reply.request_body.response.header_mutation)[":path"] == WORKER_GENERATE
-    assert metrics.requests.labels(outcome="gateway")._value.get() == 2
-    assert metrics.requests.labels(outcome="direct")._value.get() == 2
+    assert metrics.requests.labels(api="grpc", outcome="gateway")._value.get() == 2
+    assert metrics.requests.labels(api="grpc", outcome="direct")._value.get() == 2
 
 
 async def test_other_paths_are_refused_at_once() -> None:

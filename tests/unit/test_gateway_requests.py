@@ -123,6 +123,22 @@ def test_a_turn_cancelled_before_its_first_token_is_left_out_of_the_conversation
     assert "u1" not in conversation.fallback
 
 
+def test_chat_history_keeps_no_tokens_for_a_turn_the_conversation_leaves_out() -> None:
+    history = ChatHistory(max_turns=2, max_tokens=25)
+    history.add(ChatTurn("u1", "a1", 10))
+    # Its prompt and any tokens that made no text yet: none of it is sent with the next turn.
+    assert history.add(ChatTurn("u2", "", 20)) == 0
+    assert history.tokens == 10 and len(history) == 1
+    assert history.add(ChatTurn("u3", "a3", 10)) == 0
+    assert [m.content for m in history.conversation("u4").messages] == [
+        "u1",
+        "a1",
+        "u3",
+        "a3",
+        "u4",
+    ]
+
+
 def test_chat_history_drops_oldest_turns_past_the_token_bound() -> None:
     history = ChatHistory(max_turns=10, max_tokens=25)
     history.add(ChatTurn("u1", "a1", 10))

@@ -3,6 +3,7 @@ that streaming and per-stream balancing depend on."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import subprocess
@@ -15,7 +16,7 @@ from pydantic import ValidationError
 
 from tests.support import ROOT
 from tokenmesh.common.errors import error_body
-from tokenmesh.common.tokens import USAGE_TRAILER
+from tokenmesh.common.tokens import ROUTE_HEADER, USAGE_TRAILER, WORKER_REFUSED
 from tokenmesh.localmesh.certs import (
     EDGE,
     ENVOY_CLIENT,
@@ -441,11 +442,14 @@ def test_the_direct_token_path_logs_each_worker_stream_to_the_gateways() -> None
     found = listeners(render(MeshSettings(direct_token_path=True)))
     logs = {log["name"]: log for log in found["edge"]["access_log"]}
     direct = logs["envoy.access_loggers.http_grpc"]
-    path = direct["filter"]["header_filter"]["header"]
-    assert path == {
-        "name": ":path",
-        "string_match": {"exact": "/tokenmesh.v1.InferenceService/Generate"},
-    }
+    paths = [f["header_filter"]["header"] for f in direct["filter"]["or_filter"]["filters"]]
+    assert paths == [
+        {"name": ":path", "string_match": {"exact": "/tokenmesh.v1.InferenceService/Generate"}},
+        {
+            "name": ":path",
+            "string_match": {"exact": "/tokenmesh.v1.InferenceService/GenerateOpenAI"},
+        },
+    ]
     config = direct["typed_config"]
     assert config["common_config"]["grpc_service"]["envoy_grpc"]["cluster_name"] == "gateway"
     assert config["common_config"]["transport_api_version"] == "V3"
@@ -453,6 +457,7 @@ def test_the_direct_token_path_logs_each_worker_stream_to_the_gateways() -> None
         "grpc-timeout",
         "traceparent",
         "tracestate",
+        ROUTE_HEADER,
     ]
     assert config["additional_response_trailers_to_log"] == ["grpc-status", USAGE_TRAILER]
     # Internal listeners log to stdout only.
@@ -497,10 +502,13 @@ def first_mapper(mappers: list[dict], path: str, status: int) -> dict | None:
     def matches(condition: dict) -> bool:
         if "and_filter" in condition:
             return all(matches(part) for part in condition["and_filter"]["filters"])
+        if "or_filter" in condition:
+            return any(matches(part) for part in condition["or_filter"]["filters"])
         if "header_filter" in condition:
             header = condition["header_filter"]["header"]
             assert header["name"] == ":path"
-            return path.startswith(header["string_match"]["prefix"])
+            match = header["string_match"]
+            return path == match["exact"] if "exact" in match else path.startswith(match["prefix"])
         if "status_code_filter" in condition:
             comparison = condition["status_code_filter"]["comparison"]
             value = comparison["value"]["default_value"]
@@ -521,8 +529,27 @@ def test_envoys_own_replies_on_openai_paths_are_the_gateways_openai_error_object
         "mappers"
     ]
     named = {400, 401, 403, 404, 429}
-    for status in range(400, 600):
-        mapper = first_mapper(mappers, "/v1/chat/completions", status)
+    # A worker's refusal the external processor answered in OpenAI's shape stays as it is.
+    assert mappers[0] == {
+        "filter": {
+            "extension_filter": {
+                "name": "envoy.access_loggers.extension_filters.cel",
+                "typed_config": {
+                    "@type": "type.googleapis.com/"
+                    "envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter",
+                    "expression": f"response.code_details == '{WORKER_REFUSED}'",
+                },
+            }
+        }
+    }
+    # As the caller sent it, as the transcoder made it a call, as prepared for a worker.
+    paths = (
+        "/v1/chat/completions",
+        "/tokenmesh.v1.OpenAIService/ChatCompletions",
+        "/tokenmesh.v1.InferenceService/GenerateOpenAI",
+    )
+    for status, path in itertools.product(range(400, 600), paths):
+        mapper = first_mapper(mappers, path, status)
         assert mapper is not None, status
         body = mapper["body_format_override"]["json_format"]
         expected = error_body("%LOCAL_REPLY_BODY%", status)
@@ -531,7 +558,12 @@ def test_envoys_own_replies_on_openai_paths_are_the_gateways_openai_error_object
         assert body == expected, status
         assert body["error"]["param"] is None and body["error"]["code"] is None
         assert "headers_to_add" not in mapper  # no grpc-status on an HTTP/JSON answer
-    for path in ("/tokenmesh.v1.LLMService/Generate", "/v1", "/ops/"):
+    for path in (
+        "/tokenmesh.v1.LLMService/Generate",
+        "/tokenmesh.v1.InferenceService/Generate",
+        "/v1",
+        "/ops/",
+    ):
         for status in (404, 429, 503, 504):
             assert first_mapper(mappers, path, status) is None, (path, status)
     too_large = first_mapper(mappers, "/tokenmesh.v1.LLMService/Generate", 413)

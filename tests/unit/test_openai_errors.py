@@ -11,7 +11,7 @@ from tokenmesh.common.errors import (
     ResourceExhausted,
     Unauthenticated,
 )
-from tokenmesh.gateway.openai_api import error_response
+from tokenmesh.common.openai_answers import error_response
 
 
 def test_a_bad_field_is_400_naming_it() -> None:

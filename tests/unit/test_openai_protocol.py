@@ -7,15 +7,15 @@ import json
 import pytest
 
 from tokenmesh.common.errors import InvalidArgument, error_body
-from tokenmesh.gateway.openai_protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
+from tokenmesh.common.openai_answers import (
+    EventStream,
     Shape,
+    WholeAnswer,
     chat_logprobs,
     completion_logprobs,
-    parse,
     per_token,
 )
+from tokenmesh.gateway.openai_protocol import ChatCompletionRequest, CompletionRequest, parse
 from tokenmesh.v1 import token_pb2
 
 
@@ -173,3 +173,66 @@ def test_every_chunk_validates_against_the_openai_sdks_own_models() -> None:
             parsed = model.model_validate(json.loads(chunk[6:]))
             assert parsed.id == shape.id and parsed.model == "m"
         assert model.model_validate(json.loads(chunks[-1][6:])).usage.total_tokens == 4
+
+
+def events(data: bytes) -> list[str]:
+    assert data.endswith(b"\n\n")
+    return [event.removeprefix("data: ") for event in data.decode().split("\n\n") if event]
+
+
+def test_a_stream_of_messages_becomes_its_events_with_usage_and_done_after_the_last() -> None:
+    """What a worker sends (GenerateOpenAI) and the gateway's own API writes: a chat's role
+    first, one chunk per message, the usage chunk when asked and [DONE] after the last."""
+    from openai.types.chat import ChatCompletionChunk
+
+    shape = Shape.new(True, "m", {})
+    stream = EventStream(shape, logprobs=False, include_usage=True)
+    middle = token_pb2.Token(text="Hé", token_ids=[5, 6], text_lengths=[1, 2])
+    last = token_pb2.Token(
+        text="!",
+        token_ids=[7],
+        finish_reason=token_pb2.FINISH_REASON_STOP,
+        usage=token_pb2.Usage(prompt_tokens=3, completion_tokens=3),
+    )
+    sent = [*events(stream.start()), *events(stream.token(middle)), *events(stream.token(last))]
+    assert sent[-1] == "[DONE]"
+    chunks = [ChatCompletionChunk.model_validate_json(event) for event in sent[:-1]]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].delta.content for c in chunks[1:3]] == ["Hé", "!"]
+    assert [c.choices[0].finish_reason for c in chunks[1:3]] == [None, "stop"]
+    usage = chunks[3].usage
+    assert chunks[3].choices == [] and usage is not None and usage.total_tokens == 6
+    failed = events(EventStream.failed(error_body("deadline", 504)))
+    assert json.loads(failed[0])["error"]["message"] == "deadline" and failed[1] == "[DONE]"
+
+
+def test_a_whole_answer_gathers_its_text_logprobs_and_usage() -> None:
+    from openai.types import Completion
+
+    answer = WholeAnswer(Shape.new(False, "m", {}), logprobs=True)
+    answer.add(
+        token_pb2.Token(
+            text="ab",
+            token_ids=[1, 2],
+            text_lengths=[1, 1],
+            logprob=-1.0,
+            following_logprobs=[token_pb2.PositionLogprobs(logprob=-1.5)],
+        )
+    )
+    answer.add(
+        token_pb2.Token(
+            text="c",
+            token_ids=[3],
+            logprob=-2.0,
+            finish_reason=token_pb2.FINISH_REASON_LENGTH,
+            usage=token_pb2.Usage(prompt_tokens=2, completion_tokens=3),
+        )
+    )
+    whole = Completion.model_validate(answer.body())
+    choice = whole.choices[0]
+    assert choice.text == "abc" and choice.finish_reason == "length"
+    assert choice.logprobs is not None
+    assert choice.logprobs.tokens == ["a", "b", "c"]
+    assert choice.logprobs.text_offset == [0, 1, 2]
+    assert choice.logprobs.token_logprobs == [-1.0, -1.5, -2.0]
+    assert whole.usage is not None and whole.usage.total_tokens == 5

@@ -56,6 +56,10 @@ class Unavailable(ServiceError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class DeadlineExceeded(ServiceError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 class Internal(ServiceError):
     code = grpc.StatusCode.INTERNAL
 

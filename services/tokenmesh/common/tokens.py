@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tokenmesh.v1 import inference_pb2, llm_pb2, token_pb2
+from tokenmesh.v1 import inference_pb2, llm_pb2, openai_pb2, token_pb2
 
 # The trailer marking an answer made without a dependency, and its value for the reranker. On a
 # stream Envoy takes straight from a worker, the gateway sets it as a request header and the
@@ -20,6 +20,26 @@ LLM_GENERATE = "/" + llm_pb2.DESCRIPTOR.services_by_name["LLMService"].full_name
 WORKER_GENERATE = (
     "/" + inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name + "/Generate"
 )
+# OpenAI's completions as the edge's transcoder turns them into calls (openai.proto), the HTTP
+# paths they come from, and the workers' method that answers them on the direct token path.
+OPENAI_SERVICE = openai_pb2.DESCRIPTOR.services_by_name["OpenAIService"].full_name
+OPENAI_COMPLETIONS = f"/{OPENAI_SERVICE}/Completions"
+OPENAI_CHAT_COMPLETIONS = f"/{OPENAI_SERVICE}/ChatCompletions"
+OPENAI_HTTP_PATHS = {
+    OPENAI_COMPLETIONS: "/v1/completions",
+    OPENAI_CHAT_COMPLETIONS: "/v1/chat/completions",
+}
+WORKER_GENERATE_OPENAI = (
+    "/"
+    + inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
+    + "/GenerateOpenAI"
+)
+# The OpenAI route a request prepared for a worker came by: set by the gateway on the
+# rewritten request, logged by the edge for the gateways' metrics (gateway/accesslog.py).
+ROUTE_HEADER = "x-tokenmesh-route"
+# Why the edge answered itself when the external processor answered a worker's refusal of an
+# OpenAI completion (in OpenAI's shape already: the edge's OpenAI reply mappers keep it).
+WORKER_REFUSED = "worker_refused"
 # Where the edge keeps the caller's own content-type for the external processor (a gRPC-Web
 # request's is rewritten to gRPC before it runs).
 EDGE_METADATA = "tokenmesh.edge"

@@ -12,17 +12,21 @@ from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from google.protobuf.duration_pb2 import Duration
 from opentelemetry.trace import SpanKind, Tracer
 
+from tokenmesh.common.errors import HTTP_STATUS
 from tokenmesh.common.interceptors import end_server_span
 from tokenmesh.common.metrics import GrpcServerMetrics, StreamMetrics
 from tokenmesh.common.outcome import Deadline
 from tokenmesh.common.tokens import (
     LLM_GENERATE,
+    ROUTE_HEADER,
     USAGE_TRAILER,
     WORKER_GENERATE,
+    WORKER_GENERATE_OPENAI,
     parse_usage_trailer,
 )
 from tokenmesh.common.tracing import extract
 from tokenmesh.gateway.extproc import grpc_timeout
+from tokenmesh.gateway.openai_api import HttpMetrics
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +74,16 @@ class DirectStreamLog(als_pb2_grpc.AccessLogServiceServicer):
     traceparent), timed by Envoy, with its status and a "cancelled" event as on other RPCs."""
 
     def __init__(
-        self, streams: StreamMetrics, rpcs: GrpcServerMetrics, tracer: Tracer | None = None
+        self,
+        streams: StreamMetrics,
+        rpcs: GrpcServerMetrics,
+        tracer: Tracer | None = None,
+        http: HttpMetrics | None = None,
     ) -> None:
         self._streams = streams
         self._rpc = rpcs.for_method(LLM_GENERATE, "server_stream")
         self._tracer = tracer
+        self._http = http
 
     async def StreamAccessLogs(
         self, request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage], context: Any
@@ -85,7 +94,8 @@ class DirectStreamLog(als_pb2_grpc.AccessLogServiceServicer):
         return als_pb2.StreamAccessLogsResponse()
 
     def record(self, entry: accesslog_pb2.HTTPAccessLogEntry) -> None:
-        if entry.request.path != WORKER_GENERATE:
+        path = entry.request.path
+        if path not in (WORKER_GENERATE, WORKER_GENERATE_OPENAI):
             return
         common = entry.common_properties
         if common.HasField("duration"):
@@ -93,9 +103,12 @@ class DirectStreamLog(als_pb2_grpc.AccessLogServiceServicer):
         else:
             duration = seconds(common.time_to_last_downstream_tx_byte)
         code = final_code(entry, duration)
-        rpc = self._rpc
-        rpc.started.inc()
-        rpc.received.inc()
+        openai = path == WORKER_GENERATE_OPENAI
+        if openai:
+            self._record_http(entry, code, duration)
+        else:
+            self._rpc.started.inc()
+            self._rpc.received.inc()
         streams = self._streams
         if entry.response.response_body_bytes and common.HasField(
             "time_to_first_downstream_tx_byte"
@@ -106,11 +119,13 @@ class DirectStreamLog(als_pb2_grpc.AccessLogServiceServicer):
             prompt_tokens, completion_tokens, messages = usage
             streams.prompt_tokens.inc(prompt_tokens)
             streams.tokens.inc(completion_tokens)
-            rpc.sent.inc(messages)
-        rpc.finish(code, duration)
+            if not openai:
+                self._rpc.sent.inc(messages)
+        if not openai:
+            self._rpc.finish(code, duration)
         streams.duration.labels(code).observe(duration)
         if self._tracer is not None:
-            self._span(self._tracer, entry, code, duration)
+            self._span(self._tracer, entry, code, duration, openai)
         log.debug(
             "direct stream %s %.1f ms",
             code,
@@ -118,23 +133,44 @@ class DirectStreamLog(als_pb2_grpc.AccessLogServiceServicer):
             extra={"grpc_code": code, "duration_ms": round(duration * 1000, 3)},
         )
 
+    def _record_http(
+        self, entry: accesslog_pb2.HTTPAccessLogEntry, code: str, duration: float
+    ) -> None:
+        """An OpenAI request a worker answered, counted by route and HTTP status as the
+        gateway's own HTTP API counts them: a refusal's status as the caller got it, 499
+        for a caller that went away, an error in a begun stream by its code."""
+        if self._http is None:
+            return
+        route = entry.request.request_headers.get(ROUTE_HEADER, "")
+        status = entry.response.response_code.value
+        if status in (0, 200):  # 0: none sent, the caller went away first
+            status = HTTP_STATUS.get(getattr(grpc.StatusCode, code, grpc.StatusCode.UNKNOWN), 500)
+        self._http.requests.labels(route, str(status)).inc()
+        self._http.duration.labels(route).observe(duration)
+
     @staticmethod
     def _span(
-        tracer: Tracer, entry: accesslog_pb2.HTTPAccessLogEntry, code: str, duration: float
+        tracer: Tracer,
+        entry: accesslog_pb2.HTTPAccessLogEntry,
+        code: str,
+        duration: float,
+        openai: bool,
     ) -> None:
         start = entry.common_properties.start_time.ToNanoseconds()
         end = start + int(duration * 1e9)
-        service, _, method = LLM_GENERATE.lstrip("/").partition("/")
+        if openai:
+            route = entry.request.request_headers.get(ROUTE_HEADER, "")
+            name = f"POST {route}"
+            attributes = {"http.request.method": "POST", "http.route": route}
+        else:
+            service, _, method = LLM_GENERATE.lstrip("/").partition("/")
+            name = LLM_GENERATE.lstrip("/")
+            attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": method}
         span = tracer.start_span(
-            LLM_GENERATE.lstrip("/"),
+            name,
             context=extract(entry.request.request_headers.items()),
             kind=SpanKind.SERVER,
-            attributes={
-                "rpc.system": "grpc",
-                "rpc.service": service,
-                "rpc.method": method,
-                "tokenmesh.direct": True,
-            },
+            attributes={**attributes, "tokenmesh.direct": True},
             start_time=start,
         )
         end_server_span(span, code, end)

@@ -21,7 +21,13 @@ from tokenmesh.gateway.client import standard_client_interceptors
 from tokenmesh.gateway.config import GatewaySettings
 from tokenmesh.gateway.extproc import PROCESS_METHOD, DirectMetrics, ExternalProcessor
 from tokenmesh.gateway.limits import LimitsInterceptor, TenantLimiter
-from tokenmesh.gateway.openai_api import HttpServer, HttpTenancy, ModelCatalog, OpenAIApi
+from tokenmesh.gateway.openai_api import (
+    HttpMetrics,
+    HttpServer,
+    HttpTenancy,
+    ModelCatalog,
+    OpenAIApi,
+)
 from tokenmesh.gateway.pipeline import DocumentSelector, GatewayMetrics, Pipeline, WorkerClient
 from tokenmesh.gateway.quota import QuotaMeter
 from tokenmesh.gateway.servicer import LLMServicer
@@ -95,20 +101,17 @@ async def serve(settings: GatewaySettings) -> int:
     )
     server = host.server(tenancy.interceptors)
     stream_metrics = StreamMetrics(host.registry, log_tokens=settings.log_tokens)
+    http_metrics = HttpMetrics(host.registry)
     llm_pb2_grpc.add_LLMServiceServicer_to_server(
         LLMServicer(pipeline, settings, stream_metrics), server
     )
-    # Used when Envoy's edge sends Generate's tokens straight from workers (the mesh's
-    # direct_token_path); idle otherwise.
-    ext_proc_grpc.add_ExternalProcessorServicer_to_server(
-        ExternalProcessor(pipeline, settings, DirectMetrics(host.registry), host.tracer), server
-    )
     als_pb2_grpc.add_AccessLogServiceServicer_to_server(
-        DirectStreamLog(stream_metrics, host.rpc_metrics, host.tracer), server
+        DirectStreamLog(stream_metrics, host.rpc_metrics, host.tracer, http_metrics), server
     )
     if tenancy.store is not None:
         host.keep_running(tenancy.store.watch(settings.keys_reload_seconds), "keys-watch")
     start = None
+    api = None
     if settings.openai_port >= 0:
         api = OpenAIApi(
             pipeline,
@@ -117,7 +120,7 @@ async def serve(settings: GatewaySettings) -> int:
             ModelCatalog(worker, settings.connect_timeout_seconds),
             tenancy.http,
             host.tracing.tracer,
-            host.registry,
+            http_metrics,
             lambda: host.health.serving,
         )
         http = HttpServer(
@@ -137,6 +140,12 @@ async def serve(settings: GatewaySettings) -> int:
             )
             host.before_server_stop(http.stop)
 
+    # Used when Envoy's edge sends Generate's and OpenAI completions' tokens straight from
+    # workers (the mesh's direct_token_path); idle otherwise.
+    ext_proc_grpc.add_ExternalProcessorServicer_to_server(
+        ExternalProcessor(pipeline, settings, DirectMetrics(host.registry), host.tracer, api),
+        server,
+    )
     return await host.run(
         start,
         log_fields={

@@ -1,8 +1,10 @@
-"""Envoy's external processor for LLMService/Generate: the gateway prepares, the worker streams."""
+"""Envoy's external processor: a gateway prepares Generate and OpenAI requests, workers stream."""
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import struct
 import time
 import urllib.parse
@@ -14,29 +16,40 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from envoy.type.v3 import http_status_pb2
+from google.api import httpbody_pb2
 from google.protobuf.message import DecodeError
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Tracer
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from tokenmesh.common.errors import ServiceError
+from tokenmesh.common.errors import DependencyError, ServiceError
 from tokenmesh.common.metrics import RPC_BUCKETS
+from tokenmesh.common.openai_answers import error_response
 from tokenmesh.common.tokens import (
     CALLER_CONTENT_TYPE,
     DEGRADED_BY_RERANKER,
     DEGRADED_HEADER,
     EDGE_METADATA,
     LLM_GENERATE,
+    OPENAI_CHAT_COMPLETIONS,
+    OPENAI_HTTP_PATHS,
+    ROUTE_HEADER,
     WORKER_GENERATE,
+    WORKER_GENERATE_OPENAI,
+    WORKER_REFUSED,
 )
 from tokenmesh.common.tracing import extract
 from tokenmesh.gateway.config import GatewaySettings
+from tokenmesh.gateway.openai_api import OpenAIApi
+from tokenmesh.gateway.openai_protocol import ChatCompletionRequest, CompletionRequest, parse
 from tokenmesh.gateway.pipeline import Pipeline
 from tokenmesh.gateway.requests import generation_job
 from tokenmesh.v1 import llm_pb2
 
 log = logging.getLogger(__name__)
 
+# How much later than an OpenAI answer's own time limit its worker call's deadline passes.
+CALL_DEADLINE_SLACK_SECONDS = 5.0
 PROCESS_METHOD = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 # gRPC's length prefix: a compressed-flag byte and a 4-byte big-endian length.
 PREFIX = struct.Struct(">BI")
@@ -108,15 +121,16 @@ class DirectMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.requests = Counter(
             "tokenmesh_gateway_direct_requests",
-            "Generate requests seen as Envoy's external processor, by outcome: direct (streamed "
-            "from a worker by Envoy), gateway (left to the gateway's own handler: quotas on, "
-            "gRPC-Web, or a request it refuses), refused (not Generate).",
-            ["outcome"],
+            "Generate (api=grpc) and OpenAI completions (api=openai) requests seen as Envoy's "
+            "external processor, by outcome: direct (streamed from a worker by Envoy), gateway "
+            "(left to the gateway's own handler: quotas on, gRPC-Web, or a request it "
+            "refuses), refused (neither).",
+            ["api", "outcome"],
             registry=registry,
         )
         self.prepare_seconds = Histogram(
             "tokenmesh_gateway_direct_prepare_seconds",
-            "Time from a Generate request's headers to its prepared worker request.",
+            "Time from a request's headers to its prepared worker request.",
             buckets=RPC_BUCKETS,
             registry=registry,
         )
@@ -137,26 +151,34 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         settings: GatewaySettings,
         metrics: DirectMetrics,
         tracer: Tracer | None = None,
+        openai: OpenAIApi | None = None,
     ) -> None:
         self._pipeline = pipeline
         self._settings = settings
         self._metrics = metrics
         self._tracer = tracer
+        self._openai = openai
 
     async def Process(
         self, request_iterator: AsyncIterator[ext_proc.ProcessingRequest], context: Any
     ) -> AsyncIterator[ext_proc.ProcessingResponse]:
         started = time.monotonic()
         headers: dict[str, str] = {}
+        openai = False
         async for message in request_iterator:
             kind = message.WhichOneof("request")
             if kind == "request_headers":
                 headers = header_map(message.request_headers.headers.headers)
                 path = headers.get(":path", "")
+                openai = path in OPENAI_HTTP_PATHS
+                if openai:
+                    # Whatever becomes of it is decided on its body.
+                    yield ext_proc.ProcessingResponse(request_headers=ext_proc.HeadersResponse())
+                    continue
                 if path != LLM_GENERATE:
                     # Only Generate is processed; a caller asking the edge for the workers'
                     # own method gets what the gateway says of methods it does not serve.
-                    self._metrics.requests.labels(outcome="refused").inc()
+                    self._metrics.requests.labels(api="grpc", outcome="refused").inc()
                     yield immediate(grpc.StatusCode.UNIMPLEMENTED, 501, f"{path}: not served here")
                     return
                 yield ext_proc.ProcessingResponse(request_headers=ext_proc.HeadersResponse())
@@ -166,14 +188,22 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
                     or grpc_web(message.metadata_context)
                 ):
                     # Closing the stream lets Envoy go on unprocessed, to the gateway's handler.
-                    self._metrics.requests.labels(outcome="gateway").inc()
+                    self._metrics.requests.labels(api="grpc", outcome="gateway").inc()
                     return
+            elif kind == "request_body" and openai:
+                response, direct = await self._openai_request(headers, message.request_body)
+                yield response
+                if not direct:
+                    return
+            elif kind == "response_headers" and openai:
+                yield answered(header_map(message.response_headers.headers.headers))
+                return
             elif kind == "request_body":
                 body = message.request_body
                 if not body.end_of_stream:
                     # Not the whole body (Envoy buffers it whole; a larger one it refuses):
                     # nothing to prepare from, so the gateway's handler takes the request.
-                    self._metrics.requests.labels(outcome="gateway").inc()
+                    self._metrics.requests.labels(api="grpc", outcome="gateway").inc()
                     yield ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse())
                     return
                 yield await self._prepared(headers, body.body, started)
@@ -194,9 +224,9 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
                 raise Unprepared
             mutation, worker_body = await self._worker_request(headers, data, started)
         except (ServiceError, Unprepared):
-            self._metrics.requests.labels(outcome="gateway").inc()
+            self._metrics.requests.labels(api="grpc", outcome="gateway").inc()
             return ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse())
-        self._metrics.requests.labels(outcome="direct").inc()
+        self._metrics.requests.labels(api="grpc", outcome="direct").inc()
         self._metrics.prepare_seconds.observe(time.monotonic() - started)
         return ext_proc.ProcessingResponse(
             request_body=ext_proc.BodyResponse(
@@ -243,3 +273,118 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         # so the caller's deadline (its own timer, and Envoy's max_stream_duration) ends the
         # stream first, with DEADLINE_EXCEEDED, and the reset aborts the engine request.
         return mutation, grpc_frame(worker.SerializeToString())
+
+    async def _openai_request(
+        self, headers: dict[str, str], body: ext_proc.HttpBody
+    ) -> tuple[ext_proc.ProcessingResponse, bool]:
+        """The worker's request for an OpenAI completion, and True; or, when the gateway must
+        see its tokens (keys: quotas), cannot read it here or would refuse it, the request
+        handed back to the gateway's own HTTP API as the caller sent it, and False."""
+        path = headers[":path"]
+        started = time.monotonic()
+        data = single_message(body.body) if body.end_of_stream else None
+        if data is None:
+            # Not one whole message (the transcoder sends the whole body as one): nothing to
+            # hand back either; the route's own answer stands.
+            self._metrics.requests.labels(api="openai", outcome="gateway").inc()
+            return ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse()), False
+        try:
+            caller = httpbody_pb2.HttpBody.FromString(data)
+        except DecodeError:
+            self._metrics.requests.labels(api="openai", outcome="gateway").inc()
+            return ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse()), False
+        try:
+            if self._openai is None or self._pipeline.metered:
+                raise Unprepared
+            kind = ChatCompletionRequest if path == OPENAI_CHAT_COMPLETIONS else CompletionRequest
+            request = parse(kind, caller.data)
+            if self._tracer is None:
+                answer = await self._openai.prepare(request)
+            else:
+                span = self._tracer.start_span(
+                    "prepare", context=extract(headers.items()), kind=SpanKind.INTERNAL
+                )
+                with trace.use_span(span, end_on_exit=True):
+                    answer = await self._openai.prepare(request)
+                    span.set_attribute("tokenmesh.degraded", answer.degraded)
+        except (ServiceError, Unprepared):
+            self._metrics.requests.labels(api="openai", outcome="gateway").inc()
+            return handed_back(OPENAI_HTTP_PATHS[path], caller), False
+        worker = self._pipeline.worker_request(answer.prompt, answer.sampling)
+        worker.warnings.extend(answer.prepared.warnings)
+        worker.openai.CopyFrom(answer.shape.answer(request.stream, request.include_usage))
+        # The whole answer's time limit, as the gateway's own HTTP API gives it: the worker
+        # ends the answer (a stream with the error as its last event); the call's deadline,
+        # a little later, only backs it up.
+        limit = self._settings.http_request_timeout_seconds
+        worker.openai.time_limit_seconds = limit
+        mutation = ext_proc.HeaderMutation(
+            set_headers=[
+                header(":path", WORKER_GENERATE_OPENAI),
+                header(ROUTE_HEADER, OPENAI_HTTP_PATHS[path]),
+                header("grpc-timeout", f"{math.ceil(limit + CALL_DEADLINE_SLACK_SECONDS)}S"),
+            ],
+            remove_headers=[DEGRADED_HEADER],
+        )
+        if answer.degraded:
+            mutation.set_headers.append(header(DEGRADED_HEADER, DEGRADED_BY_RERANKER))
+        self._metrics.requests.labels(api="openai", outcome="direct").inc()
+        self._metrics.prepare_seconds.observe(time.monotonic() - started)
+        response = ext_proc.ProcessingResponse(
+            request_body=ext_proc.BodyResponse(
+                response=ext_proc.CommonResponse(
+                    header_mutation=mutation,
+                    body_mutation=ext_proc.BodyMutation(
+                        body=grpc_frame(worker.SerializeToString())
+                    ),
+                    clear_route_cache=True,
+                )
+            )
+        )
+        return response, True
+
+
+def handed_back(path: str, caller: httpbody_pb2.HttpBody) -> ext_proc.ProcessingResponse:
+    """The caller's own HTTP request again (its path, content-type and JSON body), routed
+    anew: to the gateways' HTTP API, which answers it."""
+    mutation = ext_proc.HeaderMutation(
+        set_headers=[
+            header(":path", path),
+            header("content-type", caller.content_type or "application/json"),
+        ],
+        remove_headers=["te"],
+    )
+    return ext_proc.ProcessingResponse(
+        request_body=ext_proc.BodyResponse(
+            response=ext_proc.CommonResponse(
+                header_mutation=mutation,
+                body_mutation=ext_proc.BodyMutation(body=caller.data),
+                clear_route_cache=True,
+            )
+        )
+    )
+
+
+def answered(headers: dict[str, str]) -> ext_proc.ProcessingResponse:
+    """A worker's answer to an OpenAI completion, at its headers: one it refused before
+    answering (a gRPC status in the headers) becomes OpenAI's error object with its HTTP
+    status, as the gateway's own HTTP API answers it; any other goes on unchanged."""
+    code = headers.get("grpc-status")
+    if code is None or code == "0":
+        return ext_proc.ProcessingResponse(response_headers=ext_proc.HeadersResponse())
+    status_code = next((c for c in grpc.StatusCode if str(c.value[0]) == code), None)
+    message = urllib.parse.unquote(headers.get("grpc-message", ""))
+    error = DependencyError(status_code or grpc.StatusCode.UNKNOWN, message)
+    status, body, extra = error_response(error)
+    mutation = ext_proc.HeaderMutation(
+        set_headers=[header("content-type", "application/json")]
+        + [header(k.decode(), v.decode()) for k, v in extra]
+    )
+    return ext_proc.ProcessingResponse(
+        immediate_response=ext_proc.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=status),
+            headers=mutation,
+            body=json.dumps(body, separators=(",", ":")).encode(),
+            details=WORKER_REFUSED,
+        )
+    )

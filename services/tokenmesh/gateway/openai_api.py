@@ -26,33 +26,22 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from tokenmesh.common.channels import Dependency
-from tokenmesh.common.errors import (
-    HTTP_STATUS,
-    DependencyError,
-    InvalidArgument,
-    NotFound,
-    ServiceError,
-    error_body,
-)
+from tokenmesh.common.errors import DependencyError, InvalidArgument, NotFound
 from tokenmesh.common.metrics import RPC_BUCKETS, StreamMetrics
+from tokenmesh.common.openai_answers import (
+    DONE,
+    EventStream,
+    Shape,
+    WholeAnswer,
+    error_response,
+)
 from tokenmesh.common.tenants import enter_tenant
 from tokenmesh.common.tokens import DEGRADED_BY_RERANKER, DEGRADED_HEADER
 from tokenmesh.common.tracing import extract
 from tokenmesh.gateway.auth import KeyStore, resolve_tenant
 from tokenmesh.gateway.config import GatewaySettings
 from tokenmesh.gateway.limits import TenantLimiter, admit_counted
-from tokenmesh.gateway.openai_protocol import (
-    DONE,
-    ChatCompletionRequest,
-    CompletionRequest,
-    Shape,
-    chat_logprobs,
-    completion_logprobs,
-    finish_reason,
-    parse,
-    sse,
-    usage,
-)
+from tokenmesh.gateway.openai_protocol import ChatCompletionRequest, CompletionRequest, parse
 from tokenmesh.gateway.pipeline import Pipeline, PreparedPrompt, Prompt
 from tokenmesh.gateway.prompts import Conversation
 from tokenmesh.gateway.requests import generation_job
@@ -63,8 +52,6 @@ log = logging.getLogger(__name__)
 
 # How long the served model's name is trusted before the workers are asked again.
 MODEL_NAME_TTL_SECONDS = 30.0
-# The back-off a client is told when every worker was full (a batch turns over in about this).
-OVERLOADED_RETRY_AFTER_MS = 1000
 
 
 class ModelCatalog:
@@ -130,6 +117,9 @@ class HttpTenancy:
 
 
 class HttpMetrics:
+    """OpenAI API requests: those this gateway answered, and those it prepared for Envoy to
+    take straight from a worker (recorded from Envoy's access log, gateway/accesslog.py)."""
+
     def __init__(self, registry: CollectorRegistry) -> None:
         self.requests = Counter(
             "tokenmesh_gateway_http_requests_total",
@@ -152,26 +142,6 @@ class Outcome:
 
     status: int = 200
     error: str | None = None
-
-
-def error_response(exc: Exception) -> tuple[int, dict[str, Any], list[tuple[bytes, bytes]]]:
-    """An exception as OpenAI's error object, its HTTP status and headers (retry-after). The
-    one place the HTTP API turns errors into statuses, from the same codes as gRPC's."""
-    if isinstance(exc, ServiceError):
-        status = HTTP_STATUS.get(exc.code, 500)
-        param = getattr(exc, "field", None)
-        headers = []
-        retry_after_ms = getattr(exc, "retry_after_ms", None)
-        if isinstance(exc, DependencyError) and exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            # The workers are full, not the caller over a limit of its own: 503, as OpenAI
-            # answers an overloaded engine (429 stays the tenant's limits).
-            status, retry_after_ms = 503, OVERLOADED_RETRY_AFTER_MS
-        if retry_after_ms is not None:
-            headers.append((b"retry-after", str(max(1, -(-retry_after_ms // 1000))).encode()))
-            headers.append((b"retry-after-ms", str(retry_after_ms).encode()))
-        return status, error_body(exc.message, status, param), headers
-    log.exception("internal error in the OpenAI API")
-    return 500, error_body("internal error", 500), []
 
 
 async def _until_disconnect(receive: Receive) -> None:
@@ -228,6 +198,21 @@ async def send_json(
     await send({"type": "http.response.body", "body": data})
 
 
+@dataclass(frozen=True)
+class PreparedAnswer:
+    """A request validated and prepared: its answer's shape, and what the worker gets."""
+
+    shape: Shape
+    prompt: Prompt
+    sampling: inference_pb2.SamplingParams
+    prepared: PreparedPrompt
+    headers: list[tuple[bytes, bytes]]
+
+    @property
+    def degraded(self) -> bool:
+        return self.prepared.degraded
+
+
 @dataclass
 class Job:
     """One request, validated: its shape, and the pipeline's tokens for it."""
@@ -253,7 +238,7 @@ class OpenAIApi:
         catalog: ModelCatalog,
         tenancy: HttpTenancy,
         tracer: Tracer,
-        registry: CollectorRegistry,
+        metrics: HttpMetrics,
         serving: Callable[[], bool],
     ) -> None:
         self._serving = serving
@@ -263,7 +248,7 @@ class OpenAIApi:
         self._catalog = catalog
         self._tenancy = tenancy
         self._tracer = tracer
-        self._metrics = HttpMetrics(registry)
+        self._metrics = metrics
 
     def app(self) -> Starlette:
         return Starlette(
@@ -358,22 +343,21 @@ class OpenAIApi:
 
     async def completions(self, request: Request, outcome: Outcome) -> Response:
         body = parse(CompletionRequest, await request.body())
-        return await self._answer(request, body, outcome, chat=False)
+        return await self._answer(request, body, outcome)
 
     async def chat_completions(self, request: Request, outcome: Outcome) -> Response:
         body = parse(ChatCompletionRequest, await request.body())
-        return await self._answer(request, body, outcome, chat=True)
+        return await self._answer(request, body, outcome)
 
     async def _answer(
         self,
         request: Request,
         body: CompletionRequest | ChatCompletionRequest,
         outcome: Outcome,
-        chat: bool,
     ) -> Response:
         release = await self._tenancy.admit(_headers(request))
         try:
-            job = await self._job(body, chat, release)
+            job = await self._job(body, release)
         except BaseException:
             if release is not None:
                 release()
@@ -383,12 +367,28 @@ class OpenAIApi:
         return Answer(lambda send: self._whole(send, job, outcome), outcome)
 
     async def _job(
-        self,
-        body: CompletionRequest | ChatCompletionRequest,
-        chat: bool,
-        release: Callable[[], None] | None,
+        self, body: CompletionRequest | ChatCompletionRequest, release: Callable[[], None] | None
     ) -> Job:
+        answer = await self.prepare(body)
+        tokens = self._pipeline.stream(
+            answer.prompt, answer.sampling, self._settings.http_request_timeout_seconds
+        )
+        return Job(
+            shape=answer.shape,
+            tokens=tokens,
+            prepared=answer.prepared,
+            logprobs=answer.sampling.logprobs,
+            include_usage=body.include_usage,
+            release=release,
+            headers=answer.headers,
+        )
+
+    async def prepare(self, body: CompletionRequest | ChatCompletionRequest) -> PreparedAnswer:
+        """Validate a request with the gRPC API's limits and prepare its prompt (reranked
+        context, the conversation for the chat template): for this API's own answers and for
+        the workers' (the edge's external processor)."""
         settings = self._settings
+        chat = isinstance(body, ChatCompletionRequest)
         model = await self._catalog.check(body.model)
         generate = body.generate_request(settings.max_tokens_cap)
         if isinstance(body, ChatCompletionRequest):
@@ -407,8 +407,7 @@ class OpenAIApi:
                         f"{size} bytes, more than the limit of {settings.max_chat_message_bytes}",
                     )
         job = generation_job(generate, settings)
-        remaining = settings.http_request_timeout_seconds
-        prepared = await self._pipeline.prepare(job, remaining)
+        prepared = await self._pipeline.prepare(job, settings.http_request_timeout_seconds)
         extra: dict[str, Any] = {}
         headers: list[tuple[bytes, bytes]] = []
         if prepared.degraded or prepared.warnings:
@@ -426,19 +425,12 @@ class OpenAIApi:
             )
             # Without a limit, as vLLM's server: up to what the context leaves.
             job.sampling.max_tokens_within_context = body.max_tokens_named is None
-        tokens = self._pipeline.stream(prompt, job.sampling, remaining)
-        return Job(
-            shape=Shape.new(chat, model, extra),
-            tokens=tokens,
-            prepared=prepared,
-            logprobs=job.sampling.logprobs,
-            include_usage=body.include_usage,
-            release=release,
-            headers=headers,
+        return PreparedAnswer(
+            Shape.new(chat, model, extra), prompt, job.sampling, prepared, headers
         )
 
     async def _stream(self, send: Send, job: Job, outcome: Outcome) -> None:
-        shape = job.shape
+        events = EventStream(job.shape, job.logprobs, job.include_usage)
         timer = self._stream_metrics.timer()
         try:
             async with contextlib.aclosing(job.tokens) as tokens:
@@ -460,108 +452,51 @@ class OpenAIApi:
                         ],
                     }
                 )
-                head, tail = shape.text_chunk_parts()
-                if shape.chat:
-                    role = {"role": "assistant", "content": ""}
-                    await _chunk(send, shape.chunk(_choice(shape, role, None, None)))
-                last = None
-                offset = 0
+                if start := events.start():
+                    await _chunk(send, start)
+                ended = False
                 try:
                     while token is not None:
-                        reason = finish_reason(token)
-                        if reason is None and not job.logprobs:
-                            data = head + json.dumps(token.text).encode() + tail
-                        else:
-                            logprobs = None
-                            if job.logprobs:
-                                logprobs = (
-                                    chat_logprobs(token)
-                                    if shape.chat
-                                    else completion_logprobs(token, offset)
-                                )
-                            piece = {"content": token.text} if shape.chat else token.text
-                            data = shape.chunk(_choice(shape, piece, reason, logprobs))
-                        offset += len(token.text)
-                        await _chunk(send, data)
+                        data = events.token(token)
                         timer.sent(token)
-                        if reason is not None:
-                            last = token
+                        if token.finish_reason:
+                            ended = True
+                            await send({"type": "http.response.body", "body": data})
                             break
+                        await _chunk(send, data)
                         token = await anext(tokens, None)
                 except Exception as exc:
                     # The answer has begun: the error goes in the stream, as vLLM's does.
                     status, body, _ = error_response(exc)
                     outcome.status, outcome.error = status, body["error"]["message"]
-                    await _chunk(send, sse(body))
-                if last is not None and job.include_usage:
-                    await _chunk(send, shape.usage_chunk(last))
-                await send({"type": "http.response.body", "body": DONE, "more_body": False})
+                    await send({"type": "http.response.body", "body": events.failed(body)})
+                    ended = True
+                if not ended:
+                    await send({"type": "http.response.body", "body": DONE, "more_body": False})
         finally:
             if job.release is not None:
                 job.release()
 
     async def _whole(self, send: Send, job: Job, outcome: Outcome) -> None:
-        shape = job.shape
+        answer = WholeAnswer(job.shape, job.logprobs)
         timer = self._stream_metrics.timer()
-        parts: list[str] = []
-        content: list[Any] = []
-        merged: dict[str, list[Any]] = {}
-        offset = 0
-        last: token_pb2.Token | None = None
         try:
             async with contextlib.aclosing(job.tokens) as tokens:
                 async for token in tokens:
-                    if job.logprobs:
-                        if shape.chat:
-                            content.extend(chat_logprobs(token)["content"])
-                        else:
-                            for key, values in completion_logprobs(token, offset).items():
-                                merged.setdefault(key, []).extend(values)
-                    parts.append(token.text)
-                    offset += len(token.text)
+                    answer.add(token)
                     timer.sent(token)
-                    if token.finish_reason:
-                        last = token
         except Exception as exc:
             await self._fail(send, exc, outcome)
             return
         finally:
             if job.release is not None:
                 job.release()
-        text = "".join(parts)
-        reason = None if last is None else finish_reason(last)
-        if shape.chat:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": {"content": content} if job.logprobs else None,
-                "finish_reason": reason,
-            }
-        else:
-            choice = {
-                "index": 0,
-                "text": text,
-                "logprobs": merged if job.logprobs else None,
-                "finish_reason": reason,
-            }
-        answer = {
-            **shape.base(),
-            "choices": [choice],
-            "usage": usage(last) if last is not None else None,
-        }
-        await send_json(send, 200, answer, job.headers)
+        await send_json(send, 200, answer.body(), job.headers)
 
     async def _fail(self, send: Send, exc: Exception, outcome: Outcome) -> None:
         status, body, headers = error_response(exc)
         outcome.status, outcome.error = status, body["error"]["message"]
         await send_json(send, status, body, headers)
-
-
-def _choice(
-    shape: Shape, piece: Any, reason: str | None, logprobs: dict[str, Any] | None
-) -> dict[str, Any]:
-    key = "delta" if shape.chat else "text"
-    return {"index": 0, key: piece, "logprobs": logprobs, "finish_reason": reason}
 
 
 async def _chunk(send: Send, data: bytes) -> None:

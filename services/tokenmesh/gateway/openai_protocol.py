@@ -2,31 +2,17 @@
 
 from __future__ import annotations
 
-import json
-import time
-import uuid
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tokenmesh.common.errors import InvalidArgument
 from tokenmesh.gateway.prompts import message as conversation_message
-from tokenmesh.v1 import inference_pb2, llm_pb2, token_pb2
+from tokenmesh.v1 import inference_pb2, llm_pb2
 
 # OpenAI's default for /v1/completions when max_tokens is left out.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 ROLES = ("system", "user", "assistant")
-
-FINISH_REASONS = {
-    token_pb2.FINISH_REASON_STOP: "stop",
-    token_pb2.FINISH_REASON_LENGTH: "length",
-    # Stopped by the tenant's token quota: OpenAI has no word for it; the answer was cut short.
-    token_pb2.FINISH_REASON_QUOTA_EXHAUSTED: "length",
-    token_pb2.FINISH_REASON_ABORTED: "abort",
-    token_pb2.FINISH_REASON_CANCELLED: "abort",
-}
 
 
 class StreamOptions(BaseModel):
@@ -148,8 +134,9 @@ class ChatCompletionRequest(_Request):
                     f"messages[{position}].role",
                     f"must be one of {', '.join(ROLES)}, got {message.role!r}",
                 )
+        named = self.max_tokens_named
         request = self._generate_request(
-            self.last_user_text(), self.max_tokens_named or max_tokens_cap
+            self.last_user_text(), max_tokens_cap if named is None else named
         )
         if self.logprobs:
             request.logprobs = True
@@ -160,7 +147,9 @@ class ChatCompletionRequest(_Request):
 
     @property
     def max_tokens_named(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
 
     def last_user_text(self) -> str:
         users = [message for message in self.messages if message.role == "user"]
@@ -195,131 +184,3 @@ def parse(model: type[_Request], body: bytes) -> Any:
         if error["type"] == "json_invalid":
             raise InvalidArgument("body", "not valid JSON") from exc
         raise InvalidArgument(field, error["msg"]) from exc
-
-
-def usage(token: token_pb2.Token) -> dict[str, int]:
-    prompt, completion = token.usage.prompt_tokens, token.usage.completion_tokens
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
-
-
-def finish_reason(token: token_pb2.Token) -> str | None:
-    return FINISH_REASONS.get(token.finish_reason) if token.finish_reason else None
-
-
-def per_token(token: token_pb2.Token) -> list[tuple[str, float | None, Sequence[Any]]]:
-    """(text, logprob, alternatives) for each token of a message: its text split by
-    text_lengths (UTF-8 bytes each token adds) when the worker merged outputs."""
-    count = max(len(token.token_ids), 1)
-    logprobs: list[tuple[float | None, Sequence[Any]]] = [
-        (token.logprob if token.HasField("logprob") else None, token.top_logprobs)
-    ]
-    logprobs += [
-        (p.logprob if p.HasField("logprob") else None, p.top_logprobs)
-        for p in token.following_logprobs
-    ]
-    if token.text_lengths and len(token.text_lengths) == count:
-        raw, texts, at = token.text.encode(), [], 0
-        for length in token.text_lengths:
-            texts.append(raw[at : at + length].decode(errors="replace"))
-            at += length
-    else:
-        texts = [""] * (count - 1) + [token.text]
-    return [
-        (text, *(logprobs[i] if i < len(logprobs) else (None, ()))) for i, text in enumerate(texts)
-    ]
-
-
-def chat_logprobs(token: token_pb2.Token) -> dict[str, Any]:
-    return {
-        "content": [
-            {
-                "token": text,
-                "logprob": logprob if logprob is not None else 0.0,
-                "bytes": list(text.encode()),
-                "top_logprobs": [
-                    {"token": alt.text, "logprob": alt.logprob, "bytes": list(alt.text.encode())}
-                    for alt in alternatives
-                ],
-            }
-            for text, logprob, alternatives in per_token(token)
-        ]
-    }
-
-
-def completion_logprobs(token: token_pb2.Token, offset: int) -> dict[str, Any]:
-    tokens, token_logprobs, top, offsets = [], [], [], []
-    for text, logprob, alternatives in per_token(token):
-        tokens.append(text)
-        token_logprobs.append(logprob)
-        top.append({alt.text: alt.logprob for alt in alternatives})
-        offsets.append(offset)
-        offset += len(text)
-    return {
-        "tokens": tokens,
-        "token_logprobs": token_logprobs,
-        "top_logprobs": top,
-        "text_offset": offsets,
-    }
-
-
-@dataclass
-class Shape:
-    """One response's identity and the JSON of its parts. Each streamed chunk is a fixed head,
-    the generated text as a JSON string, and a fixed tail: a token costs one json.dumps of
-    its text, not of a whole chunk (the chunk's other fields never change within a stream)."""
-
-    chat: bool
-    model: str
-    id: str
-    created: int
-    # A degraded answer's marker (and the reranker's warnings), in every object and chunk.
-    extra: dict[str, Any]
-
-    @classmethod
-    def new(cls, chat: bool, model: str, extra: dict[str, Any]) -> Shape:
-        prefix = "chatcmpl-" if chat else "cmpl-"
-        return cls(chat, model, prefix + uuid.uuid4().hex, int(time.time()), extra)
-
-    @property
-    def object(self) -> str:
-        return "chat.completion" if self.chat else "text_completion"
-
-    def base(self, object_name: str | None = None) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": object_name or self.object,
-            "created": self.created,
-            "model": self.model,
-            **self.extra,
-        }
-
-    def chunk(self, choice: dict[str, Any]) -> bytes:
-        name = "chat.completion.chunk" if self.chat else "text_completion"
-        return sse({**self.base(name), "choices": [choice]})
-
-    def text_chunk_parts(self) -> tuple[bytes, bytes]:
-        """The bytes before and after the JSON string of a chunk's text (no logprobs, not
-        the last)."""
-        marker = "\x00"
-        if self.chat:
-            choice = {"index": 0, "delta": {"content": marker}, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": marker, "logprobs": None}
-        choice["finish_reason"] = None
-        head, tail = self.chunk(choice).split(json.dumps(marker).encode())
-        return head, tail
-
-    def usage_chunk(self, token: token_pb2.Token) -> bytes:
-        name = "chat.completion.chunk" if self.chat else "text_completion"
-        return sse({**self.base(name), "choices": [], "usage": usage(token)})
-
-
-def sse(data: Any) -> bytes:
-    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
-
-
-DONE = b"data: [DONE]\n\n"

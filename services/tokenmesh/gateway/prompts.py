@@ -67,13 +67,10 @@ class ChatHistory:
 
     def conversation(self, user_message: str) -> Conversation:
         """The past turns and the new user message, for the model's chat template; the
-        documented plain fallback ("User: ...\nAssistant: ..." lines) for a model without one.
-        A turn cancelled before its first token is left out (a template wants an answer)."""
+        documented plain fallback ("User: ...\nAssistant: ..." lines) for a model without one."""
         messages: list[inference_pb2.ConversationMessage] = []
         lines = []
         for turn in self._turns:
-            if not turn.assistant:
-                continue
             messages += [message("user", turn.user), message("assistant", turn.assistant)]
             lines.append(f"User: {turn.user}\nAssistant: {turn.assistant}")
         messages.append(message("user", user_message))
@@ -81,7 +78,11 @@ class ChatHistory:
         return Conversation(tuple(messages), "\n".join(lines))
 
     def add(self, turn: ChatTurn) -> int:
-        """Append a finished turn; returns how many old turns were dropped to stay in bounds."""
+        """Append a finished turn; returns how many old turns were dropped to stay in bounds.
+        A turn without an answer (cancelled before its first token) is not kept: a template
+        wants an answer, so the conversation could not send it, and it counts no tokens."""
+        if not turn.assistant:
+            return 0
         self._turns.append(turn)
         dropped = 0
         while len(self._turns) > 1 and (

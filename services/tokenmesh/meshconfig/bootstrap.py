@@ -18,11 +18,17 @@ from tokenmesh.common.tokens import (
     CALLER_CONTENT_TYPE,
     EDGE_METADATA,
     LLM_GENERATE,
+    OPENAI_CHAT_COMPLETIONS,
+    OPENAI_COMPLETIONS,
+    OPENAI_SERVICE,
+    ROUTE_HEADER,
     USAGE_TRAILER,
     WORKER_GENERATE,
+    WORKER_GENERATE_OPENAI,
+    WORKER_REFUSED,
 )
 from tokenmesh.meshconfig.config import MeshSettings
-from tokenmesh.v1 import inference_pb2, llm_pb2, ops_pb2, rerank_pb2, token_pb2
+from tokenmesh.v1 import inference_pb2, llm_pb2, openai_pb2, ops_pb2, rerank_pb2, token_pb2
 
 Config = dict[str, Any]
 
@@ -61,6 +67,8 @@ OPENAI_REPLY_STATUSES = [
     (500, 502, 500),
     (503, 599, 503),
 ]
+# Why a request failed when no gateway could prepare it for the workers.
+PREPARE_FAILED = "no gateway prepared the request"
 # Where the edge serves the ops page (from the control plane's page port).
 OPS_PAGE = "/ops/"
 RETRY_ON = "unavailable,reset,connect-failure,refused-stream"
@@ -117,7 +125,7 @@ def descriptor_set() -> bytes:
         if file not in files:
             files.append(file)
 
-    for module in (token_pb2, llm_pb2, inference_pb2, rerank_pb2, ops_pb2):
+    for module in (token_pb2, llm_pb2, inference_pb2, rerank_pb2, ops_pb2, openai_pb2):
         add(module.DESCRIPTOR)
     descriptors = descriptor_pb2.FileDescriptorSet()
     for file in files:
@@ -196,8 +204,15 @@ def direct_stream_log(mesh: MeshSettings) -> list[Config]:
         {
             "name": "envoy.access_loggers.http_grpc",
             "filter": {
-                "header_filter": {
-                    "header": {"name": ":path", "string_match": {"exact": WORKER_GENERATE}}
+                "or_filter": {
+                    "filters": [
+                        {
+                            "header_filter": {
+                                "header": {"name": ":path", "string_match": {"exact": path}}
+                            }
+                        }
+                        for path in (WORKER_GENERATE, WORKER_GENERATE_OPENAI)
+                    ]
                 }
             },
             "typed_config": {
@@ -209,7 +224,12 @@ def direct_stream_log(mesh: MeshSettings) -> list[Config]:
                     "buffer_flush_interval": "0.5s",
                 },
                 # The caller's deadline, and its trace for the gateway's span of the stream.
-                "additional_request_headers_to_log": ["grpc-timeout", "traceparent", "tracestate"],
+                "additional_request_headers_to_log": [
+                    "grpc-timeout",
+                    "traceparent",
+                    "tracestate",
+                    ROUTE_HEADER,
+                ],
                 "additional_response_headers_to_log": ["grpc-status"],
                 "additional_response_trailers_to_log": ["grpc-status", USAGE_TRAILER],
             },
@@ -257,13 +277,33 @@ def openai_local_replies(mesh: MeshSettings) -> list[Config]:
     a gateway's own errors pass as they are."""
     if not mesh.openai_api:
         return []
-    mappers = []
-    for low, high, status in OPENAI_REPLY_STATUSES:
-        on_openai_paths = {
-            "header_filter": {
-                "header": {"name": ":path", "string_match": {"prefix": OPENAI_PREFIX}}
+    paths = [{"prefix": OPENAI_PREFIX}]
+    if mesh.direct_token_path:
+        # The paths OpenAI's requests have once transcoded, and once prepared for a worker.
+        paths += [{"prefix": f"/{OPENAI_SERVICE}/"}, {"exact": WORKER_GENERATE_OPENAI}]
+    filters = [
+        {"header_filter": {"header": {"name": ":path", "string_match": match}}} for match in paths
+    ]
+    on_openai_paths = filters[0] if len(filters) == 1 else {"or_filter": {"filters": filters}}
+    # A worker's refusal, which the external processor has already answered in OpenAI's
+    # shape (gateway/extproc.py), is kept as it is.
+    mappers: list[Config] = [
+        {"filter": code_details(f"response.code_details == '{WORKER_REFUSED}'")}
+    ]
+    if mesh.direct_token_path:
+        # No gateway to prepare a completion: why, as the gRPC path says it.
+        prepare_failed = code_details("response.code_details.startsWith('ext_proc_error')")
+        mappers.append(
+            {
+                "filter": {"and_filter": {"filters": [on_openai_paths, prepare_failed]}},
+                "body_format_override": {
+                    "json_format": error_body(
+                        f"{PREPARE_FAILED} (%RESPONSE_CODE_DETAILS%); retry", 503
+                    )
+                },
             }
-        }
+        )
+    for low, high, status in OPENAI_REPLY_STATUSES:
         statuses = (
             [status_filter("EQ", low)]
             if low == high
@@ -287,7 +327,7 @@ def direct_local_replies(mesh: MeshSettings) -> list[Config]:
     retry), which Envoy sends without a message: it says why, and names the limit."""
     if not mesh.direct_token_path:
         return []
-    prepare_failed = "no gateway prepared the request"
+    prepare_failed = PREPARE_FAILED
     return [
         {
             "filter": code_details(
@@ -384,7 +424,7 @@ def edge_filters(mesh: MeshSettings) -> list[Config]:
                 "@type": TYPE
                 + "envoy.extensions.filters.http.grpc_json_transcoder.v3.GrpcJsonTranscoder",
                 "proto_descriptor_bin": base64.b64encode(descriptor_set()).decode(),
-                "services": [llm_pb2.DESCRIPTOR.services_by_name["LLMService"].full_name],
+                "services": transcoded_services(mesh),
                 # POST /tokenmesh.v1.LLMService/Generate with a JSON body.
                 "auto_mapping": True,
                 "convert_grpc_status": True,
@@ -399,6 +439,16 @@ def edge_filters(mesh: MeshSettings) -> list[Config]:
         *external_processor(mesh),
         {"name": "envoy.filters.http.router", "typed_config": {"@type": ROUTER}},
     ]
+
+
+def transcoded_services(mesh: MeshSettings) -> list[str]:
+    """LLMService's REST; with the direct token path and the OpenAI API, OpenAI's completions
+    too (openai.proto): as calls the external processor prepares for a worker, whose answer
+    (HttpBody) the transcoder writes to the caller as it comes."""
+    services = [llm_pb2.DESCRIPTOR.services_by_name["LLMService"].full_name]
+    if mesh.direct_token_path and mesh.openai_api:
+        services.append(OPENAI_SERVICE)
+    return services
 
 
 def caller_content_type(mesh: MeshSettings) -> list[Config]:
@@ -542,14 +592,42 @@ def direct_routes(mesh: MeshSettings) -> list[Config]:
     # Envoy cutting the stream at the same instant would reset it (INTERNAL) where the caller
     # would have seen DEADLINE_EXCEEDED; there is no gateway here to answer first.
     del to_workers["route"]["max_stream_duration"]
-    return [
+    routes = [
         {**route_to("gateway", mesh), "match": {"path": LLM_GENERATE}, **processed()},
         {**to_workers, "match": {"path": WORKER_GENERATE}, **processed()},
     ]
+    if mesh.openai_api:
+        # OpenAI's completions, as the transcoder made them calls: the processor rewrites each
+        # for the workers, or hands it back to the gateways' HTTP API (the /v1/ route), and
+        # sees the workers' answer's headers (to answer a refusal in OpenAI's shape).
+        routes += [
+            {**route_to("gateway", mesh), "match": {"path": path}, **processed(answers=True)}
+            for path in (OPENAI_COMPLETIONS, OPENAI_CHAT_COMPLETIONS)
+        ]
+        openai_to_workers = {
+            **to_workers,
+            "match": {"path": WORKER_GENERATE_OPENAI},
+            # The answer's HTTP headers are the worker's gRPC ones, less its gRPC encodings.
+            "response_headers_to_remove": ["grpc-accept-encoding"],
+        }
+        routes.append({**openai_to_workers, **processed()})
+    return routes
 
 
-def processed() -> Config:
-    return {"typed_per_filter_config": {EXT_PROC: {"@type": EXT_PROC_PER_ROUTE, "overrides": {}}}}
+def processed(answers: bool = False) -> Config:
+    """The external processor on a route; with answers, the response's headers go to it too."""
+    overrides: Config = {}
+    if answers:
+        overrides["processing_mode"] = {
+            "request_header_mode": "SEND",
+            "request_body_mode": "BUFFERED",
+            "response_header_mode": "SEND",
+            "response_body_mode": "NONE",
+            "response_trailer_mode": "SKIP",
+        }
+    return {
+        "typed_per_filter_config": {EXT_PROC: {"@type": EXT_PROC_PER_ROUTE, "overrides": overrides}}
+    }
 
 
 def listener(name: str, host: str, port: int, cluster: str, mesh: MeshSettings) -> Config:

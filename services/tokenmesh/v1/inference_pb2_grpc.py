@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from google.api import httpbody_pb2 as google_dot_api_dot_httpbody__pb2
 from tokenmesh.v1 import inference_pb2 as tokenmesh_dot_v1_dot_inference__pb2
 from tokenmesh.v1 import token_pb2 as tokenmesh_dot_v1_dot_token__pb2
 
@@ -40,6 +41,11 @@ class InferenceServiceStub:
                 request_serializer=tokenmesh_dot_v1_dot_inference__pb2.InferenceRequest.SerializeToString,
                 response_deserializer=tokenmesh_dot_v1_dot_token__pb2.Token.FromString,
                 _registered_method=True)
+        self.GenerateOpenAI = channel.unary_stream(
+                '/tokenmesh.v1.InferenceService/GenerateOpenAI',
+                request_serializer=tokenmesh_dot_v1_dot_inference__pb2.InferenceRequest.SerializeToString,
+                response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+                _registered_method=True)
         self.GetEngineStats = channel.unary_unary(
                 '/tokenmesh.v1.InferenceService/GetEngineStats',
                 request_serializer=tokenmesh_dot_v1_dot_inference__pb2.EngineStatsRequest.SerializeToString,
@@ -52,6 +58,17 @@ class InferenceServiceServicer:
 
     def Generate(self, request, context):
         """Streams the generated tokens of one request. Cancelling the call aborts the engine request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateOpenAI(self, request, context):
+        """The same generation answered in OpenAI's shapes, as a gateway prepared it for Envoy to
+        take straight to the caller (request.openai says which): with openai.stream, one
+        Server-Sent Event per message ("data: {chunk}", "data: [DONE]" last); without, one message
+        holding the whole JSON object. An error before the answer begins ends the call with its
+        status; one after ends the events with an error event, as OpenAI's servers do.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -71,6 +88,11 @@ def add_InferenceServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=tokenmesh_dot_v1_dot_inference__pb2.InferenceRequest.FromString,
                     response_serializer=tokenmesh_dot_v1_dot_token__pb2.Token.SerializeToString,
+            ),
+            'GenerateOpenAI': grpc.unary_stream_rpc_method_handler(
+                    servicer.GenerateOpenAI,
+                    request_deserializer=tokenmesh_dot_v1_dot_inference__pb2.InferenceRequest.FromString,
+                    response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
             ),
             'GetEngineStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetEngineStats,
@@ -105,6 +127,33 @@ class InferenceService:
             '/tokenmesh.v1.InferenceService/Generate',
             tokenmesh_dot_v1_dot_inference__pb2.InferenceRequest.SerializeToString,
             tokenmesh_dot_v1_dot_token__pb2.Token.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateOpenAI(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tokenmesh.v1.InferenceService/GenerateOpenAI',
+            tokenmesh_dot_v1_dot_inference__pb2.InferenceRequest.SerializeToString,
+            google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
             options,
             channel_credentials,
             insecure,

@@ -10,7 +10,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Callable, Coroutine
+from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
@@ -105,8 +105,8 @@ class Tokens:
     prompt_tokens: int = 0
     # When the request asked for logprobs: each token's, and its most likely alternatives.
     logprobs: list[tuple[float | None, tuple[Candidate, ...]]] = field(default_factory=list)
-    # UTF-8 bytes of text each token adds, once outputs are merged (None: one engine output,
-    # whose text cannot be split between its tokens and counts with the last).
+    # UTF-8 bytes of text each token adds (None: all the text counts with the last token, as
+    # for an engine output of several tokens without logprobs to split its text by).
     text_lengths: list[int] | None = None
 
     def lengths(self) -> list[int]:
@@ -514,15 +514,34 @@ def output_tokens(output: Any, first_index: int, prompt_tokens: int, top_logprob
         # Nothing new but the end (e.g. the engine aborted the request): a message that holds
         # no token reports it.
         finish = finish or token_pb2.FINISH_REASON_ABORTED
-    logprobs = (
-        [
-            token_logprobs(completion.logprobs[position], token_id, top_logprobs)
-            for position, token_id in enumerate(token_ids)
-        ]
-        if completion.logprobs
-        else []
-    )
-    return Tokens(first_index, token_ids, completion.text, finish, prompt_tokens, logprobs)
+    logprobs: list[tuple[float | None, tuple[Candidate, ...]]] = []
+    pieces: list[str | None] = []
+    if completion.logprobs:
+        for position, token_id in enumerate(token_ids):
+            position_logprobs = completion.logprobs[position]
+            logprobs.append(token_logprobs(position_logprobs, token_id, top_logprobs))
+            sampled = position_logprobs.get(token_id) if position_logprobs else None
+            pieces.append(sampled.decoded_token if sampled is not None else None)
+    # Several tokens in one output: their decoded texts (logprobs only) split the text.
+    lengths = split_text(completion.text, pieces) if len(pieces) > 1 else None
+    return Tokens(first_index, token_ids, completion.text, finish, prompt_tokens, logprobs, lengths)
+
+
+def split_text(text: str, pieces: Sequence[str | None]) -> list[int]:
+    """The UTF-8 bytes of `text` each token adds, from the tokens' decoded texts (None where
+    unknown): each its own while they spell the start of the text, the rest on the last token.
+    The text is authoritative: stop strings, text held back for them, or a character split
+    across tokens can make it differ from the pieces."""
+    lengths = []
+    offset = 0
+    for piece in pieces[:-1]:
+        if piece is None or not text.startswith(piece, offset):
+            break
+        lengths.append(len(piece.encode()))
+        offset += len(piece)
+    lengths.extend([0] * (len(pieces) - 1 - len(lengths)))
+    lengths.append(len(text[offset:].encode()))
+    return lengths
 
 
 class EngineSlot:

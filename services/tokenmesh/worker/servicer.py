@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
+from google.api import httpbody_pb2
 from grpc import aio
 from prometheus_client import Counter
 
+from tokenmesh.common.errors import DeadlineExceeded
 from tokenmesh.common.metrics import StreamMetrics
+from tokenmesh.common.openai_answers import EventStream, Shape, WholeAnswer, error_response
 from tokenmesh.common.outcome import Deadline
 from tokenmesh.common.tokens import DEGRADED_HEADER, USAGE_TRAILER, usage_trailer
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
@@ -19,6 +23,12 @@ from tokenmesh.worker.admission import Admission
 from tokenmesh.worker.config import WorkerSettings
 from tokenmesh.worker.engine import Candidate, EngineSlot, Tokens, VllmEngine
 from tokenmesh.worker.requests import GenerationSpec, validate
+
+EVENT_STREAM = "text/event-stream"
+
+
+def late(limit: float) -> DeadlineExceeded:
+    return DeadlineExceeded(f"deadline exceeded: the answer's time limit of {limit:g} s passed")
 
 
 def token_message(tokens: Tokens) -> token_pb2.Token:
@@ -75,7 +85,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self,
         request: inference_pb2.InferenceRequest,
         context: aio.ServicerContext[Any, Any],
-    ) -> AsyncIterator[token_pb2.Token]:
+    ) -> AsyncGenerator[token_pb2.Token, None]:
         spec = validate(request, self._settings)
         # A degraded answer the gateway prepared for Envoy to stream from here: its trailer.
         degraded = next(
@@ -88,7 +98,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         messages = 0
         # Closing the inner stream (the caller went away) aborts the engine request.
         with self._admission.admit(engine.load.waiting):
-            async with contextlib.aclosing(self._generate(engine, spec, context)) as tokens:
+            # An OpenAI answer's own time limit (GenerateOpenAI's; 0 for others).
+            time_limit = request.openai.time_limit_seconds
+            generated = self._generate(engine, spec, context, time_limit)
+            async with contextlib.aclosing(generated) as tokens:
                 async for token in tokens:
                     messages += 1
                     if token.finish_reason:
@@ -99,31 +112,98 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                         context.set_trailing_metadata((*trailers, (USAGE_TRAILER, value)))
                     yield token
 
+    async def GenerateOpenAI(
+        self,
+        request: inference_pb2.InferenceRequest,
+        context: aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[httpbody_pb2.HttpBody]:
+        answer = request.openai
+        shape = Shape.of(answer)
+        logprobs = request.sampling.logprobs
+        # Sent with the first event (the transcoder makes them the caller's HTTP headers):
+        # before it, an error is still the call's status, which the edge answers with its
+        # HTTP status.
+        headers = tuple(
+            (k, str(v)) for k, v in context.invocation_metadata() or () if k == DEGRADED_HEADER
+        )
+        async with contextlib.aclosing(self.Generate(request, context)) as tokens:
+            if not answer.stream:
+                whole = WholeAnswer(shape, logprobs)
+                async for token in tokens:
+                    whole.add(token)
+                await context.send_initial_metadata(headers)
+                data = json.dumps(whole.body(), separators=(",", ":")).encode()
+                yield httpbody_pb2.HttpBody(content_type="application/json", data=data)
+                return
+            events = EventStream(shape, logprobs, answer.include_usage)
+            started = False
+            try:
+                async for token in tokens:
+                    data = events.token(token)
+                    if not started:
+                        started = True
+                        await context.send_initial_metadata(
+                            (*headers, ("cache-control", "no-cache"))
+                        )
+                        data = events.start() + data
+                    yield httpbody_pb2.HttpBody(content_type=EVENT_STREAM, data=data)
+            except Exception as exc:
+                if not started:
+                    raise
+                # The answer has begun (HTTP 200 sent): the error goes in the stream, as
+                # OpenAI's servers send it, and the call still ends with its status.
+                _, body, _ = error_response(exc)
+                yield httpbody_pb2.HttpBody(content_type=EVENT_STREAM, data=events.failed(body))
+                raise
+
     async def _generate(
-        self, engine: VllmEngine, spec: GenerationSpec, context: aio.ServicerContext[Any, Any]
+        self,
+        engine: VllmEngine,
+        spec: GenerationSpec,
+        context: aio.ServicerContext[Any, Any],
+        time_limit: float,
     ) -> AsyncGenerator[token_pb2.Token, None]:
         timer = self._stream_metrics.timer(context)
         deadline = Deadline.of(context)
         counted = False
+        expired = False
 
         def count_abort() -> None:
             # Called from here or from the engine stream, whichever sees the abort first.
             nonlocal counted
             if not counted:
                 counted = True
-                reason = "deadline_exceeded" if deadline.passed() else "cancelled"
+                reason = "deadline_exceeded" if expired or deadline.passed() else "cancelled"
                 self._aborted.labels(reason=reason).inc()
 
+        aborting: list[asyncio.Task[None]] = []
+
+        def expire() -> None:
+            # The request's own time limit: the engine request is aborted, and its stream,
+            # ending, raises the deadline error (no task is cancelled: the stream may be
+            # waiting on its caller, not the engine).
+            nonlocal expired
+            expired = True
+            aborting.append(asyncio.ensure_future(engine.abort(spec.request_id)))
+
+        expiry = None
+        if time_limit > 0:
+            expiry = asyncio.get_running_loop().call_later(time_limit, expire)
         outputs = engine.stream(spec, on_abort=count_abort)
         warnings = spec.warnings
         try:
             async for tokens in outputs:
+                if expired:
+                    break
                 token = token_message(tokens)
                 if warnings:
                     token.warnings.extend(warnings)
                     warnings = ()
                 timer.sent(token, len(tokens.token_ids), tokens.prompt_tokens)
                 yield token
+            if expired:
+                count_abort()
+                raise late(time_limit)
         except asyncio.CancelledError:
             # The caller cancelled, went away or ran out of deadline: free the engine now
             # (closing the stream below does too).
@@ -131,6 +211,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             count_abort()
             raise
         finally:
+            if expiry is not None:
+                expiry.cancel()
             await outputs.aclose()
 
     async def GetEngineStats(

@@ -1,0 +1,295 @@
+"""OpenAI's answers (objects, stream chunks, errors) made from a stream's Token messages."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from tokenmesh.common.errors import HTTP_STATUS, DependencyError, ServiceError, error_body
+from tokenmesh.v1 import inference_pb2, token_pb2
+
+log = logging.getLogger(__name__)
+
+# The back-off a client is told when every worker was full (a batch turns over in about this).
+OVERLOADED_RETRY_AFTER_MS = 1000
+
+FINISH_REASONS = {
+    token_pb2.FINISH_REASON_STOP: "stop",
+    token_pb2.FINISH_REASON_LENGTH: "length",
+    # Stopped by the tenant's token quota: OpenAI has no word for it; the answer was cut short.
+    token_pb2.FINISH_REASON_QUOTA_EXHAUSTED: "length",
+    token_pb2.FINISH_REASON_ABORTED: "abort",
+    token_pb2.FINISH_REASON_CANCELLED: "abort",
+}
+
+
+def usage(token: token_pb2.Token) -> dict[str, int]:
+    prompt, completion = token.usage.prompt_tokens, token.usage.completion_tokens
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def finish_reason(token: token_pb2.Token) -> str | None:
+    return FINISH_REASONS.get(token.finish_reason) if token.finish_reason else None
+
+
+def per_token(token: token_pb2.Token) -> list[tuple[str, float | None, Sequence[Any]]]:
+    """(text, logprob, alternatives) for each token of a message: its text split by
+    text_lengths (UTF-8 bytes each token adds) when the worker merged outputs."""
+    count = max(len(token.token_ids), 1)
+    logprobs: list[tuple[float | None, Sequence[Any]]] = [
+        (token.logprob if token.HasField("logprob") else None, token.top_logprobs)
+    ]
+    logprobs += [
+        (p.logprob if p.HasField("logprob") else None, p.top_logprobs)
+        for p in token.following_logprobs
+    ]
+    if token.text_lengths and len(token.text_lengths) == count:
+        raw, texts, at = token.text.encode(), [], 0
+        for length in token.text_lengths:
+            texts.append(raw[at : at + length].decode(errors="replace"))
+            at += length
+    else:
+        texts = [""] * (count - 1) + [token.text]
+    return [
+        (text, *(logprobs[i] if i < len(logprobs) else (None, ()))) for i, text in enumerate(texts)
+    ]
+
+
+def chat_logprobs(token: token_pb2.Token) -> dict[str, Any]:
+    return {
+        "content": [
+            {
+                "token": text,
+                "logprob": logprob if logprob is not None else 0.0,
+                "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {"token": alt.text, "logprob": alt.logprob, "bytes": list(alt.text.encode())}
+                    for alt in alternatives
+                ],
+            }
+            for text, logprob, alternatives in per_token(token)
+        ]
+    }
+
+
+def completion_logprobs(token: token_pb2.Token, offset: int) -> dict[str, Any]:
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for text, logprob, alternatives in per_token(token):
+        tokens.append(text)
+        token_logprobs.append(logprob)
+        top.append({alt.text: alt.logprob for alt in alternatives})
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
+
+
+@dataclass
+class Shape:
+    """One response's identity and the JSON of its parts. Each streamed chunk is a fixed head,
+    the generated text as a JSON string, and a fixed tail: a token costs one json.dumps of
+    its text, not of a whole chunk (the chunk's other fields never change within a stream)."""
+
+    chat: bool
+    model: str
+    id: str
+    created: int
+    # A degraded answer's marker (and the reranker's warnings), in every object and chunk.
+    extra: dict[str, Any]
+
+    @classmethod
+    def new(cls, chat: bool, model: str, extra: dict[str, Any]) -> Shape:
+        prefix = "chatcmpl-" if chat else "cmpl-"
+        return cls(chat, model, prefix + uuid.uuid4().hex, int(time.time()), extra)
+
+    @classmethod
+    def of(cls, answer: inference_pb2.OpenAIAnswer) -> Shape:
+        extra = json.loads(answer.extra_json) if answer.extra_json else {}
+        return cls(answer.chat, answer.model, answer.id, answer.created, extra)
+
+    def answer(self, stream: bool, include_usage: bool) -> inference_pb2.OpenAIAnswer:
+        """The shape as a worker's GenerateOpenAI request carries it."""
+        return inference_pb2.OpenAIAnswer(
+            chat=self.chat,
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            stream=stream,
+            include_usage=include_usage,
+            extra_json=json.dumps(self.extra) if self.extra else "",
+        )
+
+    @property
+    def object(self) -> str:
+        return "chat.completion" if self.chat else "text_completion"
+
+    def base(self, object_name: str | None = None) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": object_name or self.object,
+            "created": self.created,
+            "model": self.model,
+            **self.extra,
+        }
+
+    def chunk(self, choice: dict[str, Any]) -> bytes:
+        name = "chat.completion.chunk" if self.chat else "text_completion"
+        return sse({**self.base(name), "choices": [choice]})
+
+    def text_chunk_parts(self) -> tuple[bytes, bytes]:
+        """The bytes before and after the JSON string of a chunk's text (no logprobs, not
+        the last)."""
+        marker = "\x00"
+        if self.chat:
+            choice = {"index": 0, "delta": {"content": marker}, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": marker, "logprobs": None}
+        choice["finish_reason"] = None
+        head, tail = self.chunk(choice).split(json.dumps(marker).encode())
+        return head, tail
+
+    def usage_chunk(self, token: token_pb2.Token) -> bytes:
+        name = "chat.completion.chunk" if self.chat else "text_completion"
+        return sse({**self.base(name), "choices": [], "usage": usage(token)})
+
+
+def sse(data: Any) -> bytes:
+    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+def choice(shape: Shape, piece: Any, reason: str | None, logprobs: dict[str, Any] | None) -> Any:
+    key = "delta" if shape.chat else "text"
+    return {"index": 0, key: piece, "logprobs": logprobs, "finish_reason": reason}
+
+
+class EventStream:
+    """A streamed answer's Server-Sent Events, one Token message at a time. A message that
+    neither ends the stream nor carries logprobs costs one json.dumps of its text (Shape's
+    fixed head and tail around it)."""
+
+    def __init__(self, shape: Shape, logprobs: bool, include_usage: bool) -> None:
+        self._shape = shape
+        self._logprobs = logprobs
+        self._include_usage = include_usage
+        self._head, self._tail = shape.text_chunk_parts()
+        self._offset = 0
+
+    def start(self) -> bytes:
+        """What goes before the first token: a chat's assistant role."""
+        if not self._shape.chat:
+            return b""
+        return self._shape.chunk(
+            choice(self._shape, {"role": "assistant", "content": ""}, None, None)
+        )
+
+    def token(self, token: token_pb2.Token) -> bytes:
+        """The message's chunk; after the last one, the usage chunk (when asked) and [DONE]."""
+        shape = self._shape
+        reason = finish_reason(token)
+        if reason is None and not self._logprobs:
+            data = self._head + json.dumps(token.text).encode() + self._tail
+        else:
+            logprobs = None
+            if self._logprobs:
+                logprobs = (
+                    chat_logprobs(token) if shape.chat else completion_logprobs(token, self._offset)
+                )
+            piece = {"content": token.text} if shape.chat else token.text
+            data = shape.chunk(choice(shape, piece, reason, logprobs))
+        self._offset += len(token.text)
+        if reason is None:
+            return data
+        if self._include_usage:
+            data += shape.usage_chunk(token)
+        return data + DONE
+
+    @staticmethod
+    def failed(body: dict[str, Any]) -> bytes:
+        """An error after the answer began: in the stream, as OpenAI's servers send it."""
+        return sse(body) + DONE
+
+
+@dataclass
+class WholeAnswer:
+    """A whole (not streamed) answer, gathered from a stream's Token messages."""
+
+    shape: Shape
+    logprobs: bool
+    parts: list[str] = field(default_factory=list)
+    content: list[Any] = field(default_factory=list)
+    merged: dict[str, list[Any]] = field(default_factory=dict)
+    offset: int = 0
+    last: token_pb2.Token | None = None
+
+    def add(self, token: token_pb2.Token) -> None:
+        if self.logprobs:
+            if self.shape.chat:
+                self.content.extend(chat_logprobs(token)["content"])
+            else:
+                for key, values in completion_logprobs(token, self.offset).items():
+                    self.merged.setdefault(key, []).extend(values)
+        self.parts.append(token.text)
+        self.offset += len(token.text)
+        if token.finish_reason:
+            self.last = token
+
+    def body(self) -> dict[str, Any]:
+        text = "".join(self.parts)
+        reason = None if self.last is None else finish_reason(self.last)
+        if self.shape.chat:
+            answer: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": {"content": self.content} if self.logprobs else None,
+                "finish_reason": reason,
+            }
+        else:
+            answer = {
+                "index": 0,
+                "text": text,
+                "logprobs": self.merged if self.logprobs else None,
+                "finish_reason": reason,
+            }
+        return {
+            **self.shape.base(),
+            "choices": [answer],
+            "usage": usage(self.last) if self.last is not None else None,
+        }
+
+
+def error_response(exc: Exception) -> tuple[int, dict[str, Any], list[tuple[bytes, bytes]]]:
+    """An exception as OpenAI's error object, its HTTP status and headers (retry-after). The
+    one place OpenAI answers turn errors into statuses, from the same codes as gRPC's."""
+    if isinstance(exc, ServiceError):
+        status = HTTP_STATUS.get(exc.code, 500)
+        param = getattr(exc, "field", None)
+        headers = []
+        retry_after_ms = getattr(exc, "retry_after_ms", None)
+        if isinstance(exc, DependencyError) and exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            # The workers are full, not the caller over a limit of its own: 503, as OpenAI
+            # answers an overloaded engine (429 stays the tenant's limits).
+            status, retry_after_ms = 503, OVERLOADED_RETRY_AFTER_MS
+        if retry_after_ms is not None:
+            headers.append((b"retry-after", str(max(1, -(-retry_after_ms // 1000))).encode()))
+            headers.append((b"retry-after-ms", str(retry_after_ms).encode()))
+        return status, error_body(exc.message, status, param), headers
+    log.exception("internal error in an OpenAI answer")
+    return 500, error_body("internal error", 500), []
