@@ -104,25 +104,25 @@ class DirectStreamLog(als_pb2_grpc.AccessLogServiceServicer):
             duration = seconds(common.time_to_last_downstream_tx_byte)
         code = final_code(entry, duration)
         openai = path == WORKER_GENERATE_OPENAI
+        usage = parse_usage_trailer(entry.response.response_trailers.get(USAGE_TRAILER, ""))
         if openai:
             self._record_http(entry, code, duration)
         else:
-            self._rpc.started.inc()
-            self._rpc.received.inc()
+            rpc = self._rpc
+            rpc.started.inc()
+            rpc.received.inc()
+            if usage is not None:
+                rpc.sent.inc(usage[2])
+            rpc.finish(code, duration)
         streams = self._streams
         if entry.response.response_body_bytes and common.HasField(
             "time_to_first_downstream_tx_byte"
         ):
             streams.ttft.observe(seconds(common.time_to_first_downstream_tx_byte))
-        usage = parse_usage_trailer(entry.response.response_trailers.get(USAGE_TRAILER, ""))
         if usage is not None:
-            prompt_tokens, completion_tokens, messages = usage
+            prompt_tokens, completion_tokens, _ = usage
             streams.prompt_tokens.inc(prompt_tokens)
             streams.tokens.inc(completion_tokens)
-            if not openai:
-                self._rpc.sent.inc(messages)
-        if not openai:
-            self._rpc.finish(code, duration)
         streams.duration.labels(code).observe(duration)
         if self._tracer is not None:
             self._span(self._tracer, entry, code, duration, openai)

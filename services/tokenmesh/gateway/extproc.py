@@ -8,8 +8,8 @@ import math
 import struct
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Iterable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Iterable
+from typing import Any, Protocol, TypeVar
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -111,6 +111,14 @@ def immediate(code: grpc.StatusCode, http: int, message: str) -> ext_proc.Proces
     )
 
 
+class Preparation(Protocol):
+    @property
+    def degraded(self) -> bool: ...
+
+
+P = TypeVar("P", bound=Preparation)
+
+
 class Unprepared(Exception):
     """A body that is not one uncompressed GenerateRequest: the gateway's handler takes it."""
 
@@ -191,7 +199,9 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
                     self._metrics.requests.labels(api="grpc", outcome="gateway").inc()
                     return
             elif kind == "request_body" and openai:
-                response, direct = await self._openai_request(headers, message.request_body)
+                response, direct = await self._openai_request(
+                    headers, message.request_body, started
+                )
                 yield response
                 if not direct:
                     return
@@ -228,16 +238,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
             return ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse())
         self._metrics.requests.labels(api="grpc", outcome="direct").inc()
         self._metrics.prepare_seconds.observe(time.monotonic() - started)
-        return ext_proc.ProcessingResponse(
-            request_body=ext_proc.BodyResponse(
-                response=ext_proc.CommonResponse(
-                    header_mutation=mutation,
-                    body_mutation=ext_proc.BodyMutation(body=worker_body),
-                    # Routed again on the new path: to the workers.
-                    clear_route_cache=True,
-                )
-            )
-        )
+        return rewritten(mutation, worker_body)
 
     async def _worker_request(
         self, headers: dict[str, str], data: bytes, started: float
@@ -249,48 +250,30 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         timeout = grpc_timeout(headers.get("grpc-timeout"))
         remaining = None if timeout is None else timeout - (time.monotonic() - started)
         job = generation_job(request, self._settings)
-        if self._tracer is None:
-            prepared = await self._pipeline.prepare(job, remaining)
-        else:
-            # In the caller's trace (its traceparent is among the request's headers), beside
-            # the stream's own span (accesslog.py) and the worker's; the reranker call inside.
-            span = self._tracer.start_span(
-                "prepare", context=extract(headers.items()), kind=SpanKind.INTERNAL
-            )
-            with trace.use_span(span, end_on_exit=True):
-                prepared = await self._pipeline.prepare(job, remaining)
-                span.set_attribute("tokenmesh.degraded", prepared.degraded)
+        prepared = await self._traced(headers, self._pipeline.prepare(job, remaining))
         worker = self._pipeline.worker_request(prepared.prompt, job.sampling)
         worker.warnings.extend(prepared.warnings)
-        mutation = ext_proc.HeaderMutation(
-            set_headers=[header(":path", WORKER_GENERATE)],
-            # Only the gateway says an answer is degraded, never the caller.
-            remove_headers=[DEGRADED_HEADER],
-        )
-        if prepared.degraded:
-            mutation.set_headers.append(header(DEGRADED_HEADER, DEGRADED_BY_RERANKER))
+        mutation = worker_headers(WORKER_GENERATE, prepared.degraded)
         # grpc-timeout goes on unchanged: the worker's clock starts later than the caller's,
         # so the caller's deadline (its own timer, and Envoy's max_stream_duration) ends the
         # stream first, with DEADLINE_EXCEEDED, and the reset aborts the engine request.
         return mutation, grpc_frame(worker.SerializeToString())
 
     async def _openai_request(
-        self, headers: dict[str, str], body: ext_proc.HttpBody
+        self, headers: dict[str, str], body: ext_proc.HttpBody, started: float
     ) -> tuple[ext_proc.ProcessingResponse, bool]:
         """The worker's request for an OpenAI completion, and True; or, when the gateway must
         see its tokens (keys: quotas), cannot read it here or would refuse it, the request
         handed back to the gateway's own HTTP API as the caller sent it, and False."""
         path = headers[":path"]
-        started = time.monotonic()
         data = single_message(body.body) if body.end_of_stream else None
-        if data is None:
-            # Not one whole message (the transcoder sends the whole body as one): nothing to
-            # hand back either; the route's own answer stands.
-            self._metrics.requests.labels(api="openai", outcome="gateway").inc()
-            return ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse()), False
         try:
-            caller = httpbody_pb2.HttpBody.FromString(data)
+            caller = httpbody_pb2.HttpBody.FromString(data) if data is not None else None
         except DecodeError:
+            caller = None
+        if caller is None:
+            # Not one whole HttpBody (the transcoder sends the whole body as one): nothing to
+            # hand back either; the route's own answer stands.
             self._metrics.requests.labels(api="openai", outcome="gateway").inc()
             return ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse()), False
         try:
@@ -298,15 +281,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
                 raise Unprepared
             kind = ChatCompletionRequest if path == OPENAI_CHAT_COMPLETIONS else CompletionRequest
             request = parse(kind, caller.data)
-            if self._tracer is None:
-                answer = await self._openai.prepare(request)
-            else:
-                span = self._tracer.start_span(
-                    "prepare", context=extract(headers.items()), kind=SpanKind.INTERNAL
-                )
-                with trace.use_span(span, end_on_exit=True):
-                    answer = await self._openai.prepare(request)
-                    span.set_attribute("tokenmesh.degraded", answer.degraded)
+            answer = await self._traced(headers, self._openai.prepare(request))
         except (ServiceError, Unprepared):
             self._metrics.requests.labels(api="openai", outcome="gateway").inc()
             return handed_back(OPENAI_HTTP_PATHS[path], caller), False
@@ -318,30 +293,55 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         # a little later, only backs it up.
         limit = self._settings.http_request_timeout_seconds
         worker.openai.time_limit_seconds = limit
-        mutation = ext_proc.HeaderMutation(
-            set_headers=[
-                header(":path", WORKER_GENERATE_OPENAI),
-                header(ROUTE_HEADER, OPENAI_HTTP_PATHS[path]),
-                header("grpc-timeout", f"{math.ceil(limit + CALL_DEADLINE_SLACK_SECONDS)}S"),
-            ],
-            remove_headers=[DEGRADED_HEADER],
+        mutation = worker_headers(
+            WORKER_GENERATE_OPENAI,
+            answer.degraded,
+            header(ROUTE_HEADER, OPENAI_HTTP_PATHS[path]),
+            header("grpc-timeout", f"{math.ceil(limit + CALL_DEADLINE_SLACK_SECONDS)}S"),
         )
-        if answer.degraded:
-            mutation.set_headers.append(header(DEGRADED_HEADER, DEGRADED_BY_RERANKER))
         self._metrics.requests.labels(api="openai", outcome="direct").inc()
         self._metrics.prepare_seconds.observe(time.monotonic() - started)
-        response = ext_proc.ProcessingResponse(
-            request_body=ext_proc.BodyResponse(
-                response=ext_proc.CommonResponse(
-                    header_mutation=mutation,
-                    body_mutation=ext_proc.BodyMutation(
-                        body=grpc_frame(worker.SerializeToString())
-                    ),
-                    clear_route_cache=True,
-                )
+        return rewritten(mutation, grpc_frame(worker.SerializeToString())), True
+
+    async def _traced(self, headers: dict[str, str], preparing: Awaitable[P]) -> P:
+        """A preparation, in the caller's trace when tracing is on (its traceparent is among
+        the request's headers): beside the stream's own span (accesslog.py) and the worker's,
+        with the reranker call inside."""
+        if self._tracer is None:
+            return await preparing
+        span = self._tracer.start_span(
+            "prepare", context=extract(headers.items()), kind=SpanKind.INTERNAL
+        )
+        with trace.use_span(span, end_on_exit=True):
+            prepared = await preparing
+            span.set_attribute("tokenmesh.degraded", prepared.degraded)
+        return prepared
+
+
+def worker_headers(
+    path: str, degraded: bool, *extra: base_pb2.HeaderValueOption
+) -> ext_proc.HeaderMutation:
+    """The headers of a request rewritten for the workers' `path`. Only the gateway says an
+    answer is degraded, never the caller."""
+    mutation = ext_proc.HeaderMutation(
+        set_headers=[header(":path", path), *extra], remove_headers=[DEGRADED_HEADER]
+    )
+    if degraded:
+        mutation.set_headers.append(header(DEGRADED_HEADER, DEGRADED_BY_RERANKER))
+    return mutation
+
+
+def rewritten(mutation: ext_proc.HeaderMutation, body: bytes) -> ext_proc.ProcessingResponse:
+    """The request with new headers and body, routed again on its new path."""
+    return ext_proc.ProcessingResponse(
+        request_body=ext_proc.BodyResponse(
+            response=ext_proc.CommonResponse(
+                header_mutation=mutation,
+                body_mutation=ext_proc.BodyMutation(body=body),
+                clear_route_cache=True,
             )
         )
-        return response, True
+    )
 
 
 def handed_back(path: str, caller: httpbody_pb2.HttpBody) -> ext_proc.ProcessingResponse:
@@ -354,15 +354,7 @@ def handed_back(path: str, caller: httpbody_pb2.HttpBody) -> ext_proc.Processing
         ],
         remove_headers=["te"],
     )
-    return ext_proc.ProcessingResponse(
-        request_body=ext_proc.BodyResponse(
-            response=ext_proc.CommonResponse(
-                header_mutation=mutation,
-                body_mutation=ext_proc.BodyMutation(body=caller.data),
-                clear_route_cache=True,
-            )
-        )
-    )
+    return rewritten(mutation, caller.data)
 
 
 def answered(headers: dict[str, str]) -> ext_proc.ProcessingResponse:

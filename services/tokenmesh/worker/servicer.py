@@ -31,6 +31,13 @@ def late(limit: float) -> DeadlineExceeded:
     return DeadlineExceeded(f"deadline exceeded: the answer's time limit of {limit:g} s passed")
 
 
+def degraded_marker(context: aio.ServicerContext[Any, Any]) -> tuple[tuple[str, str], ...]:
+    """The degraded marker the gateway set on a request it prepared, to return to the caller."""
+    return tuple(
+        (k, str(v)) for k, v in context.invocation_metadata() or () if k == DEGRADED_HEADER
+    )[:1]
+
+
 def token_message(tokens: Tokens) -> token_pb2.Token:
     """One Token message for consecutive tokens of a stream (token.proto says how)."""
     ids = tokens.token_ids
@@ -88,10 +95,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     ) -> AsyncGenerator[token_pb2.Token, None]:
         spec = validate(request, self._settings)
         # A degraded answer the gateway prepared for Envoy to stream from here: its trailer.
-        degraded = next(
-            (str(v) for k, v in context.invocation_metadata() or () if k == DEGRADED_HEADER), None
-        )
-        trailers = ((DEGRADED_HEADER, degraded),) if degraded else ()
+        trailers = degraded_marker(context)
         if trailers:
             context.set_trailing_metadata(trailers)
         engine = self._engines.get()
@@ -123,9 +127,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         # Sent with the first event (the transcoder makes them the caller's HTTP headers):
         # before it, an error is still the call's status, which the edge answers with its
         # HTTP status.
-        headers = tuple(
-            (k, str(v)) for k, v in context.invocation_metadata() or () if k == DEGRADED_HEADER
-        )
+        headers = degraded_marker(context)
         async with contextlib.aclosing(self.Generate(request, context)) as tokens:
             if not answer.stream:
                 whole = WholeAnswer(shape, logprobs)
