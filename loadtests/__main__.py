@@ -38,6 +38,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-tokens", default="64", help="N, uniform:A:B or normal:MEAN:SD")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--processes", type=int, default=1, help="generator processes")
+    parser.add_argument(
+        "--cpus", default="", help='cores the generator keeps to, e.g. "1" (off the engines\')'
+    )
     parser.add_argument("--timeout", type=float, default=120.0, help="per request, seconds")
     parser.add_argument("--documents", type=int, default=0, help="context documents (rerank)")
     parser.add_argument("--model", default="", help="the openai target's model name")

@@ -390,7 +390,11 @@ def openai_server(placed: bool = False) -> Iterator[tuple[str, int]]:
     log.parent.mkdir(exist_ok=True)
     print(f"[sse] vLLM's OpenAI server on port {port} (log: {log})", file=sys.stderr, flush=True)
     with log.open("w") as output:
-        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=output, stderr=output)
+        # A session of its own, as the mesh's programs have under supervisord: each server
+        # under test is scheduled apart from the benchmark and its generator.
+        process = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=output, stderr=output, start_new_session=True
+        )
         try:
             deadline = time.monotonic() + 600
             while time.monotonic() < deadline:

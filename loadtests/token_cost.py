@@ -332,6 +332,10 @@ def cost(
     ):
         mesh = mesh_path(local_mesh)
         sse = sse_path(address, server)
+        # The generator keeps off the engine's core, like the mesh's own processes.
+        generator_cores = local_mesh.mesh_cores(
+            local_mesh.settings.worker_count(), os.cpu_count() or 1
+        )
         if openai:
             paths = [openai_path(mesh, local_mesh), sse, mesh]
         else:
@@ -352,6 +356,7 @@ def cost(
                     duration=bench.round_seconds,
                     output_tokens=OUTPUT_TOKENS,
                     stream_interval=path.interval,
+                    cpus=generator_cores,
                     label=f"{path.label} c={c}",
                 )
                 for path in routes

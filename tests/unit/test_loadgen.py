@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -20,7 +23,14 @@ import pytest
 from grpc import aio
 
 from loadtests import report
-from loadtests.runner import RunConfig, merge, one_request, run_shard
+from loadtests.runner import (
+    GENERATOR_NICE,
+    RunConfig,
+    cpu_set,
+    merge,
+    one_request,
+    run_shard,
+)
 from loadtests.stats import Latencies
 from loadtests.targets import WorkerTarget
 from loadtests.workload import Lengths, RequestSpec, Workload, poisson_arrivals
@@ -246,3 +256,32 @@ async def test_bench_summary_and_key_ratios_come_from_the_result_files(
 
 def _file(directory: Path, label: str) -> Path:
     return directory / "transport" / f"{label.replace(' ', '_').replace('>', '')}.json"
+
+
+def test_a_generator_process_stands_apart_from_the_servers_it_measures() -> None:
+    # In a child process: the test's own session and priority stay as they are.
+    code = (
+        "import os\n"
+        "from loadtests.runner import _placement, stand_apart\n"
+        "before = _placement()\n"
+        "stand_apart(str(min(os.sched_getaffinity(0))))\n"
+        "print(before); print(_placement()); print(os.getsid(0) == os.getpid())\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    before, after, own = run.stdout.splitlines()
+    assert before.startswith("the caller's session") and own == "True"
+    assert after.startswith("own session")
+    assert after.endswith(f"cores {min(os.sched_getaffinity(0))}")
+    if os.geteuid() == 0:  # raising a priority needs the privilege
+        assert f"nice {GENERATOR_NICE}, cores" in after
+        if Path("/proc/self/autogroup").exists():  # the session's scheduling group too
+            assert f"nice {GENERATOR_NICE}, nice" in after
+
+
+@pytest.mark.parametrize(
+    ("cpus", "cores"),
+    [("", set()), ("1", {1}), ("0,2", {0, 2}), ("2-4", {2, 3, 4}), ("0,3-4", {0, 3, 4})],
+)
+def test_generator_cores_read_as_taskset_lists(cpus: str, cores: set[int]) -> None:
+    assert cpu_set(cpus) == cores
