@@ -7,13 +7,20 @@ ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
-COPY pyproject.toml README.md ./
+# Dependencies first, from pyproject.toml and the lock alone: a code change reuses this layer.
+COPY pyproject.toml ./
 COPY requirements/lock-cpu.txt requirements/
-COPY services services
+COPY docker/requirements.py docker/
 # torch==2.13.0+cpu (the lock's pin) exists only on PyTorch's CPU index.
-RUN python -m venv /opt/venv \
+RUN python docker/requirements.py reranker controlplane > /tmp/requirements.txt \
+    && python -m venv /opt/venv \
     && /opt/venv/bin/pip install --constraint requirements/lock-cpu.txt \
-        --extra-index-url https://download.pytorch.org/whl/cpu ".[reranker,controlplane]"
+        --extra-index-url https://download.pytorch.org/whl/cpu \
+        -r /tmp/requirements.txt setuptools wheel
+# Then the code, without dependencies (the build backend is the one just installed).
+COPY README.md ./
+COPY services services
+RUN /opt/venv/bin/pip install --no-deps --no-build-isolation .
 
 FROM ${PYTHON_IMAGE}
 RUN groupadd --system --gid 10001 app \

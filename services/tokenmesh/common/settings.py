@@ -98,7 +98,8 @@ class ServiceSettings(BaseSettings):
             "this service's PEM certificate "
             "chain. With tls_key_file and tls_client_ca_file: all three or none; set, the "
             "port speaks only TLS and refuses clients without a certificate from that CA. "
-            "Read once at start-up: a renewed certificate takes a restart."
+            "The gRPC port reads the files again when they change (docs/security.md, "
+            "Certificate renewal); the OpenAI port reads them at start-up."
         ),
     )
     tls_key_file: Path | None = Field(

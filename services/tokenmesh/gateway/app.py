@@ -5,13 +5,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-import grpc
 from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from grpc import aio
 from prometheus_client import CollectorRegistry
 
 from tokenmesh.common.channels import Dependency
+from tokenmesh.common.credentials import ReloadingChannelCredentials
 from tokenmesh.common.host import ServiceHost
 from tokenmesh.common.metrics import StreamMetrics
 from tokenmesh.gateway.accesslog import DirectStreamLog
@@ -80,13 +80,20 @@ async def serve(settings: GatewaySettings) -> int:
     metrics = GatewayMetrics(host.registry)
     calls = standard_client_interceptors(host.registry, host.tracing)
     ca = settings.dependency_tls_ca_file
-    tls = None if ca is None else grpc.ssl_channel_credentials(ca.read_bytes())
-    worker = Dependency("worker", settings.worker_address, settings.max_message_bytes, calls, tls)
+    # Read again when the CA file changes: each dependency then opens a new channel.
+    worker_tls = None if ca is None else ReloadingChannelCredentials(ca)
+    reranker_tls = None if ca is None else ReloadingChannelCredentials(ca)
+    worker = Dependency(
+        "worker", settings.worker_address, settings.max_message_bytes, calls, worker_tls
+    )
     reranker = Dependency(
-        "reranker", settings.reranker_address, settings.max_message_bytes, calls, tls
+        "reranker", settings.reranker_address, settings.max_message_bytes, calls, reranker_tls
     )
     host.on_stop(worker.close)
     host.on_stop(reranker.close)
+    if ca is not None:
+        host.keep_running(worker.watch_tls(), "worker-tls-watch")
+        host.keep_running(reranker.watch_tls(), "reranker-tls-watch")
     breaker = CircuitBreaker(settings.breaker, on_transition=metrics.on_transition)
     pipeline = Pipeline(
         DocumentSelector(reranker, breaker, metrics, settings, host.tracing.tracer),

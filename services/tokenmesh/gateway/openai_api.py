@@ -26,6 +26,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from tokenmesh.common.channels import Dependency
+from tokenmesh.common.credentials import ReloadingSslContext
 from tokenmesh.common.errors import DependencyError, InvalidArgument, NotFound
 from tokenmesh.common.metrics import RPC_BUCKETS, StreamMetrics
 from tokenmesh.common.openai_answers import (
@@ -546,8 +547,11 @@ class HttpServer:
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None
     tls_client_ca_file: Path | None = None
+    # How often the TLS files are looked at (a stat each) for a renewed certificate.
+    tls_check_seconds: float = 5.0
     _server: uvicorn.Server | None = None
     _task: asyncio.Task[None] | None = None
+    _tls_watch: asyncio.Task[None] | None = None
 
     async def start(self) -> int:
         config = uvicorn.Config(
@@ -574,9 +578,22 @@ class HttpServer:
                 raise RuntimeError("the OpenAI API server stopped before it started")
             await asyncio.sleep(0.01)
         sockets = [s for server in self._server.servers for s in server.sockets]
+        if config.ssl is not None:
+            assert self.tls_cert_file and self.tls_key_file and self.tls_client_ca_file
+            context = ReloadingSslContext(
+                config.ssl, self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file
+            )
+            self._tls_watch = asyncio.create_task(self._watch_tls(context), name="openai-tls")
         return int(sockets[0].getsockname()[1])
 
+    async def _watch_tls(self, context: ReloadingSslContext) -> None:
+        while True:
+            await asyncio.sleep(self.tls_check_seconds)
+            context.reload()
+
     async def stop(self) -> None:
+        if self._tls_watch is not None:
+            self._tls_watch.cancel()
         if self._server is None or self._task is None:
             return
         self._server.should_exit = True
