@@ -8,6 +8,11 @@ BIN := $(VENV)/bin
 VLLM_TARGET ?= cpu
 TINY_MODEL := models/tiny-llama
 SETUP_STAMP := $(VENV)/.setup-$(VLLM_TARGET)
+# Tools whose own pins conflict with the project's (checkov: the Helm chart's policy scan in
+# tests/unit/test_helm_envoy.py): a venv of their own, inside .venv so `make clean` and
+# .gitignore cover it, pinned by requirements/lock-tools.txt.
+TOOLS_VENV := $(VENV)/tools
+TOOLS_STAMP := $(TOOLS_VENV)/.setup
 PYTEST_ARGS ?=
 
 .PHONY: help setup prometheus ops-page proto proto-check dashboards lint test test-unit chaos up down status logs lock clean envoy-config chart images loadtest bench certs
@@ -27,7 +32,7 @@ help:
 	@echo "make images  build the container images (needs docker; IMAGE_PREFIX, IMAGE_TAG)"
 	@echo "make docs    regenerate docs/settings.md's tables from the settings classes"
 
-setup: $(SETUP_STAMP) $(TINY_MODEL)/tokenmesh-tiny.json prometheus ops-page
+setup: $(SETUP_STAMP) $(TOOLS_STAMP) $(TINY_MODEL)/tokenmesh-tiny.json prometheus ops-page
 
 # The live ops page (ops/): TypeScript, its gRPC-Web client generated from ops.proto by
 # protoc-gen-es (npm) through grpc_tools' protoc, bundled by esbuild into ops/dist, which the
@@ -84,6 +89,24 @@ endif
 	  "opentelemetry-proto==$$($(BIN)/python -c 'from importlib.metadata import version; print(version("opentelemetry-proto"))')"
 	$(BIN)/python -c "from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope"
 	touch $@
+
+$(TOOLS_STAMP): requirements/lock-tools.txt | $(SETUP_STAMP)
+	test -x $(TOOLS_VENV)/bin/python || $(PYTHON) -m venv $(TOOLS_VENV)
+	$(TOOLS_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(TOOLS_VENV)/bin/python -m pip install --quiet --no-deps -r requirements/lock-tools.txt
+	$(TOOLS_VENV)/bin/checkov --version
+	touch $@
+
+# Re-pin the tools' venv from its top-level requirement (after changing CHECKOV_VERSION).
+CHECKOV_VERSION ?= $(shell sed -n 's/^checkov==//p' requirements/lock-tools.txt)
+.PHONY: lock-tools
+lock-tools:
+	rm -rf $(TOOLS_VENV).new && $(PYTHON) -m venv $(TOOLS_VENV).new
+	$(TOOLS_VENV).new/bin/python -m pip install --quiet "checkov==$(CHECKOV_VERSION)"
+	sed -n '/^#/p' requirements/lock-tools.txt > requirements/lock-tools.body
+	$(TOOLS_VENV).new/bin/python -m pip freeze --all | grep -v -e '^pip==' -e '^setuptools==' >> requirements/lock-tools.body
+	mv requirements/lock-tools.body requirements/lock-tools.txt
+	rm -rf $(TOOLS_VENV).new
 
 $(TINY_MODEL)/tokenmesh-tiny.json: scripts/make_tiny_model.py | $(SETUP_STAMP)
 	$(BIN)/python scripts/make_tiny_model.py $(TINY_MODEL) --force

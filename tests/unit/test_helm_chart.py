@@ -1,14 +1,16 @@
-"""The Helm chart, rendered offline (Helm v4 as a library, PyPI helm-python-sdk) for nine value
-sets and every manifest validated strictly against Kubernetes 1.33's schemas (PyPI
+"""The Helm chart, rendered offline (Helm v4 as a library, PyPI helm-python-sdk) for every value
+set below and every manifest validated strictly against Kubernetes 1.33's schemas (PyPI
 kubernetes-validate); then the facts that matter asserted on the rendered objects: GPUs on
 workers only, native gRPC probes on the right ports, NetworkPolicies that select the right
 pods, an Envoy config the real Envoy accepts, discovery wiring, TLS, API keys, autoscaling,
-mTLS, monitoring.
+mTLS, monitoring, names that fit for any release name, shutdown timing, model storage, the
+pods' extension points, and the value combinations refused at render time.
 No cluster is involved."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -22,12 +24,18 @@ import kubernetes_validate
 import pytest
 import yaml
 from helm_python import _native
+from prometheus_client import CollectorRegistry
 
 from tests.support import ROOT
 from tests.unit.test_meshconfig import envoy_validate
+from tokenmesh.common.metrics import StreamMetrics
 from tokenmesh.common.tenants import Limits
+from tokenmesh.controlplane.config import ControlPlaneSettings
 from tokenmesh.gateway.auth import KeysFile
+from tokenmesh.gateway.config import GatewaySettings
 from tokenmesh.localmesh.certs import ENVOY_CLIENT, CertMaker, CertPaths, CertSettings
+from tokenmesh.reranker.config import RerankerSettings
+from tokenmesh.worker.config import WorkerSettings
 
 CHART = ROOT / "helm" / "tokenmesh"
 KUBE_VERSION = "1.33.0"
@@ -42,13 +50,85 @@ HEALTH_SERVICES = {
     "controlplane": "envoy.service.discovery.v3.AggregatedDiscoveryService",
 }
 # Custom resources: no Kubernetes schema; their shape is asserted below instead.
-CUSTOM_KINDS = {"ServiceMonitor", "PrometheusRule", "Certificate"}
+CUSTOM_KINDS = {"ServiceMonitor", "PrometheusRule", "Certificate", "ScaledObject"}
+CUSTOM_APIS = {"monitoring.coreos.com/v1", "cert-manager.io/v1", "keda.sh/v1alpha1"}
 OPERATOR_APIS = (
     "monitoring.coreos.com/v1/ServiceMonitor",
     "monitoring.coreos.com/v1/PrometheusRule",
     "cert-manager.io/v1/Certificate",
 )
 CONSUL_ADDRESS = "http://consul-server.consul.svc:8500"
+# The longest release name Helm accepts (53 characters).
+LONG_RELEASE = "production-llm-inference-us-east-1-canary-blue-000001"
+DEFAULTS = yaml.safe_load((CHART / "values.yaml").read_text())
+
+
+def extension_values(component: str) -> dict[str, Any]:
+    """Every pod extension point of a component set to something recognisable."""
+    return {
+        "podAnnotations": {"example.com/team": "llm"},
+        "podLabels": {"example.com/tier": component},
+        "priorityClassName": "inference-high",
+        "runtimeClassName": "nvidia" if component == "worker" else "",
+        "nodeSelector": {"example.com/pool": component},
+        "tolerations": [
+            {"key": "dedicated", "operator": "Equal", "value": component, "effect": "NoSchedule"}
+        ],
+        "affinity": {
+            "nodeAffinity": {
+                "preferredDuringSchedulingIgnoredDuringExecution": [
+                    {
+                        "weight": 10,
+                        "preference": {
+                            "matchExpressions": [
+                                {"key": "example.com/pool", "operator": "In", "values": ["a"]}
+                            ]
+                        },
+                    }
+                ]
+            }
+        },
+        "topologySpreadConstraints": [
+            {
+                "maxSkew": 2,
+                "topologyKey": "topology.kubernetes.io/zone",
+                "whenUnsatisfiable": "DoNotSchedule",
+            }
+        ],
+        "extraEnv": [
+            {
+                "name": "EXAMPLE_TOKEN",
+                "valueFrom": {"secretKeyRef": {"name": "example", "key": "token"}},
+            },
+            {"name": "EXAMPLE_MODE", "value": "on"},
+        ],
+        "extraVolumes": [{"name": "extra", "configMap": {"name": "example"}}],
+        "extraVolumeMounts": [{"name": "extra", "mountPath": "/etc/example", "readOnly": True}],
+        "serviceAccount": {
+            "name": f"{component}-account",
+            "annotations": {"iam.example.com/role": component},
+        },
+        "resources": {"requests": {"cpu": "1", "memory": "3Gi"}, "limits": {"memory": "4Gi"}},
+    }
+
+
+def python_extension_values(component: str, scale: int) -> dict[str, Any]:
+    """extension_values plus probe timings and shutdown times that differ per component."""
+    return {
+        **extension_values(component),
+        "probes": {
+            "startup": {"periodSeconds": 3 + scale, "timeoutSeconds": 2, "failureThreshold": 11},
+            "readiness": {"periodSeconds": 4 + scale, "timeoutSeconds": 3, "failureThreshold": 4},
+            "liveness": {"periodSeconds": 9 + scale, "timeoutSeconds": 7, "failureThreshold": 5},
+        },
+        "shutdown": {
+            "graceSeconds": 12 + scale,
+            "preStopSleepSeconds": 3,
+            "marginSeconds": 4,
+            "terminationGracePeriodSeconds": 40 + scale,
+        },
+    }
+
 
 # name -> (values, extra API versions the simulated cluster serves)
 VALUE_SETS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
@@ -61,7 +141,7 @@ VALUE_SETS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
                 "gpu": {"count": 4},
                 "model": {
                     "name": "Llama-3.1-70B-Instruct",
-                    "pvc": {"existingClaim": "models"},
+                    "storage": {"type": "existingClaim", "existingClaim": {"claimName": "models"}},
                     "hfToken": {"secretName": "hf", "secretKey": "token"},
                 },
             }
@@ -96,18 +176,79 @@ VALUE_SETS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
         },
         OPERATOR_APIS,
     ),
+    "extensions": (
+        {
+            "gateway": python_extension_values("gateway", 1),
+            "worker": {
+                **python_extension_values("worker", 2),
+                "shmSize": "1Gi",
+                "updateStrategy": {"rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            },
+            "reranker": python_extension_values("reranker", 3),
+            "controlplane": python_extension_values("controlplane", 4),
+            "envoy": extension_values("envoy"),
+        },
+        (),
+    ),
+    "pvc": (
+        {
+            "worker": {
+                "replicas": 3,
+                "model": {
+                    "storage": {
+                        "type": "pvc",
+                        "pvc": {
+                            "size": "500Gi",
+                            "storageClassName": "shared-files",
+                            "accessMode": "ReadWriteMany",
+                        },
+                    }
+                },
+            }
+        },
+        (),
+    ),
+    "keda": (
+        {
+            "gateway": {"autoscaling": {"enabled": True}},
+            "worker": {"keda": {"enabled": True, "maxReplicaCount": 6, "ttft": {"enabled": True}}},
+        },
+        (),
+    ),
+    # Every kind of object the chart can make, under the longest release name.
+    "long-release": (
+        {
+            "envoy": {"tls": {"enabled": True, "certManager": {"issuerRef": {"name": "ca"}}}},
+            "mtls": {"enabled": True, "certManager": {"issuerRef": {"name": "mesh-ca"}}},
+            "gateway": {"autoscaling": {"enabled": True}},
+            "worker": {
+                "keda": {"enabled": True, "ttft": {"enabled": True}},
+                "model": {"storage": {"type": "pvc"}},
+            },
+            "monitoring": {
+                "serviceMonitor": {"enabled": True},
+                "prometheusRule": {"enabled": True},
+            },
+        },
+        OPERATOR_APIS,
+    ),
 }
+# Value sets rendered under another release name than RELEASE.
+RELEASE_NAMES = {"long-release": LONG_RELEASE}
 
 
 def render(
-    values: dict[str, Any], api_versions: tuple[str, ...] = (), chart: Path = CHART
+    values: dict[str, Any],
+    api_versions: tuple[str, ...] = (),
+    chart: Path = CHART,
+    release: str = RELEASE,
 ) -> dict[str, str]:
     """`helm template` for Kubernetes KUBE_VERSION with api_versions served (the Prometheus
     Operator's and cert-manager's CRDs). Chart.render takes neither option; the native call
     behind it does."""
     with helm_python.Chart.load(chart) as loaded:
         options = {
-            "name": RELEASE,
+            "name": release,
             "namespace": NAMESPACE,
             "kube_version": f"v{KUBE_VERSION}",
             "api_versions": list(api_versions),
@@ -165,7 +306,10 @@ class Release:
 @pytest.fixture(scope="module")
 def releases() -> dict[str, Release]:
     """Every value set rendered once."""
-    return {name: Release(render(values, apis)) for name, (values, apis) in VALUE_SETS.items()}
+    return {
+        name: Release(render(values, apis, release=RELEASE_NAMES.get(name, RELEASE)))
+        for name, (values, apis) in VALUE_SETS.items()
+    }
 
 
 def pod_labels(release: Release, component: str) -> dict[str, str]:
@@ -205,7 +349,7 @@ def test_every_manifest_is_valid_for_the_kubernetes_version(
     assert {"Deployment", "Service", "ConfigMap", "PodDisruptionBudget", "NetworkPolicy"} <= kinds
     for item in release.objects:
         if item["kind"] in CUSTOM_KINDS:
-            assert item["apiVersion"] in {"monitoring.coreos.com/v1", "cert-manager.io/v1"}
+            assert item["apiVersion"] in CUSTOM_APIS
             assert item["spec"], item["metadata"]["name"]
             continue
         kubernetes_validate.validate(item, KUBE_VERSION, strict=True)
@@ -237,6 +381,23 @@ def test_schema_accepts_the_value_sets_and_rejects_bad_values() -> None:
                 "/gateway/auth/keys/tenants/a/key_sha256/0",
             ),
             ({"gateway": {"auth": {"keys": {"defaults": {"rps": 1}}}}}, "/gateway/auth/keys"),
+            ({"worker": {"podAnnotations": {"a": 1}}}, "/worker/podAnnotations/a"),
+            ({"gateway": {"extraEnv": [{"value": "x"}]}}, "/gateway/extraEnv/0"),
+            ({"envoy": {"extraEnv": {"A": "b"}}}, "/envoy/extraEnv"),
+            ({"reranker": {"tolerations": {"key": "x"}}}, "/reranker/tolerations"),
+            ({"controlplane": {"priorityClassName": 5}}, "/controlplane/priorityClassName"),
+            ({"envoy": {"runtimeClassName": ["gvisor"]}}, "/envoy/runtimeClassName"),
+            ({"worker": {"topologySpreadConstraints": [{"maxSkew": 1}]}}, "/worker/topology"),
+            ({"gateway": {"serviceAccount": {"automount": True}}}, "/gateway/serviceAccount"),
+            ({"worker": {"extraVolumeMounts": [{"name": "x"}]}}, "/worker/extraVolumeMounts/0"),
+            ({"reranker": {"extraVolumes": [{"emptyDir": {}}]}}, "/reranker/extraVolumes/0"),
+            ({"worker": {"probes": {"liveness": {"timeoutSeconds": "5s"}}}}, "/worker/probes"),
+            ({"gateway": {"shutdown": {"graceSeconds": -1}}}, "/gateway/shutdown/graceSeconds"),
+            ({"worker": {"model": {"storage": {"type": "hostPath"}}}}, "/worker/model/storage"),
+            ({"worker": {"shmSize": "8 GB"}}, "/worker/shmSize"),
+            ({"worker": {"updateStrategy": {"type": "OnDelete"}}}, "/worker/updateStrategy"),
+            ({"worker": {"keda": {"queue": {"threshold": 4}}}}, "/worker/keda/queue/threshold"),
+            ({"worker": {"startupProbe": {"periodSeconds": 5}}}, "/worker"),
         ]
         for values, where in bad:
             with pytest.raises(helm_python.HelmValuesError, match=where):
@@ -419,9 +580,9 @@ def test_envoy_reaches_the_control_plane_and_gateways_reach_envoy(
     assert [p["targetPort"] for p in edge["spec"]["ports"]] == ["edge"]
     envoy = release.container("envoy")
     assert port_number(envoy, "edge") == listeners["edge"]["port_value"]
-    assert envoy["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "admin"}
-    assert envoy["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "15"]
-    assert port_number(envoy, "admin") == config["admin"]["address"]["socket_address"]["port_value"]
+    # Probes, preStop and admin in detail: tests/unit/test_helm_envoy.py.
+    assert envoy["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "stats"}
+    assert port_number(envoy, "stats") == listeners["stats"]["port_value"]
 
 
 def test_kubernetes_discovery_resolves_every_headless_service(
@@ -544,7 +705,7 @@ def test_pods_run_as_non_root_without_capabilities(
             context = container["securityContext"]
             assert context["capabilities"]["drop"] == ["ALL"]
             assert context["allowPrivilegeEscalation"] is False
-            read_only = deployment["metadata"]["name"] != f"{PREFIX}-worker"
+            read_only = deployment["metadata"]["labels"]["app.kubernetes.io/component"] != "worker"
             assert context["readOnlyRootFilesystem"] is read_only
 
 
@@ -872,5 +1033,438 @@ def test_notes_say_how_to_reach_the_edge(releases: dict[str, Release]) -> None:
     notes = releases["defaults"].manifests["tokenmesh/templates/NOTES.txt"]
     assert f"kubectl -n {NAMESPACE} port-forward svc/{PREFIX}-envoy 8080:8080" in notes
     assert "grpcurl -plaintext" in notes and "tokenmesh.v1.LLMService/Generate" in notes
+    # Admin listens on the pod's loopback only: reached through the pod, not a Service.
+    assert f"port-forward deploy/{PREFIX}-envoy 9901:9901" in notes
     tls_notes = releases["tls"].manifests["tokenmesh/templates/NOTES.txt"]
     assert "grpcurl -insecure" in tls_notes and "https://" in tls_notes
+
+
+# ---- names
+
+
+DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+
+
+def label_sets(item: dict[str, Any]) -> Iterator[dict[str, str]]:
+    """An object's labels, its pod template's and its selector's."""
+    yield item["metadata"].get("labels", {})
+    spec = item.get("spec") or {}
+    if isinstance(spec, dict):
+        yield spec.get("template", {}).get("metadata", {}).get("labels", {})
+        selector = spec.get("selector") or {}
+        yield selector.get("matchLabels", selector if item["kind"] == "Service" else {})
+
+
+def test_every_name_and_label_fits_for_the_longest_release_name(
+    releases: dict[str, Release],
+) -> None:
+    assert len(LONG_RELEASE) == 53
+    release = releases["long-release"]
+    kinds = {o["kind"] for o in release.objects}
+    assert {
+        "Certificate",
+        "HorizontalPodAutoscaler",
+        "PersistentVolumeClaim",
+        "ScaledObject",
+        "ServiceAccount",
+        "ServiceMonitor",
+    } <= kinds
+    names = [(o["kind"], o["metadata"]["name"]) for o in release.objects]
+    assert len(set(names)) == len(names), "two objects of a kind share a name"
+    for kind, name in names:
+        assert len(name) <= 63 and DNS_LABEL.match(name), (kind, name)
+    for item in release.objects:
+        for labels in label_sets(item):
+            for key, value in labels.items():
+                assert len(str(value)) <= 63 and LABEL_VALUE.match(str(value)), (key, value)
+    # Names built on a component's name elsewhere: Secrets, KEDA's own HPA, DNS names.
+    for certificate in release.all("Certificate"):
+        assert len(certificate["spec"]["secretName"]) <= 63
+    scaled = release.all("ScaledObject")[0]["metadata"]["name"]
+    assert len(f"keda-hpa-{scaled}") <= 63
+    # Every name one object gives another is one the chart made.
+    services = {s["metadata"]["name"] for s in release.all("Service")}
+    deployments = {d["metadata"]["name"]: d for d in release.all("Deployment")}
+    for deployment in deployments.values():
+        pod = deployment["spec"]["template"]["spec"]
+        assert release.has("ServiceAccount", pod["serviceAccountName"])
+        for container in pod["containers"]:
+            for variable in container.get("env", []):
+                if variable["name"].endswith(("_WORKER_ADDRESS", "_RERANKER_ADDRESS")):
+                    assert variable["value"].rpartition(":")[0] in services
+                if variable["name"] == "TOKENMESH_CONTROLPLANE_DNS_TARGETS":
+                    for target in json.loads(variable["value"]).values():
+                        assert target.split(".")[0] in services
+        for volume in pod["volumes"]:
+            if "persistentVolumeClaim" in volume:
+                claim = volume["persistentVolumeClaim"]["claimName"]
+                assert release.has("PersistentVolumeClaim", claim)
+    assert release.all("ScaledObject")[0]["spec"]["scaleTargetRef"]["name"] in deployments
+    # The prefix is cut, not the component's part of the name.
+    prefix = LONG_RELEASE[:41]
+    assert f"{prefix}-controlplane-headless" in services
+    assert f"{prefix}-worker" in deployments
+
+
+# ---- probes and shutdown
+
+
+PROBES = {"startupProbe": "startup", "readinessProbe": "readiness", "livenessProbe": "liveness"}
+
+
+def test_probe_timings_come_from_values(releases: dict[str, Release]) -> None:
+    for value_set, values in (
+        ("extensions", VALUE_SETS["extensions"][0]),
+        ("defaults", DEFAULTS),
+    ):
+        release = releases[value_set]
+        for component in PYTHON_COMPONENTS:
+            container = release.container(component)
+            for kind, key in PROBES.items():
+                expected = values[component]["probes"][key]
+                assert {k: container[kind][k] for k in expected} == expected, (component, kind)
+    # By default a saturated worker, whose health check answers in a few seconds, stays ready
+    # and alive; a hung one is restarted within minutes; the model gets half an hour to load.
+    worker = releases["defaults"].container("worker")
+    for kind in PROBES:
+        assert worker[kind]["timeoutSeconds"] >= 5, kind
+    liveness = worker["livenessProbe"]
+    assert 60 <= liveness["periodSeconds"] * liveness["failureThreshold"] <= 300
+    assert liveness["timeoutSeconds"] >= 10
+    startup = worker["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 30 * 60
+
+
+SETTINGS = {
+    "gateway": GatewaySettings,
+    "worker": WorkerSettings,
+    "reranker": RerankerSettings,
+    "controlplane": ControlPlaneSettings,
+}
+
+
+def test_termination_grace_covers_prestop_service_grace_and_margin(
+    releases: dict[str, Release],
+) -> None:
+    for value_set, values in (
+        ("extensions", VALUE_SETS["extensions"][0]),
+        ("defaults", DEFAULTS),
+    ):
+        release = releases[value_set]
+        for component in PYTHON_COMPONENTS:
+            shutdown = values[component]["shutdown"]
+            settings = SETTINGS[component]
+            # The setting the service really reads for its grace.
+            variable = f"{settings.model_config['env_prefix']}GRACE_SECONDS"
+            assert "grace_seconds" in settings.model_fields
+            assert release.env(component)[variable] == str(shutdown["graceSeconds"])
+            needed = (
+                shutdown["preStopSleepSeconds"]
+                + shutdown["graceSeconds"]
+                + shutdown["marginSeconds"]
+            )
+            pod = release.deployment(component)["spec"]["template"]["spec"]
+            period = pod["terminationGracePeriodSeconds"]
+            assert period == (shutdown["terminationGracePeriodSeconds"] or needed)
+            assert period >= needed
+            container = release.container(component)
+            if shutdown["preStopSleepSeconds"]:
+                assert container["lifecycle"]["preStop"]["exec"]["command"] == [
+                    "sleep",
+                    str(shutdown["preStopSleepSeconds"]),
+                ]
+            else:
+                assert "lifecycle" not in container
+    # Generations get a long grace by default, and vLLM time to stop after it.
+    worker = DEFAULTS["worker"]["shutdown"]
+    assert worker["graceSeconds"] >= 30 and worker["marginSeconds"] >= 10
+
+
+# ---- chart upgrades
+
+
+def test_a_chart_bump_restarts_no_pod(releases: dict[str, Release], tmp_path: Path) -> None:
+    for release in releases.values():
+        for deployment in release.all("Deployment"):
+            template = deployment["spec"]["template"]["metadata"]
+            keys = set(template.get("labels", {})) | set(template.get("annotations", {}))
+            assert not keys & {"helm.sh/chart", "app.kubernetes.io/version"}
+            assert {"helm.sh/chart", "app.kubernetes.io/version"} <= set(
+                deployment["metadata"]["labels"]
+            )
+    chart = tmp_path / "tokenmesh"
+    shutil.copytree(CHART, chart)
+    meta = chart / "Chart.yaml"
+    meta.write_text(re.sub(r"(?m)^version: .*$", "version: 9.9.9", meta.read_text()))
+    before = releases["defaults"]
+    after = Release(render({}, chart=chart))
+    for deployment in before.all("Deployment"):
+        bumped = after.get("Deployment", deployment["metadata"]["name"])
+        assert bumped["metadata"]["labels"]["helm.sh/chart"] == "tokenmesh-9.9.9"
+        assert bumped["spec"]["template"] == deployment["spec"]["template"]
+
+
+# ---- model storage and rollouts
+
+
+def worker_volumes(release: Release) -> dict[str, dict[str, Any]]:
+    pod = release.deployment("worker")["spec"]["template"]["spec"]
+    return {v["name"]: v for v in pod["volumes"]}
+
+
+def test_model_storage_is_an_emptydir_a_chart_claim_or_an_existing_claim(
+    releases: dict[str, Release],
+) -> None:
+    # emptyDir: its size limit, requested as ephemeral storage so the node has the disk.
+    release = releases["defaults"]
+    volumes = worker_volumes(release)
+    assert volumes["cache"]["emptyDir"] == {"sizeLimit": "100Gi"}
+    assert release.container("worker")["resources"]["requests"]["ephemeral-storage"] == "100Gi"
+    assert release.all("PersistentVolumeClaim") == []
+    cpu = releases["cpu"]
+    assert worker_volumes(cpu)["cache"]["emptyDir"] == {"sizeLimit": "2Gi"}
+    # A claim the chart makes, shared by every worker: the hub's cache is on it.
+    release = releases["pvc"]
+    claim = release.get("PersistentVolumeClaim", f"{PREFIX}-worker-models")
+    assert claim["spec"] == {
+        "accessModes": ["ReadWriteMany"],
+        "storageClassName": "shared-files",
+        "resources": {"requests": {"storage": "500Gi"}},
+    }
+    assert worker_volumes(release)["cache"]["persistentVolumeClaim"] == {
+        "claimName": claim["metadata"]["name"]
+    }
+    mounts = {m["name"]: m["mountPath"] for m in release.container("worker")["volumeMounts"]}
+    assert mounts["cache"] == "/cache"
+    assert release.env("worker")["HF_HOME"] == "/cache/huggingface"
+    assert "ephemeral-storage" not in release.container("worker")["resources"]["requests"]
+    # The cluster's default StorageClass unless one is named.
+    default_class = Release(render({"worker": {"model": {"storage": {"type": "pvc"}}}}))
+    spec = default_class.get("PersistentVolumeClaim", f"{PREFIX}-worker-models")["spec"]
+    assert "storageClassName" not in spec and spec["accessModes"] == ["ReadWriteOnce"]
+    # An existing claim (multi-gpu): read-only, the compile caches on an emptyDir.
+    volumes = worker_volumes(releases["multi-gpu"])
+    assert volumes["model"]["persistentVolumeClaim"]["claimName"] == "models"
+    assert "emptyDir" in volumes["cache"]
+
+
+def test_worker_memory_and_shared_memory_come_from_values(releases: dict[str, Release]) -> None:
+    for value_set, shm, memory in (("defaults", "8Gi", "48Gi"), ("cpu", "1Gi", "6Gi")):
+        release = releases[value_set]
+        dshm = worker_volumes(release)["dshm"]["emptyDir"]
+        assert dshm == {"medium": "Memory", "sizeLimit": shm}
+        assert release.container("worker")["resources"]["limits"]["memory"] == memory
+    release = releases["extensions"]
+    assert worker_volumes(release)["dshm"]["emptyDir"]["sizeLimit"] == "1Gi"
+    assert release.container("worker")["resources"]["limits"]["memory"] == "4Gi"
+
+
+def test_workers_roll_without_a_spare_gpu_by_default(releases: dict[str, Release]) -> None:
+    strategy = releases["defaults"].deployment("worker")["spec"]["strategy"]
+    assert strategy == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1},
+    }
+    configured = releases["extensions"].deployment("worker")["spec"]["strategy"]
+    assert configured["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+
+
+# ---- extension points
+
+
+def test_every_component_takes_the_pod_extension_points(releases: dict[str, Release]) -> None:
+    values, _ = VALUE_SETS["extensions"]
+    release = releases["extensions"]
+    for component in (*PYTHON_COMPONENTS, "envoy"):
+        expected = values[component]
+        template = release.deployment(component)["spec"]["template"]
+        pod = template["spec"]
+        container = release.container(component)
+        assert template["metadata"]["annotations"]["example.com/team"] == "llm"
+        assert template["metadata"]["labels"]["example.com/tier"] == component
+        assert pod["priorityClassName"] == "inference-high"
+        assert pod.get("runtimeClassName") == ("nvidia" if component == "worker" else None)
+        for key in ("nodeSelector", "tolerations", "affinity"):
+            assert pod[key] == expected[key], (component, key)
+        # A constraint without a labelSelector spreads the component's own pods.
+        [spread] = pod["topologySpreadConstraints"]
+        selector = spread.pop("labelSelector")["matchLabels"]
+        assert spread == expected["topologySpreadConstraints"][0]
+        assert selects(selector, pod_labels(release, component))
+        assert not selects(
+            selector, pod_labels(release, "gateway" if component != "gateway" else "worker")
+        )
+        for variable in expected["extraEnv"]:
+            assert variable in container["env"], (component, variable)
+        assert expected["extraVolumes"][0] in pod["volumes"]
+        assert expected["extraVolumeMounts"][0] in container["volumeMounts"]
+        for section, wanted in expected["resources"].items():
+            assert wanted.items() <= container["resources"][section].items(), component
+        assert pod["serviceAccountName"] == f"{component}-account"
+        assert pod["automountServiceAccountToken"] is False
+        account = release.get("ServiceAccount", f"{component}-account")
+        assert account["metadata"]["annotations"] == {"iam.example.com/role": component}
+        assert account["automountServiceAccountToken"] is False
+    # Envoy keeps its config checksum beside the pod annotations.
+    envoy = release.deployment("envoy")["spec"]["template"]["metadata"]["annotations"]
+    assert "checksum/config" in envoy
+    # Defaults: a ServiceAccount per component; workers and gateways spread over nodes and
+    # zones where they can.
+    defaults = releases["defaults"]
+    for component in (*PYTHON_COMPONENTS, "envoy"):
+        pod = defaults.deployment(component)["spec"]["template"]["spec"]
+        assert pod["serviceAccountName"] == f"{PREFIX}-{component}"
+        account = defaults.get("ServiceAccount", f"{PREFIX}-{component}")
+        assert account["automountServiceAccountToken"] is False
+        spread = pod.get("topologySpreadConstraints", [])
+        if component in ("worker", "gateway"):
+            assert {c["topologyKey"] for c in spread} == {
+                "kubernetes.io/hostname",
+                "topology.kubernetes.io/zone",
+            }
+            for constraint in spread:
+                assert constraint["whenUnsatisfiable"] == "ScheduleAnyway"
+                assert selects(
+                    constraint["labelSelector"]["matchLabels"], pod_labels(defaults, component)
+                )
+        else:
+            assert spread == []
+    # An existing ServiceAccount: none made.
+    existing = Release(render({"gateway": {"serviceAccount": {"create": False, "name": "gw"}}}))
+    assert not existing.has("ServiceAccount", f"{PREFIX}-gateway")
+    assert existing.deployment("gateway")["spec"]["template"]["spec"]["serviceAccountName"] == "gw"
+
+
+# ---- autoscaling with KEDA
+
+
+def test_keda_scales_workers_on_queue_depth_and_ttft(releases: dict[str, Release]) -> None:
+    release = releases["keda"]
+    scaled = release.get("ScaledObject", f"{PREFIX}-worker")
+    assert scaled["apiVersion"] == "keda.sh/v1alpha1"
+    spec = scaled["spec"]
+    assert spec["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": release.deployment("worker")["metadata"]["name"],
+    }
+    assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (1, 6)
+    # KEDA owns the workers' replica count; the gateways keep their CPU autoscaler.
+    assert "replicas" not in release.deployment("worker")["spec"]
+    assert [h["metadata"]["name"] for h in release.all("HorizontalPodAutoscaler")] == [
+        f"{PREFIX}-gateway"
+    ]
+    triggers = {t["name"]: t for t in spec["triggers"]}
+    assert set(triggers) == {"queue", "ttft"}
+    series = f'namespace="{NAMESPACE}",job="{PREFIX}-worker-headless"'
+    for trigger in triggers.values():
+        assert trigger["type"] == "prometheus"
+        metadata = trigger["metadata"]
+        assert metadata["serverAddress"] == DEFAULTS["worker"]["keda"]["serverAddress"]
+        assert isinstance(metadata["threshold"], str) and float(metadata["threshold"]) > 0
+        assert series in metadata["query"]
+    queue = triggers["queue"]
+    assert queue["metricType"] == "AverageValue"
+    assert queue["metadata"]["query"].startswith("sum(tokenmesh_worker_waiting_requests{")
+    ttft = triggers["ttft"]
+    assert ttft["metricType"] == "Value"
+    query = ttft["metadata"]["query"]
+    assert "histogram_quantile(0.9, sum by (le) (rate(tokenmesh_ttft_seconds_bucket{" in query
+    # The names the worker really exports.
+    assert (
+        '"tokenmesh_worker_waiting_requests"'
+        in (ROOT / "services" / "tokenmesh" / "worker" / "app.py").read_text()
+    )
+    registry = CollectorRegistry()
+    StreamMetrics(registry)
+    assert "tokenmesh_ttft_seconds" in {family.name for family in registry.collect()}
+    # The behaviour is a valid HPA behaviour: add workers one at a time, remove them slowly.
+    behavior = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+    hpa = json.loads(json.dumps(release.get("HorizontalPodAutoscaler", f"{PREFIX}-gateway")))
+    hpa["spec"]["behavior"] = behavior
+    kubernetes_validate.validate(hpa, KUBE_VERSION, strict=True)
+    assert behavior["scaleDown"]["stabilizationWindowSeconds"] >= 300
+    assert behavior["scaleUp"]["policies"] == [{"type": "Pods", "value": 1, "periodSeconds": 60}]
+    # The queue alone by default; a query of one's own.
+    own = Release(
+        render({"worker": {"keda": {"enabled": True, "queue": {"query": "sum(my_queue)"}}}})
+    )
+    [trigger] = own.get("ScaledObject", f"{PREFIX}-worker")["spec"]["triggers"]
+    assert trigger["metadata"]["query"] == "sum(my_queue)"
+    assert releases["defaults"].all("ScaledObject") == []
+
+
+# ---- combinations that can never work
+
+
+IMPOSSIBLE: list[tuple[dict[str, Any], str]] = [
+    (
+        {"discovery": {"mode": "consul"}, "mtls": {"enabled": True, "existingSecret": "m"}},
+        "discovery.mode=consul cannot be combined with mtls.enabled",
+    ),
+    (
+        {"worker": {"autoscaling": {"enabled": True}, "keda": {"enabled": True}}},
+        "worker.autoscaling.enabled and worker.keda.enabled cannot both be on",
+    ),
+    (
+        {"worker": {"keda": {"enabled": True, "queue": {"enabled": False}}}},
+        "worker.keda.enabled needs a trigger",
+    ),
+    (
+        {"gateway": {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}},
+        r"gateway.autoscaling.minReplicas \(5\) is above maxReplicas \(2\)",
+    ),
+    (
+        {"worker": {"keda": {"enabled": True, "minReplicaCount": 3, "maxReplicaCount": 2}}},
+        r"worker.keda.minReplicaCount \(3\) is above maxReplicaCount \(2\)",
+    ),
+    (
+        {"worker": {"updateStrategy": {"rollingUpdate": {"maxSurge": 0, "maxUnavailable": 0}}}},
+        "maxSurge and maxUnavailable cannot both be 0",
+    ),
+    (
+        {"worker": {"model": {"storage": {"type": "existingClaim"}}}},
+        "needs worker.model.storage.existingClaim.claimName",
+    ),
+    (
+        {
+            "worker": {
+                "replicas": 2,
+                "model": {"storage": {"type": "pvc", "pvc": {"accessMode": "ReadWriteOncePod"}}},
+            }
+        },
+        "accessMode=ReadWriteOncePod mounts the claim in one pod only",
+    ),
+    (
+        {"worker": {"shmSize": "48Gi"}},
+        r"worker.shmSize \(48Gi\) must be below worker.resources.limits.memory \(48Gi\)",
+    ),
+    ({"gateway": {"metricsPort": 50051}}, r"gateway: metricsPort and port are the same port"),
+    (
+        {"mtls": {"enabled": True, "existingSecret": "m", "healthPort": 9461}},
+        r"worker: metricsPort and mtls.healthPort are the same port \(9461\)",
+    ),
+    (
+        {"worker": {"shutdown": {"terminationGracePeriodSeconds": 30}}},
+        r"worker.shutdown.terminationGracePeriodSeconds \(30\) is below .* \(85\)",
+    ),
+    (
+        {"gateway": {"env": {"TOKENMESH_GATEWAY_GRACE_SECONDS": "5"}}},
+        "set TOKENMESH_GATEWAY_GRACE_SECONDS with shutdown.graceSeconds",
+    ),
+    (
+        {"reranker": {"podLabels": {"app.kubernetes.io/component": "x"}}},
+        "reranker.podLabels may not set app.kubernetes.io/component",
+    ),
+]
+
+
+@pytest.mark.parametrize(("values", "message"), IMPOSSIBLE)
+def test_combinations_that_cannot_work_fail_with_the_reason(
+    values: dict[str, Any], message: str
+) -> None:
+    with helm_python.Chart.load(CHART) as chart:
+        chart.validate_schema(values)  # refused by the templates, not the schema
+    with pytest.raises(helm_python.HelmRenderError, match=message):
+        render(values)

@@ -56,8 +56,9 @@ def test_committed_config_is_the_rendered_one() -> None:
         MeshSettings(),
         MeshSettings(edge_port=18080, internal_host="0.0.0.0", retry_attempts=0),
         MeshSettings(direct_token_path=False),
+        MeshSettings(stats_port=19902),
     ],
-    ids=["defaults", "custom", "gateway token path"],
+    ids=["defaults", "custom", "gateway token path", "stats listener"],
 )
 def test_envoy_accepts_the_rendered_config(settings: MeshSettings, tmp_path: Path) -> None:
     path = tmp_path / "envoy.yaml"
@@ -595,3 +596,83 @@ def test_the_openai_cluster_speaks_mtls_to_the_gateways_http_port(certs: CertPat
     assert "transport_socket_match_criteria" not in check
     assert "typed_extension_protocol_options" not in found["openai"]  # HTTP/1.1 to uvicorn
     assert "transport_socket" not in clusters(render(MeshSettings()))["openai"]
+
+
+def routed(routes: list[dict], method: str, path: str) -> str:
+    """Where a route table sends a request: a cluster's name, or the direct response's status.
+    Only the match kinds the stats listener uses (path, prefix, :method)."""
+    bare = path.partition("?")[0]
+    for route in routes:
+        match = route["match"]
+        if "path" in match and match["path"] != bare:
+            continue
+        if "prefix" in match and not bare.startswith(match["prefix"]):
+            continue
+        headers = {h["name"]: h["string_match"]["exact"] for h in match.get("headers", [])}
+        if headers.get(":method", method) != method:
+            continue
+        if "route" in route:
+            return str(route["route"]["cluster"])
+        return str(route["direct_response"]["status"])
+    return "no route"
+
+
+def test_kubernetes_profile_keeps_admin_on_loopback_and_exposes_only_stats_and_ready() -> None:
+    config = render(kubernetes_profile())
+    admin = config["admin"]["address"]["socket_address"]
+    assert admin == {"address": "127.0.0.1", "port_value": 9901}
+    stats = next(i for i in config["static_resources"]["listeners"] if i["name"] == "stats")
+    assert stats["address"]["socket_address"] == {"address": "0.0.0.0", "port_value": 9902}
+    assert stats["ignore_global_conn_limit"] is True
+    manager = stats["filter_chains"][0]["filters"][0]["typed_config"]
+    routes = manager["route_config"]["virtual_hosts"][0]["routes"]
+    admin_cluster = clusters(config)["envoy_admin"]
+    assert admin_cluster["type"] == "STATIC"
+    endpoint = admin_cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+    assert endpoint["address"]["socket_address"] == admin
+    allowed = {
+        ("GET", "/stats/prometheus"),
+        ("GET", "/stats/prometheus?usedonly"),
+        ("GET", "/ready"),
+    }
+    refused = {
+        ("POST", "/quitquitquit"),
+        ("POST", "/healthcheck/fail"),
+        ("POST", "/drain_listeners?graceful"),
+        ("GET", "/config_dump"),
+        ("GET", "/clusters"),
+        ("GET", "/stats"),
+        ("GET", "/"),
+        ("POST", "/ready"),
+        ("GET", "/stats/prometheus/../../quitquitquit"),
+        ("GET", "/ready/"),
+    }
+    for method, path in allowed:
+        assert routed(routes, method, path) == "envoy_admin", (method, path)
+    for method, path in refused:
+        assert routed(routes, method, path) == "404", (method, path)
+    # Nothing else reaches admin: no other route, listener or cluster points at it.
+    assert (
+        sum("envoy_admin" in json.dumps(item) for item in config["static_resources"]["listeners"])
+        == 1
+    )
+    # The local mesh reads admin itself (127.0.0.1): no stats listener, no admin cluster.
+    local = render(MeshSettings())
+    assert "stats" not in listeners(local) and "envoy_admin" not in clusters(local)
+    assert local["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
+
+
+def test_only_the_traffic_listeners_drain_on_an_inbound_only_drain() -> None:
+    """The chart's preStop drains with /drain_listeners?inboundonly: the edge and internal
+    listeners are INBOUND, the stats listener is not (probes and scrapes go on meanwhile)."""
+    config = render(kubernetes_profile())
+    directions = {
+        item["name"]: item.get("traffic_direction")
+        for item in config["static_resources"]["listeners"]
+    }
+    assert directions == {
+        "edge": "INBOUND",
+        "worker": "INBOUND",
+        "reranker": "INBOUND",
+        "stats": None,
+    }

@@ -9,17 +9,22 @@
 {{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
 {{- else }}
 {{- $name := default .Chart.Name .Values.nameOverride }}
-{{- if contains $name .Release.Name }}
-{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- /* Release names may contain dots, which Service names may not. */}}
+{{- $release := .Release.Name | replace "." "-" }}
+{{- if contains $name $release }}
+{{- $release | trunc 63 | trimSuffix "-" }}
 {{- else }}
-{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- printf "%s-%s" $release $name | trunc 63 | trimSuffix "-" }}
 {{- end }}
 {{- end }}
 {{- end }}
 
-{{/* The name of one component's objects: (dict "root" $ "component" "worker"). */}}
+{{/*
+The name of one component's objects: (dict "root" $ "component" "worker"). The prefix is cut so
+that the longest name built on it, <prefix>-controlplane-headless (22 more), fits in 63.
+*/}}
 {{- define "tokenmesh.componentName" -}}
-{{- printf "%s-%s" (include "tokenmesh.fullname" .root | trunc 48 | trimSuffix "-") .component }}
+{{- printf "%s-%s" (include "tokenmesh.fullname" .root | trunc 41 | trimSuffix "-") .component }}
 {{- end }}
 
 {{/* The headless Service of a component: its DNS name lists the ready pods. */}}
@@ -33,12 +38,51 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
+{{/* The labels of every object (not pods: see tokenmesh.podLabels). */}}
 {{- define "tokenmesh.labels" -}}
-helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace "+" "_" }}
+helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "tokenmesh.stableLabels" . }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | trunc 63 | trimSuffix "-" | quote }}
+{{- end }}
+
+{{/* Labels that do not change from one chart version to the next. */}}
+{{- define "tokenmesh.stableLabels" -}}
 {{ include "tokenmesh.selectorLabels" . }}
-app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 app.kubernetes.io/part-of: tokenmesh
+{{- end }}
+
+{{/*
+A pod template's labels: the stable ones and the component's podLabels, never the chart's
+version or appVersion, so that a chart bump alone restarts no pod. podLabels may not replace
+a selector label (the Deployment would lose its pods).
+(dict "root" $ "component" name "values" $values)
+*/}}
+{{- define "tokenmesh.podLabels" -}}
+{{- $selector := include "tokenmesh.selectorLabels" . | fromYaml }}
+{{- range $key, $_ := .values.podLabels }}
+{{- if hasKey $selector $key }}
+{{- fail (printf "%s.podLabels may not set %s: it selects the component's pods" $.component $key) }}
+{{- end }}
+{{- end }}
+{{- include "tokenmesh.stableLabels" . }}
+{{- with .values.podLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/*
+A pod template's metadata: labels, and annotations (podAnnotations plus the template's own,
+e.g. a config checksum). (dict "root" $ "component" name "values" $values ["annotations" dict])
+*/}}
+{{- define "tokenmesh.podMetadata" -}}
+labels:
+  {{- include "tokenmesh.podLabels" . | nindent 2 }}
+{{- $annotations := merge (dict) (.annotations | default dict) (.values.podAnnotations | default dict) }}
+{{- with $annotations }}
+annotations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
 {{- end }}
 
 {{/* repository:tag, the tag defaulting to appVersion, plus -variant when set. */}}
@@ -79,46 +123,105 @@ capabilities:
 {{/*
 Native gRPC probes (grpc.health.v1): startup and readiness ask about the component's service,
 liveness about the whole server (""). A worker is NOT_SERVING while its model loads: the
-startup probe holds liveness off until then.
-(dict "port" int "component" name "startup" (dict "periodSeconds" n "failureThreshold" n))
+startup probe holds liveness off until then. Periods, timeouts and thresholds come from the
+component's probes values.
+(dict "port" int "component" name "probes" (dict "startup" {..} "readiness" {..} "liveness" {..}))
 */}}
 {{- define "tokenmesh.grpcProbes" -}}
 {{- $service := include "tokenmesh.healthService" .component }}
-{{- $startup := .startup | default (dict "periodSeconds" 2 "failureThreshold" 60) }}
 startupProbe:
   grpc:
     port: {{ .port }}
     service: {{ $service }}
-  periodSeconds: {{ $startup.periodSeconds }}
-  failureThreshold: {{ $startup.failureThreshold }}
+  {{- toYaml .probes.startup | nindent 2 }}
 readinessProbe:
   grpc:
     port: {{ .port }}
     service: {{ $service }}
-  periodSeconds: 5
-  failureThreshold: 2
+  {{- toYaml .probes.readiness | nindent 2 }}
 livenessProbe:
   grpc:
     port: {{ .port }}
     service: ""
-  periodSeconds: 10
-  timeoutSeconds: 5
-  failureThreshold: 3
+  {{- toYaml .probes.liveness | nindent 2 }}
 {{- end }}
 
-{{/* nodeSelector, tolerations, affinity from a component's values. */}}
-{{- define "tokenmesh.scheduling" -}}
-{{- with .nodeSelector }}
+{{/*
+What every pod spec takes from its component's values: its ServiceAccount (no API token
+mounted: no component calls the Kubernetes API), priority and runtime classes, scheduling.
+A topology spread constraint without a labelSelector spreads the component's own pods.
+(dict "root" $ "component" name "values" $values)
+*/}}
+{{- define "tokenmesh.podExtensions" -}}
+serviceAccountName: {{ include "tokenmesh.serviceAccountName" . }}
+automountServiceAccountToken: false
+{{- with .values.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with .values.runtimeClassName }}
+runtimeClassName: {{ . }}
+{{- end }}
+{{- with .values.nodeSelector }}
 nodeSelector:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- with .tolerations }}
+{{- with .values.tolerations }}
 tolerations:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- with .affinity }}
+{{- with .values.affinity }}
 affinity:
   {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .values.topologySpreadConstraints }}
+topologySpreadConstraints:
+  {{- range . }}
+  {{- $constraint := deepCopy . }}
+  {{- if not (hasKey $constraint "labelSelector") }}
+  {{- $_ := set $constraint "labelSelector" (dict "matchLabels" (include "tokenmesh.selectorLabels" $ | fromYaml)) }}
+  {{- end }}
+  - {{- toYaml $constraint | nindent 4 }}
+  {{- end }}
+{{- end }}
+{{- end }}
+
+{{/* A component's ServiceAccount: its serviceAccount.name, or the chart's. */}}
+{{- define "tokenmesh.serviceAccountName" -}}
+{{- $account := .values.serviceAccount }}
+{{- if $account.create }}
+{{- $account.name | default (include "tokenmesh.componentName" .) }}
+{{- else }}
+{{- $account.name | default "default" }}
+{{- end }}
+{{- end }}
+
+{{/*
+A service's shutdown: Kubernetes sends SIGTERM after the preStop sleep (time for Envoy to
+learn the pod is gone), the service then gives in-flight RPCs graceSeconds
+(TOKENMESH_<SERVICE>_GRACE_SECONDS, set in tokenmesh.serviceEnv) and needs marginSeconds to
+finish stopping; the pod's terminationGracePeriodSeconds must cover all three, or the kubelet
+kills streams the service would have finished. (dict "component" name "values" $values)
+*/}}
+{{- define "tokenmesh.terminationGracePeriod" -}}
+{{- $shutdown := .values.shutdown }}
+{{- $needed := add $shutdown.preStopSleepSeconds $shutdown.graceSeconds $shutdown.marginSeconds }}
+{{- $period := int ($shutdown.terminationGracePeriodSeconds | default $needed) }}
+{{- if lt $period (int $needed) }}
+{{- fail (printf "%s.shutdown.terminationGracePeriodSeconds (%d) is below preStopSleepSeconds + graceSeconds + marginSeconds (%d): the kubelet would kill the pod before its streams finish" .component $period (int $needed)) }}
+{{- end }}
+{{- $period }}
+{{- end }}
+
+{{/* The preStop sleep of a service, if any: (dict "values" $values) */}}
+{{- define "tokenmesh.preStop" -}}
+{{- $sleep := int .values.shutdown.preStopSleepSeconds }}
+{{- if gt $sleep 0 }}
+# The pod leaves the headless Service's DNS answer, so the control plane and Envoy stop
+# sending it new streams before the service stops accepting them.
+lifecycle:
+  preStop:
+    exec:
+      command: ["sleep", {{ $sleep | quote }}]
 {{- end }}
 {{- end }}
 
@@ -150,13 +253,24 @@ IP for Consul, and in consul mode the agent address.
 - name: {{ .prefix }}CONSUL_HTTP_ADDR
   value: {{ .root.Values.consul.address | default "$(HOST_IP):8500" | quote }}
 {{- end }}
+{{- with .values.shutdown }}
+- name: {{ $.prefix }}GRACE_SECONDS
+  value: {{ .graceSeconds | quote }}
+{{- end }}
 {{- range $name, $value := .values.env }}
+{{- if and $.values.shutdown (eq $name (printf "%sGRACE_SECONDS" $.prefix)) }}
+{{- fail (printf "set %s with shutdown.graceSeconds, not env: terminationGracePeriodSeconds is computed from it" $name) }}
+{{- end }}
 - name: {{ $name }}
   value: {{ $value | quote }}
 {{- end }}
+{{- with .values.extraEnv }}
+{{ toYaml . }}
+{{- end }}
 {{- end }}
 
-{{/* The pod template's common spec: pull secrets, security context, scheduling. */}}
+{{/* The pod template's common spec: pull secrets, security context, ServiceAccount, scheduling.
+(dict "root" $ "component" name "values" $values) */}}
 {{- define "tokenmesh.podCommon" -}}
 {{- with .root.Values.imagePullSecrets }}
 imagePullSecrets:
@@ -164,7 +278,7 @@ imagePullSecrets:
 {{- end }}
 securityContext:
   {{- include "tokenmesh.podSecurityContext" .root | nindent 2 }}
-{{- include "tokenmesh.scheduling" .values }}
+{{ include "tokenmesh.podExtensions" . }}
 {{- end }}
 
 {{/* A headless Service for a Python component: gRPC and metrics ports, ready pods only. */}}
@@ -420,4 +534,90 @@ chain to, and the plaintext health-only port its probes use. (dict "root" $ "pre
 {{/* The port a service's probes ask: its gRPC port, or with mTLS the plaintext health port. */}}
 {{- define "tokenmesh.probePort" -}}
 {{- if .root.Values.mtls.enabled }}{{ .root.Values.mtls.healthPort }}{{ else }}{{ .values.port }}{{ end }}
+{{- end }}
+
+{{/* A Kubernetes quantity (8Gi, 512M, 1e9, ...) in bytes, as a string: for comparisons. */}}
+{{- define "tokenmesh.bytes" -}}
+{{- $quantity := toString . }}
+{{- $factors := dict "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "k" 1000.0 "M" 1000000.0 "G" 1000000000.0 "T" 1000000000000.0 }}
+{{- $bytes := float64 0 }}
+{{- $found := false }}
+{{- range $suffix, $factor := $factors }}
+{{- if and (not $found) (hasSuffix $suffix $quantity) }}
+{{- $bytes = mulf (float64 (trimSuffix $suffix $quantity)) $factor }}
+{{- $found = true }}
+{{- end }}
+{{- end }}
+{{- if not $found }}{{ $bytes = float64 $quantity }}{{ end }}
+{{- printf "%.0f" $bytes }}
+{{- end }}
+
+{{/* The claim the chart makes for the workers' cache (worker.model.storage.type=pvc). */}}
+{{- define "tokenmesh.modelClaimName" -}}
+{{- printf "%s-models" (include "tokenmesh.componentName" (dict "root" . "component" "worker")) }}
+{{- end }}
+
+{{/*
+Value combinations that can never work, refused at render time with the reason.
+*/}}
+{{- define "tokenmesh.checks" -}}
+{{- $v := .Values }}
+{{- if and (eq $v.discovery.mode "consul") $v.mtls.enabled }}
+{{- fail "discovery.mode=consul cannot be combined with mtls.enabled: Consul's gRPC health checks are plaintext and the services' gRPC ports accept only mTLS, so every instance would stay critical in Consul (use discovery.mode=kubernetes with mTLS)" }}
+{{- end }}
+{{- $worker := $v.worker }}
+{{- if and $worker.autoscaling.enabled $worker.keda.enabled }}
+{{- fail "worker.autoscaling.enabled and worker.keda.enabled cannot both be on: KEDA makes its own HorizontalPodAutoscaler, and two autoscalers would fight over the replica count" }}
+{{- end }}
+{{- if and $worker.keda.enabled (not (or $worker.keda.queue.enabled $worker.keda.ttft.enabled)) }}
+{{- fail "worker.keda.enabled needs a trigger: worker.keda.queue.enabled or worker.keda.ttft.enabled" }}
+{{- end }}
+{{- range $component := list "gateway" "worker" }}
+{{- $scaling := (index $v $component).autoscaling }}
+{{- if and $scaling.enabled (gt (int $scaling.minReplicas) (int $scaling.maxReplicas)) }}
+{{- fail (printf "%s.autoscaling.minReplicas (%d) is above maxReplicas (%d)" $component (int $scaling.minReplicas) (int $scaling.maxReplicas)) }}
+{{- end }}
+{{- end }}
+{{- if and $worker.keda.enabled (gt (int $worker.keda.minReplicaCount) (int $worker.keda.maxReplicaCount)) }}
+{{- fail (printf "worker.keda.minReplicaCount (%d) is above maxReplicaCount (%d)" (int $worker.keda.minReplicaCount) (int $worker.keda.maxReplicaCount)) }}
+{{- end }}
+{{- $rolling := $worker.updateStrategy.rollingUpdate | default dict }}
+{{- if and (eq $worker.updateStrategy.type "RollingUpdate") (eq (toString ($rolling.maxSurge | default 0)) "0") (eq (toString ($rolling.maxUnavailable | default 0)) "0") }}
+{{- fail "worker.updateStrategy.rollingUpdate: maxSurge and maxUnavailable cannot both be 0 (the rollout could never replace a pod)" }}
+{{- end }}
+{{- $storage := $worker.model.storage }}
+{{- if and (eq $storage.type "existingClaim") (not $storage.existingClaim.claimName) }}
+{{- fail "worker.model.storage.type=existingClaim needs worker.model.storage.existingClaim.claimName" }}
+{{- end }}
+{{- if and (eq $storage.type "pvc") (eq $storage.pvc.accessMode "ReadWriteOncePod") }}
+{{- $most := int $worker.replicas }}
+{{- if $worker.autoscaling.enabled }}{{ $most = int $worker.autoscaling.maxReplicas }}{{ end }}
+{{- if $worker.keda.enabled }}{{ $most = int $worker.keda.maxReplicaCount }}{{ end }}
+{{- if gt $most 1 }}
+{{- fail "worker.model.storage.pvc.accessMode=ReadWriteOncePod mounts the claim in one pod only, but up to several workers would share it: use ReadWriteMany (or one worker)" }}
+{{- end }}
+{{- end }}
+{{- $memory := dig "limits" "memory" "" ($worker.resources | default dict) }}
+{{- if and $memory $worker.shmSize }}
+{{- if ge (float64 (include "tokenmesh.bytes" $worker.shmSize)) (float64 (include "tokenmesh.bytes" $memory)) }}
+{{- fail (printf "worker.shmSize (%s) must be below worker.resources.limits.memory (%s): /dev/shm is memory-backed and counts against the limit" $worker.shmSize $memory) }}
+{{- end }}
+{{- end }}
+{{- range $component := list "gateway" "worker" "reranker" "controlplane" }}
+{{- $values := index $v $component }}
+{{- if $values.enabled }}
+{{- $ports := dict }}
+{{- $named := dict "port" $values.port "metricsPort" $values.metricsPort "openaiPort" $values.openaiPort }}
+{{- if and $v.mtls.enabled (ne $component "controlplane") }}{{ $_ := set $named "mtls.healthPort" $v.mtls.healthPort }}{{ end }}
+{{- range $key, $port := $named }}
+{{- if $port }}
+{{- $seen := get $ports (toString (int $port)) }}
+{{- if $seen }}
+{{- fail (printf "%s: %s and %s are the same port (%d)" $component $seen $key (int $port)) }}
+{{- end }}
+{{- $_ := set $ports (toString (int $port)) $key }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- end }}

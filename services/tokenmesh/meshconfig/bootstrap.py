@@ -71,6 +71,10 @@ OPENAI_REPLY_STATUSES = [
 PREPARE_FAILED = "no gateway prepared the request"
 # Where the edge serves the ops page (from the control plane's page port).
 OPS_PAGE = "/ops/"
+# With a stats listener: the admin interface as a cluster, and the only paths routed to it
+# (Prometheus' scrape and the readiness probe; none of them changes Envoy's state).
+ADMIN_CLUSTER = "envoy_admin"
+STATS_PATHS = ("/stats/prometheus", "/ready")
 RETRY_ON = "unavailable,reset,connect-failure,refused-stream"
 # A worker at its admission bound refuses at once with RESOURCE_EXHAUSTED: another worker may
 # have room (not retried at the edge: every gateway shares the same workers).
@@ -680,12 +684,94 @@ def listener(name: str, host: str, port: int, cluster: str, mesh: MeshSettings) 
     return {
         "name": name,
         "address": {"socket_address": {"address": host, "port_value": port}},
+        # What /drain_listeners?inboundonly drains (the chart's preStop); the stats listener
+        # is not marked, so probes and scrapes go on while the others drain.
+        "traffic_direction": "INBOUND",
         "per_connection_buffer_limit_bytes": mesh.buffer_limit_bytes,
         # Only client connections count towards max_edge_connections: gateways keep reaching
         # workers and the reranker when the edge is full.
         "ignore_global_conn_limit": not edge,
         "filter_chains": [chain],
     }
+
+
+def stats_listener(mesh: MeshSettings) -> list[Config]:
+    """With stats_port: GET STATS_PATHS passed on to the admin interface, every other request
+    answered 404 here, so the pod's network never reaches admin's other endpoints
+    (/quitquitquit, /healthcheck/fail, /config_dump, ...). Exact paths: a query string is
+    allowed (the admin reads its filters), nothing else."""
+    if mesh.stats_port is None:
+        return []
+    get = [{"name": ":method", "string_match": {"exact": "GET"}}]
+    routes: list[Config] = [
+        {
+            "match": {"path": path, "headers": get},
+            "route": {"cluster": ADMIN_CLUSTER, "timeout": "10s"},
+        }
+        for path in STATS_PATHS
+    ]
+    routes.append(
+        {
+            "match": {"prefix": "/"},
+            "direct_response": {
+                "status": 404,
+                "body": {"inline_string": f"only GET {' and '.join(STATS_PATHS)} here\n"},
+            },
+        }
+    )
+    manager: Config = {
+        "@type": HCM,
+        "stat_prefix": "stats",
+        "codec_type": "AUTO",
+        "stream_idle_timeout": seconds(mesh.stream_idle_timeout_seconds),
+        "request_headers_timeout": seconds(mesh.request_headers_timeout_seconds),
+        "route_config": {
+            "name": "stats",
+            "virtual_hosts": [{"name": "stats", "domains": ["*"], "routes": routes}],
+        },
+        "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {"@type": ROUTER}}],
+    }
+    return [
+        {
+            "name": "stats",
+            "address": {
+                "socket_address": {"address": mesh.stats_host, "port_value": mesh.stats_port}
+            },
+            # Probes and scrapes get through when the edge is at its connection limit.
+            "ignore_global_conn_limit": True,
+            "filter_chains": [
+                {
+                    "filters": [
+                        {
+                            "name": "envoy.filters.network.http_connection_manager",
+                            "typed_config": manager,
+                        }
+                    ]
+                }
+            ],
+        }
+    ]
+
+
+def admin_cluster(mesh: MeshSettings) -> list[Config]:
+    """With stats_port: the admin interface (on 127.0.0.1 when it listens everywhere), for
+    the stats listener's routes (the pattern of Envoy's own examples that expose
+    /stats/prometheus)."""
+    if mesh.stats_port is None:
+        return []
+    host = "127.0.0.1" if mesh.admin_host in ("0.0.0.0", "::") else mesh.admin_host
+    address = {"socket_address": {"address": host, "port_value": mesh.admin_port}}
+    return [
+        {
+            "name": ADMIN_CLUSTER,
+            "type": "STATIC",
+            "connect_timeout": "1s",
+            "load_assignment": {
+                "cluster_name": ADMIN_CLUSTER,
+                "endpoints": [{"lb_endpoints": [{"endpoint": {"address": address}}]}],
+            },
+        }
+    ]
 
 
 def downstream_tls(cert_file: str, key_file: str, alpn: list[str]) -> Config:
@@ -889,6 +975,7 @@ def render(mesh: MeshSettings) -> Config:
                 listener(
                     "reranker", mesh.internal_host, mesh.reranker_listener_port, "reranker", mesh
                 ),
+                *stats_listener(mesh),
             ],
             "clusters": [
                 service_cluster("gateway", mesh),
@@ -905,6 +992,7 @@ def render(mesh: MeshSettings) -> Config:
                 static_cluster(
                     "ops_page", mesh.controlplane_host, mesh.ops_page_port, mesh, grpc=False
                 ),
+                *admin_cluster(mesh),
             ],
         },
     }

@@ -73,6 +73,21 @@ class MeshSettings(BaseSettings):
     admin_port: int = Field(
         default=9901, ge=1, le=65535, description="Envoy's admin interface: its port."
     )
+    stats_host: str = Field(
+        default="127.0.0.1",
+        description="The stats listener (see stats_port): its address.",
+    )
+    stats_port: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description=(
+            "A listener that serves only GET /stats/prometheus and /ready from the admin "
+            "interface (any other path: 404), so admin, which can also stop or drain Envoy, "
+            "stays on 127.0.0.1 while probes and Prometheus reach the pod. Unset: no such "
+            "listener (the local mesh reads admin itself)."
+        ),
+    )
     internal_host: str = Field(
         default="127.0.0.1",
         description=(
@@ -344,10 +359,16 @@ KUBERNETES_MTLS_DIR = "/etc/envoy/mtls"
 KUBERNETES_INTERNAL_TLS_DIR = "/etc/envoy/internal-tls"
 
 
+# The stats listener's port in the Kubernetes profile (probes, Prometheus); the chart reads it
+# from the rendered file.
+KUBERNETES_STATS_PORT = 9902
+
+
 def kubernetes_profile(tls: bool = False, mtls: bool = False) -> MeshSettings:
     """The mesh as the Helm chart runs it: Envoy in its own pods, listening on every interface
-    (the edge for clients, the internal listeners for gateways, admin for probes and metrics),
-    and the control plane reached through its Service's DNS name; with tls, the edge speaks
+    (the edge for clients, the internal listeners for gateways, the stats listener for probes
+    and metrics; admin on 127.0.0.1 only: any pod could otherwise stop or drain Envoy), and
+    the control plane reached through its Service's DNS name; with tls, the edge speaks
     TLS with the certificate mounted at KUBERNETES_TLS_DIR; with mtls, Envoy reaches the
     services over mTLS with the client certificate mounted at KUBERNETES_MTLS_DIR, and its
     internal listeners speak TLS with the one at KUBERNETES_INTERNAL_TLS_DIR."""
@@ -360,7 +381,9 @@ def kubernetes_profile(tls: bool = False, mtls: bool = False) -> MeshSettings:
         internal_tls_cert_file=f"{KUBERNETES_INTERNAL_TLS_DIR}/tls.crt" if mtls else None,
         internal_tls_key_file=f"{KUBERNETES_INTERNAL_TLS_DIR}/tls.key" if mtls else None,
         edge_host="0.0.0.0",
-        admin_host="0.0.0.0",
+        admin_host="127.0.0.1",
+        stats_host="0.0.0.0",
+        stats_port=KUBERNETES_STATS_PORT,
         internal_host="0.0.0.0",
         controlplane_host=CONTROLPLANE_HOST_PLACEHOLDER,
         controlplane_discovery="STRICT_DNS",
