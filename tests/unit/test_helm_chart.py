@@ -9,6 +9,7 @@ No cluster is involved."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
@@ -211,9 +212,13 @@ VALUE_SETS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "keda": (
         {
             "gateway": {"autoscaling": {"enabled": True}},
-            "worker": {"keda": {"enabled": True, "maxReplicaCount": 6, "ttft": {"enabled": True}}},
+            "worker": {
+                "keda": {"enabled": True, "maxReplicaCount": 6, "ttft": {"enabled": True}},
+                "model": {"storage": {"type": "pvc", "pvc": {"accessMode": "ReadWriteMany"}}},
+            },
+            "monitoring": {"serviceMonitor": {"enabled": True}},
         },
-        (),
+        OPERATOR_APIS,
     ),
     # Every kind of object the chart can make, under the longest release name.
     "long-release": (
@@ -223,7 +228,7 @@ VALUE_SETS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
             "gateway": {"autoscaling": {"enabled": True}},
             "worker": {
                 "keda": {"enabled": True, "ttft": {"enabled": True}},
-                "model": {"storage": {"type": "pvc"}},
+                "model": {"storage": {"type": "pvc", "pvc": {"accessMode": "ReadWriteMany"}}},
             },
             "monitoring": {
                 "serviceMonitor": {"enabled": True},
@@ -301,6 +306,21 @@ class Release:
     def envoy_config(self) -> dict[str, Any]:
         config = self.get("ConfigMap", f"{PREFIX}-envoy")["data"]["envoy.yaml"]
         return dict(yaml.safe_load(config))
+
+    def envoy_secret(self, reference: dict[str, Any]) -> dict[str, Any]:
+        """The secret an SDS reference of the Envoy config names, from the ConfigMap's file
+        the reference names (the ConfigMap is mounted at /etc/envoy/config)."""
+        path = reference["sds_config"]["path_config_source"]["path"]
+        assert path.startswith("/etc/envoy/config/")
+        data = self.get("ConfigMap", f"{PREFIX}-envoy")["data"]
+        (secret,) = yaml.safe_load(data[path.removeprefix("/etc/envoy/config/")])["resources"]
+        assert secret["name"] == reference["name"]
+        return dict(secret)
+
+    def envoy_certificate(self, context: dict[str, Any]) -> dict[str, Any]:
+        """The certificate a common_tls_context gets over SDS."""
+        (reference,) = context["tls_certificate_sds_secret_configs"]
+        return dict(self.envoy_secret(reference)["tls_certificate"])
 
 
 @pytest.fixture(scope="module")
@@ -640,6 +660,13 @@ def ingress_peers_by_port(policy: dict[str, Any]) -> dict[str, list[dict[str, An
     return found
 
 
+def peer_of(release: Release, component: str) -> dict[str, Any]:
+    """The NetworkPolicyPeer of a component's pods, as the chart writes it."""
+    labels = pod_labels(release, component)
+    keys = ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/component")
+    return {"podSelector": {"matchLabels": {key: labels[key] for key in keys}}}
+
+
 @pytest.mark.parametrize("value_set", ["defaults", "consul"])
 def test_only_envoy_reaches_the_services(value_set: str, releases: dict[str, Release]) -> None:
     release = releases[value_set]
@@ -656,6 +683,12 @@ def test_only_envoy_reaches_the_services(value_set: str, releases: dict[str, Rel
         # A gateway's OpenAI port has the same peers as its gRPC port.
         if component == "gateway":
             assert peers.pop("openai") == peers["grpc"]
+        # Besides Envoy: the ops feed (control plane -> workers) and Envoy's edge -> the ops
+        # page; test_helm_envoy.py checks them.
+        if component == "worker":
+            peers["grpc"] = [p for p in peers["grpc"] if p != peer_of(release, "controlplane")]
+        if component == "controlplane":
+            assert peers.pop("ops-page") == [peer_of(release, "envoy")]
         assert set(peers) == {"grpc", "metrics"}
         pod_peers = [p["podSelector"]["matchLabels"] for p in peers["grpc"] if "podSelector" in p]
         in_namespace = [p for p in peers["grpc"] if "namespaceSelector" not in p]
@@ -761,7 +794,8 @@ def test_envoy_accepts_the_configmap(
     mesh_certificates: Path,
     tmp_path: Path,
 ) -> None:
-    text = releases[value_set].get("ConfigMap", f"{PREFIX}-envoy")["data"]["envoy.yaml"]
+    data = releases[value_set].get("ConfigMap", f"{PREFIX}-envoy")["data"]
+    text = data["envoy.yaml"]
     assert "${" not in text, "a placeholder was left in the config"
     config = yaml.safe_load(text)
     edge = next(item for item in config["static_resources"]["listeners"] if item["name"] == "edge")
@@ -771,12 +805,19 @@ def test_envoy_accepts_the_configmap(
     assert [c["name"] for c in upstream] == (
         ["gateway", "worker", "reranker", "openai"] if value_set.startswith("mtls") else []
     )
-    # The mounted Secrets' files, here test certificates.
-    text = text.replace("/etc/envoy/tls", str(certificate))
-    text = text.replace("/etc/envoy/mtls", str(mesh_certificates))
-    text = text.replace("/etc/envoy/internal-tls", str(mesh_certificates))
+    # The ConfigMap's files (the config and the SDS files it names) in one directory, as it is
+    # mounted, and the mounted Secrets' files, here test certificates.
+    mounts = {
+        "/etc/envoy/config": tmp_path,
+        "/etc/envoy/tls": certificate,
+        "/etc/envoy/mtls": mesh_certificates,
+        "/etc/envoy/internal-tls": mesh_certificates,
+    }
+    for name, content in data.items():
+        for mount, directory in mounts.items():
+            content = content.replace(mount, str(directory))
+        (tmp_path / name).write_text(content)
     path = tmp_path / "envoy.yaml"
-    path.write_text(text)
     result = envoy_validate(path)
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -812,7 +853,15 @@ def test_tls_edge_uses_the_certificate_secret(releases: dict[str, Release]) -> N
     assert volumes["tls"]["secret"]["secretName"] == certificate["spec"]["secretName"]
     mounts = {m["name"]: m["mountPath"] for m in release.container("envoy")["volumeMounts"]}
     assert mounts["tls"] == "/etc/envoy/tls"
-    assert "/etc/envoy/tls/tls.crt" in json.dumps(release.envoy_config())
+    edge = next(
+        item
+        for item in release.envoy_config()["static_resources"]["listeners"]
+        if item["name"] == "edge"
+    )
+    context = edge["filter_chains"][0]["transport_socket"]["typed_config"]["common_tls_context"]
+    assert release.envoy_certificate(context)["certificate_chain"]["filename"] == (
+        "/etc/envoy/tls/tls.crt"
+    )
     existing = Release(render({"envoy": {"tls": {"enabled": True, "existingSecret": "edge"}}}))
     assert existing.all("Certificate") == []
     volumes = {
@@ -886,15 +935,18 @@ def test_mtls_certificates_from_cert_manager_reach_envoy_and_every_service(
     for name in ("worker", "reranker"):
         context = listeners[name]["transport_socket"]["typed_config"]["common_tls_context"]
         assert context["alpn_protocols"] == ["h2"]
-        assert context["tls_certificates"][0]["certificate_chain"]["filename"] == (
+        assert release.envoy_certificate(context)["certificate_chain"]["filename"] == (
             "/etc/envoy/internal-tls/tls.crt"
         )
     clusters = {c["name"]: c for c in release.envoy_config()["static_resources"]["clusters"]}
     context = clusters["worker"]["transport_socket"]["typed_config"]["common_tls_context"]
-    assert context["tls_certificates"][0]["certificate_chain"]["filename"] == (
+    assert release.envoy_certificate(context)["certificate_chain"]["filename"] == (
         "/etc/envoy/mtls/tls.crt"
     )
-    assert context["validation_context"]["trusted_ca"]["filename"] == "/etc/envoy/mtls/ca.crt"
+    ca = release.envoy_secret(
+        context["combined_validation_context"]["validation_context_sds_secret_config"]
+    )
+    assert ca["validation_context"]["trusted_ca"]["filename"] == "/etc/envoy/mtls/ca.crt"
     # The control plane is not part of it.
     assert not any("TLS" in name for name in release.env("controlplane"))
     assert "mtls" not in json.dumps(release.deployment("controlplane"))
@@ -1101,10 +1153,44 @@ def test_every_name_and_label_fits_for_the_longest_release_name(
                 claim = volume["persistentVolumeClaim"]["claimName"]
                 assert release.has("PersistentVolumeClaim", claim)
     assert release.all("ScaledObject")[0]["spec"]["scaleTargetRef"]["name"] in deployments
-    # The prefix is cut, not the component's part of the name.
-    prefix = LONG_RELEASE[:41]
+    # The prefix is cut, not the component's part of the name, and ends in a hash of the whole.
+    prefix = long_prefix(LONG_RELEASE)
+    assert len(prefix) <= 41 and prefix != LONG_RELEASE[:41]
     assert f"{prefix}-controlplane-headless" in services
     assert f"{prefix}-worker" in deployments
+
+
+def long_prefix(release: str) -> str:
+    """The names' prefix for a release name whose <release>-tokenmesh is over 41 characters."""
+    fullname = f"{release}-tokenmesh"
+    return f"{fullname[:35].rstrip('-')}-{hashlib.sha256(fullname.encode()).hexdigest()[:5]}"
+
+
+def test_release_names_that_differ_only_at_the_end_get_names_of_their_own(
+    releases: dict[str, Release],
+) -> None:
+    """Blue/green releases in one namespace: names cut to fit still differ."""
+    blue = releases["long-release"]
+    green_name = LONG_RELEASE[:-1] + "2"
+    assert green_name[:41] == LONG_RELEASE[:41]
+    green = Release(render(VALUE_SETS["long-release"][0], OPERATOR_APIS, release=green_name))
+    for kind in ("Deployment", "Service", "PersistentVolumeClaim", "ScaledObject", "Certificate"):
+        blue_names = {o["metadata"]["name"] for o in blue.all(kind)}
+        green_names = {o["metadata"]["name"] for o in green.all(kind)}
+        assert blue_names and not blue_names & green_names, kind
+    assert green.has("Deployment", f"{long_prefix(green_name)}-worker")
+    # A short release name keeps its plain prefix.
+    assert releases["defaults"].has("Deployment", f"{PREFIX}-worker")
+
+
+def test_a_release_name_starting_with_a_digit_is_refused_with_the_reason() -> None:
+    """Service names are DNS-1035 labels: they start with a letter."""
+    with pytest.raises(helm_python.HelmRenderError, match="must start with a lowercase letter"):
+        render({}, release="1prod")
+    # fullnameOverride gives such a release valid names.
+    named = Release(render({"fullnameOverride": "prod-tokenmesh"}, release="1prod"))
+    for service in named.all("Service"):
+        assert DNS_LABEL.match(service["metadata"]["name"]), service["metadata"]["name"]
 
 
 # ---- probes and shutdown
@@ -1179,6 +1265,9 @@ def test_termination_grace_covers_prestop_service_grace_and_margin(
     # Generations get a long grace by default, and vLLM time to stop after it.
     worker = DEFAULTS["worker"]["shutdown"]
     assert worker["graceSeconds"] >= 30 and worker["marginSeconds"] >= 10
+    # The preStop sleep outlasts the removal path: the DNS answer's TTL (5 s), the control
+    # plane's poll (discovery.pollSeconds) and the xDS push to Envoy.
+    assert worker["preStopSleepSeconds"] >= 5 + DEFAULTS["discovery"]["pollSeconds"] + 2
 
 
 # ---- chart upgrades
@@ -1216,17 +1305,31 @@ def worker_volumes(release: Release) -> dict[str, dict[str, Any]]:
 def test_model_storage_is_an_emptydir_a_chart_claim_or_an_existing_claim(
     releases: dict[str, Release],
 ) -> None:
-    # emptyDir: its size limit, requested as ephemeral storage so the node has the disk.
+    # emptyDir: its size limit, and a request of its own so the node has the disk; both fit
+    # the boot disks of GPU node pools (EKS's 20 GiB, GKE's 100 GB) by default.
     release = releases["defaults"]
     volumes = worker_volumes(release)
-    assert volumes["cache"]["emptyDir"] == {"sizeLimit": "100Gi"}
-    assert release.container("worker")["resources"]["requests"]["ephemeral-storage"] == "100Gi"
+    assert volumes["cache"]["emptyDir"] == {"sizeLimit": "20Gi"}
+    assert release.container("worker")["resources"]["requests"]["ephemeral-storage"] == "10Gi"
     assert release.all("PersistentVolumeClaim") == []
+    sized = Release(
+        render(
+            {
+                "worker": {
+                    "model": {"storage": {"emptyDir": {"sizeLimit": "80Gi", "request": "60Gi"}}}
+                }
+            }
+        )
+    )
+    assert worker_volumes(sized)["cache"]["emptyDir"] == {"sizeLimit": "80Gi"}
+    assert sized.container("worker")["resources"]["requests"]["ephemeral-storage"] == "60Gi"
     cpu = releases["cpu"]
     assert worker_volumes(cpu)["cache"]["emptyDir"] == {"sizeLimit": "2Gi"}
     # A claim the chart makes, shared by every worker: the hub's cache is on it.
     release = releases["pvc"]
     claim = release.get("PersistentVolumeClaim", f"{PREFIX}-worker-models")
+    # helm uninstall keeps the claim and the weights downloaded onto it.
+    assert claim["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
     assert claim["spec"] == {
         "accessModes": ["ReadWriteMany"],
         "storageClassName": "shared-files",
@@ -1238,15 +1341,23 @@ def test_model_storage_is_an_emptydir_a_chart_claim_or_an_existing_claim(
     mounts = {m["name"]: m["mountPath"] for m in release.container("worker")["volumeMounts"]}
     assert mounts["cache"] == "/cache"
     assert release.env("worker")["HF_HOME"] == "/cache/huggingface"
-    assert "ephemeral-storage" not in release.container("worker")["resources"]["requests"]
+    # Only /tmp stays on the node's disk: a small request.
+    assert release.container("worker")["resources"]["requests"]["ephemeral-storage"] == "2Gi"
+    # The kubelet chowns the cache to fsGroup only when its root is not already owned by it.
+    context = release.deployment("worker")["spec"]["template"]["spec"]["securityContext"]
+    assert context["fsGroup"] == DEFAULTS["podSecurityContext"]["fsGroup"]
+    assert context["fsGroupChangePolicy"] == "OnRootMismatch"
     # The cluster's default StorageClass unless one is named.
     default_class = Release(render({"worker": {"model": {"storage": {"type": "pvc"}}}}))
     spec = default_class.get("PersistentVolumeClaim", f"{PREFIX}-worker-models")["spec"]
     assert "storageClassName" not in spec and spec["accessModes"] == ["ReadWriteOnce"]
-    # An existing claim (multi-gpu): read-only, the compile caches on an emptyDir.
+    # An existing claim (multi-gpu): read-only, the compile caches on an emptyDir, which needs
+    # only a small request.
     volumes = worker_volumes(releases["multi-gpu"])
     assert volumes["model"]["persistentVolumeClaim"]["claimName"] == "models"
     assert "emptyDir" in volumes["cache"]
+    requests = releases["multi-gpu"].container("worker")["resources"]["requests"]
+    assert requests["ephemeral-storage"] == "2Gi"
 
 
 def test_worker_memory_and_shared_memory_come_from_values(releases: dict[str, Release]) -> None:
@@ -1268,6 +1379,10 @@ def test_workers_roll_without_a_spare_gpu_by_default(releases: dict[str, Release
     }
     configured = releases["extensions"].deployment("worker")["spec"]["strategy"]
     assert configured["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    # Recreate: the default rollingUpdate, merged in by Helm, is left out (the API server
+    # refuses a Recreate strategy that has one).
+    recreate = Release(render({"worker": {"updateStrategy": {"type": "Recreate"}}}))
+    assert recreate.deployment("worker")["spec"]["strategy"] == {"type": "Recreate"}
 
 
 # ---- extension points
@@ -1364,13 +1479,20 @@ def test_keda_scales_workers_on_queue_depth_and_ttft(releases: dict[str, Release
         assert metadata["serverAddress"] == DEFAULTS["worker"]["keda"]["serverAddress"]
         assert isinstance(metadata["threshold"], str) and float(metadata["threshold"]) > 0
         assert series in metadata["query"]
+        # No series (nothing scrapes the workers) is an error KEDA reports, not a quiet 0.
+        assert metadata["ignoreNullValues"] == "false"
+        assert "vector(" not in metadata["query"]
     queue = triggers["queue"]
     assert queue["metricType"] == "AverageValue"
-    assert queue["metadata"]["query"].startswith("sum(tokenmesh_worker_waiting_requests{")
+    assert queue["metadata"]["query"] == f"sum(tokenmesh_worker_waiting_requests{{{series}}})"
     ttft = triggers["ttft"]
     assert ttft["metricType"] == "Value"
     query = ttft["metadata"]["query"]
     assert "histogram_quantile(0.9, sum by (le) (rate(tokenmesh_ttft_seconds_bucket{" in query
+    # No traffic: 0, computed from the workers' own series (empty when there are none).
+    assert query.endswith(f" or (sum(rate(tokenmesh_ttft_seconds_count{{{series}}}[2m])) * 0)")
+    # The series come from the workers' ServiceMonitor, which the value set turns on.
+    assert release.has("ServiceMonitor", f"{PREFIX}-worker")
     # The names the worker really exports.
     assert (
         '"tokenmesh_worker_waiting_requests"'
@@ -1392,6 +1514,7 @@ def test_keda_scales_workers_on_queue_depth_and_ttft(releases: dict[str, Release
     )
     [trigger] = own.get("ScaledObject", f"{PREFIX}-worker")["spec"]["triggers"]
     assert trigger["metadata"]["query"] == "sum(my_queue)"
+    assert trigger["metadata"]["ignoreNullValues"] == "false"
     assert releases["defaults"].all("ScaledObject") == []
 
 
@@ -1424,6 +1547,34 @@ IMPOSSIBLE: list[tuple[dict[str, Any], str]] = [
         "maxSurge and maxUnavailable cannot both be 0",
     ),
     (
+        {
+            "worker": {
+                "updateStrategy": {"rollingUpdate": {"maxSurge": "0%", "maxUnavailable": "0%"}}
+            }
+        },
+        "maxSurge and maxUnavailable cannot both be 0",
+    ),
+    (
+        {"worker": {"updateStrategy": {"rollingUpdate": {"maxSurge": "0%", "maxUnavailable": 0}}}},
+        "maxSurge and maxUnavailable cannot both be 0",
+    ),
+    (
+        {"worker": {"keda": {"enabled": True}}},
+        "worker.keda.enabled needs monitoring.serviceMonitor.enabled",
+    ),
+    (
+        {
+            "worker": {
+                "keda": {
+                    "enabled": True,
+                    "queue": {"query": "sum(my_queue)"},
+                    "ttft": {"enabled": True},
+                }
+            }
+        },
+        "worker.keda.enabled needs monitoring.serviceMonitor.enabled",
+    ),
+    (
         {"worker": {"model": {"storage": {"type": "existingClaim"}}}},
         "needs worker.model.storage.existingClaim.claimName",
     ),
@@ -1437,6 +1588,26 @@ IMPOSSIBLE: list[tuple[dict[str, Any], str]] = [
         "accessMode=ReadWriteOncePod mounts the claim in one pod only",
     ),
     (
+        {"worker": {"replicas": 2, "model": {"storage": {"type": "pvc"}}}},
+        r"accessMode=ReadWriteOnce mounts the claim on one node only, but worker.replicas allows 2",
+    ),
+    (
+        {
+            "worker": {
+                "autoscaling": {"enabled": True, "maxReplicas": 3},
+                "model": {"storage": {"type": "pvc"}},
+            }
+        },
+        r"ReadWriteOnce .* but worker.autoscaling.maxReplicas allows 3 workers: .*Multi-Attach",
+    ),
+    (
+        {
+            "monitoring": {"serviceMonitor": {"enabled": True}},
+            "worker": {"keda": {"enabled": True}, "model": {"storage": {"type": "pvc"}}},
+        },
+        r"ReadWriteOnce .* but worker.keda.maxReplicaCount allows 4 workers",
+    ),
+    (
         {"worker": {"shmSize": "48Gi"}},
         r"worker.shmSize \(48Gi\) must be below worker.resources.limits.memory \(48Gi\)",
     ),
@@ -1447,11 +1618,15 @@ IMPOSSIBLE: list[tuple[dict[str, Any], str]] = [
     ),
     (
         {"worker": {"shutdown": {"terminationGracePeriodSeconds": 30}}},
-        r"worker.shutdown.terminationGracePeriodSeconds \(30\) is below .* \(85\)",
+        r"worker.shutdown.terminationGracePeriodSeconds \(30\) is below .* \(90\)",
     ),
     (
         {"gateway": {"env": {"TOKENMESH_GATEWAY_GRACE_SECONDS": "5"}}},
         "set TOKENMESH_GATEWAY_GRACE_SECONDS with shutdown.graceSeconds",
+    ),
+    (
+        {"worker": {"extraEnv": [{"name": "TOKENMESH_WORKER_GRACE_SECONDS", "value": "5"}]}},
+        "set TOKENMESH_WORKER_GRACE_SECONDS with shutdown.graceSeconds, not extraEnv",
     ),
     (
         {"reranker": {"podLabels": {"app.kubernetes.io/component": "x"}}},

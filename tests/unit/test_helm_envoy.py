@@ -1,7 +1,8 @@
 """The chart's Envoy and egress wiring, rendered offline like tests/unit/test_helm_chart.py
 (whose helpers this reuses): admin on 127.0.0.1 with probes and metrics on the stats listener,
 a preStop that really drains, egress NetworkPolicies that allow each component exactly what it
-calls (and never the cloud metadata service)."""
+calls (and never the cloud metadata service), each call admitted by the callee's ingress
+policy, and tracing to a collector."""
 
 from __future__ import annotations
 
@@ -120,6 +121,8 @@ def test_the_prestop_drains_through_admin_for_the_drain_time(
     assert script.rstrip().endswith("sleep 45")
     args = envoy["args"]
     assert args[args.index("--drain-time-s") + 1] == "45"
+    # Every connection is told to go away when the drain starts, not spread over its time.
+    assert args[args.index("--drain-strategy") + 1] == "immediate"
     pod = release.deployment("envoy")["spec"]["template"]["spec"]
     assert pod["terminationGracePeriodSeconds"] >= 45 + 5
     # The drain time and grace period follow the values.
@@ -204,6 +207,29 @@ def test_only_the_traffic_listeners_drain(releases: dict[str, Release]) -> None:
     assert inbound == {"edge", "worker", "reranker"}
 
 
+def test_envoy_probe_timings_come_from_values(releases: dict[str, Release]) -> None:
+    envoy = releases["defaults"].container("envoy")
+    assert envoy["startupProbe"]["tcpSocket"] == {"port": "stats"}
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        # Not the 1 s default: a busy Envoy answers late but answers.
+        assert envoy[kind]["timeoutSeconds"] >= 3, kind
+    # The startup probe allows Envoy a minute to open its listeners.
+    startup = envoy["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 60
+    probes = {
+        "startup": {"periodSeconds": 3, "timeoutSeconds": 4, "failureThreshold": 50},
+        "readiness": {"periodSeconds": 6, "timeoutSeconds": 2, "failureThreshold": 2},
+        "liveness": {"periodSeconds": 20, "timeoutSeconds": 8, "failureThreshold": 6},
+    }
+    envoy = Release(render({"envoy": {"probes": probes}})).container("envoy")
+    for kind, expected in probes.items():
+        probe = envoy[f"{kind}Probe"]
+        assert {k: probe[k] for k in expected} == expected, kind
+    # startup: null leaves the startup probe out.
+    envoy = Release(render({"envoy": {"probes": {"startup": None}}})).container("envoy")
+    assert "startupProbe" not in envoy and envoy["livenessProbe"]["timeoutSeconds"] == 5
+
+
 def test_the_schema_refuses_bad_drain_and_egress_values() -> None:
     with helm_python.Chart.load(CHART) as chart:
         chart.validate_schema({"envoy": {"drain": {"seconds": 45}}})
@@ -213,6 +239,14 @@ def test_the_schema_refuses_bad_drain_and_egress_values() -> None:
             ({"networkPolicy": {"egress": {"enabled": "yes"}}}, "/networkPolicy/egress/enabled"),
             ({"networkPolicy": {"egress": {"extraByComponent": {"db": []}}}}, "propertyName 'db'"),
             ({"networkPolicy": {"egress": {"modelHubPorts": [0]}}}, "modelHubPorts"),
+            ({"networkPolicy": {"egress": {"dnsPorts": [{"port": 53}]}}}, "dnsPorts/0"),
+            (
+                {"networkPolicy": {"egress": {"dnsPorts": [{"port": 53, "protocol": "SCTP"}]}}},
+                "dnsPorts/0/protocol",
+            ),
+            ({"envoy": {"probes": {"readiness": {"timeoutSeconds": "3s"}}}}, "/envoy/probes"),
+            ({"tracing": {"endpoint": "otel:4317"}}, "/tracing"),
+            ({"tracing": {"otlpTo": {"ipBlock": {}}}}, "/tracing/otlpTo"),
         ]
         for values, where in bad:
             with pytest.raises(helm_python.HelmValuesError, match=where):
@@ -296,7 +330,68 @@ def test_each_component_may_call_exactly_what_it_calls(
     # The model comes from the hub: public addresses only, HTTPS.
     assert allowed(release, "worker") == tcp("0.0.0.0/0", 443) | tcp("::/0", 443)
     assert allowed(release, "reranker") == set()
-    assert allowed(release, "controlplane") == set()
+    # The ops feed asks every worker for its health and engine stats, on its gRPC port.
+    assert allowed(release, "controlplane") == tcp("worker", grpc["worker"])
+
+
+def container_port(release: Release, component: str, port: int | str) -> int:
+    """A port of a component's container by number or name (as NetworkPolicyPorts give it)."""
+    ports = {p["name"]: int(p["containerPort"]) for p in release.container(component)["ports"]}
+    number = ports[port] if isinstance(port, str) else int(port)
+    assert number in ports.values(), (component, port, ports)
+    return number
+
+
+def admitted(release: Release, component: str) -> set[tuple[str, int]]:
+    """(peer component, port number) the component's ingress policy admits from pods here."""
+    policy = release.get("NetworkPolicy", f"{PREFIX}-{component}")
+    found = set()
+    for rule in policy["spec"]["ingress"]:
+        for peer in rule.get("from", []):
+            if set(peer) != {"podSelector"}:
+                continue  # other namespaces (metrics, Consul)
+            selector = peer["podSelector"]["matchLabels"]
+            for other in COMPONENTS:
+                if selects(selector, pod_labels(release, other)):
+                    for port in rule["ports"]:
+                        found.add((other, container_port(release, component, port["port"])))
+    return found
+
+
+@pytest.mark.parametrize("value_set", ["defaults", "mtls-secret", "consul"])
+def test_every_call_the_egress_allows_the_callee_admits(
+    value_set: str, releases: dict[str, Release]
+) -> None:
+    """Egress and ingress agree: each (caller, callee, port) the caller's egress policy allows
+    inside the release is a declared containerPort of the callee that its ingress policy
+    admits from the caller (the ops feed and the ops page were allowed one way only)."""
+    release = releases[value_set]
+    calls = 0
+    for caller in COMPONENTS:
+        for callee, protocol, port in allowed(release, caller):
+            if callee in COMPONENTS:
+                calls += 1
+                assert protocol == "TCP"
+                assert (caller, port) in admitted(release, callee), (caller, callee, port)
+    assert calls >= 9
+
+
+def test_the_control_plane_serves_the_ops_page_where_envoy_calls_it(
+    releases: dict[str, Release],
+) -> None:
+    release = releases["defaults"]
+    clusters = {c["name"]: c for c in release.envoy_config()["static_resources"]["clusters"]}
+    endpoint = clusters["ops_page"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
+    page = endpoint["endpoint"]["address"]["socket_address"]["port_value"]
+    controlplane = release.container("controlplane")
+    assert port_number(controlplane, "ops-page") == page
+    assert release.env("controlplane")["TOKENMESH_CONTROLPLANE_OPS_PAGE_PORT"] == str(page)
+    assert ("envoy", page) in admitted(release, "controlplane")
+    # Only Envoy: the gateways, workers and reranker reach neither the page nor the feed.
+    assert {peer for peer, _ in admitted(release, "controlplane")} == {"envoy"}
+    assert ("controlplane", port_number(release.container("worker"), "grpc")) in admitted(
+        release, "worker"
+    )
 
 
 def test_workers_with_a_local_model_reach_no_hub(releases: dict[str, Release]) -> None:
@@ -352,6 +447,81 @@ def test_egress_can_be_turned_off_or_widened() -> None:
         rules = egress_policy(wide, component)["spec"]["egress"]
         assert collector in rules
         assert (prometheus in rules) == (component == "controlplane")
+
+
+def test_dns_ports_come_from_values() -> None:
+    """OpenShift's DNS pods listen on 5353."""
+    ports = [{"protocol": "UDP", "port": 5353}, {"protocol": "TCP", "port": 5353}]
+    release = Release(render({"networkPolicy": {"egress": {"dnsPorts": ports}}}))
+    for component in COMPONENTS:
+        dns = egress_policy(release, component)["spec"]["egress"][0]
+        assert dns["to"] == DNS_PEERS and dns["ports"] == ports, component
+
+
+def test_egress_policies_follow_their_own_switch() -> None:
+    """networkPolicy.enabled is the ingress policies; egress.enabled, when set, the egress
+    ones (null: as networkPolicy.enabled)."""
+
+    def names(values: dict[str, Any]) -> set[str]:
+        return {p["metadata"]["name"] for p in Release(render(values)).all("NetworkPolicy")}
+
+    ingress = {f"{PREFIX}-{c}" for c in COMPONENTS}
+    egress = {f"{PREFIX}-{c}-egress" for c in COMPONENTS}
+    assert names({}) == ingress | egress
+    assert names({"networkPolicy": {"enabled": False}}) == set()
+    only_egress = {"networkPolicy": {"enabled": False, "egress": {"enabled": True}}}
+    assert names(only_egress) == egress
+    assert names({"networkPolicy": {"egress": {"enabled": False}}}) == ingress
+
+
+COLLECTOR = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "otel"}}}]
+
+
+def test_tracing_sets_every_service_endpoint_and_opens_the_collector_port() -> None:
+    endpoint = "http://otel-collector.otel.svc:4318"
+    release = Release(render({"tracing": {"otlpEndpoint": endpoint, "otlpTo": COLLECTOR}}))
+    rule = {"to": COLLECTOR, "ports": [{"protocol": "TCP", "port": 4318}]}
+    for component in PYTHON_COMPONENTS:
+        env = release.env(component)
+        assert env[f"TOKENMESH_{component.upper()}_OTLP_ENDPOINT"] == endpoint, component
+        assert rule in egress_policy(release, component)["spec"]["egress"], component
+    # Envoy does not trace: no endpoint, no rule.
+    assert not any("OTLP" in e["name"] for e in release.container("envoy").get("env", []))
+    assert rule not in egress_policy(release, "envoy")["spec"]["egress"]
+    # Without a port in the endpoint: OTLP/gRPC's 4317. A service's own env value wins.
+    values = {
+        "tracing": {"otlpEndpoint": "otel-collector.otel.svc", "otlpTo": COLLECTOR},
+        "worker": {"env": {"TOKENMESH_WORKER_OTLP_ENDPOINT": "otel-collector.otel.svc:4317"}},
+    }
+    release = Release(render(values))
+    rule = {"to": COLLECTOR, "ports": [{"protocol": "TCP", "port": 4317}]}
+    assert rule in egress_policy(release, "gateway")["spec"]["egress"]
+    names = [e["name"] for e in release.container("worker")["env"]]
+    assert names.count("TOKENMESH_WORKER_OTLP_ENDPOINT") == 1
+    assert release.env("worker")["TOKENMESH_WORKER_OTLP_ENDPOINT"] == "otel-collector.otel.svc:4317"
+    # Nothing by default.
+    assert not any("OTLP" in name for name in Release(render({})).env("gateway"))
+
+
+def test_an_endpoint_egress_would_block_is_refused_at_render() -> None:
+    with pytest.raises(helm_python.HelmRenderError, match=r"tracing\.otlpTo"):
+        render({"tracing": {"otlpEndpoint": "http://otel:4317"}})
+    own = {"TOKENMESH_GATEWAY_OTLP_ENDPOINT": "http://otel.otel.svc:4317"}
+    with pytest.raises(helm_python.HelmRenderError, match=r"gateway.env .*tracing.otlpEndpoint"):
+        render({"gateway": {"env": own}})
+    extra_env = [{"name": "TOKENMESH_RERANKER_OTLP_ENDPOINT", "value": "otel:4317"}]
+    with pytest.raises(helm_python.HelmRenderError, match=r"reranker.extraEnv .*otlpEndpoint"):
+        render({"reranker": {"extraEnv": extra_env}})
+    # A tracing endpoint on another port does not open this one.
+    tracing = {"otlpEndpoint": "otel:4318", "otlpTo": COLLECTOR}
+    with pytest.raises(helm_python.HelmRenderError, match=r"port \(4317\)"):
+        render({"tracing": tracing, "gateway": {"env": own}})
+    # Fine: a user's rule to the port, or no egress policies.
+    rule = {"to": COLLECTOR, "ports": [{"protocol": "TCP", "port": 4317}]}
+    render({"gateway": {"env": own}, "networkPolicy": {"egress": {"extra": [rule]}}})
+    by_component = {"extraByComponent": {"gateway": [rule]}}
+    render({"gateway": {"env": own}, "networkPolicy": {"egress": by_component}})
+    render({"gateway": {"env": own}, "networkPolicy": {"egress": {"enabled": False}}})
 
 
 # ---- policy scan

@@ -20,11 +20,22 @@
 {{- end }}
 
 {{/*
-The name of one component's objects: (dict "root" $ "component" "worker"). The prefix is cut so
-that the longest name built on it, <prefix>-controlplane-headless (22 more), fits in 63.
+The name of one component's objects: (dict "root" $ "component" "worker"). The prefix is at
+most 41 characters, so that the longest name built on it, <prefix>-controlplane-headless (22
+more), fits in 63. A longer one keeps its first 35 characters and a hash of the whole, so that
+two release names that differ only at the end still get names of their own.
 */}}
 {{- define "tokenmesh.componentName" -}}
-{{- printf "%s-%s" (include "tokenmesh.fullname" .root | trunc 41 | trimSuffix "-") .component }}
+{{- printf "%s-%s" (include "tokenmesh.prefix" .root) .component }}
+{{- end }}
+
+{{- define "tokenmesh.prefix" -}}
+{{- $fullname := include "tokenmesh.fullname" . }}
+{{- if gt (len $fullname) 41 }}
+{{- printf "%s-%s" ($fullname | trunc 35 | trimSuffix "-") ($fullname | sha256sum | trunc 5) }}
+{{- else }}
+{{- $fullname }}
+{{- end }}
 {{- end }}
 
 {{/* The headless Service of a component: its DNS name lists the ready pods. */}}
@@ -257,12 +268,27 @@ IP for Consul, and in consul mode the agent address.
 - name: {{ $.prefix }}GRACE_SECONDS
   value: {{ .graceSeconds | quote }}
 {{- end }}
+{{- /* tracing.otlpEndpoint, unless env or extraEnv sets the service's own. */}}
+{{- $otlp := printf "%sOTLP_ENDPOINT" .prefix }}
+{{- $own := hasKey (.values.env | default dict) $otlp }}
+{{- range .values.extraEnv }}{{ if eq .name $otlp }}{{ $own = true }}{{ end }}{{ end }}
+{{- if and .root.Values.tracing.otlpEndpoint (not $own) }}
+- name: {{ $otlp }}
+  value: {{ .root.Values.tracing.otlpEndpoint | quote }}
+{{- end }}
+{{- $grace := printf "%sGRACE_SECONDS" .prefix }}
 {{- range $name, $value := .values.env }}
-{{- if and $.values.shutdown (eq $name (printf "%sGRACE_SECONDS" $.prefix)) }}
+{{- if and $.values.shutdown (eq $name $grace) }}
 {{- fail (printf "set %s with shutdown.graceSeconds, not env: terminationGracePeriodSeconds is computed from it" $name) }}
 {{- end }}
 - name: {{ $name }}
   value: {{ $value | quote }}
+{{- end }}
+{{- /* A later duplicate in extraEnv would win over the computed one. */}}
+{{- range .values.extraEnv }}
+{{- if and $.values.shutdown (eq .name $grace) }}
+{{- fail (printf "set %s with shutdown.graceSeconds, not extraEnv: terminationGracePeriodSeconds is computed from it" .name) }}
+{{- end }}
 {{- end }}
 {{- with .values.extraEnv }}
 {{ toYaml . }}
@@ -278,6 +304,11 @@ imagePullSecrets:
 {{- end }}
 securityContext:
   {{- include "tokenmesh.podSecurityContext" .root | nindent 2 }}
+  {{- if and (eq .component "worker") .root.Values.podSecurityContext.fsGroup }}
+  # The kubelet chowns a volume to fsGroup only when its root is not already owned by it, not
+  # every file of a model cache at every start.
+  fsGroupChangePolicy: OnRootMismatch
+  {{- end }}
 {{ include "tokenmesh.podExtensions" . }}
 {{- end }}
 
@@ -327,8 +358,10 @@ spec:
 {{- end }}
 
 {{/*
-Ingress of a Python component: its gRPC port from Envoy's pods only (and from Consul's health
-checks in consul mode), its metrics port from networkPolicy.metricsFrom.
+Ingress of a Python component: its gRPC port from Envoy's pods (and from Consul's health
+checks in consul mode), its metrics port from networkPolicy.metricsFrom. Besides Envoy, the
+control plane's ops feed asks each worker on its gRPC port (grpc.health.v1 Check and
+GetEngineStats), and Envoy's edge reaches the control plane's ops page.
 */}}
 {{- define "tokenmesh.serviceNetworkPolicy" -}}
 {{- $values := index .root.Values .component }}
@@ -360,11 +393,50 @@ spec:
         # The OpenAI HTTP API (the edge's /v1/).
         - port: openai
         {{- end }}
+    {{- if and (eq .component "worker") .root.Values.controlplane.enabled }}
+    # The ops feed: the control plane probes every worker (health, engine stats).
+    - from:
+        - podSelector:
+            matchLabels:
+              {{- include "tokenmesh.selectorLabels" (dict "root" .root "component" "controlplane") | nindent 14 }}
+      ports:
+        - port: grpc
+    {{- end }}
+    {{- if eq .component "controlplane" }}
+    # The ops page's files, which Envoy's edge serves under /ops/.
+    - from:
+        - podSelector:
+            matchLabels:
+              {{- include "tokenmesh.selectorLabels" (dict "root" .root "component" "envoy") | nindent 14 }}
+      ports:
+        - port: ops-page
+    {{- end }}
     - from:
         {{- toYaml .root.Values.networkPolicy.metricsFrom | nindent 8 }}
       ports:
         - port: metrics
 {{- end }}
+{{- end }}
+
+{{/*
+Whether the egress NetworkPolicies render: networkPolicy.egress.enabled when set (true renders
+them even with networkPolicy.enabled=false, which is the ingress policies), else (null, the
+default) networkPolicy.enabled. "true" or "".
+*/}}
+{{- define "tokenmesh.egressEnabled" -}}
+{{- $np := .Values.networkPolicy }}
+{{- $egress := dig "enabled" nil ($np.egress | default dict) }}
+{{- if kindIs "bool" $egress }}{{ ternary "true" "" $egress }}{{ else }}{{ ternary "true" "" (eq (toString $np.enabled) "true") }}{{ end }}
+{{- end }}
+
+{{/*
+The port of an OTLP/gRPC endpoint as the services take it ("host:port", "http://host:port",
+"https://host:port/"): the explicit port, else 4317.
+*/}}
+{{- define "tokenmesh.otlpPort" -}}
+{{- $address := regexReplaceAll "^[a-zA-Z][a-zA-Z0-9+.-]*://" (toString .) "" }}
+{{- $host := regexReplaceAll "/.*$" $address "" }}
+{{- if regexMatch ":[0-9]+$" $host }}{{ regexFind "[0-9]+$" $host | int }}{{ else }}4317{{ end }}
 {{- end }}
 
 {{/*
@@ -422,15 +494,16 @@ headless Service. Listener and admin ports are read from it, never repeated in v
 {{- .Files.Get $file | replace "${TOKENMESH_CONTROLPLANE_HOST}" $host }}
 {{- end }}
 
-{{/* A port of the generated Envoy config: (dict "root" $ "listener" "edge"|"worker"|"reranker"|"admin"|"xds") */}}
+{{/* A port of the generated Envoy config: (dict "root" $ "listener" "edge"|"worker"|"reranker"|"admin"|"xds"|"ops_page") */}}
 {{- define "tokenmesh.envoyPort" -}}
 {{- $config := .root.Files.Get "files/envoy.yaml" | fromYaml }}
 {{- $port := 0 }}
 {{- if eq .listener "admin" }}
 {{- $port = $config.admin.address.socket_address.port_value }}
-{{- else if eq .listener "xds" }}
+{{- else if has .listener (list "xds" "ops_page") }}
+{{- $cluster := get (dict "xds" "xds_cluster" "ops_page" "ops_page") .listener }}
 {{- range $config.static_resources.clusters }}
-{{- if eq .name "xds_cluster" }}
+{{- if eq .name $cluster }}
 {{- $port = (index (index .load_assignment.endpoints 0).lb_endpoints 0).endpoint.address.socket_address.port_value }}
 {{- end }}
 {{- end }}
@@ -562,6 +635,10 @@ Value combinations that can never work, refused at render time with the reason.
 */}}
 {{- define "tokenmesh.checks" -}}
 {{- $v := .Values }}
+{{- $fullname := include "tokenmesh.fullname" . }}
+{{- if not (regexMatch "^[a-z]" $fullname) }}
+{{- fail (printf "the chart's object names would start with %q: Service names must start with a lowercase letter (DNS-1035 labels), so use a release name that starts with one, or set fullnameOverride" (substr 0 1 $fullname)) }}
+{{- end }}
 {{- if and (eq $v.discovery.mode "consul") $v.mtls.enabled }}
 {{- fail "discovery.mode=consul cannot be combined with mtls.enabled: Consul's gRPC health checks are plaintext and the services' gRPC ports accept only mTLS, so every instance would stay critical in Consul (use discovery.mode=kubernetes with mTLS)" }}
 {{- end }}
@@ -581,20 +658,31 @@ Value combinations that can never work, refused at render time with the reason.
 {{- if and $worker.keda.enabled (gt (int $worker.keda.minReplicaCount) (int $worker.keda.maxReplicaCount)) }}
 {{- fail (printf "worker.keda.minReplicaCount (%d) is above maxReplicaCount (%d)" (int $worker.keda.minReplicaCount) (int $worker.keda.maxReplicaCount)) }}
 {{- end }}
+{{- /* The default queries read the series the workers' ServiceMonitor makes (job, namespace). */}}
+{{- $keda := $worker.keda }}
+{{- $defaultQueries := or (and $keda.queue.enabled (not $keda.queue.query)) (and $keda.ttft.enabled (not $keda.ttft.query)) }}
+{{- if and $keda.enabled $defaultQueries (not $v.monitoring.serviceMonitor.enabled) }}
+{{- fail "worker.keda.enabled needs monitoring.serviceMonitor.enabled: the default KEDA queries read the series the workers' ServiceMonitor scrapes, and without it they would find none and never scale (or give every enabled trigger a query of your own)" }}
+{{- end }}
 {{- $rolling := $worker.updateStrategy.rollingUpdate | default dict }}
-{{- if and (eq $worker.updateStrategy.type "RollingUpdate") (eq (toString ($rolling.maxSurge | default 0)) "0") (eq (toString ($rolling.maxUnavailable | default 0)) "0") }}
+{{- /* Unset, Kubernetes makes each 25%; "0%" is as zero as 0. */}}
+{{- $surge := ternary "25%" $rolling.maxSurge (kindIs "invalid" $rolling.maxSurge) | toString | trimSuffix "%" | atoi }}
+{{- $unavailable := ternary "25%" $rolling.maxUnavailable (kindIs "invalid" $rolling.maxUnavailable) | toString | trimSuffix "%" | atoi }}
+{{- if and (eq $worker.updateStrategy.type "RollingUpdate") (eq $surge 0) (eq $unavailable 0) }}
 {{- fail "worker.updateStrategy.rollingUpdate: maxSurge and maxUnavailable cannot both be 0 (the rollout could never replace a pod)" }}
 {{- end }}
 {{- $storage := $worker.model.storage }}
 {{- if and (eq $storage.type "existingClaim") (not $storage.existingClaim.claimName) }}
 {{- fail "worker.model.storage.type=existingClaim needs worker.model.storage.existingClaim.claimName" }}
 {{- end }}
-{{- if and (eq $storage.type "pvc") (eq $storage.pvc.accessMode "ReadWriteOncePod") }}
+{{- if and (eq $storage.type "pvc") (has $storage.pvc.accessMode (list "ReadWriteOnce" "ReadWriteOncePod")) }}
 {{- $most := int $worker.replicas }}
-{{- if $worker.autoscaling.enabled }}{{ $most = int $worker.autoscaling.maxReplicas }}{{ end }}
-{{- if $worker.keda.enabled }}{{ $most = int $worker.keda.maxReplicaCount }}{{ end }}
+{{- $source := "replicas" }}
+{{- if $worker.autoscaling.enabled }}{{ $most = int $worker.autoscaling.maxReplicas }}{{ $source = "autoscaling.maxReplicas" }}{{ end }}
+{{- if $worker.keda.enabled }}{{ $most = int $worker.keda.maxReplicaCount }}{{ $source = "keda.maxReplicaCount" }}{{ end }}
 {{- if gt $most 1 }}
-{{- fail "worker.model.storage.pvc.accessMode=ReadWriteOncePod mounts the claim in one pod only, but up to several workers would share it: use ReadWriteMany (or one worker)" }}
+{{- $where := ternary "in one pod only" "on one node only" (eq $storage.pvc.accessMode "ReadWriteOncePod") }}
+{{- fail (printf "worker.model.storage.pvc.accessMode=%s mounts the claim %s, but worker.%s allows %d workers: those that cannot mount it would wait in ContainerCreating (Multi-Attach error); use ReadWriteMany, or one worker" $storage.pvc.accessMode $where $source $most) }}
 {{- end }}
 {{- end }}
 {{- $memory := dig "limits" "memory" "" ($worker.resources | default dict) }}

@@ -33,7 +33,7 @@ from tokenmesh.localmesh.certs import (
     CertSettings,
 )
 from tokenmesh.localmesh.probes import health, port_is_free
-from tokenmesh.meshconfig.bootstrap import render
+from tokenmesh.meshconfig.bootstrap import render, secret_files
 from tokenmesh.meshconfig.config import MeshSettings
 
 GIB = 1024**3
@@ -183,7 +183,7 @@ class LocalMeshSettings(BaseSettings):
 
     def mesh(self, certs: CertPaths | None = None) -> MeshSettings:
         """The mesh Envoy runs; with certs, TLS at the edge and mTLS to the services as the
-        tls and mtls settings ask."""
+        tls and mtls settings ask, the SDS files that deliver them next to the certificates."""
         edge = certs if certs is not None and self.tls else None
         upstream = certs if certs is not None and self.mtls else None
         return MeshSettings(
@@ -200,6 +200,7 @@ class LocalMeshSettings(BaseSettings):
             upstream_tls_ca_file=None if upstream is None else str(upstream.ca_cert),
             internal_tls_cert_file=None if upstream is None else str(upstream.cert(ENVOY_INTERNAL)),
             internal_tls_key_file=None if upstream is None else str(upstream.key(ENVOY_INTERNAL)),
+            sds_dir=None if certs is None else str(certs.dir),
             direct_token_path=self.direct_token_path,
         )
 
@@ -544,11 +545,10 @@ stdout_logfile_backups=2
     def write_configs(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(self.supervisord_config())
-        self.envoy_config_path.write_text(
-            yaml.safe_dump(
-                render(self.settings.mesh(self.certs if self.tls else None)), sort_keys=False
-            )
-        )
+        mesh = self.settings.mesh(self.certs if self.tls else None)
+        self.envoy_config_path.write_text(yaml.safe_dump(render(mesh), sort_keys=False))
+        for path, secret in secret_files(mesh).items():
+            Path(path).write_text(yaml.safe_dump(secret, sort_keys=False))
         self.endpoints_path.write_text(yaml.safe_dump(self.endpoints(), sort_keys=False))
         self.prometheus_config_path.write_text(
             yaml.safe_dump(self.prometheus_config(), sort_keys=False)

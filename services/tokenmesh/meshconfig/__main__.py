@@ -1,7 +1,8 @@
 """`python -m tokenmesh.meshconfig [--profile local|kubernetes[-tls][-mtls]] [--out FILE]`:
 render Envoy's bootstrap YAML from settings (local: MeshSettings from TOKENMESH_MESH_*;
 kubernetes*: the Helm chart's profile, with a plaintext or a TLS edge, and with or without mTLS
-to the services)."""
+to the services). With TLS, the local profile also writes the SDS files that deliver Envoy's
+certificates, into sds_dir (the chart ships the kubernetes profiles' in its ConfigMap)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from tokenmesh.meshconfig.bootstrap import render
+from tokenmesh.meshconfig.bootstrap import render, secret_files
 from tokenmesh.meshconfig.config import MeshSettings, kubernetes_profile
 
 HEADER = (
@@ -27,6 +28,14 @@ KUBERNETES_HEADER = (
 
 def render_yaml(settings: MeshSettings, header: str = HEADER) -> str:
     return header + str(yaml.safe_dump(render(settings), sort_keys=False, width=100))
+
+
+def render_secret_files(settings: MeshSettings, header: str = HEADER) -> dict[str, str]:
+    """The SDS files the bootstrap names, by path."""
+    return {
+        path: header + str(yaml.safe_dump(content, sort_keys=False, width=100))
+        for path, content in secret_files(settings).items()
+    }
 
 
 def render_profile(profile: str) -> str:
@@ -50,6 +59,10 @@ def main() -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
+        if args.profile == "local":
+            for path, secret in render_secret_files(MeshSettings()).items():
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+                Path(path).write_text(secret)
     else:
         sys.stdout.write(text)
     return 0

@@ -39,6 +39,12 @@ HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 LOCAL_RATE_LIMIT = TYPE + "envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit"
 EXT_PROC = "envoy.filters.http.ext_proc"
 EXT_PROC_PER_ROUTE = TYPE + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
+SECRET = TYPE + "envoy.extensions.transport_sockets.tls.v3.Secret"
+# The secrets (certificates, the services' CA) Envoy's TLS contexts get over SDS.
+EDGE_CERTIFICATE = "edge-certificate"
+INTERNAL_CERTIFICATE = "internal-certificate"
+UPSTREAM_CERTIFICATE = "upstream-certificate"
+UPSTREAM_CA = "upstream-ca"
 DOWNSTREAM_CONNECTIONS = (
     TYPE
     + "envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig"
@@ -672,15 +678,11 @@ def listener(name: str, host: str, port: int, cluster: str, mesh: MeshSettings) 
             }
         ]
     }
-    if edge and mesh.edge_tls_cert_file and mesh.edge_tls_key_file:
+    if edge and mesh.edge_tls_cert_file:
         # HTTP/2 (gRPC) and HTTP/1.1 (REST, gRPC-Web) by ALPN.
-        chain["transport_socket"] = downstream_tls(
-            mesh.edge_tls_cert_file, mesh.edge_tls_key_file, ["h2", "http/1.1"]
-        )
-    if not edge and mesh.internal_tls_cert_file and mesh.internal_tls_key_file:
-        chain["transport_socket"] = downstream_tls(
-            mesh.internal_tls_cert_file, mesh.internal_tls_key_file, ["h2"]
-        )
+        chain["transport_socket"] = downstream_tls(EDGE_CERTIFICATE, mesh, ["h2", "http/1.1"])
+    if not edge and mesh.internal_tls_cert_file:
+        chain["transport_socket"] = downstream_tls(INTERNAL_CERTIFICATE, mesh, ["h2"])
     return {
         "name": name,
         "address": {"socket_address": {"address": host, "port_value": port}},
@@ -774,22 +776,81 @@ def admin_cluster(mesh: MeshSettings) -> list[Config]:
     ]
 
 
-def downstream_tls(cert_file: str, key_file: str, alpn: list[str]) -> Config:
-    """TLS on a listener, offering the alpn protocols; the files are re-read when their
-    directory changes (a Kubernetes Secret update swaps it atomically)."""
+def certificate(cert_file: str, key_file: str) -> Config:
+    """A certificate and key from files, read again together when their directory changes."""
+    return {
+        "certificate_chain": {"filename": cert_file},
+        "private_key": {"filename": key_file},
+        "watched_directory": {"path": posixpath.dirname(cert_file)},
+    }
+
+
+def secrets(mesh: MeshSettings) -> dict[str, Config]:
+    """The secrets Envoy's TLS contexts name, by name: each certificate and the services' CA.
+    SDS delivers them, so Envoy reads their files again when a renewed Secret swaps their
+    directory; set in the bootstrap, a certificate would be read once, at start-up."""
+    found: dict[str, Config] = {}
+    if mesh.edge_tls_cert_file and mesh.edge_tls_key_file:
+        found[EDGE_CERTIFICATE] = {
+            "tls_certificate": certificate(mesh.edge_tls_cert_file, mesh.edge_tls_key_file)
+        }
+    if mesh.internal_tls_cert_file and mesh.internal_tls_key_file:
+        found[INTERNAL_CERTIFICATE] = {
+            "tls_certificate": certificate(mesh.internal_tls_cert_file, mesh.internal_tls_key_file)
+        }
+    if mesh.upstream_tls_cert_file and mesh.upstream_tls_key_file and mesh.upstream_tls_ca_file:
+        found[UPSTREAM_CERTIFICATE] = {
+            "tls_certificate": certificate(mesh.upstream_tls_cert_file, mesh.upstream_tls_key_file)
+        }
+        found[UPSTREAM_CA] = {
+            "validation_context": {
+                "trusted_ca": {"filename": mesh.upstream_tls_ca_file},
+                "watched_directory": {"path": posixpath.dirname(mesh.upstream_tls_ca_file)},
+            }
+        }
+    return found
+
+
+def sds_path(name: str, mesh: MeshSettings) -> str:
+    """The SDS file of the secret name."""
+    assert mesh.sds_dir is not None
+    return posixpath.join(mesh.sds_dir, f"sds-{name}.yaml")
+
+
+def secret_files(mesh: MeshSettings) -> dict[str, Config]:
+    """The SDS files the bootstrap names, by path: one secret each (a DiscoveryResponse's
+    shape), for whoever writes Envoy's config (the local mesh, the chart's ConfigMap)."""
+    return {
+        sds_path(name, mesh): {"resources": [{"@type": SECRET, "name": name, **secret}]}
+        for name, secret in secrets(mesh).items()
+    }
+
+
+def sds(name: str, mesh: MeshSettings) -> Config:
+    """A secret from its SDS file, read again when sds_dir changes (a ConfigMap's update swaps
+    it as a Secret's does)."""
+    assert mesh.sds_dir is not None
+    return {
+        "name": name,
+        "sds_config": {
+            "path_config_source": {
+                "path": sds_path(name, mesh),
+                "watched_directory": {"path": mesh.sds_dir},
+            },
+            "resource_api_version": "V3",
+        },
+    }
+
+
+def downstream_tls(secret: str, mesh: MeshSettings, alpn: list[str]) -> Config:
+    """TLS on a listener with the certificate secret, offering the alpn protocols."""
     return {
         "name": "envoy.transport_sockets.tls",
         "typed_config": {
             "@type": TYPE + "envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
             "common_tls_context": {
                 "alpn_protocols": alpn,
-                "tls_certificates": [
-                    {
-                        "certificate_chain": {"filename": cert_file},
-                        "private_key": {"filename": key_file},
-                        "watched_directory": {"path": posixpath.dirname(cert_file)},
-                    }
-                ],
+                "tls_certificate_sds_secret_configs": [sds(secret, mesh)],
             },
         },
     }
@@ -800,7 +861,7 @@ def upstream_tls(name: str, mesh: MeshSettings) -> Config:
     certificate must name the cluster (DNS SAN; also sent as SNI). HTTP/2 only, by ALPN. The
     cluster's health checks use this transport socket too. The openai cluster's hosts are the
     gateways' HTTP ports: their certificate names the gateway, over HTTP/1.1."""
-    assert mesh.upstream_tls_cert_file and mesh.upstream_tls_key_file and mesh.upstream_tls_ca_file
+    assert mesh.upstream_mtls
     openai = name == OPENAI_CLUSTER
     service = "gateway" if openai else name
     return {
@@ -810,20 +871,15 @@ def upstream_tls(name: str, mesh: MeshSettings) -> Config:
             "sni": service,
             "common_tls_context": {
                 "alpn_protocols": ["http/1.1"] if openai else ["h2"],
-                "tls_certificates": [
-                    {
-                        "certificate_chain": {"filename": mesh.upstream_tls_cert_file},
-                        "private_key": {"filename": mesh.upstream_tls_key_file},
-                        "watched_directory": {
-                            "path": posixpath.dirname(mesh.upstream_tls_cert_file)
-                        },
-                    }
-                ],
-                "validation_context": {
-                    "trusted_ca": {"filename": mesh.upstream_tls_ca_file},
-                    "match_typed_subject_alt_names": [
-                        {"san_type": "DNS", "matcher": {"exact": service}}
-                    ],
+                "tls_certificate_sds_secret_configs": [sds(UPSTREAM_CERTIFICATE, mesh)],
+                # The CA from SDS, the name this cluster's hosts must carry from here.
+                "combined_validation_context": {
+                    "default_validation_context": {
+                        "match_typed_subject_alt_names": [
+                            {"san_type": "DNS", "matcher": {"exact": service}}
+                        ],
+                    },
+                    "validation_context_sds_secret_config": sds(UPSTREAM_CA, mesh),
                 },
             },
         },

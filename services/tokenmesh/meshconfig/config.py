@@ -25,8 +25,8 @@ class MeshSettings(BaseSettings):
         default=None,
         description=(
             "TLS on the edge listener: PEM certificate chain file (with edge_tls_key_file: "
-            "both or neither). Envoy re-reads them when their directory changes (a renewed "
-            "Kubernetes Secret)."
+            "both or neither). Delivered over SDS (see sds_dir), they are read again when "
+            "their directory is swapped (a renewed Kubernetes Secret)."
         ),
     )
     edge_tls_key_file: str | None = Field(
@@ -65,6 +65,15 @@ class MeshSettings(BaseSettings):
     internal_tls_key_file: str | None = Field(
         default=None,
         description="TLS on the internal listeners: the key of internal_tls_cert_file.",
+    )
+    sds_dir: str | None = Field(
+        default=None,
+        description=(
+            "Where Envoy reads the SDS files that deliver its certificates and CA, one per "
+            "secret (bootstrap.secret_files(): `python -m tokenmesh.meshconfig --out` and the "
+            "local mesh write them, the chart's ConfigMap carries them); required with any "
+            "TLS file. Envoy re-reads a certificate only when SDS delivers it."
+        ),
     )
     admin_host: str = Field(
         default="127.0.0.1",
@@ -336,6 +345,9 @@ class MeshSettings(BaseSettings):
             raise ValueError(
                 "upstream_tls_cert_file, upstream_tls_key_file and upstream_tls_ca_file go together"
             )
+        tls = (self.edge_tls_cert_file, self.internal_tls_cert_file, self.upstream_tls_cert_file)
+        if self.sds_dir is None and any(path is not None for path in tls):
+            raise ValueError("TLS files need sds_dir, where Envoy reads their SDS files")
         return self
 
     @property
@@ -357,6 +369,8 @@ KUBERNETES_TLS_DIR = "/etc/envoy/tls"
 # and the CA, ca.crt: a cert-manager Secret's layout), and its internal listeners' certificate.
 KUBERNETES_MTLS_DIR = "/etc/envoy/mtls"
 KUBERNETES_INTERNAL_TLS_DIR = "/etc/envoy/internal-tls"
+# Where the chart mounts Envoy's ConfigMap: the bootstrap and the SDS files it names.
+KUBERNETES_CONFIG_DIR = "/etc/envoy/config"
 
 
 # The stats listener's port in the Kubernetes profile (probes, Prometheus); the chart reads it
@@ -371,7 +385,8 @@ def kubernetes_profile(tls: bool = False, mtls: bool = False) -> MeshSettings:
     the control plane reached through its Service's DNS name; with tls, the edge speaks
     TLS with the certificate mounted at KUBERNETES_TLS_DIR; with mtls, Envoy reaches the
     services over mTLS with the client certificate mounted at KUBERNETES_MTLS_DIR, and its
-    internal listeners speak TLS with the one at KUBERNETES_INTERNAL_TLS_DIR."""
+    internal listeners speak TLS with the one at KUBERNETES_INTERNAL_TLS_DIR; the SDS files
+    that deliver them are in the ConfigMap, at KUBERNETES_CONFIG_DIR."""
     return MeshSettings(
         edge_tls_cert_file=f"{KUBERNETES_TLS_DIR}/tls.crt" if tls else None,
         edge_tls_key_file=f"{KUBERNETES_TLS_DIR}/tls.key" if tls else None,
@@ -380,6 +395,7 @@ def kubernetes_profile(tls: bool = False, mtls: bool = False) -> MeshSettings:
         upstream_tls_ca_file=f"{KUBERNETES_MTLS_DIR}/ca.crt" if mtls else None,
         internal_tls_cert_file=f"{KUBERNETES_INTERNAL_TLS_DIR}/tls.crt" if mtls else None,
         internal_tls_key_file=f"{KUBERNETES_INTERNAL_TLS_DIR}/tls.key" if mtls else None,
+        sds_dir=KUBERNETES_CONFIG_DIR,
         edge_host="0.0.0.0",
         admin_host="127.0.0.1",
         stats_host="0.0.0.0",
