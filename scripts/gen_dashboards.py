@@ -23,6 +23,11 @@ SERVER_ERROR_CODES = (
 # Health checks are frequent and say nothing about the service's own calls.
 NOT_HEALTH = 'grpc_service!="grpc.health.v1.Health"'
 PUBLIC_API = 'service="gateway",grpc_service="tokenmesh.v1.LLMService"'
+# Token streams the workers started (gRPC and OpenAI), whichever path brought them.
+WORKER_STREAMS = (
+    'service="worker",grpc_service="tokenmesh.v1.InferenceService",'
+    'grpc_method=~"Generate|GenerateOpenAI"'
+)
 CIRCUIT_STATES = {0: ("closed", "green"), 1: ("half-open", "orange"), 2: ("open", "red")}
 
 
@@ -84,6 +89,12 @@ def rate(metric: str, by: str, selector: str = "") -> str:
     """Per-second rate of a counter summed by the `by` labels."""
     series = f"{metric}{{{selector}}}" if selector else metric
     return f"sum by ({by}) (rate({series}[{RATE}]))"
+
+
+def ratio(numerator: str, denominator: str, matching: str = "") -> str:
+    """numerator / denominator where the denominator is above 0: an idle window is a gap,
+    not NaN or +Inf. `matching` is the vector matching, e.g. `on (replica)`."""
+    return f"{numerator}\n/ {matching + ' ' if matching else ''}({denominator} > 0)"
 
 
 OVERVIEW = Dashboard(
@@ -211,6 +222,52 @@ SERVING = Dashboard(
                     "{{replica}} mean",
                 ),
             ),
+        ),
+        Panel(
+            "Prefix-cache hit rate by worker",
+            "Share of the prompt tokens each engine looked up in its prefix cache that it found "
+            "there (vllm:prefix_cache_hits / vllm:prefix_cache_queries), per worker and over "
+            "all of them. Prefix-aware routing sends prompts that start alike to one worker, "
+            "which should show here as a higher rate.",
+            (
+                Query(
+                    ratio(
+                        rate("vllm:prefix_cache_hits_total", "replica", 'replica=~"$worker"'),
+                        rate("vllm:prefix_cache_queries_total", "replica", 'replica=~"$worker"'),
+                    ),
+                    "{{replica}}",
+                ),
+                Query(
+                    ratio(
+                        f"sum(rate(vllm:prefix_cache_hits_total[{RATE}]))",
+                        f"sum(rate(vllm:prefix_cache_queries_total[{RATE}]))",
+                    ),
+                    "all workers",
+                ),
+            ),
+            unit="percentunit",
+        ),
+        Panel(
+            "Stream share by worker",
+            "Each worker's share of the token streams the workers started (Generate and "
+            "GenerateOpenAI, their own counts): with prefix-aware routing, how far a hot "
+            "prefix tilts the balance (bounded by the balance factor).",
+            (
+                Query(
+                    ratio(
+                        rate(
+                            "grpc_server_started_total",
+                            "replica",
+                            f'{WORKER_STREAMS},replica=~"$worker"',
+                        ),
+                        f"sum(rate(grpc_server_started_total{{{WORKER_STREAMS}}}[{RATE}]))",
+                        # An empty label list: `group_left (` would start one.
+                        "ignoring (replica) group_left ()",
+                    ),
+                    "{{replica}}",
+                ),
+            ),
+            unit="percentunit",
         ),
         Panel(
             "Time queued in vLLM",

@@ -28,6 +28,7 @@ from tokenmesh.localmesh.probes import (
     health,
     series_values,
 )
+from tokenmesh.meshconfig.bootstrap import DIRECT_LOG_FLUSH_SECONDS
 
 if TYPE_CHECKING:
     from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
@@ -148,6 +149,39 @@ def metric_value(metrics: str, name: str, default: float | None = None, **labels
     if default is None:
         raise AssertionError(f"no series {name}{labels}")
     return default
+
+
+def direct_logs_delivered(mesh: LocalMesh, within: float = 15.0) -> None:
+    """Return once every access-log entry the mesh's Envoy has written to the gateways has been
+    recorded by them (its logs_written against their logged count from it): a test that counts
+    direct answers takes its baseline after this, so that an earlier stream's entry, still in
+    flight, does not land after the baseline."""
+    envoy = mesh.settings.mesh()
+    stats = f"http://127.0.0.1:{envoy.admin_port}/stats/prometheus"
+
+    def delivered() -> bool:
+        [written] = series_values(
+            fetch_text(stats), "envoy_access_logs_grpc_access_log_logs_written"
+        )
+        logged = sum(
+            sum(
+                series_values(
+                    scrape_metrics(gateway.metrics_port or 0),
+                    "tokenmesh_gateway_direct_streams_logged_total",
+                    envoy=envoy.node_id,
+                )
+            )
+            for gateway in mesh.replicas("gateway")
+        )
+        return logged >= written
+
+    # An entry counts as written once Envoy flushes it: a stream that has just ended waits
+    # one flush interval for it.
+    time.sleep(DIRECT_LOG_FLUSH_SECONDS * 1.5)
+    deadline = time.monotonic() + within
+    while not delivered():
+        assert time.monotonic() < deadline, "the gateways did not record the edge's access log"
+        time.sleep(0.1)
 
 
 def service_process(

@@ -39,11 +39,21 @@ function duration(seconds: number): string {
   return seconds < 1 ? `${(seconds * 1000).toFixed(0)} ms` : `${seconds.toFixed(2)} s`;
 }
 
-function cell(row: HTMLTableRowElement, text: string, name?: string, value?: string): void {
+function share(ratio: number): string {
+  return Number.isFinite(ratio) ? `${(ratio * 100).toFixed(1)} %` : "–";
+}
+
+function cell(
+  row: HTMLTableRowElement,
+  text: string,
+  name?: string,
+  value?: string,
+): HTMLTableCellElement {
   const td = row.insertCell();
   td.textContent = text;
   if (name) td.dataset.name = name;
   if (value !== undefined) td.dataset.value = value;
+  return td;
 }
 
 function setMetric(id: string, value: number, text: string): void {
@@ -134,6 +144,15 @@ function render(snapshot: DashboardSnapshot): void {
     const percent = worker.kvCacheUsage * 100;
     kv.append(bar, ` ${percent.toFixed(percent > 0 && percent < 1 ? 2 : 1)} %`);
     cell(row, fixed(worker.tokensPerSecond, 1), "tokens", String(worker.tokensPerSecond));
+    // Share of prompt tokens found in the prefix cache over the feed's rate window (– without
+    // lookups in it); the engine's totals on hover.
+    const hits = cell(
+      row,
+      share(worker.prefixCacheHitRatio),
+      "prefix-hits",
+      String(worker.prefixCacheHitRatio),
+    );
+    hits.title = `${worker.prefixCacheHits} of ${worker.prefixCacheQueries} prompt tokens cached since the engine started`;
     cell(row, worker.error, "error");
   }
 

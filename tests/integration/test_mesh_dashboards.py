@@ -21,7 +21,7 @@ from grpc import aio
 from tests.support import ROOT, metric_value, positions, scrape_metrics
 from tokenmesh.localmesh.mesh import LocalMesh
 from tokenmesh.localmesh.probes import serving
-from tokenmesh.v1 import llm_pb2, llm_pb2_grpc
+from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, llm_pb2, llm_pb2_grpc
 
 pytestmark = [
     pytest.mark.integration,
@@ -213,3 +213,20 @@ def test_every_template_variable_has_values(scraped_traffic: LocalMesh) -> None:
             if not [s for s in found if s["metric"].get(label)]:
                 failures.append(f"{path.name} ${variable['name']}: {variable['definition']}")
     assert not failures, failures
+
+
+async def test_workers_count_prefix_cache_lookups_as_vllms_own_counters(
+    scraped_traffic: LocalMesh,
+) -> None:
+    """The ops feed's prefix-cache counts (each worker's GetEngineStats) are the dashboards'
+    (vLLM's vllm:prefix_cache_*_total on the worker's metrics port), read once it is idle."""
+    for worker in (p for p in scraped_traffic.programs if p.service == "worker"):
+        async with aio.insecure_channel(worker.address) as channel:
+            stats = await inference_pb2_grpc.InferenceServiceStub(channel).GetEngineStats(
+                inference_pb2.EngineStatsRequest(), timeout=30
+            )
+        metrics = scrape_metrics(worker.metrics_port or 0)
+        queries = metric_value(metrics, "vllm:prefix_cache_queries_total")
+        hits = metric_value(metrics, "vllm:prefix_cache_hits_total")
+        assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (queries, hits), worker.name
+        assert stats.prefix_cache_queries > 0, worker.name

@@ -32,6 +32,7 @@ from tests.support import (
     TINY_MODEL,
     ServiceProcess,
     controlplane_process,
+    direct_logs_delivered,
     free_port,
     gateway_process,
     metric_value,
@@ -270,6 +271,7 @@ def test_each_request_is_counted_by_route_and_status(
     client: openai.OpenAI, mesh: LocalMesh
 ) -> None:
     route = "/v1/chat/completions"
+    direct_logs_delivered(mesh)
     served, refused = http_requests(mesh, route, "200"), http_requests(mesh, route, "400")
     client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
     with pytest.raises(openai.BadRequestError):

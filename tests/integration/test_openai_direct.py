@@ -16,7 +16,7 @@ import psutil
 import pytest
 from grpc import aio
 
-from tests.support import TINY_MODEL, metric_value, scrape_metrics
+from tests.support import TINY_MODEL, direct_logs_delivered, metric_value, scrape_metrics
 from tokenmesh.localmesh.mesh import LocalMesh
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
 
@@ -89,6 +89,7 @@ def test_a_chat_streams_from_a_worker_as_the_gateway_would_answer_it(
     # Counted by the gateways, from the edge's access log: read to its end, a 200. (The SDK
     # closes the connection at [DONE], which can overtake the worker's end of the stream:
     # docs/architecture.md says how that one counts.)
+    direct_logs_delivered(mesh)
     served = total(mesh, HTTP, route=route, status="200")
     body = {"model": MODEL, "messages": MESSAGES, "stream": True, **GREEDY}
     edge_url = f"http://127.0.0.1:{mesh.settings.mesh().edge_port}/v1/chat/completions"

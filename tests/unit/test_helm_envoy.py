@@ -1,8 +1,9 @@
 """The chart's Envoy and egress wiring, rendered offline like tests/unit/test_helm_chart.py
 (whose helpers this reuses): admin on 127.0.0.1 with probes and metrics on the stats listener,
-a preStop that really drains, egress NetworkPolicies that allow each component exactly what it
-calls (and never the cloud metadata service), each call admitted by the callee's ingress
-policy, and tracing to a collector."""
+a preStop that really drains, health checks from values, a high uid of Envoy's own, egress
+NetworkPolicies that allow each component exactly what it calls (and never the cloud metadata
+service), each call admitted by the callee's ingress policy, tracing to a collector, and
+checkov's scan."""
 
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ from tests.unit.test_helm_chart import (
     render,
     selects,
 )
+from tests.unit.test_meshconfig import envoy_validate
+from tokenmesh.meshconfig import bootstrap
+from tokenmesh.meshconfig.config import MeshSettings
 
 COMPONENTS = (*PYTHON_COMPONENTS, "envoy")
 RENDERED = ("defaults", "cpu", "multi-gpu", "consul", "mtls-secret", "hpa-monitoring")
@@ -230,6 +234,144 @@ def test_envoy_probe_timings_come_from_values(releases: dict[str, Release]) -> N
     assert "startupProbe" not in envoy and envoy["livenessProbe"]["timeoutSeconds"] == 5
 
 
+# ---- active health checks
+
+HEALTH_CHECKED = ("gateway", "worker", "reranker", "openai")
+
+
+def health_checks(release: Release) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
+    """Each health-checked cluster's one health check and its panic threshold."""
+    clusters = {c["name"]: c for c in release.envoy_config()["static_resources"]["clusters"]}
+    found = {}
+    for name in HEALTH_CHECKED:
+        [check] = clusters[name]["health_checks"]
+        found[name] = (check, clusters[name]["common_lb_config"]["healthy_panic_threshold"])
+    return found
+
+
+def test_default_health_checks_are_the_meshs_own(releases: dict[str, Release]) -> None:
+    """The chart's defaults render what meshconfig's defaults do (the local mesh's numbers)."""
+    local = {c["name"]: c for c in bootstrap.render(MeshSettings())["static_resources"]["clusters"]}
+    for name, (check, panic) in health_checks(releases["defaults"]).items():
+        assert [check] == local[name]["health_checks"], name
+        assert panic == local[name]["common_lb_config"]["healthy_panic_threshold"], name
+    check, panic = health_checks(releases["defaults"])["worker"]
+    assert {k: check[k] for k in ("timeout", "interval", "no_traffic_interval")} == {
+        "timeout": "1s",
+        "interval": "0.5s",
+        "no_traffic_interval": "0.5s",
+    }
+    assert (check["unhealthy_threshold"], check["healthy_threshold"]) == (2, 1)
+    assert panic == {"value": 0}
+
+
+def test_health_check_values_reach_every_service_cluster_and_envoy_accepts_them(
+    tmp_path: Path,
+) -> None:
+    values = {
+        "intervalSeconds": 2,
+        "timeoutSeconds": 1.25,
+        "unhealthyThreshold": 4,
+        "healthyThreshold": 3,
+        "panicThresholdPercent": 12.5,
+    }
+    release = Release(render({"envoy": {"healthChecks": values}}))
+    for name, (check, panic) in health_checks(release).items():
+        assert check["interval"] == check["no_traffic_interval"] == "2s", name
+        assert check["timeout"] == "1.25s", name
+        assert (check["unhealthy_threshold"], check["healthy_threshold"]) == (4, 3), name
+        assert panic == {"value": 12.5}, name
+    # Milliseconds are kept; the pods roll with the new config.
+    fine = Release(render({"envoy": {"healthChecks": {"timeoutSeconds": 0.005}}}))
+    assert health_checks(fine)["worker"][0]["timeout"] == "0.005s"
+    annotation = "checksum/config"
+    rolled = release.deployment("envoy")["spec"]["template"]["metadata"]["annotations"]
+    default = Release(render({})).deployment("envoy")["spec"]["template"]["metadata"]
+    assert rolled[annotation] != default["annotations"][annotation]
+    # The real Envoy accepts the rendered config.
+    text = release.get("ConfigMap", f"{PREFIX}-envoy")["data"]["envoy.yaml"]
+    assert "${" not in text
+    path = tmp_path / "envoy.yaml"
+    path.write_text(text.replace("/etc/envoy/config", str(tmp_path)))
+    result = envoy_validate(path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_worker_routing_comes_from_values_and_envoy_accepts_it(
+    releases: dict[str, Release], tmp_path: Path
+) -> None:
+    """Least-request by default, as the local mesh; prefix: Maglev on the affinity key, bounded
+    by the factor, on every route to the workers."""
+    default = {
+        c["name"]: c for c in releases["defaults"].envoy_config()["static_resources"]["clusters"]
+    }
+    local = {c["name"]: c for c in bootstrap.render(MeshSettings())["static_resources"]["clusters"]}
+    assert default["worker"]["lb_policy"] == "LEAST_REQUEST"
+    assert default["worker"]["common_lb_config"] == local["worker"]["common_lb_config"]
+    values = {"policy": "prefix", "prefixBalanceFactorPercent": 140}
+    for tls in (False, True):
+        release = Release(
+            render(
+                {
+                    "envoy": {"workerRouting": values},
+                    "mtls": {"enabled": tls, "existingSecret": "tokenmesh-mtls"},
+                }
+            )
+        )
+        config = release.envoy_config()
+        worker = {c["name"]: c for c in config["static_resources"]["clusters"]}["worker"]
+        assert worker["lb_policy"] == "MAGLEV"
+        assert worker["common_lb_config"]["consistent_hashing_lb_config"] == {
+            "hash_balance_factor": 140
+        }
+        text = release.get("ConfigMap", f"{PREFIX}-envoy")["data"]["envoy.yaml"]
+        assert "${" not in text
+        routes = [
+            route["route"]
+            for listener in config["static_resources"]["listeners"]
+            for chain in listener["filter_chains"]
+            for manager in chain["filters"]
+            for host in manager["typed_config"].get("route_config", {}).get("virtual_hosts", [])
+            for route in host["routes"]
+            if route.get("route", {}).get("cluster") == "worker"
+        ]
+        # The gateways' (internal listener), and the edge's Generate and OpenAI direct routes.
+        assert len(routes) == 3
+        for route in routes:
+            assert route["hash_policy"] == [{"header": {"header_name": "x-tokenmesh-affinity"}}]
+    path = tmp_path / "envoy.yaml"
+    path.write_text(
+        Release(render({"envoy": {"workerRouting": values}}))
+        .get("ConfigMap", f"{PREFIX}-envoy")["data"]["envoy.yaml"]
+        .replace("/etc/envoy/config", str(tmp_path))
+    )
+    result = envoy_validate(path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# ---- Envoy's user
+
+
+def test_envoy_runs_as_a_high_uid_of_its_own(releases: dict[str, Release]) -> None:
+    """Not the image's uid 101 (checkov CKV_K8S_40 wants 10000 or more), nor the services'."""
+    release = releases["defaults"]
+    pod = release.deployment("envoy")["spec"]["template"]["spec"]
+    context = pod["securityContext"]
+    assert context["runAsNonRoot"] is True
+    assert context["runAsUser"] >= 10000 and context["runAsGroup"] >= 10000
+    services = release.deployment("gateway")["spec"]["template"]["spec"]["securityContext"]
+    assert context["runAsUser"] != services["runAsUser"]
+    envoy = release.container("envoy")
+    # The envoy binary itself: the image's entrypoint would want to start as root.
+    assert envoy["command"] == ["envoy"]
+    assert envoy["securityContext"]["readOnlyRootFilesystem"] is True
+    assert {"name": "tmp", "mountPath": "/tmp"} in envoy["volumeMounts"]
+    user = {"runAsUser": 20000, "runAsGroup": 20001}
+    custom = Release(render({"envoy": {"podSecurityContext": user}}))
+    context = custom.deployment("envoy")["spec"]["template"]["spec"]["securityContext"]
+    assert {k: context[k] for k in user} == user
+
+
 def test_the_schema_refuses_bad_drain_and_egress_values() -> None:
     with helm_python.Chart.load(CHART) as chart:
         chart.validate_schema({"envoy": {"drain": {"seconds": 45}}})
@@ -247,6 +389,37 @@ def test_the_schema_refuses_bad_drain_and_egress_values() -> None:
             ({"envoy": {"probes": {"readiness": {"timeoutSeconds": "3s"}}}}, "/envoy/probes"),
             ({"tracing": {"endpoint": "otel:4317"}}, "/tracing"),
             ({"tracing": {"otlpTo": {"ipBlock": {}}}}, "/tracing/otlpTo"),
+            (
+                {"envoy": {"healthChecks": {"intervalSeconds": 0}}},
+                "/envoy/healthChecks/intervalSeconds",
+            ),
+            (
+                {"envoy": {"healthChecks": {"timeoutSeconds": "1s"}}},
+                "/envoy/healthChecks/timeoutSeconds",
+            ),
+            (
+                {"envoy": {"healthChecks": {"unhealthyThreshold": 0}}},
+                "/envoy/healthChecks/unhealthyThreshold",
+            ),
+            (
+                {"envoy": {"healthChecks": {"healthyThreshold": 1.5}}},
+                "/envoy/healthChecks/healthyThreshold",
+            ),
+            (
+                {"envoy": {"healthChecks": {"panicThresholdPercent": 101}}},
+                "/envoy/healthChecks/panicThresholdPercent",
+            ),
+            ({"envoy": {"healthChecks": {"jitterSeconds": 1}}}, "/envoy/healthChecks"),
+            (
+                {"envoy": {"workerRouting": {"policy": "round_robin"}}},
+                "/envoy/workerRouting/policy",
+            ),
+            (
+                {"envoy": {"workerRouting": {"prefixBalanceFactorPercent": 90}}},
+                "/envoy/workerRouting/prefixBalanceFactorPercent",
+            ),
+            ({"envoy": {"podSecurityContext": {"runAsUser": 0}}}, "/envoy/podSecurityContext"),
+            ({"envoy": {"podSecurityContext": {"fsGroup": 1}}}, "/envoy/podSecurityContext"),
         ]
         for values, where in bad:
             with pytest.raises(helm_python.HelmValuesError, match=where):
@@ -564,12 +737,6 @@ ACCEPTED: dict[str, tuple[str, frozenset[str]]] = {
         "The worker's root filesystem is writable by default: vLLM and Triton write caches "
         "outside the mounted volumes (worker.readOnlyRootFilesystem turns it on).",
         frozenset({"worker"}),
-    ),
-    "CKV_K8S_40": (
-        "Envoy runs as uid 101, the official image's envoy user (the services run as 10001); "
-        "to change in envoy-deployment.yaml's securityContext (any uid works: Envoy writes "
-        "only to its /tmp emptyDir).",
-        frozenset({"envoy"}),
     ),
     "CKV_K8S_43": (
         "Images by version tag, not digest: the project's own images have no published "

@@ -3,6 +3,7 @@ that streaming and per-stream balancing depend on."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import shutil
@@ -26,8 +27,16 @@ from tokenmesh.localmesh.certs import (
     CertPaths,
     CertSettings,
 )
-from tokenmesh.meshconfig.__main__ import render_secret_files, render_yaml
-from tokenmesh.meshconfig.bootstrap import descriptor_set, render, secret_files
+from tokenmesh.meshconfig.__main__ import render_profile, render_secret_files, render_yaml
+from tokenmesh.meshconfig.bootstrap import (
+    CHART_HEALTH_CHECKS,
+    CHART_WORKER_BALANCING,
+    HealthCheckTiming,
+    WorkerBalancing,
+    descriptor_set,
+    render,
+    secret_files,
+)
 from tokenmesh.meshconfig.config import MeshSettings, kubernetes_profile
 
 ENVOY = shutil.which("envoy", path=str(Path(sys.executable).parent)) or shutil.which("envoy")
@@ -58,8 +67,9 @@ def test_committed_config_is_the_rendered_one() -> None:
         MeshSettings(edge_port=18080, internal_host="0.0.0.0", retry_attempts=0),
         MeshSettings(direct_token_path=False),
         MeshSettings(stats_port=19902),
+        MeshSettings(worker_routing="prefix"),
     ],
-    ids=["defaults", "custom", "gateway token path", "stats listener"],
+    ids=["defaults", "custom", "gateway token path", "stats listener", "prefix routing"],
 )
 def test_envoy_accepts_the_rendered_config(settings: MeshSettings, tmp_path: Path) -> None:
     path = tmp_path / "envoy.yaml"
@@ -80,6 +90,19 @@ def test_envoy_rejects_a_broken_config(tmp_path: Path) -> None:
 
 def clusters(config: dict) -> dict[str, dict]:
     return {cluster["name"]: cluster for cluster in config["static_resources"]["clusters"]}
+
+
+def with_health_checks(text: str, mesh: MeshSettings) -> str:
+    """A chart file with its health-check and worker-balancing placeholders replaced by mesh's
+    own (the chart replaces them with its values, whose defaults are MeshSettings')."""
+    for placeholders, numbers in (
+        (CHART_HEALTH_CHECKS, HealthCheckTiming.of(mesh)),
+        (CHART_WORKER_BALANCING, WorkerBalancing.of(mesh)),
+    ):
+        for field in dataclasses.fields(placeholders):
+            placeholder = str(getattr(placeholders, field.name))
+            text = text.replace(placeholder, str(getattr(numbers, field.name)))
+    return text
 
 
 def listeners(config: dict) -> dict[str, dict]:
@@ -119,6 +142,55 @@ def test_service_clusters_are_health_checked_eds_clusters_named_after_services()
     assert found["worker"]["lb_policy"] == "LEAST_REQUEST"
     assert "outlier_detection" in found["reranker"]
     assert "retry_budget" in found["worker"]["circuit_breakers"]["thresholds"][0]
+
+
+HEALTH_CHECKED = ("gateway", "worker", "reranker", "openai")
+
+
+def test_health_check_timing_and_thresholds_come_from_the_settings() -> None:
+    mesh = MeshSettings(
+        health_check_interval_seconds=2,
+        health_check_timeout_seconds=1.25,
+        health_check_unhealthy_threshold=4,
+        health_check_healthy_threshold=3,
+        healthy_panic_threshold_percent=12.5,
+    )
+    found = clusters(render(mesh))
+    for name in HEALTH_CHECKED:
+        [check] = found[name]["health_checks"]
+        assert check["interval"] == check["no_traffic_interval"] == "2s"
+        assert check["timeout"] == "1.25s"
+        assert (check["unhealthy_threshold"], check["healthy_threshold"]) == (4, 3)
+        assert found[name]["common_lb_config"]["healthy_panic_threshold"] == {"value": 12.5}
+    # The defaults: a hung host out after two missed checks, back after one, no panic routing.
+    [check] = clusters(render(MeshSettings()))["worker"]["health_checks"]
+    assert (check["timeout"], check["interval"]) == ("1s", "0.5s")
+    assert (check["unhealthy_threshold"], check["healthy_threshold"]) == (2, 1)
+    with pytest.raises(ValidationError):
+        MeshSettings(healthy_panic_threshold_percent=101)
+    with pytest.raises(ValidationError):
+        MeshSettings(health_check_unhealthy_threshold=0)
+
+
+@pytest.mark.parametrize("profile", ["kubernetes", "kubernetes-tls-mtls"])
+def test_the_kubernetes_profiles_leave_the_health_check_numbers_to_the_chart(profile: str) -> None:
+    """Placeholders the chart's envoy.healthChecks values replace; filled with the settings'
+    defaults they are the local mesh's numbers."""
+    text = render_profile(profile)
+    found = clusters(yaml.safe_load(text))
+    for name in HEALTH_CHECKED:
+        [check] = found[name]["health_checks"]
+        assert check["interval"] == check["no_traffic_interval"] == CHART_HEALTH_CHECKS.interval
+        assert check["timeout"] == CHART_HEALTH_CHECKS.timeout
+        assert check["unhealthy_threshold"] == CHART_HEALTH_CHECKS.unhealthy_threshold
+        assert check["healthy_threshold"] == CHART_HEALTH_CHECKS.healthy_threshold
+        panic = found[name]["common_lb_config"]["healthy_panic_threshold"]
+        assert panic == {"value": CHART_HEALTH_CHECKS.panic_threshold_percent}
+    filled = clusters(yaml.safe_load(with_health_checks(text, MeshSettings())))
+    local = clusters(render(MeshSettings()))
+    for name in HEALTH_CHECKED:
+        assert filled[name]["health_checks"] == local[name]["health_checks"]
+        assert filled[name]["common_lb_config"] == local[name]["common_lb_config"]
 
 
 def test_listeners_are_safe_for_long_streams_and_push_back() -> None:
@@ -161,6 +233,52 @@ def test_only_the_worker_route_retries_an_overloaded_worker_elsewhere() -> None:
     for name, manager in found.items():
         route = manager["route_config"]["virtual_hosts"][0]["routes"][-1]["route"]
         assert ("resource-exhausted" in route["retry_policy"]["retry_on"]) == (name == "worker")
+
+
+def worker_routes(config: dict) -> list[dict]:
+    """Every route (edge and internal listener) that sends streams to the workers."""
+    return [
+        route["route"]
+        for manager in listeners(config).values()
+        for route in manager["route_config"]["virtual_hosts"][0]["routes"]
+        if route.get("route", {}).get("cluster") == "worker"
+    ]
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct token path", "gateway path"])
+def test_prefix_routing_hashes_the_affinity_key_onto_workers_under_bounded_load(
+    direct: bool,
+) -> None:
+    config = render(
+        MeshSettings(
+            worker_routing="prefix", prefix_balance_factor_percent=150, direct_token_path=direct
+        )
+    )
+    worker = clusters(config)["worker"]
+    assert worker["lb_policy"] == "MAGLEV"
+    assert worker["common_lb_config"]["consistent_hashing_lb_config"] == {
+        "hash_balance_factor": 150
+    }
+    routes = worker_routes(config)
+    # The internal listener's (the gateways' calls), and with the direct token path the edge's
+    # Generate and OpenAI routes.
+    assert len(routes) == (3 if direct else 1)
+    for route in routes:
+        assert route["hash_policy"] == [{"header": {"header_name": "x-tokenmesh-affinity"}}]
+        # A retry (a refused or dead worker) hashes again onto another host.
+        assert route["retry_policy"]["retry_host_predicate"][0]["name"].endswith("previous_hosts")
+    # The other services keep least-request balancing, and no key.
+    for name in ("gateway", "reranker"):
+        assert clusters(config)[name]["lb_policy"] == "LEAST_REQUEST"
+        assert "consistent_hashing_lb_config" not in clusters(config)[name]["common_lb_config"]
+
+
+def test_least_request_is_the_default_and_refuses_a_balance_factor_below_100() -> None:
+    assert clusters(render(MeshSettings()))["worker"]["lb_policy"] == "LEAST_REQUEST"
+    with pytest.raises(ValidationError, match="prefix_balance_factor_percent"):
+        MeshSettings(prefix_balance_factor_percent=99)
+    with pytest.raises(ValidationError, match="worker_routing"):
+        MeshSettings(worker_routing="round_robin")
 
 
 def test_retry_budget_covers_losing_one_of_two_replicas() -> None:
@@ -450,7 +568,8 @@ def test_envoy_accepts_the_charts_tls_configs_with_their_sds_files(
     def mounted(text: str) -> str:
         for mount, directory in mounts.items():
             text = text.replace(mount, str(directory))
-        return text.replace("${TOKENMESH_CONTROLPLANE_HOST}", "127.0.0.1")
+        text = text.replace("${TOKENMESH_CONTROLPLANE_HOST}", "127.0.0.1")
+        return with_health_checks(text, MeshSettings())
 
     bootstrap = mounted((chart / f"envoy{profile.removeprefix('kubernetes')}.yaml").read_text())
     for sds_file in (chart / "sds").glob("*.yaml"):
@@ -583,6 +702,7 @@ def test_the_direct_token_path_logs_each_worker_stream_to_the_gateways() -> None
         "traceparent",
         "tracestate",
         ROUTE_HEADER,
+        "x-tokenmesh-affinity",
     ]
     assert config["additional_response_trailers_to_log"] == ["grpc-status", USAGE_TRAILER]
     # Internal listeners log to stdout only.

@@ -30,10 +30,12 @@ from tokenmesh.controlplane.ops import (
     FleetQueries,
     GrpcWorkerProbe,
     OpsServicer,
+    PrefixCacheWindow,
     PrometheusError,
     PrometheusHttp,
     Sample,
     WorkerFigures,
+    duration_seconds,
     interval_seconds,
 )
 from tokenmesh.controlplane.page import NOT_BUILT, PageServer
@@ -259,14 +261,111 @@ async def test_prometheus_client_parses_instant_vectors_and_reports_bad_queries(
         await runner.cleanup()
 
 
+class Clock:
+    """A clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_hit_ratio_is_over_the_window_from_the_engines_cumulative_counts() -> None:
+    clock = Clock()
+    window = PrefixCacheWindow(30.0, clock)
+    # The first counts seen of a worker: nothing to take a difference from yet.
+    assert math.isnan(window.ratio(W0, hits=500, queries=1000))
+    clock.now += 10
+    assert window.ratio(W0, hits=800, queries=1400) == 300 / 400
+    clock.now += 10
+    assert window.ratio(W0, hits=800, queries=2000) == 300 / 1000
+    # 35 s after the first counts: they have left the window; the 10 s ones are its start.
+    clock.now += 15
+    assert window.ratio(W0, hits=1100, queries=2400) == 300 / 1000
+    # No lookups over the whole window: no ratio (not 0, not an old one).
+    clock.now += 31
+    assert math.isnan(window.ratio(W0, hits=1100, queries=2400))
+    clock.now += 1
+    assert math.isnan(window.ratio(W0, hits=1100, queries=2400))
+
+
+def test_hit_ratio_starts_again_when_a_worker_restarts_and_forgets_workers_gone() -> None:
+    clock = Clock()
+    window = PrefixCacheWindow(30.0, clock)
+    window.ratio(W0, hits=5000, queries=9000)
+    window.ratio(W1, hits=0, queries=0)
+    clock.now += 1
+    # A restarted engine counts from 0: its counts went back, so earlier ones do not count.
+    assert math.isnan(window.ratio(W0, hits=10, queries=100))
+    clock.now += 1
+    assert window.ratio(W0, hits=70, queries=200) == 60 / 100
+    # Lookups that find nothing cached: 0, a number.
+    assert window.ratio(W1, hits=0, queries=50) == 0
+    window.retain([W1])
+    assert math.isnan(window.ratio(W0, hits=80, queries=300))
+    clock.now += 1
+    assert window.ratio(W1, hits=25, queries=100) == 25 / 100
+
+
+def test_hit_ratio_stays_within_one_when_counts_are_read_mid_step() -> None:
+    """A worker may report a step's lookups before its hits; the next reading has both."""
+    clock = Clock()
+    window = PrefixCacheWindow(30.0, clock)
+    window.ratio(W0, hits=100, queries=228)  # 128 lookups counted, their 128 hits not yet
+    clock.now += 1
+    assert window.ratio(W0, hits=228, queries=300) == 1.0
+
+
+async def test_snapshots_carry_each_workers_hit_ratio_over_the_rate_window() -> None:
+    """Worked out by the feed across snapshots, over FleetQueries' rate window; a worker that
+    does not answer has none."""
+    clock = Clock()
+    figures = WorkerFigures(W0, True, prefix_cache_queries=1000, prefix_cache_hits=100)
+    probe = FakeProbe({W0: figures})
+    dashboard = Dashboard(
+        lambda: [W0, W1],
+        probe,
+        None,
+        QUERIES,
+        prefix_cache=PrefixCacheWindow(30.0, clock),
+    )
+    first = (await dashboard.snapshot()).workers
+    assert math.isnan(first[0].prefix_cache_hit_ratio)
+    assert (first[0].prefix_cache_queries, first[0].prefix_cache_hits) == (1000, 100)
+    clock.now += 1
+    probe.figures[W0] = WorkerFigures(W0, True, prefix_cache_queries=1400, prefix_cache_hits=400)
+    w0, w1 = (await dashboard.snapshot()).workers
+    assert w0.prefix_cache_hit_ratio == 300 / 400
+    assert (w0.prefix_cache_queries, w0.prefix_cache_hits) == (1400, 400)
+    assert w1.error and math.isnan(w1.prefix_cache_hit_ratio)
+
+
+@pytest.mark.parametrize(("duration", "seconds"), [("30s", 30), ("5m", 300), ("1h", 3600)])
+def test_the_rate_window_the_hit_ratio_shares_is_read_in_seconds(
+    duration: str, seconds: float
+) -> None:
+    assert duration_seconds(duration) == seconds
+
+
 class StatsServicer(inference_pb2_grpc.InferenceServiceServicer):
+    def __init__(self, prefix_cache_queries: int = 0, prefix_cache_hits: int = 0) -> None:
+        self._prefix_cache = (prefix_cache_queries, prefix_cache_hits)
+
     async def GetEngineStats(self, request: Any, context: Any) -> inference_pb2.EngineStats:
-        return inference_pb2.EngineStats(running_requests=4, waiting_requests=2, kv_cache_usage=0.5)
+        queries, hits = self._prefix_cache
+        return inference_pb2.EngineStats(
+            running_requests=4,
+            waiting_requests=2,
+            kv_cache_usage=0.5,
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
+        )
 
 
 async def test_grpc_probe_reads_health_and_engine_stats_and_reports_a_dead_worker() -> None:
     server = aio.server()
-    inference_pb2_grpc.add_InferenceServiceServicer_to_server(StatsServicer(), server)
+    inference_pb2_grpc.add_InferenceServiceServicer_to_server(StatsServicer(3000, 1200), server)
     health = Health(["tokenmesh.v1.InferenceService"])
     health.register(server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -277,7 +376,15 @@ async def test_grpc_probe_reads_health_and_engine_stats_and_reports_a_dead_worke
     dead = f"127.0.0.1:{free_port()}"
     try:
         live = await probe.probe(f"127.0.0.1:{port}")
-        assert live == WorkerFigures(f"127.0.0.1:{port}", True, 4, 2, 0.5)
+        assert live == WorkerFigures(
+            f"127.0.0.1:{port}",
+            True,
+            4,
+            2,
+            0.5,
+            prefix_cache_queries=3000,
+            prefix_cache_hits=1200,
+        )
         started = time.monotonic()
         gone = await probe.probe(dead)
         assert time.monotonic() - started < PROMPTLY + SLACK

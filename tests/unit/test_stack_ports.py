@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
+from tokenmesh.localmesh.certs import ENVOY_CLIENT
 from tokenmesh.localmesh.mesh import MAX_REPLICAS, REPLICATED_PORTS, LocalMesh, LocalMeshSettings
 
 
@@ -72,5 +73,13 @@ def test_tls_and_mtls_reach_envoys_config_and_every_service_but_the_control_plan
             )
             assert program.env[prefix + "TLS_CERT_FILE"] == str(both.certs.cert(program.service))
             assert program.env[prefix + "TLS_CLIENT_CA_FILE"] == str(both.certs.ca_cert)
+        elif program.service == "controlplane":
+            # Its port stays plaintext; its ops feed calls the workers with Envoy's certificate.
+            assert not program.mtls and prefix + "TLS_CERT_FILE" not in program.env
+            assert {k: v for k, v in program.env.items() if "TLS" in k} == {
+                prefix + "WORKER_TLS_CA_FILE": str(both.certs.ca_cert),
+                prefix + "WORKER_TLS_CERT_FILE": str(both.certs.cert(ENVOY_CLIENT)),
+                prefix + "WORKER_TLS_KEY_FILE": str(both.certs.key(ENVOY_CLIENT)),
+            }
         else:
             assert not program.mtls and not any("TLS" in key for key in program.env)

@@ -485,13 +485,29 @@ spec:
 
 {{/*
 Envoy's configuration, generated from services/tokenmesh/meshconfig (make chart): the edge
-with TLS when envoy.tls.enabled, mTLS to the services when mtls.enabled, the control plane's placeholder host replaced by its
-headless Service. Listener and admin ports are read from it, never repeated in values.
+with TLS when envoy.tls.enabled, mTLS to the services when mtls.enabled, the control plane's
+placeholder host replaced by its headless Service, the health checks' placeholders by
+envoy.healthChecks and the workers' balancing by envoy.workerRouting. Listener and admin ports
+are read from it, never repeated in values.
 */}}
 {{- define "tokenmesh.envoyConfig" -}}
 {{- $file := printf "files/envoy%s%s.yaml" (ternary "-tls" "" .Values.envoy.tls.enabled) (ternary "-mtls" "" .Values.mtls.enabled) }}
 {{- $host := printf "%s.%s.svc.%s" (include "tokenmesh.headlessName" (dict "root" . "component" "controlplane")) .Release.Namespace .Values.clusterDomain }}
-{{- .Files.Get $file | replace "${TOKENMESH_CONTROLPLANE_HOST}" $host }}
+{{- $checks := .Values.envoy.healthChecks }}
+{{- $routing := .Values.envoy.workerRouting }}
+{{- .Files.Get $file | replace "${TOKENMESH_CONTROLPLANE_HOST}" $host
+  | replace "${TOKENMESH_HEALTH_CHECK_TIMEOUT}" (include "tokenmesh.duration" $checks.timeoutSeconds)
+  | replace "${TOKENMESH_HEALTH_CHECK_INTERVAL}" (include "tokenmesh.duration" $checks.intervalSeconds)
+  | replace "${TOKENMESH_HEALTH_CHECK_UNHEALTHY_THRESHOLD}" (printf "%d" (int $checks.unhealthyThreshold))
+  | replace "${TOKENMESH_HEALTH_CHECK_HEALTHY_THRESHOLD}" (printf "%d" (int $checks.healthyThreshold))
+  | replace "${TOKENMESH_HEALTHY_PANIC_THRESHOLD_PERCENT}" (printf "%g" (float64 $checks.panicThresholdPercent))
+  | replace "${TOKENMESH_WORKER_LB_POLICY}" (get (dict "least_request" "LEAST_REQUEST" "prefix" "MAGLEV") $routing.policy)
+  | replace "${TOKENMESH_PREFIX_BALANCE_FACTOR}" (printf "%d" (int $routing.prefixBalanceFactorPercent)) }}
+{{- end }}
+
+{{/* Seconds as an Envoy duration, as meshconfig writes them: 0.5 -> 0.5s, 1 -> 1s. */}}
+{{- define "tokenmesh.duration" -}}
+{{- regexReplaceAll "\\.?0+$" (printf "%.3f" (float64 .)) "" }}s
 {{- end }}
 
 {{/* A port of the generated Envoy config: (dict "root" $ "listener" "edge"|"worker"|"reranker"|"admin"|"xds"|"ops_page") */}}
@@ -689,6 +705,14 @@ Value combinations that can never work, refused at render time with the reason.
 {{- if and $memory $worker.shmSize }}
 {{- if ge (float64 (include "tokenmesh.bytes" $worker.shmSize)) (float64 (include "tokenmesh.bytes" $memory)) }}
 {{- fail (printf "worker.shmSize (%s) must be below worker.resources.limits.memory (%s): /dev/shm is memory-backed and counts against the limit" $worker.shmSize $memory) }}
+{{- end }}
+{{- end }}
+{{- /* Envoy runs its health checks' timers in whole milliseconds and drops the rest (a 0.4 ms
+timeout would fail every check); the schema bounds the values themselves. */}}
+{{- range $key := list "intervalSeconds" "timeoutSeconds" }}
+{{- $seconds := toString (index $v.envoy.healthChecks $key) }}
+{{- if not (regexMatch "^[0-9]+(\\.[0-9]{1,3})?$" $seconds) }}
+{{- fail (printf "envoy.healthChecks.%s (%s) must be a whole number of milliseconds: Envoy times health checks in milliseconds and would drop the rest" $key $seconds) }}
 {{- end }}
 {{- end }}
 {{- range $component := list "gateway" "worker" "reranker" "controlplane" }}

@@ -43,7 +43,8 @@ class ServiceHost:
     `server()`, and calls `run(start)`. run() listens (NOT_SERVING), runs `start` (a model
     load, a first snapshot) while health checks are answered, then turns SERVING and registers;
     it returns on SIGTERM/SIGINT (exit 0), or with exit 1 when `start` fails or a task handed to
-    `keep_running` ends. Shutdown: NOT_SERVING, deregister, the `before_server_stop` clean-ups,
+    `keep_running` ends. While it runs, the service may turn itself NOT_SERVING and back
+    (`set_healthy`). Shutdown: NOT_SERVING, deregister, the `before_server_stop` clean-ups,
     `server.stop(grace)` (in-flight RPCs get the grace period, then are cancelled), the probe
     port, background tasks, the `on_stop` clean-ups (the last added first), tracing, metrics.
     """
@@ -68,6 +69,12 @@ class ServiceHost:
         self.rpc_metrics = GrpcServerMetrics(self.registry)
         self.tracing = Tracing(f"tokenmesh-{role}", settings.otlp_endpoint)
         self.health = Health(service_names)
+        # The service's own verdict on itself (set_healthy), and whether start has finished:
+        # health is SERVING with both, until shutdown begins. One change at a time, so a
+        # verdict being applied cannot land after shutdown's NOT_SERVING.
+        self._healthy = True
+        self._up = False
+        self._health_lock = asyncio.Lock()
         self._service_names = tuple(service_names)
         self._register = register
         self._consul_meta = dict(consul_meta or {})
@@ -116,6 +123,20 @@ class ServiceHost:
         """Run at shutdown once the server has stopped; the last added runs first."""
         self._on_stop.append(clean_up)
 
+    async def set_healthy(self, healthy: bool) -> None:
+        """The running service's verdict on itself, e.g. its engine hung (False), then moving
+        again (True): health turns NOT_SERVING, or SERVING again, for every service name. Never
+        SERVING before start has finished, nor once shutdown has begun."""
+        self._healthy = healthy
+        await self._publish_health()
+
+    async def _publish_health(self) -> None:
+        async with self._health_lock:
+            if self._healthy and self._up and not self._stop.is_set():
+                await self.health.set_serving()
+            else:
+                await self.health.set_not_serving()
+
     def fail(self, reason: str) -> None:
         """Stop the service with exit 1."""
         log.error("%s stopping: %s", self.role, reason)
@@ -150,7 +171,8 @@ class ServiceHost:
         signals = asyncio.create_task(wait_for_shutdown_signal(self._stop), name="signals")
         try:
             if await self._started(start, signals):
-                await self.health.set_serving()
+                self._up = True
+                await self._publish_health()
                 self.registration.start()  # no-op without a Consul address
                 log.info("%s serving", self.role, extra=fields)
                 await signals
@@ -196,7 +218,7 @@ class ServiceHost:
     ) -> None:
         self._stop.set()  # tasks that end from here on are not failures
         log.info("%s stopping", self.role, extra={"grace_seconds": self.settings.grace_seconds})
-        await self.health.set_not_serving()
+        await self._publish_health()  # NOT_SERVING from here on, whatever set_healthy says
         if self.registration is not None:
             await self.registration.stop()
         for clean_up in self._before_server_stop:

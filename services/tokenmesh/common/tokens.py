@@ -37,6 +37,9 @@ WORKER_GENERATE_OPENAI = (
 # The OpenAI route a request prepared for a worker came by: set by the gateway on the
 # rewritten request, logged by the edge for the gateways' metrics (gateway/accesslog.py).
 ROUTE_HEADER = "x-tokenmesh-route"
+# The gateway's prefix-affinity key of a worker request (gateway/affinity.py), which Envoy's
+# hashing policy places it by (worker_routing prefix).
+AFFINITY_HEADER = "x-tokenmesh-affinity"
 # Why the edge answered itself when the external processor answered a worker's refusal of an
 # OpenAI completion (in OpenAI's shape already: the edge's OpenAI reply mappers keep it).
 WORKER_REFUSED = "worker_refused"

@@ -11,6 +11,7 @@ from envoy.service.discovery.v3 import ads_pb2, ads_pb2_grpc
 from envoy.service.endpoint.v3 import eds_pb2, eds_pb2_grpc
 
 from tokenmesh.common.consul_http import consul_client
+from tokenmesh.common.credentials import ReloadingChannelCredentials
 from tokenmesh.common.host import ServiceHost
 from tokenmesh.controlplane.backoff import Backoff
 from tokenmesh.controlplane.config import ControlPlaneSettings
@@ -101,7 +102,19 @@ async def serve(settings: ControlPlaneSettings) -> int:
     )
     http = aiohttp.ClientSession()
     host.on_stop(http.close)
-    probe = GrpcWorkerProbe(settings.worker_probe_timeout_seconds, settings.max_message_bytes)
+    worker_tls = (
+        None
+        if settings.worker_tls_ca_file is None
+        else ReloadingChannelCredentials(
+            settings.worker_tls_ca_file, settings.worker_tls_cert_file, settings.worker_tls_key_file
+        )
+    )
+    probe = GrpcWorkerProbe(
+        settings.worker_probe_timeout_seconds,
+        settings.max_message_bytes,
+        worker_tls,
+        settings.worker_tls_server_name,
+    )
     host.on_stop(probe.close)
     dashboard = Dashboard(
         workers=lambda: worker_addresses(cache),

@@ -135,9 +135,9 @@ class ControlPlaneSettings(ServiceSettings):
         default="30s",
         pattern=r"^[0-9]+[smh]$",
         description=(
-            "Window of requests/s and tokens/s: at least two scrape intervals (the mesh "
-            "scrapes every 2 s); shorter follows changes faster, longer is smoother. A PromQL"
-            " duration."
+            "Window of requests/s, tokens/s and the workers' prefix-cache hit ratios: at least "
+            "two scrape intervals (the mesh scrapes every 2 s); shorter follows changes faster, "
+            "longer is smoother. A PromQL duration."
         ),
     )
     worker_probe_timeout_seconds: float = Field(
@@ -147,6 +147,33 @@ class ControlPlaneSettings(ServiceSettings):
         description=(
             "Longest a worker's health check and GetEngineStats may take; a slower worker is "
             "shown with an error instead of holding up the snapshot."
+        ),
+    )
+    worker_tls_ca_file: Path | None = Field(
+        default=None,
+        description=(
+            "The ops feed's calls to the workers' gRPC ports over TLS (needed when the "
+            "workers speak mTLS): the PEM CA that signed their certificates. Unset: "
+            "plaintext. The TLS files are read again when they change (renewal)."
+        ),
+    )
+    worker_tls_cert_file: Path | None = Field(
+        default=None,
+        description=(
+            "The client certificate (PEM chain) the ops feed presents to the workers, from the"
+            " CA their tls_client_ca_file names; with worker_tls_key_file and "
+            "worker_tls_ca_file."
+        ),
+    )
+    worker_tls_key_file: Path | None = Field(
+        default=None, description="The PEM key of worker_tls_cert_file."
+    )
+    worker_tls_server_name: str = Field(
+        default="worker",
+        min_length=1,
+        description=(
+            "The DNS name the workers' certificates must carry: the feed dials their IP "
+            "addresses, which the certificates need not name (Envoy checks the same name)."
         ),
     )
     ops_page_port: int = Field(
@@ -176,4 +203,8 @@ class ControlPlaneSettings(ServiceSettings):
             raise ValueError("source=consul needs consul_http_addr (or CONSUL_HTTP_ADDR)")
         if self.consul_backoff_initial_seconds > self.consul_backoff_max_seconds:
             raise ValueError("consul_backoff_initial_seconds exceeds consul_backoff_max_seconds")
+        if (self.worker_tls_cert_file is None) != (self.worker_tls_key_file is None):
+            raise ValueError("worker_tls_cert_file and worker_tls_key_file go together")
+        if self.worker_tls_cert_file is not None and self.worker_tls_ca_file is None:
+            raise ValueError("worker_tls_cert_file needs worker_tls_ca_file")
         return self

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -13,9 +15,12 @@ import aiohttp
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tokenmesh.common.channels import client_options
+from tokenmesh.common.channels import SwappableChannel, client_options
+from tokenmesh.common.credentials import ReloadingChannelCredentials
 from tokenmesh.common.errors import InvalidArgument
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, ops_pb2, ops_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 DEFAULT_INTERVAL_MS = 1000
 MIN_INTERVAL_MS = 100
@@ -44,6 +49,11 @@ def interval_seconds(request: ops_pb2.DashboardRequest) -> float:
             f"got {request.interval_ms}",
         )
     return interval_ms / 1000
+
+
+def duration_seconds(duration: str) -> float:
+    """Seconds of a PromQL duration of one unit (30s, 5m, 1h), as the settings allow."""
+    return float(duration[:-1]) * {"s": 1, "m": 60, "h": 3600}[duration[-1]]
 
 
 @dataclass(frozen=True)
@@ -222,7 +232,50 @@ class WorkerFigures:
     running_requests: int = 0
     waiting_requests: int = 0
     kv_cache_usage: float = 0.0
+    # The engine's counts since it started: prompt tokens looked up in its prefix cache, and
+    # found there.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     error: str = ""
+
+
+class PrefixCacheWindow:
+    """Each worker's prefix-cache hit ratio over the last `window` seconds, from the
+    cumulative counts its engine reports at each probe: the hits and lookups between its
+    newest counts and the oldest ones the feed took within the window.
+
+    Worked out here rather than in the page, so every client of the feed gets the same figure
+    (grpcurl too), and without Prometheus. Counts are kept for the window only, shared by every
+    subscription whatever its interval.
+    """
+
+    def __init__(self, window_seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._window = window_seconds
+        self._clock = clock
+        # Per address: (time, hits, queries), oldest first.
+        self._seen: dict[str, deque[tuple[float, int, int]]] = {}
+
+    def ratio(self, address: str, hits: int, queries: int) -> float:
+        """Record a worker's counts now; its hit ratio over the window, NaN when it looked
+        nothing up in it or these are its first counts."""
+        now = self._clock()
+        seen = self._seen.setdefault(address, deque())
+        if seen and (queries < seen[-1][2] or hits < seen[-1][1]):
+            seen.clear()  # counts went back: the engine restarted
+        seen.append((now, hits, queries))
+        while seen[0][0] < now - self._window:
+            seen.popleft()
+        _, first_hits, first_queries = seen[0]
+        looked_up = queries - first_queries
+        if looked_up <= 0:
+            return math.nan
+        # Counts read mid-step may hold a step's lookups without its hits: never over 1.
+        return min(1.0, (hits - first_hits) / looked_up)
+
+    def retain(self, addresses: Sequence[str]) -> None:
+        """Forget workers no longer in the fleet."""
+        for address in set(self._seen) - set(addresses):
+            del self._seen[address]
 
 
 class WorkerProbe(Protocol):
@@ -234,19 +287,47 @@ class WorkerProbe(Protocol):
 
 class GrpcWorkerProbe:
     """Asks a worker directly: grpc.health.v1 Check and InferenceService.GetEngineStats, over
-    one channel per address (kept while the address is in the fleet)."""
+    one channel per address (kept while the address is in the fleet). With tls, over mTLS:
+    the workers' certificates must name server_name (the addresses are pod IPs), and
+    renewed files give every channel a new connection."""
 
-    def __init__(self, timeout_seconds: float, max_message_bytes: int) -> None:
+    def __init__(
+        self,
+        timeout_seconds: float,
+        max_message_bytes: int,
+        tls: ReloadingChannelCredentials | None = None,
+        server_name: str = "worker",
+    ) -> None:
         self._timeout = timeout_seconds
-        self._max_message_bytes = max_message_bytes
-        self._channels: dict[str, aio.Channel] = {}
+        self._options = client_options(max_message_bytes)
+        self._tls = tls
+        if tls is not None:
+            self._options.append(("grpc.ssl_target_name_override", server_name))
+        self._channels: dict[str, SwappableChannel] = {}
 
-    def _channel(self, address: str) -> aio.Channel:
+    def _open(self, address: str) -> aio.Channel:
+        if self._tls is None:
+            return aio.insecure_channel(address, options=self._options)
+        return aio.secure_channel(address, self._tls.credentials(), options=self._options)
+
+    def _channel(self, address: str) -> SwappableChannel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = aio.insecure_channel(address, options=client_options(self._max_message_bytes))
+            channel = SwappableChannel(lambda: self._open(address))
             self._channels[address] = channel
         return channel
+
+    def _reload_tls(self) -> None:
+        """New channels when the TLS files changed (a stat per file when they did not); probes
+        in flight finish on the old ones."""
+        if self._tls is None or not self._tls.changed():
+            return
+        log.info(
+            "TLS files changed: new channels to the workers",
+            extra={"files": [str(path) for path in self._tls.paths]},
+        )
+        for channel in self._channels.values():
+            channel.swap(self._timeout)
 
     async def probe(self, address: str) -> WorkerFigures:
         channel = self._channel(address)
@@ -274,12 +355,16 @@ class GrpcWorkerProbe:
             running_requests=stats_reply.running_requests,
             waiting_requests=stats_reply.waiting_requests,
             kv_cache_usage=stats_reply.kv_cache_usage,
+            prefix_cache_queries=stats_reply.prefix_cache_queries,
+            prefix_cache_hits=stats_reply.prefix_cache_hits,
         )
 
     async def retain(self, addresses: Sequence[str]) -> None:
-        """Close the channels of workers no longer in the fleet."""
+        """Close the channels of workers no longer in the fleet; reopen the others if the TLS
+        files changed (once per snapshot, before its probes)."""
         for address in set(self._channels) - set(addresses):
             await self._channels.pop(address).close()
+        self._reload_tls()
 
     async def close(self) -> None:
         await self.retain(())
@@ -296,6 +381,7 @@ class Dashboard:
         queries: FleetQueries,
         prometheus_url: str = "",
         clock: Callable[[], float] = time.time,
+        prefix_cache: PrefixCacheWindow | None = None,
     ) -> None:
         self._workers = workers
         self._probe = probe
@@ -303,13 +389,29 @@ class Dashboard:
         self._queries = queries
         self._prometheus_url = prometheus_url
         self._clock = clock
+        # Over the same window as the fleet's rates.
+        self._prefix_cache = prefix_cache or PrefixCacheWindow(
+            duration_seconds(queries.rate_window)
+        )
+
+    async def _probe_worker(self, address: str) -> tuple[WorkerFigures, float]:
+        """A worker's figures and its prefix-cache hit ratio, its counts taken as they arrive
+        (so concurrent subscriptions' readings go in in the order they were made)."""
+        worker = await self._probe.probe(address)
+        if worker.error:
+            return worker, math.nan
+        ratio = self._prefix_cache.ratio(
+            address, worker.prefix_cache_hits, worker.prefix_cache_queries
+        )
+        return worker, ratio
 
     async def snapshot(self) -> ops_pb2.DashboardSnapshot:
         addresses = sorted(self._workers())
         await self._probe.retain(addresses)
+        self._prefix_cache.retain(addresses)
         fleet, figures = await asyncio.gather(
             query_fleet(self._prometheus, self._queries, self._prometheus_url),
-            asyncio.gather(*(self._probe.probe(address) for address in addresses)),
+            asyncio.gather(*(self._probe_worker(address) for address in addresses)),
         )
         warnings = list(fleet.warnings)
         if not addresses:
@@ -330,8 +432,11 @@ class Dashboard:
                     kv_cache_usage=worker.kv_cache_usage,
                     tokens_per_second=fleet.worker_tokens_per_second.get(worker.address, 0.0),
                     error=worker.error,
+                    prefix_cache_hit_ratio=hit_ratio,
+                    prefix_cache_queries=worker.prefix_cache_queries,
+                    prefix_cache_hits=worker.prefix_cache_hits,
                 )
-                for worker in figures
+                for worker, hit_ratio in figures
             ],
             reranker_circuit=circuit,
             requests_per_second=fleet.requests_per_second,

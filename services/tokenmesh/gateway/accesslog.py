@@ -11,12 +11,14 @@ from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from google.protobuf.duration_pb2 import Duration
 from opentelemetry.trace import SpanKind, Tracer
+from prometheus_client import Counter
 
 from tokenmesh.common.errors import HTTP_STATUS
 from tokenmesh.common.interceptors import end_server_span
 from tokenmesh.common.metrics import GrpcServerMetrics, StreamMetrics
 from tokenmesh.common.outcome import Deadline
 from tokenmesh.common.tokens import (
+    AFFINITY_HEADER,
     LLM_GENERATE,
     ROUTE_HEADER,
     USAGE_TRAILER,
@@ -79,8 +81,10 @@ class DirectStreamLog(als_pb2_grpc.AccessLogServiceServicer):
         rpcs: GrpcServerMetrics,
         tracer: Tracer | None = None,
         http: HttpMetrics | None = None,
+        logged: Counter | None = None,
     ) -> None:
         self._streams = streams
+        self._logged = logged
         self._rpc = rpcs.for_method(LLM_GENERATE, "server_stream")
         self._tracer = tracer
         self._http = http
@@ -88,12 +92,15 @@ class DirectStreamLog(als_pb2_grpc.AccessLogServiceServicer):
     async def StreamAccessLogs(
         self, request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage], context: Any
     ) -> als_pb2.StreamAccessLogsResponse:
+        envoy = ""  # the sending Envoy's node id: in a stream's first message only
         async for message in request_iterator:
+            if message.HasField("identifier"):
+                envoy = message.identifier.node.id
             for entry in message.http_logs.log_entry:
-                self.record(entry)
+                self.record(entry, envoy)
         return als_pb2.StreamAccessLogsResponse()
 
-    def record(self, entry: accesslog_pb2.HTTPAccessLogEntry) -> None:
+    def record(self, entry: accesslog_pb2.HTTPAccessLogEntry, envoy: str = "") -> None:
         path = entry.request.path
         if path not in (WORKER_GENERATE, WORKER_GENERATE_OPENAI):
             return
@@ -104,6 +111,8 @@ class DirectStreamLog(als_pb2_grpc.AccessLogServiceServicer):
             duration = seconds(common.time_to_last_downstream_tx_byte)
         code = final_code(entry, duration)
         openai = path == WORKER_GENERATE_OPENAI
+        if self._logged is not None:
+            self._logged.labels("openai" if openai else "grpc", envoy).inc()
         usage = parse_usage_trailer(entry.response.response_trailers.get(USAGE_TRAILER, ""))
         if openai:
             self._record_http(entry, code, duration)
@@ -170,7 +179,20 @@ class DirectStreamLog(als_pb2_grpc.AccessLogServiceServicer):
             name,
             context=extract(entry.request.request_headers.items()),
             kind=SpanKind.SERVER,
-            attributes={**attributes, "tokenmesh.direct": True},
+            attributes={**attributes, "tokenmesh.direct": True, **routed(entry)},
             start_time=start,
         )
         end_server_span(span, code, end)
+
+
+def routed(entry: accesslog_pb2.HTTPAccessLogEntry) -> dict[str, str]:
+    """How Envoy chose the stream's worker: the prefix-affinity key it hashed (worker_routing
+    prefix) and the worker it picked (the last one, after any retries)."""
+    attributes = {}
+    key = entry.request.request_headers.get(AFFINITY_HEADER)
+    if key:
+        attributes["tokenmesh.affinity_key"] = key
+    upstream = entry.common_properties.upstream_remote_address.socket_address
+    if upstream.address:
+        attributes["tokenmesh.worker"] = f"{upstream.address}:{upstream.port_value}"
+    return attributes

@@ -112,8 +112,12 @@ async def serve(settings: GatewaySettings) -> int:
     llm_pb2_grpc.add_LLMServiceServicer_to_server(
         LLMServicer(pipeline, settings, stream_metrics), server
     )
+    direct_metrics = DirectMetrics(host.registry)
     als_pb2_grpc.add_AccessLogServiceServicer_to_server(
-        DirectStreamLog(stream_metrics, host.rpc_metrics, host.tracer, http_metrics), server
+        DirectStreamLog(
+            stream_metrics, host.rpc_metrics, host.tracer, http_metrics, direct_metrics.logged
+        ),
+        server,
     )
     if tenancy.store is not None:
         host.keep_running(tenancy.store.watch(settings.keys_reload_seconds), "keys-watch")
@@ -150,7 +154,7 @@ async def serve(settings: GatewaySettings) -> int:
     # Used when Envoy's edge sends Generate's and OpenAI completions' tokens straight from
     # workers (the mesh's direct_token_path); idle otherwise.
     ext_proc_grpc.add_ExternalProcessorServicer_to_server(
-        ExternalProcessor(pipeline, settings, DirectMetrics(host.registry), host.tracer, api),
+        ExternalProcessor(pipeline, settings, direct_metrics, host.tracer, api),
         server,
     )
     return await host.run(

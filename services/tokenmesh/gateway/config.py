@@ -93,6 +93,17 @@ class GatewaySettings(ServiceSettings):
             "A dependency that cannot be connected to within this long fails the call UNAVAILABLE."
         ),
     )
+    affinity_prefix_chars: int = Field(
+        default=1024,
+        ge=1,
+        le=1_000_000,
+        description=(
+            "How many characters from the start of a prompt make its prefix-affinity key "
+            "(x-tokenmesh-affinity, which Envoy hashes with worker_routing prefix); of a "
+            "conversation, its messages up to the first user message, so later turns keep "
+            "the first turn's key. Prompts that agree this far go to one worker."
+        ),
+    )
     deadline_margin_seconds: float = Field(
         default=0.15,
         ge=0,

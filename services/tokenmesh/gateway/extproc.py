@@ -26,6 +26,7 @@ from tokenmesh.common.errors import DependencyError, ServiceError
 from tokenmesh.common.metrics import RPC_BUCKETS
 from tokenmesh.common.openai_answers import error_response
 from tokenmesh.common.tokens import (
+    AFFINITY_HEADER,
     CALLER_CONTENT_TYPE,
     DEGRADED_BY_RERANKER,
     DEGRADED_HEADER,
@@ -134,6 +135,16 @@ class DirectMetrics:
             "(left to the gateway's own handler: quotas on, gRPC-Web, or a request it "
             "refuses), refused (neither).",
             ["api", "outcome"],
+            registry=registry,
+        )
+        self.logged = Counter(
+            "tokenmesh_gateway_direct_streams_logged",
+            "Streams to workers (api=grpc: Generate, api=openai: OpenAI completions) whose end "
+            "an edge Envoy (envoy: its node id) reported to this gateway in its access log. "
+            "Summed over the gateways it follows that Envoy's "
+            "envoy_access_logs_grpc_access_log_logs_written a second or so behind; a gap that "
+            "stays open is entries lost.",
+            ["api", "envoy"],
             registry=registry,
         )
         self.prepare_seconds = Histogram(
@@ -253,7 +264,11 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         prepared = await self._traced(headers, self._pipeline.prepare(job, remaining))
         worker = self._pipeline.worker_request(prepared.prompt, job.sampling)
         worker.warnings.extend(prepared.warnings)
-        mutation = worker_headers(WORKER_GENERATE, prepared.degraded)
+        mutation = worker_headers(
+            WORKER_GENERATE,
+            prepared.degraded,
+            header(AFFINITY_HEADER, self._pipeline.affinity(prepared.prompt)),
+        )
         # grpc-timeout goes on unchanged: the worker's clock starts later than the caller's,
         # so the caller's deadline (its own timer, and Envoy's max_stream_duration) ends the
         # stream first, with DEADLINE_EXCEEDED, and the reset aborts the engine request.
@@ -297,6 +312,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
             WORKER_GENERATE_OPENAI,
             answer.degraded,
             header(ROUTE_HEADER, OPENAI_HTTP_PATHS[path]),
+            header(AFFINITY_HEADER, self._pipeline.affinity(answer.prompt)),
             header("grpc-timeout", f"{math.ceil(limit + CALL_DEADLINE_SLACK_SECONDS)}S"),
         )
         self._metrics.requests.labels(api="openai", outcome="direct").inc()

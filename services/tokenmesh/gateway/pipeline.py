@@ -22,7 +22,8 @@ from tokenmesh.common.errors import DependencyError
 from tokenmesh.common.metrics import RPC_BUCKETS
 from tokenmesh.common.outcome import Deadline
 from tokenmesh.common.tenants import TENANT_HEADER, current_tenant
-from tokenmesh.common.tokens import merge, token_count
+from tokenmesh.common.tokens import AFFINITY_HEADER, merge, token_count
+from tokenmesh.gateway.affinity import affinity_key
 from tokenmesh.gateway.breaker import CircuitBreaker, CircuitOpenError, CircuitState
 from tokenmesh.gateway.config import GatewaySettings
 from tokenmesh.gateway.prompts import Conversation, context_question, message, with_context
@@ -325,6 +326,7 @@ class Pipeline:
         self._selector = selector
         self._worker = worker
         self._margin = settings.deadline_margin_seconds
+        self._affinity_chars = settings.affinity_prefix_chars
         # Token quotas (auth on); None: tokens are not metered.
         self._meter = meter
         self._prompt_log = logging.getLogger(PROMPT_LOGGER) if settings.log_prompts else None
@@ -364,6 +366,12 @@ class Pipeline:
             )
         return request
 
+    def affinity(self, prompt: Prompt) -> str:
+        """The prompt's prefix-affinity key (x-tokenmesh-affinity), on the current span too."""
+        key = affinity_key(prompt, self._affinity_chars)
+        trace.get_current_span().set_attribute("tokenmesh.affinity_key", key)
+        return key
+
     @property
     def metered(self) -> bool:
         """Whether tokens are charged to quotas (then the gateway must see every token)."""
@@ -377,11 +385,13 @@ class Pipeline:
     ) -> AsyncGenerator[token_pb2.Token, None]:
         """The worker's tokens. For the RPC's tenant (set by the auth interceptor in the RPC's
         context; none with auth off), they are charged to its quota and the worker is told
-        whose request it is (x-tenant-id: the gateway's own metadata, never a caller's)."""
+        whose request it is (x-tenant-id: the gateway's own metadata, never a caller's); the
+        prompt's prefix-affinity key goes with the call for Envoy's choice of worker."""
         tenant = current_tenant()
         request = self.worker_request(prompt, sampling)
         time_limit = remaining_after_margin(remaining, self._margin)
+        affinity = (AFFINITY_HEADER, self.affinity(prompt))
         if tenant is None:
-            return self._worker.stream(request, time_limit)
-        tokens = self._worker.stream(request, time_limit, ((TENANT_HEADER, tenant.id),))
+            return self._worker.stream(request, time_limit, (affinity,))
+        tokens = self._worker.stream(request, time_limit, (affinity, (TENANT_HEADER, tenant.id)))
         return tokens if self._meter is None else self._meter.metered(tenant, tokens)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import grpc
 import psutil
@@ -100,6 +100,8 @@ class LocalMeshSettings(BaseSettings):
     # Envoy streams Generate's tokens straight from the workers; gateways only prepare each
     # request (MeshSettings.direct_token_path). False: every token passes through a gateway.
     direct_token_path: bool = True
+    # How Envoy picks a worker for each stream (MeshSettings.worker_routing).
+    worker_routing: Literal["least_request", "prefix"] = "least_request"
     # Replica i of a service listens on base + i (gRPC) and metrics base + i.
     gateway_port: int = Field(default=50051, ge=1, le=65535)
     gateway_metrics_port: int = Field(default=9451, ge=1, le=65535)
@@ -202,6 +204,7 @@ class LocalMeshSettings(BaseSettings):
             internal_tls_key_file=None if upstream is None else str(upstream.key(ENVOY_INTERNAL)),
             sds_dir=None if certs is None else str(certs.dir),
             direct_token_path=self.direct_token_path,
+            worker_routing=self.worker_routing,
         )
 
 
@@ -359,6 +362,14 @@ class LocalMesh:
             "OPS_PAGE_DIR": str((self.root / OPS_PAGE_DIR).resolve()),
             **({"PROMETHEUS_URL": self.prometheus_url} if self.prometheus else {}),
         }
+        if s.mtls:
+            # The ops feed asks the workers themselves: with Envoy's client certificate, the
+            # one client certificate the local set has.
+            ops.update(
+                WORKER_TLS_CA_FILE=str(self.certs.ca_cert),
+                WORKER_TLS_CERT_FILE=str(self.certs.cert(ENVOY_CLIENT)),
+                WORKER_TLS_KEY_FILE=str(self.certs.key(ENVOY_CLIENT)),
+            )
         programs.append(
             tokenmesh_service(
                 "controlplane", None, s.controlplane_port, s.controlplane_metrics_port,

@@ -12,7 +12,14 @@ from pathlib import Path
 
 import yaml
 
-from tokenmesh.meshconfig.bootstrap import render, secret_files
+from tokenmesh.meshconfig.bootstrap import (
+    CHART_HEALTH_CHECKS,
+    CHART_WORKER_BALANCING,
+    HealthCheckTiming,
+    WorkerBalancing,
+    render,
+    secret_files,
+)
 from tokenmesh.meshconfig.config import MeshSettings, kubernetes_profile
 
 HEADER = (
@@ -26,8 +33,14 @@ KUBERNETES_HEADER = (
 )
 
 
-def render_yaml(settings: MeshSettings, header: str = HEADER) -> str:
-    return header + str(yaml.safe_dump(render(settings), sort_keys=False, width=100))
+def render_yaml(
+    settings: MeshSettings,
+    header: str = HEADER,
+    checks: HealthCheckTiming | None = None,
+    balancing: WorkerBalancing | None = None,
+) -> str:
+    config = render(settings, checks, balancing)
+    return header + str(yaml.safe_dump(config, sort_keys=False, width=100))
 
 
 def render_secret_files(settings: MeshSettings, header: str = HEADER) -> dict[str, str]:
@@ -40,13 +53,16 @@ def render_secret_files(settings: MeshSettings, header: str = HEADER) -> dict[st
 
 def render_profile(profile: str) -> str:
     """The file for a profile: local (MeshSettings from the environment) or one of the
-    kubernetes profiles (-tls: a TLS edge; -mtls: mTLS to the services)."""
+    kubernetes profiles (-tls: a TLS edge; -mtls: mTLS to the services), whose health-check
+    numbers and worker balancing are placeholders for the chart's values."""
     if profile == "local":
         return render_yaml(MeshSettings())
     options = profile.split("-")[1:]
     return render_yaml(
         kubernetes_profile(tls="tls" in options, mtls="mtls" in options),
         KUBERNETES_HEADER.replace("kubernetes", profile, 1),
+        CHART_HEALTH_CHECKS,
+        CHART_WORKER_BALANCING,
     )
 
 

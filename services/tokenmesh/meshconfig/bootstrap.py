@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import posixpath
+from dataclasses import dataclass
 from typing import Any
 
 from google.protobuf import descriptor_pb2
@@ -15,6 +16,7 @@ from google.protobuf.descriptor import FileDescriptor
 
 from tokenmesh.common.errors import error_body
 from tokenmesh.common.tokens import (
+    AFFINITY_HEADER,
     CALLER_CONTENT_TYPE,
     EDGE_METADATA,
     LLM_GENERATE,
@@ -125,6 +127,67 @@ def seconds(value: float) -> str:
     return f"{value:g}s"
 
 
+@dataclass(frozen=True)
+class HealthCheckTiming:
+    """The numbers of the service clusters' active health checks as the config carries them:
+    Envoy's values, or (CHART_HEALTH_CHECKS) placeholders for the chart's values."""
+
+    timeout: str
+    interval: str
+    unhealthy_threshold: int | str
+    healthy_threshold: int | str
+    panic_threshold_percent: float | str
+
+    @classmethod
+    def of(cls, mesh: MeshSettings) -> HealthCheckTiming:
+        panic = mesh.healthy_panic_threshold_percent
+        return cls(
+            timeout=seconds(mesh.health_check_timeout_seconds),
+            interval=seconds(mesh.health_check_interval_seconds),
+            unhealthy_threshold=mesh.health_check_unhealthy_threshold,
+            healthy_threshold=mesh.health_check_healthy_threshold,
+            panic_threshold_percent=int(panic) if panic.is_integer() else panic,
+        )
+
+
+# The kubernetes profiles' health-check numbers: the chart's ConfigMap puts its
+# envoy.healthChecks values in their place (tokenmesh.envoyConfig in _helpers.tpl).
+CHART_HEALTH_CHECKS = HealthCheckTiming(
+    timeout="${TOKENMESH_HEALTH_CHECK_TIMEOUT}",
+    interval="${TOKENMESH_HEALTH_CHECK_INTERVAL}",
+    unhealthy_threshold="${TOKENMESH_HEALTH_CHECK_UNHEALTHY_THRESHOLD}",
+    healthy_threshold="${TOKENMESH_HEALTH_CHECK_HEALTHY_THRESHOLD}",
+    panic_threshold_percent="${TOKENMESH_HEALTHY_PANIC_THRESHOLD_PERCENT}",
+)
+
+
+# Envoy's policy for each worker_routing setting. Maglev rather than a ring hash: one table
+# look-up per pick, and an even spread of keys over a few hosts (a ring of a few hosts needs
+# many points per host to be even); both move only a departed host's keys elsewhere.
+WORKER_LB_POLICIES = {"least_request": "LEAST_REQUEST", "prefix": "MAGLEV"}
+
+
+@dataclass(frozen=True)
+class WorkerBalancing:
+    """How the workers' cluster picks a host: Envoy's policy and the bounded load's factor, or
+    (CHART_WORKER_BALANCING) placeholders for the chart's values."""
+
+    lb_policy: str
+    hash_balance_factor: int | str
+
+    @classmethod
+    def of(cls, mesh: MeshSettings) -> WorkerBalancing:
+        return cls(WORKER_LB_POLICIES[mesh.worker_routing], mesh.prefix_balance_factor_percent)
+
+
+# The kubernetes profiles' worker balancing: the chart's ConfigMap puts its envoy.workerRouting
+# values in their place (tokenmesh.envoyConfig in _helpers.tpl).
+CHART_WORKER_BALANCING = WorkerBalancing(
+    lb_policy="${TOKENMESH_WORKER_LB_POLICY}",
+    hash_balance_factor="${TOKENMESH_PREFIX_BALANCE_FACTOR}",
+)
+
+
 def descriptor_set() -> bytes:
     """The public API's FileDescriptorSet, for the gRPC-JSON transcoder (dependencies first)."""
     files: list[FileDescriptor] = []
@@ -174,6 +237,13 @@ def route_to(cluster: str, mesh: MeshSettings, prefix: str = "/") -> Config:
             "retry_policy": retry_policy(
                 RETRY_ON + (OVERLOADED if cluster == "worker" else ""), mesh
             ),
+            # What a hashing policy (worker_routing prefix) places a worker stream by: the
+            # gateway's prefix-affinity key. LEAST_REQUEST ignores it; a retry hashes again.
+            **(
+                {"hash_policy": [{"header": {"header_name": AFFINITY_HEADER}}]}
+                if cluster == "worker"
+                else {}
+            ),
         },
     }
 
@@ -201,6 +271,10 @@ def access_log(listener: str) -> list[Config]:
             },
         }
     ]
+
+
+# How often each Envoy thread sends the direct streams' access-log entries it holds.
+DIRECT_LOG_FLUSH_SECONDS = 0.5
 
 
 def direct_stream_log(mesh: MeshSettings) -> list[Config]:
@@ -231,14 +305,16 @@ def direct_stream_log(mesh: MeshSettings) -> list[Config]:
                     "log_name": "direct_streams",
                     "transport_api_version": "V3",
                     "grpc_service": {"envoy_grpc": {"cluster_name": "gateway"}},
-                    "buffer_flush_interval": "0.5s",
+                    "buffer_flush_interval": seconds(DIRECT_LOG_FLUSH_SECONDS),
                 },
-                # The caller's deadline, and its trace for the gateway's span of the stream.
+                # The caller's deadline, and its trace for the gateway's span of the stream
+                # (with the prefix-affinity key the worker was chosen by).
                 "additional_request_headers_to_log": [
                     "grpc-timeout",
                     "traceparent",
                     "tracestate",
                     ROUTE_HEADER,
+                    AFFINITY_HEADER,
                 ],
                 "additional_response_headers_to_log": ["grpc-status"],
                 "additional_response_trailers_to_log": ["grpc-status", USAGE_TRAILER],
@@ -895,9 +971,14 @@ def grpc_upstream(mesh: MeshSettings) -> Config:
     }
 
 
-def service_cluster(name: str, mesh: MeshSettings) -> Config:
-    """A cluster named after its service, endpoints over ADS, actively health-checked."""
-    interval = seconds(mesh.health_check_interval_seconds)
+def service_cluster(
+    name: str,
+    mesh: MeshSettings,
+    checks: HealthCheckTiming,
+    balancing: WorkerBalancing | None = None,
+) -> Config:
+    """A cluster named after its service, endpoints over ADS, actively health-checked; the
+    workers' balanced as `balancing` says."""
     cluster: Config = {
         "name": name,
         "type": "EDS",
@@ -909,11 +990,11 @@ def service_cluster(name: str, mesh: MeshSettings) -> Config:
         "typed_extension_protocol_options": grpc_upstream(mesh),
         "health_checks": [
             {
-                "timeout": seconds(mesh.health_check_timeout_seconds),
-                "interval": interval,
-                "no_traffic_interval": interval,
-                "unhealthy_threshold": 2,
-                "healthy_threshold": 1,
+                "timeout": checks.timeout,
+                "interval": checks.interval,
+                "no_traffic_interval": checks.interval,
+                "unhealthy_threshold": checks.unhealthy_threshold,
+                "healthy_threshold": checks.healthy_threshold,
                 **(
                     {"http_health_check": {"path": OPENAI_HEALTH_PATH}}
                     if name == OPENAI_CLUSTER
@@ -923,7 +1004,7 @@ def service_cluster(name: str, mesh: MeshSettings) -> Config:
         ],
         "common_lb_config": {
             # With the default 50 %, Envoy sends to unhealthy hosts when most are down.
-            "healthy_panic_threshold": {"value": 0},
+            "healthy_panic_threshold": {"value": checks.panic_threshold_percent},
             # Health changes reach the load balancers at once. By default Envoy merges them for
             # up to 1 s (a window meant for clusters of thousands of hosts), so a worker that
             # had just passed its first check got no stream for a second while another died.
@@ -948,6 +1029,13 @@ def service_cluster(name: str, mesh: MeshSettings) -> Config:
             ]
         },
     }
+    if balancing is not None:
+        cluster["lb_policy"] = balancing.lb_policy
+        # Bounded load, for the hashing policy (LEAST_REQUEST ignores it): a host with more than
+        # this percentage of the mean streams in flight is passed over for the next one.
+        cluster["common_lb_config"]["consistent_hashing_lb_config"] = {
+            "hash_balance_factor": balancing.hash_balance_factor
+        }
     if name == OPENAI_CLUSTER:
         # HTTP/1.1 (uvicorn), a connection per stream in flight.
         del cluster["typed_extension_protocol_options"]
@@ -995,8 +1083,16 @@ def static_cluster(name: str, host: str, port: int, mesh: MeshSettings, grpc: bo
     return cluster
 
 
-def render(mesh: MeshSettings) -> Config:
-    """Envoy's bootstrap: the edge and internal listeners, one cluster per service."""
+def render(
+    mesh: MeshSettings,
+    checks: HealthCheckTiming | None = None,
+    balancing: WorkerBalancing | None = None,
+) -> Config:
+    """Envoy's bootstrap: the edge and internal listeners, one cluster per service; checks
+    and balancing replace the mesh's health-check numbers and worker balancing (the chart's
+    placeholders)."""
+    checks = checks or HealthCheckTiming.of(mesh)
+    balancing = balancing or WorkerBalancing.of(mesh)
     return {
         "node": {"id": mesh.node_id, "cluster": "tokenmesh"},
         "admin": {
@@ -1034,10 +1130,10 @@ def render(mesh: MeshSettings) -> Config:
                 *stats_listener(mesh),
             ],
             "clusters": [
-                service_cluster("gateway", mesh),
-                service_cluster("worker", mesh),
-                service_cluster("reranker", mesh),
-                *([service_cluster(OPENAI_CLUSTER, mesh)] if mesh.openai_api else []),
+                service_cluster("gateway", mesh, checks),
+                service_cluster("worker", mesh, checks, balancing),
+                service_cluster("reranker", mesh, checks),
+                *([service_cluster(OPENAI_CLUSTER, mesh, checks)] if mesh.openai_api else []),
                 # The control plane: xDS for Envoy itself, the ops feed and page for the edge.
                 static_cluster(
                     "xds_cluster", mesh.controlplane_host, mesh.controlplane_port, mesh, grpc=True

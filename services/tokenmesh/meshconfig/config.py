@@ -243,9 +243,35 @@ class MeshSettings(BaseSettings):
         default=1.0,
         gt=0,
         description=(
-            "A check unanswered this long fails; two failures in a row take a host out (a "
-            "host that says NOT_SERVING is out after two intervals, one that hangs after "
-            "about 2-3 s)."
+            "A check unanswered this long fails. The services answer from their gRPC "
+            "server's own loop (a worker's engine runs on another), so a busy worker still "
+            "answers in well under a second (docs/failure-behaviour.md)."
+        ),
+    )
+    health_check_unhealthy_threshold: int = Field(
+        default=2,
+        ge=1,
+        description=(
+            "Checks unanswered (or refused) in a row that take a host out: with the "
+            "defaults a host that hangs is out after about 2.5 s, and one late answer never "
+            "takes it out. A host that answers NOT_SERVING is out at once, whatever this says."
+        ),
+    )
+    health_check_healthy_threshold: int = Field(
+        default=1,
+        ge=1,
+        description=(
+            "Passing checks in a row that bring a host back (a new host is in at its first)."
+        ),
+    )
+    healthy_panic_threshold_percent: float = Field(
+        default=0.0,
+        ge=0,
+        le=100,
+        description=(
+            "Below this share of healthy hosts Envoy sends to every host, unhealthy ones "
+            "included (its default, 50, would send streams to loading or dead workers). 0: "
+            "never; with no healthy host a request fails UNAVAILABLE at once."
         ),
     )
     max_request_headers_kib: int = Field(
@@ -304,6 +330,25 @@ class MeshSettings(BaseSettings):
         description=(
             "OpenAI's HTTP API at the edge: /v1/... to the gateways' openai_port (the Envoy "
             "cluster `openai`, whose endpoints the control plane sends like the others')."
+        ),
+    )
+    worker_routing: Literal["least_request", "prefix"] = Field(
+        default="least_request",
+        description=(
+            "How Envoy picks a worker for a stream. least_request: the one with the fewest "
+            "streams in flight (of two drawn at random). prefix: by the gateway's prefix-"
+            "affinity key (x-tokenmesh-affinity), consistently hashed (Maglev) under bounded "
+            "load, so requests whose prompts start alike reach the worker that holds that "
+            "prefix's KV cache (docs/architecture.md, prefix-aware routing)."
+        ),
+    )
+    prefix_balance_factor_percent: int = Field(
+        default=125,
+        ge=100,
+        description=(
+            "With worker_routing prefix: no worker takes more than this percentage of the mean "
+            "streams in flight per worker (as this Envoy counts them); a key whose worker is "
+            "over it goes to the next on the hash ring (Envoy's hash_balance_factor)."
         ),
     )
     direct_token_path: bool = Field(

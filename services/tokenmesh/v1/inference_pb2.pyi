@@ -83,17 +83,21 @@ class EngineStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("running_requests", "waiting_requests", "kv_cache_usage", "reported_unix_nanos", "model", "max_model_len")
+    __slots__ = ("running_requests", "waiting_requests", "kv_cache_usage", "reported_unix_nanos", "model", "max_model_len", "prefix_cache_queries", "prefix_cache_hits")
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
     REPORTED_UNIX_NANOS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     running_requests: int
     waiting_requests: int
     kv_cache_usage: float
     reported_unix_nanos: int
     model: str
     max_model_len: int
-    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., reported_unix_nanos: _Optional[int] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., reported_unix_nanos: _Optional[int] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...

@@ -17,6 +17,7 @@ from tokenmesh.worker.engine import EngineLoad, EngineSlot, VllmEngine
 from tokenmesh.worker.placement import place_engine
 from tokenmesh.worker.servicer import InferenceServicer
 from tokenmesh.worker.tenant import TenantMetadataInterceptor
+from tokenmesh.worker.watchdog import EngineActivity, StallWatchdog
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,24 @@ def register_engine_gauges(registry: CollectorRegistry, load: EngineLoad) -> Non
     ).set_function(lambda: load.kv_cache_usage)
 
 
+def register_stall_gauges(
+    registry: CollectorRegistry, activity: EngineActivity, watchdog: StallWatchdog
+) -> None:
+    """Gauges of the stall watchdog, read at scrape time."""
+    Gauge(
+        "tokenmesh_worker_engine_stalled",
+        "1 while the engine holds requests and has made no step for engine_stall_seconds (the "
+        "worker is NOT_SERVING), else 0.",
+        registry=registry,
+    ).set_function(lambda: float(watchdog.stalled))
+    Gauge(
+        "tokenmesh_worker_engine_step_age_seconds",
+        "Seconds since the engine's last step (or since work reached it idle) while it holds "
+        "requests; 0 while it holds none.",
+        registry=registry,
+    ).set_function(activity.stalled_seconds)
+
+
 def aborted_counter(registry: CollectorRegistry) -> Counter:
     return Counter(
         "tokenmesh_worker_aborted_requests",
@@ -60,11 +79,13 @@ def aborted_counter(registry: CollectorRegistry) -> Counter:
     )
 
 
-async def watch_engine(engine: VllmEngine, interval: float) -> None:
-    """Return when the engine process dies: the worker stops (exit 1) and its supervisor
-    restarts it."""
+async def watch_engine(engine: VllmEngine, watchdog: StallWatchdog, interval: float) -> None:
+    """Every interval, check the engine moves (the watchdog turns the worker NOT_SERVING while
+    it is hung); return when the engine process dies: the worker stops (exit 1) and its
+    supervisor restarts it."""
     # vLLM exposes no event for engine death, only the errored flag, so it is polled.
-    while not engine.errored:  # noqa: ASYNC110
+    while not engine.errored:
+        await watchdog.check()
         await asyncio.sleep(interval)
     log.error("inference engine died; shutting the worker down")
 
@@ -96,8 +117,10 @@ async def serve(settings: WorkerSettings) -> int:
         pin_threads(settings.cores)
         slot.set(engine)
         register_engine_gauges(host.registry, engine.load)
+        watchdog = StallWatchdog(engine.activity, settings.engine_stall_seconds, host.set_healthy)
+        register_stall_gauges(host.registry, engine.activity, watchdog)
         host.keep_running(
-            watch_engine(engine, settings.engine_check_interval_seconds), "engine-watch"
+            watch_engine(engine, watchdog, settings.engine_check_interval_seconds), "engine-watch"
         )
 
     return await host.run(start, {"model": settings.model})

@@ -162,9 +162,21 @@ class WorkerSettings(ServiceSettings):
         default=1.0,
         gt=0,
         description=(
-            "How often the worker checks that the engine process is alive; a dead engine "
+            "How often the worker checks that the engine process is alive (a dead engine "
             "turns the worker NOT_SERVING and exits it non-zero so its supervisor restarts "
-            "it."
+            "it) and moving (engine_stall_seconds)."
+        ),
+    )
+    engine_stall_seconds: float = Field(
+        default=60.0,
+        gt=0,
+        description=(
+            "A hung engine (alive, but no step): while the engine holds requests and has "
+            "finished no engine step for this long, the worker turns NOT_SERVING (Envoy stops "
+            "sending it streams, Kubernetes' liveness probe restarts it) and logs an error; "
+            "SERVING again once a step completes. A healthy engine, however saturated, "
+            "finishes a step (a decode of its batch, or one chunk of a long prefill) in far "
+            "less; checked every engine_check_interval_seconds."
         ),
     )
 

@@ -32,6 +32,7 @@ from tokenmesh.common.errors import Internal, InvalidArgument, Unavailable
 from tokenmesh.v1 import token_pb2
 from tokenmesh.worker.config import WorkerSettings
 from tokenmesh.worker.requests import GenerationSpec
+from tokenmesh.worker.watchdog import EngineActivity
 
 log = logging.getLogger(__name__)
 
@@ -52,17 +53,23 @@ class EngineLoad:
     waiting: int = 0
     kv_cache_usage: float = 0.0
     reported_unix_nanos: int = 0
+    # Prompt tokens looked up in the prefix cache and found there, since the engine started
+    # (the counts of vLLM's vllm:prefix_cache_queries and vllm:prefix_cache_hits).
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class _LoadStatLogger(StatLoggerBase):
-    """A vLLM stat logger that keeps the scheduler's figures in an EngineLoad.
+    """A vLLM stat logger that keeps the scheduler's figures in an EngineLoad, and marks each
+    step in the engine's activity (the stall watchdog's sign of progress).
 
     vLLM calls record() on the event loop after every engine step, including the step that
     clears aborted requests, so the figures are fresh within one step.
     """
 
-    def __init__(self, load: EngineLoad) -> None:
+    def __init__(self, load: EngineLoad, activity: EngineActivity) -> None:
         self._load = load
+        self._activity = activity
 
     def record(
         self,
@@ -71,6 +78,7 @@ class _LoadStatLogger(StatLoggerBase):
         mm_cache_stats: Any = None,
         engine_idx: int = 0,
     ) -> None:
+        self._activity.stepped()
         if scheduler_stats is None:
             return
         self._load.running = scheduler_stats.num_running_reqs
@@ -78,6 +86,12 @@ class _LoadStatLogger(StatLoggerBase):
             scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs
         )
         self._load.kv_cache_usage = scheduler_stats.kv_cache_usage
+        # This step's lookups, as vLLM's own counters take them (preempted requests' repeat
+        # lookups left out). Queries first: a reader taking hits, then queries, never sees
+        # more hits than queries.
+        prefix = scheduler_stats.prefix_cache_stats
+        self._load.prefix_cache_queries += prefix.queries
+        self._load.prefix_cache_hits += prefix.hits
         self._load.reported_unix_nanos = time.time_ns()
 
     def log_engine_initialized(self) -> None:
@@ -288,7 +302,12 @@ class VllmEngine:
     its own thread; its methods are called from the gRPC server's loop."""
 
     def __init__(
-        self, llm: AsyncLLM, load: EngineLoad, settings: WorkerSettings, thread: EngineThread
+        self,
+        llm: AsyncLLM,
+        load: EngineLoad,
+        settings: WorkerSettings,
+        thread: EngineThread,
+        activity: EngineActivity | None = None,
     ) -> None:
         self._llm = llm
         self._thread = thread
@@ -298,6 +317,9 @@ class VllmEngine:
         # never split).
         self._per_message = settings.max_message_tokens
         self.load = load
+        # The requests the engine holds, and its steps (marked by the stat logger given the
+        # same activity), for the stall watchdog.
+        self.activity = activity or EngineActivity()
         self.model_name = settings.model_name
         self.max_model_len = settings.max_model_len
         # Tokenize without vLLM's own length check: ours below names the fields and limits.
@@ -326,6 +348,7 @@ class VllmEngine:
         meanwhile) and warm up."""
         configure_cpu_backend(settings)
         load = EngineLoad()
+        activity = EngineActivity()
         thread = EngineThread()
         thread.start()
 
@@ -334,7 +357,7 @@ class VllmEngine:
             # the running loop, AsyncLLM starts its output tasks there.
             return AsyncLLM.from_engine_args(
                 engine_args(settings),
-                stat_loggers=[lambda _config, _index: _LoadStatLogger(load)],
+                stat_loggers=[lambda _config, _index: _LoadStatLogger(load, activity)],
             )
 
         try:
@@ -342,7 +365,7 @@ class VllmEngine:
         except BaseException:
             thread.stop()
             raise
-        engine = cls(llm, load, settings, thread)
+        engine = cls(llm, load, settings, thread, activity)
         await engine.warm_up()
         # As vLLM's own server does once started: the start-up heap (torch, transformers, the
         # model's Python objects) leaves the collector's view, so a full collection no longer
@@ -436,7 +459,8 @@ class VllmEngine:
     async def _produce(self, spec: GenerationSpec, post: Callable[[Item], None]) -> None:
         """On the engine's loop: post each output's tokens, then None at the end, or the error
         that ended the request. Cancelling this aborts the engine request (vLLM's generate()
-        does so when cancelled)."""
+        does so when cancelled). The engine holds the request from here to its end."""
+        self.activity.request_started()
         try:
             engine_input, max_tokens = await self._tokenize(spec)
             prompt_tokens = len(engine_input["prompt_token_ids"])
@@ -452,6 +476,8 @@ class VllmEngine:
             raise
         except Exception as error:
             post(_mapped(error, "messages" if spec.messages else "request"))
+        finally:
+            self.activity.request_ended()
 
     async def stream(
         self, spec: GenerationSpec, on_abort: Callable[[], None] | None = None

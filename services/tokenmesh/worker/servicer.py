@@ -225,6 +225,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         engine = self._engines.get()
         load = engine.load
         return inference_pb2.EngineStats(
+            # Hits read before queries (the stat logger adds queries first): never more hits.
+            prefix_cache_hits=load.prefix_cache_hits,
+            prefix_cache_queries=load.prefix_cache_queries,
             running_requests=load.running,
             waiting_requests=load.waiting,
             kv_cache_usage=load.kv_cache_usage,

@@ -1,0 +1,150 @@
+"""Prefix-aware routing on the real mesh: a second Envoy with worker_routing prefix in front of
+the session mesh's gateways and two workers. Repeats of a prefix reach one worker, prefixes
+spread over both, a hot prefix spills under load, and a worker out of rotation hands its
+prefixes to the other without an error (Envoy's own per-host counters say where each went)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import urllib.request
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+
+import psutil
+import pytest
+from grpc import aio
+
+from loadtests.scenarios import second_envoy
+from tests.support import eventually
+from tokenmesh.common.tokens import token_count
+from tokenmesh.localmesh.mesh import LocalMesh
+from tokenmesh.meshconfig.config import MeshSettings
+from tokenmesh.v1 import llm_pb2, llm_pb2_grpc
+
+pytestmark = pytest.mark.integration
+
+# Longer than the gateway's affinity_prefix_chars (1024): only this part makes the key.
+PREFIX_WORDS = 220
+
+
+@pytest.fixture(scope="module")
+def prefix_edge(mesh: LocalMesh) -> Iterator[MeshSettings]:
+    with second_envoy(mesh, mesh.log_dir, worker_routing="prefix") as (settings, _):
+        yield settings
+
+
+@pytest.fixture
+async def edge(prefix_edge: MeshSettings) -> AsyncIterator[llm_pb2_grpc.LLMServiceStub]:
+    async with aio.insecure_channel(f"127.0.0.1:{prefix_edge.edge_port}") as channel:
+        yield llm_pb2_grpc.LLMServiceStub(channel)
+
+
+def prefix(name: str) -> str:
+    return " ".join(f"{name}-{index}" for index in range(PREFIX_WORDS))
+
+
+def worker_hosts(settings: MeshSettings) -> dict[str, dict[str, str]]:
+    """The workers' cluster as this Envoy sees it: per host, its counters and health flags
+    (admin /clusters: worker::HOST::NAME::VALUE)."""
+    url = f"http://127.0.0.1:{settings.admin_port}/clusters"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        lines = response.read().decode().splitlines()
+    hosts: dict[str, dict[str, str]] = {}
+    for line in lines:
+        parts = line.split("::")
+        # HOST is an address:port; the cluster's own lines (default_priority::...) are not.
+        if len(parts) == 4 and parts[0] == "worker" and ":" in parts[1]:
+            hosts.setdefault(parts[1], {})[parts[2]] = parts[3]
+    return hosts
+
+
+def requests_by_host(settings: MeshSettings) -> Counter[str]:
+    return Counter({host: int(stats["rq_total"]) for host, stats in worker_hosts(settings).items()})
+
+
+async def generate(edge: llm_pb2_grpc.LLMServiceStub, prompt: str, tokens: int = 4) -> int:
+    received = 0
+    async for token in edge.Generate(
+        llm_pb2.GenerateRequest(prompt=prompt, max_tokens=tokens, ignore_eos=True), timeout=60
+    ):
+        received += token_count(token)
+    return received
+
+
+async def test_repeats_of_a_prefix_reach_one_worker_and_prefixes_spread_over_both(
+    prefix_edge: MeshSettings, edge: llm_pb2_grpc.LLMServiceStub
+) -> None:
+    assert len(worker_hosts(prefix_edge)) == 2
+    placed: dict[str, set[str]] = {}
+    for name in (f"topic{number}" for number in range(12)):
+        for question in range(3):
+            before = requests_by_host(prefix_edge)
+            await generate(edge, f"{prefix(name)} question {question}?")
+            [(host, count)] = (requests_by_host(prefix_edge) - before).items()
+            assert count == 1
+            placed.setdefault(name, set()).add(host)
+    assert all(len(hosts) == 1 for hosts in placed.values()), placed
+    # 12 keys over 2 workers all on one: 1 chance in 2,048.
+    assert len(set().union(*placed.values())) == 2, placed
+
+
+async def test_a_hot_prefix_spills_to_the_other_worker_under_load(
+    prefix_edge: MeshSettings, edge: llm_pb2_grpc.LLMServiceStub
+) -> None:
+    """Bounded load: with 16 streams of one prefix in flight at once, its worker would hold
+    all of them; past 125 % of the mean, Envoy sends the next to the other worker."""
+    hot = prefix("hot")
+    before = requests_by_host(prefix_edge)
+    await generate(edge, f"{hot} alone")
+    [home] = (requests_by_host(prefix_edge) - before).keys()
+    before = requests_by_host(prefix_edge)
+    counts = await asyncio.gather(
+        *(generate(edge, f"{hot} burst {number}", tokens=64) for number in range(16))
+    )
+    assert counts == [64] * 16
+    spread = requests_by_host(prefix_edge) - before
+    assert sum(spread.values()) == 16
+    assert len(spread) == 2, spread
+    # Its own worker still takes the larger share.
+    assert spread[home] >= 8, spread
+
+
+async def test_a_worker_out_of_rotation_loses_its_prefixes_to_the_other_without_errors(
+    mesh: LocalMesh, prefix_edge: MeshSettings, edge: llm_pb2_grpc.LLMServiceStub
+) -> None:
+    names = [f"moved{number}" for number in range(8)]
+    home: dict[str, str] = {}
+    for name in names:
+        before = requests_by_host(prefix_edge)
+        await generate(edge, f"{prefix(name)} first")
+        [home[name]] = (requests_by_host(prefix_edge) - before).keys()
+    stopped_host = Counter(home.values()).most_common(1)[0][0]
+    [program] = [p for p in mesh.replicas("worker") if p.address == stopped_host]
+    worker = psutil.Process(mesh.pid(program.name))
+    worker.suspend()  # SIGSTOP: its health checks time out and Envoy takes it out
+    try:
+        await eventually(
+            lambda: (
+                "failed_active_hc"
+                in worker_hosts(prefix_edge)[stopped_host].get("health_flags", "")
+            ),
+            within=15,
+        )
+        moved = [name for name in names if home[name] == stopped_host]
+        before = requests_by_host(prefix_edge)
+        counts = await asyncio.gather(*(generate(edge, f"{prefix(name)} again") for name in moved))
+        assert counts == [4] * len(moved)
+        after = requests_by_host(prefix_edge) - before
+        assert after[stopped_host] == 0 and sum(after.values()) == len(moved), after
+    finally:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            worker.resume()
+    # Back in rotation, its prefixes return to it.
+    await eventually(
+        lambda: "failed" not in worker_hosts(prefix_edge)[stopped_host].get("health_flags", ""),
+        within=15,
+    )
+    before = requests_by_host(prefix_edge)
+    await generate(edge, f"{prefix(moved[0])} home again")
+    assert (requests_by_host(prefix_edge) - before)[stopped_host] == 1
