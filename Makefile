@@ -8,6 +8,11 @@ BIN := $(VENV)/bin
 VLLM_TARGET ?= cpu
 LOCK := requirements/lock-$(VLLM_TARGET).txt
 TINY_MODEL := models/tiny-llama
+# A larger random Llama for the prefix-routing benchmark (loadtests/prefix_routing.py): its
+# prefill of a ~1,000-token prompt takes long enough for a prefix-cache hit to show in TTFT
+# (float32: the CPU backend computes bfloat16 natively only with AVX-512).
+SMALL_MODEL := models/small-llama
+SMALL_MODEL_SHAPE := --hidden-size 512 --heads 8 --layers 4 --intermediate-size 1376 --max-positions 4096 --dtype float32
 SETUP_STAMP := $(VENV)/.setup-$(VLLM_TARGET)
 # Tools whose own pins conflict with the project's (checkov: the Helm chart's policy scan in
 # tests/unit/test_helm_envoy.py): a venv of their own, inside .venv so `make clean` and
@@ -108,6 +113,15 @@ lock-tools:
 $(TINY_MODEL)/tokenmesh-tiny.json: scripts/make_tiny_model.py | $(SETUP_STAMP)
 	$(BIN)/python scripts/make_tiny_model.py $(TINY_MODEL) --force
 
+# Rebuilt when the script changes (the file rule) or the shape does (the script compares the
+# shape with the model's marker).
+.PHONY: small-model
+small-model: $(SMALL_MODEL)/tokenmesh-tiny.json
+	@$(BIN)/python scripts/make_tiny_model.py $(SMALL_MODEL) $(SMALL_MODEL_SHAPE)
+
+$(SMALL_MODEL)/tokenmesh-tiny.json: scripts/make_tiny_model.py | $(SETUP_STAMP)
+	$(BIN)/python scripts/make_tiny_model.py $(SMALL_MODEL) $(SMALL_MODEL_SHAPE) --force
+
 proto: $(SETUP_STAMP)
 	$(BIN)/python scripts/gen_protos.py
 
@@ -132,12 +146,13 @@ chaos: setup
 	$(BIN)/python -m loadtests.chaos $(CHAOS_ARGS)
 
 # The load generator against any local target (`python -m loadtests run --help`), and the
-# benchmark matrix (each scenario on its own private mesh; ARGS='--scenarios transport --quick').
+# benchmark matrix (each scenario on its own private mesh; ARGS='--scenarios transport --quick';
+# the prefix scenario runs on the small model).
 ARGS ?=
 loadtest: setup
 	$(BIN)/python -m loadtests run $(ARGS)
 
-bench: setup
+bench: setup small-model
 	$(BIN)/python -m loadtests bench $(ARGS)
 
 up: setup
@@ -203,7 +218,7 @@ lock-gpu:
 	rm -r build/lock-gpu
 
 clean: down
-	rm -rf $(VENV) $(TINY_MODEL) .run build ops/dist ops/node_modules ops/src/gen
+	rm -rf $(VENV) $(TINY_MODEL) $(SMALL_MODEL) .run build ops/dist ops/node_modules ops/src/gen
 
 dashboards: $(SETUP_STAMP)
 	$(BIN)/python scripts/gen_dashboards.py

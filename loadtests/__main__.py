@@ -34,9 +34,17 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration", type=float, default=10.0, help="measured seconds")
     parser.add_argument("--requests", type=int, default=1000, help="most measured requests")
     parser.add_argument("--warmup", type=float, default=2.0, help="seconds not measured")
-    parser.add_argument("--prompt-words", default="16", help="N, uniform:A:B or normal:MEAN:SD")
+    parser.add_argument(
+        "--prompt-words", default="16", help="N, uniform:A:B or normal:MEAN:SD (after a prefix)"
+    )
     parser.add_argument("--output-tokens", default="64", help="N, uniform:A:B or normal:MEAN:SD")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--prefixes", type=int, default=0, help="shared prompt prefixes (0: none)")
+    parser.add_argument("--prefix-words", type=int, default=0, help="words in each prefix")
+    parser.add_argument(
+        "--prefix-share", type=float, default=0.0, help="share of requests on prefix 0 (skew)"
+    )
+    parser.add_argument("--text-seed", type=int, default=0, help="the words' seed (0: --seed)")
     parser.add_argument("--processes", type=int, default=1, help="generator processes")
     parser.add_argument(
         "--cpus", default="", help='cores the generator keeps to, e.g. "1" (off the engines\')'

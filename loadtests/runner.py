@@ -58,6 +58,13 @@ class RunConfig:
     # The cores the generator may use ("1", "2-7"; empty: any): off the engines' cores.
     cpus: str = ""
     label: str = ""
+    # Shared prefixes (Workload): prompts start with one of `prefixes` prefixes of prefix_words
+    # words, prefix 0 taking prefix_share of them (0: all alike); prompt_words is the suffix.
+    prefixes: int = 0
+    prefix_words: int = 0
+    prefix_share: float = 0.0
+    # The prompts' words' seed (0: seed): same arrivals and lengths, different text.
+    text_seed: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in ("closed", "open"):
@@ -66,8 +73,7 @@ class RunConfig:
             raise ValueError("processes, concurrency and requests must be at least 1")
         if self.duration <= 0 or self.warmup < 0 or self.timeout <= 0:
             raise ValueError("duration and timeout must be positive, warmup not negative")
-        Lengths.parse(self.prompt_words)
-        Lengths.parse(self.output_tokens)
+        self.workload()  # the lengths and the prefixes' settings, checked
 
     def workload(self) -> Workload:
         return Workload(
@@ -75,6 +81,10 @@ class RunConfig:
             Lengths.parse(self.output_tokens),
             self.seed,
             self.documents,
+            self.prefixes,
+            self.prefix_words,
+            self.prefix_share,
+            self.text_seed,
         )
 
     def shard(self, index: int) -> tuple[int, float, int]:

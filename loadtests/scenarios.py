@@ -15,6 +15,8 @@ cost       the same two, 1/32/64 streams of 128 tokens: CPU µs per token of eve
 many       1,000 concurrent Generate streams on one client channel through the edge
 slow       100 streams read one token a second beside full-speed streams: their ITL, and RSS
 degraded   open-loop load with documents; the reranker is stopped halfway: TTFT step, errors
+prefix     2 workers on a larger model: least_request against prefix-aware routing, interleaved
+           rounds of shared-prefix, uniform and skewed prompts (loadtests/prefix_routing.py)
 
 Results: loadtests/results/<date>/ (one JSON per run, summary.md, PNG plots).
 """
@@ -54,7 +56,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = "models/tiny-llama"
 CONCURRENCY = (1, 8, 32, 64, 128)
 QUICK_CONCURRENCY = (1, 8)
-ORDER = ("transport", "rest", "many", "slow", "degraded", "engine", "sse", "versus", "cost")
+ORDER = (
+    "transport", "rest", "many", "slow", "degraded", "engine", "sse", "versus", "cost", "prefix",
+)  # fmt: skip
 MESH_SCENARIOS = ("transport", "rest", "many", "slow", "degraded")
 
 
@@ -110,10 +114,13 @@ class Bench:
 
 
 @contextmanager
-def private_mesh() -> Iterator[LocalMesh]:
-    """1 gateway and 1 worker (every hop on the same engine), reranker, control plane, Envoy."""
+def private_mesh(**overrides: Any) -> Iterator[LocalMesh]:
+    """1 gateway and 1 worker (every hop on the same engine), reranker, control plane, Envoy;
+    other LocalMeshSettings in overrides (e.g. workers=2, model=...)."""
     with tempfile.TemporaryDirectory(prefix="loadtest-mesh-") as run_dir:
-        settings = LocalMeshSettings.on_free_ports(Path(run_dir), gateways=1, workers=1)
+        settings = LocalMeshSettings.on_free_ports(
+            Path(run_dir), **{"gateways": 1, "workers": 1, **overrides}
+        )
         local_mesh = LocalMesh(settings, root=ROOT)
         try:
             if local_mesh.up() != 0:
@@ -507,6 +514,10 @@ def bench_command(names: str, quick: bool, out: Path | None) -> int:
         from loadtests.token_cost import cost
 
         bench.notes["cost"] = cost(bench, bench.round_count + 1, profile=not quick)["comparisons"]
+    if "prefix" in chosen:
+        from loadtests.prefix_routing import prefix_routing
+
+        bench.notes["prefix"] = prefix_routing(bench, bench.round_count + 1)["targets"]
     machine["load_average_at_end"] = [round(v, 2) for v in os.getloadavg()]
     notes_file = bench.out / "notes.json"
     # A later run of some scenarios into the same directory keeps the earlier runs' notes.

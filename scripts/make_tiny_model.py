@@ -1,4 +1,5 @@
-"""Generate the tiny default model: a random-init Llama and a real byte-level BPE tokenizer."""
+"""Generate the tiny default model (or, given sizes, a larger one): a random-init Llama and a
+real byte-level BPE tokenizer."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import inspect
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 # The tokenizer learns its merges from the source text of a few standard-library modules: text
@@ -19,7 +21,11 @@ NUM_HEADS = 2
 NUM_LAYERS = 2
 INTERMEDIATE_SIZE = 256
 MAX_POSITIONS = 2048
+# Weights and activations. vLLM's CPU backend computes bfloat16 natively only with AVX-512's
+# bf16 instructions; on AVX2 float32 is several times faster.
+DTYPE = "bfloat16"
 SEED = 1234
+
 # A minimal ChatML-like chat template (the model's own, as vLLM renders chat): each message is
 # <s>role\ncontent</s>\n, and the generation prompt opens the assistant's message, which ends
 # when the model emits </s> (its end-of-sequence token).
@@ -31,6 +37,31 @@ CHAT_TEMPLATE = (
 )
 
 
+@dataclass(frozen=True)
+class Shape:
+    """The model's sizes; the defaults make the tiny model."""
+
+    hidden_size: int = HIDDEN_SIZE
+    heads: int = NUM_HEADS
+    layers: int = NUM_LAYERS
+    intermediate_size: int = INTERMEDIATE_SIZE
+    max_positions: int = MAX_POSITIONS
+    dtype: str = DTYPE
+
+    def marker(self) -> dict[str, int | str]:
+        """What the marker file records: the tiny model's three keys (unchanged), and the
+        other sizes only when they differ from the tiny model's."""
+        written: dict[str, int | str] = {
+            "vocab_size": VOCAB_SIZE,
+            "hidden_size": self.hidden_size,
+            "layers": self.layers,
+        }
+        for name, value in vars(self).items():
+            if name not in written and value != getattr(Shape, name):
+                written[name] = value
+        return written
+
+
 def corpus() -> list[str]:
     """Return the training text, one module source per item."""
     import importlib
@@ -38,7 +69,7 @@ def corpus() -> list[str]:
     return [inspect.getsource(importlib.import_module(name)) for name in CORPUS_MODULES]
 
 
-def build_tokenizer(out_dir: Path) -> None:
+def build_tokenizer(out_dir: Path, shape: Shape) -> None:
     """Train a byte-level BPE tokenizer and save it in Hugging Face format."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
@@ -59,14 +90,14 @@ def build_tokenizer(out_dir: Path) -> None:
         bos_token="<s>",
         eos_token="</s>",
         pad_token="<pad>",
-        model_max_length=MAX_POSITIONS,
+        model_max_length=shape.max_positions,
         chat_template=CHAT_TEMPLATE,
     )
     # The template goes into tokenizer_config.json (chat_template), not chat_template.jinja.
     fast.save_pretrained(out_dir, save_jinja_files=False)
 
 
-def build_model(out_dir: Path) -> None:
+def build_model(out_dir: Path, shape: Shape) -> None:
     """Save a randomly initialised Llama whose vocabulary matches the tokenizer."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -75,19 +106,19 @@ def build_model(out_dir: Path) -> None:
     torch.manual_seed(SEED)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=HIDDEN_SIZE,
-        intermediate_size=INTERMEDIATE_SIZE,
-        num_hidden_layers=NUM_LAYERS,
-        num_attention_heads=NUM_HEADS,
-        num_key_value_heads=NUM_HEADS,
-        max_position_embeddings=MAX_POSITIONS,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.heads,
+        max_position_embeddings=shape.max_positions,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
-        torch_dtype="bfloat16",
+        torch_dtype=shape.dtype,
     )
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = LlamaForCausalLM(config).to(getattr(torch, shape.dtype))
     model.save_pretrained(out_dir, safe_serialization=True)
 
 
@@ -95,21 +126,35 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("out_dir", type=Path, help="where to write the model (HF format)")
     parser.add_argument("--force", action="store_true", help="rebuild even if it exists")
+    parser.add_argument("--hidden-size", type=int, default=HIDDEN_SIZE)
+    parser.add_argument("--heads", type=int, default=NUM_HEADS, help="attention heads")
+    parser.add_argument("--layers", type=int, default=NUM_LAYERS)
+    parser.add_argument("--intermediate-size", type=int, default=INTERMEDIATE_SIZE)
+    parser.add_argument("--max-positions", type=int, default=MAX_POSITIONS)
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default=DTYPE)
     args = parser.parse_args(argv)
+    shape = Shape(
+        args.hidden_size,
+        args.heads,
+        args.layers,
+        args.intermediate_size,
+        args.max_positions,
+        args.dtype,
+    )
+    # vLLM's CPU attention wants head_dim >= 64.
+    if shape.hidden_size % shape.heads or shape.hidden_size // shape.heads < 64:
+        parser.error("hidden size must split into heads of at least 64")
     marker = args.out_dir / "tokenmesh-tiny.json"
-    if marker.exists() and not args.force:
-        print(f"tiny model already at {args.out_dir}")
+    text = json.dumps(shape.marker(), indent=2)
+    # A model of other sizes at the same place is rebuilt.
+    if marker.exists() and marker.read_text() == text and not args.force:
+        print(f"model already at {args.out_dir}")
         return 0
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(args.out_dir)
-    build_model(args.out_dir)
-    marker.write_text(
-        json.dumps(
-            {"vocab_size": VOCAB_SIZE, "hidden_size": HIDDEN_SIZE, "layers": NUM_LAYERS},
-            indent=2,
-        )
-    )
-    print(f"tiny model written to {args.out_dir}")
+    build_tokenizer(args.out_dir, shape)
+    build_model(args.out_dir, shape)
+    marker.write_text(text)
+    print(f"model written to {args.out_dir}")
     return 0
 
 

@@ -1,0 +1,586 @@
+"""Prefix-cache-aware routing (issue #19) measured: least_request against prefix on one mesh.
+
+A private mesh of 1 gateway and 2 workers on the small model (models/small-llama, whose prefill
+is slow enough for a prefix-cache hit to show in TTFT) and, beside its own Envoy (worker_routing
+least_request), a second Envoy with worker_routing prefix in front of the same gateway and
+workers, both on the direct token path (the edge routes each stream straight to a worker).
+Open-loop (Poisson) load, one edge at a time, in interleaved rounds (A B, B A, ...); in each
+round both edges get the same arrivals, lengths and prefix choices with text of their own, so
+neither profits from a prefix the other put in a cache. Workloads:
+
+shared    P prefixes of ~1,000 tokens, each request a prefix and a unique suffix
+few       the same with many more prefixes, each used only a few times per round
+uniform   no shared prefixes (prompts as long, every one its own)
+skewed    as shared, one prefix taking half the requests
+
+Per policy and workload: the prefix-cache hit ratio from vLLM's own counters on each worker
+(vllm:prefix_cache_hits/queries, read before and after each round), TTFT p50/p99, tokens/s,
+each worker's share of the requests (its own gRPC counter, and the loaded Envoy's per-host
+rq_total), CPU per request and per token of each process from /proc; before the rounds, the
+prefill time of a ~1,000-token prompt on each worker, uncached and cached.
+
+    python -m loadtests.prefix_routing [--quick] [--rounds N] [--out DIR]
+    python -m loadtests bench --scenarios prefix
+
+Results: loadtests/results/<date>/prefix-routing/ (a JSON per workload and policy,
+summary.json, summary.md, TTFT CDFs). All traffic goes to 127.0.0.1; every run is bounded in
+duration and request count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from loadtests import report
+from loadtests.chaos import environment
+from loadtests.runner import RunConfig, combine, one_request, run
+from loadtests.scenarios import RESULTS, Bench, private_mesh, second_envoy
+from loadtests.targets import WorkerTarget
+from loadtests.token_cost import cpu_seconds
+from loadtests.workload import Lengths, RequestSpec, Workload
+from tokenmesh.gateway.config import GatewaySettings
+from tokenmesh.localmesh.mesh import LocalMesh, envoy_hosts
+from tokenmesh.worker.placement import descendants
+
+SCENARIO = "prefix-routing"
+SMALL_MODEL = "models/small-llama"
+# The workers compute in float32: vLLM's "auto" dtype turns a float32 model into bfloat16,
+# which vLLM's CPU backend computes natively only with AVX-512's bf16 instructions (on AVX2
+# it prefilled 6x slower). LocalMeshSettings has no dtype; the workers read their settings
+# from the environment, which they inherit through supervisord from this process.
+WORKER_ENVIRONMENT = {"TOKENMESH_WORKER_DTYPE": "float32"}
+WORKERS = 2
+POLICIES = ("least_request", "prefix")
+# A prefix of this many words is ~1,000 tokens of the models' tokenizer (2.75 tokens and 6.4
+# characters a word), well past the gateway's affinity key (its first 1,024 characters).
+PREFIX_WORDS = 360
+SUFFIX_WORDS = "uniform:8:24"
+OUTPUT_TOKENS = "16"
+# vLLM's counters each worker's metrics port has (sample names as Prometheus reads them).
+VLLM_COUNTERS = {
+    "vllm:prefix_cache_hits_total": "hits",
+    "vllm:prefix_cache_queries_total": "queries",
+    "vllm:prompt_tokens_total": "prompt_tokens",
+}
+WORKER_METHODS = ("Generate", "GenerateOpenAI")
+# The issue's targets.
+HIT_RATIO_GAIN = 1.6
+TTFT_P50_DROP = 0.30
+TOKENS_PER_SECOND_BAND = 0.05
+MAX_OVER_MEAN = 1.25
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One workload: its name, what it is, its load and its prompts."""
+
+    name: str
+    what: str
+    rate: float  # requests/s
+    prefixes: int = 0
+    prefix_share: float = 0.0
+    prompt_words: str = SUFFIX_WORDS
+
+    def config(self, edge: Edge, seconds: float, seed: int, text_seed: int) -> RunConfig:
+        return RunConfig(
+            target="llm",
+            address=edge.address,
+            mode="open",
+            rate=self.rate,
+            duration=seconds,
+            # Bounded by time; the request budget only caps a runaway schedule.
+            requests=int(self.rate * seconds * 2) + 10,
+            warmup=0.0,
+            prompt_words=self.prompt_words,
+            output_tokens=OUTPUT_TOKENS,
+            seed=seed,
+            text_seed=text_seed,
+            prefixes=self.prefixes,
+            prefix_words=PREFIX_WORDS if self.prefixes else 0,
+            prefix_share=self.prefix_share,
+            timeout=60.0,
+            label=f"{self.name} {edge.policy}",
+        )
+
+
+def plans() -> list[Plan]:
+    """The workloads, each at a rate the two workers serve without a growing queue."""
+    whole = f"uniform:{PREFIX_WORDS + 8}:{PREFIX_WORDS + 24}"
+    return [
+        Plan("shared", "16 prefixes of ~1,000 tokens, many requests each", 2.5, prefixes=16),
+        Plan("few", "32 prefixes of ~1,000 tokens, ~2 requests each", 2.5, prefixes=32),
+        Plan("uniform", "no shared prefix, prompts as long", 1.5, prompt_words=whole),
+        Plan("skewed", "16 prefixes, one of them half the requests", 2.5, 16, 0.5),
+    ]
+
+
+@dataclass(frozen=True)
+class Edge:
+    """An Envoy edge under test: its worker_routing, address, admin port and process."""
+
+    policy: str
+    address: str
+    admin_port: int
+    pid: int
+
+
+def scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        return str(reply.read().decode())
+
+
+def worker_counters(text: str) -> dict[str, float]:
+    """A worker's prefix-cache hits and queries (tokens), prompt tokens and streams started,
+    from its metrics page (each summed over its labels)."""
+    totals = dict.fromkeys(("hits", "queries", "prompt_tokens", "requests"), 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in VLLM_COUNTERS:
+                totals[VLLM_COUNTERS[sample.name]] += sample.value
+            elif (
+                sample.name == "grpc_server_started_total"
+                and sample.labels.get("grpc_service", "").endswith("InferenceService")
+                and sample.labels.get("grpc_method") in WORKER_METHODS
+            ):
+                totals["requests"] += sample.value
+    return totals
+
+
+def endpoint_requests(text: str, cluster: str = "worker") -> dict[str, float]:
+    """Requests Envoy sent to each host of `cluster`, by address, from its admin /clusters
+    (lines CLUSTER::HOST::rq_total::N; the cluster's own lines have no address for HOST)."""
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        parts = line.split("::")
+        if len(parts) == 4 and parts[0] == cluster and ":" in parts[1] and parts[2] == "rq_total":
+            counts[parts[1]] = float(parts[3])
+    return counts
+
+
+def difference(
+    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
+) -> dict[str, dict[str, float]]:
+    """Each worker's counters' growth between two snapshots."""
+    return {
+        name: {key: after[name][key] - value for key, value in counters.items()}
+        for name, counters in before.items()
+    }
+
+
+def hit_ratio(workers: dict[str, dict[str, float]]) -> float | None:
+    """Cached prompt tokens over prompt tokens looked up, over every worker."""
+    queries = sum(counters["queries"] for counters in workers.values())
+    hits = sum(counters["hits"] for counters in workers.values())
+    return round(hits / queries, 4) if queries else None
+
+
+def shares(counts: dict[str, float]) -> dict[str, float]:
+    """Each one's share of the total."""
+    total = sum(counts.values())
+    return {name: round(value / total, 4) if total else 0.0 for name, value in counts.items()}
+
+
+def max_over_mean(counts: dict[str, float]) -> float | None:
+    """The busiest one's count over the mean count (1.0: perfectly even)."""
+    total = sum(counts.values())
+    return round(max(counts.values()) * len(counts) / total, 3) if total else None
+
+
+def load_figures(workers: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """From the workers' counter growth: the hit ratio, each worker's share of the requests
+    and of the prompt tokens it computed (not from its cache), and the busiest over the mean."""
+    requests = {name: counters["requests"] for name, counters in workers.items()}
+    computed = {name: counters["queries"] - counters["hits"] for name, counters in workers.items()}
+    return {
+        "hit_ratio": hit_ratio(workers),
+        "request_shares": shares(requests),
+        "requests_max_over_mean": max_over_mean(requests),
+        "computed_token_shares": shares(computed),
+        "computed_tokens_max_over_mean": max_over_mean(computed),
+        "prompt_tokens_per_request": (
+            round(sum(c["prompt_tokens"] for c in workers.values()) / sum(requests.values()), 1)
+            if sum(requests.values())
+            else None
+        ),
+    }
+
+
+class Mesh:
+    """What the benchmark reads from the mesh: workers' counters, processes' CPU."""
+
+    def __init__(self, local_mesh: LocalMesh) -> None:
+        self.workers = local_mesh.replicas("worker")
+        pids = {program.name: local_mesh.pid(program.name) for program in self.workers}
+        self.processes = {
+            **{name: [pid] for name, pid in pids.items()},
+            **{name.replace("worker", "engine"): descendants(pid) for name, pid in pids.items()},
+            "gateway": [local_mesh.pid("gateway-0")],
+        }
+
+    def counters(self) -> dict[str, dict[str, float]]:
+        return {
+            program.name: worker_counters(
+                scrape(f"http://127.0.0.1:{program.metrics_port}/metrics")
+            )
+            for program in self.workers
+        }
+
+    def cpu(self, edge: Edge) -> dict[str, float]:
+        processes = {**self.processes, "envoy": [edge.pid]}
+        return {name: cpu_seconds(pids) for name, pids in processes.items()}
+
+
+def measured_round(config: RunConfig, edge: Edge, mesh: Mesh) -> dict[str, Any]:
+    """One run through one edge, with the growth of the workers' counters, the edge's
+    per-host requests and each process's CPU seconds over it."""
+    stats = f"http://127.0.0.1:{edge.admin_port}/clusters"
+    counters, endpoints, cpu = mesh.counters(), endpoint_requests(scrape(stats)), mesh.cpu(edge)
+    result = run(config, show_progress=False)
+    # The runner returns once every stream has ended: the counters hold the whole round.
+    workers = difference(counters, mesh.counters())
+    after = endpoint_requests(scrape(stats))
+    result["workers"] = workers
+    result["envoy_endpoint_requests"] = {
+        address: value - endpoints.get(address, 0.0) for address, value in after.items()
+    }
+    result["cpu_seconds"] = {name: value - cpu[name] for name, value in mesh.cpu(edge).items()}
+    result["prefix"] = load_figures(workers)
+    return result
+
+
+def combined(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """A policy's rounds of one workload as one result: histograms merged, counters summed."""
+    total = combine(results)
+    workers: dict[str, Counter[str]] = {}
+    endpoints: Counter[str] = Counter()
+    cpu: Counter[str] = Counter()
+    for result in results:
+        for name, counters in result["workers"].items():
+            workers.setdefault(name, Counter()).update(counters)
+        endpoints.update(result["envoy_endpoint_requests"])
+        cpu.update(result["cpu_seconds"])
+    total["workers"] = {name: dict(counters) for name, counters in workers.items()}
+    total["envoy_endpoint_requests"] = dict(endpoints)
+    total["cpu_seconds"] = dict(cpu)
+    total["prefix"] = {
+        **load_figures(total["workers"]),
+        "envoy_endpoint_shares": shares(dict(endpoints)),
+        "per_round": [result["prefix"] for result in results],
+    }
+    return total
+
+
+def cpu_costs(result: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """CPU ms per request and µs per generated token of each process."""
+    requests, tokens = result["requests"], result["tokens_received"]
+    return {
+        name: {
+            "ms_per_request": round(seconds * 1e3 / requests, 1) if requests else 0.0,
+            "us_per_token": round(seconds * 1e6 / tokens, 1) if tokens else 0.0,
+        }
+        for name, seconds in result["cpu_seconds"].items()
+    }
+
+
+def row(plan: Plan, policy: str, result: dict[str, Any]) -> dict[str, Any]:
+    figures = result["prefix"]
+    return {
+        "workload": plan.name,
+        "policy": policy,
+        "rate": plan.rate,
+        "requests": result["requests"],
+        "errors": result["errors"],
+        "hit_ratio": figures["hit_ratio"],
+        "hit_ratio_per_round": [r["hit_ratio"] for r in figures["per_round"]],
+        "ttft_ms": {k: result["ttft_ms"][k] for k in ("p50_ms", "p99_ms")},
+        "tokens_per_second": result["tokens_per_second"],
+        "request_shares": figures["request_shares"],
+        "requests_max_over_mean": figures["requests_max_over_mean"],
+        "requests_max_over_mean_per_round": [
+            r["requests_max_over_mean"] for r in figures["per_round"]
+        ],
+        "computed_token_shares": figures["computed_token_shares"],
+        "envoy_endpoint_shares": figures["envoy_endpoint_shares"],
+        "prompt_tokens_per_request": figures["prompt_tokens_per_request"],
+        "cpu": cpu_costs(result),
+        "send_lag_p99_ms": result["generator"]["send_lag_ms"].get("p99_ms"),
+    }
+
+
+def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The issue's targets, each with its figures and whether it was met."""
+    by = {(r["workload"], r["policy"]): r for r in rows}
+    verdicts: dict[str, Any] = {}
+
+    def pair(workload: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        found = by.get((workload, "least_request")), by.get((workload, "prefix"))
+        return None if None in found else found  # type: ignore[return-value]
+
+    for workload in ("shared", "few"):
+        both = pair(workload)
+        if both is None:
+            continue
+        baseline, prefix = both
+        gain = (
+            prefix["hit_ratio"] / baseline["hit_ratio"]
+            if prefix["hit_ratio"] and baseline["hit_ratio"]
+            else None
+        )
+        base_p50, p50 = baseline["ttft_ms"]["p50_ms"], prefix["ttft_ms"]["p50_ms"]
+        drop = 1 - p50 / base_p50 if base_p50 else None
+        verdicts[workload] = {
+            "hit_ratio_gain": round(gain, 2) if gain is not None else None,
+            "hit_ratio_target": HIT_RATIO_GAIN,
+            "hit_ratio_met": gain is not None and gain >= HIT_RATIO_GAIN,
+            "ttft_p50_drop": round(drop, 3) if drop is not None else None,
+            "ttft_p50_target": TTFT_P50_DROP,
+            "ttft_p50_met": drop is not None and drop >= TTFT_P50_DROP,
+        }
+    both = pair("uniform")
+    if both is not None:
+        baseline, prefix = both
+        ratio = (
+            prefix["tokens_per_second"] / baseline["tokens_per_second"]
+            if baseline["tokens_per_second"]
+            else None
+        )
+        verdicts["uniform"] = {
+            "tokens_per_second_ratio": round(ratio, 3) if ratio is not None else None,
+            "band": TOKENS_PER_SECOND_BAND,
+            "met": ratio is not None and abs(ratio - 1) <= TOKENS_PER_SECOND_BAND,
+        }
+    both = pair("skewed")
+    if both is not None:
+        baseline, prefix = both
+        worst = max(
+            [prefix["requests_max_over_mean"] or 0.0, *prefix["requests_max_over_mean_per_round"]]
+        )
+        p99, base_p99 = prefix["ttft_ms"]["p99_ms"], baseline["ttft_ms"]["p99_ms"]
+        verdicts["skewed"] = {
+            "requests_max_over_mean": prefix["requests_max_over_mean"],
+            "requests_max_over_mean_worst_round": worst,
+            "max_over_mean_target": MAX_OVER_MEAN,
+            "balance_met": worst <= MAX_OVER_MEAN,
+            "ttft_p99_ms": {"least_request": base_p99, "prefix": p99},
+            "ttft_p99_ratio": round(p99 / base_p99, 3) if base_p99 else None,
+            "ttft_p99_met": p99 <= base_p99,
+        }
+    return verdicts
+
+
+async def prefill_probe(address: str, prompts: list[str]) -> dict[str, float]:
+    """TTFT of each prompt sent to one worker twice, one token asked (the first time its
+    prefill is computed, the second time its full blocks come from the prefix cache): the
+    median of each, in ms."""
+    misses: list[float] = []
+    hits: list[float] = []
+    async with WorkerTarget(address) as target:
+        for prompt in prompts:
+            for times in (misses, hits):
+                started = time.perf_counter()
+                first, *_rest = await one_request(target, RequestSpec(0, prompt, 1), 60.0)
+                if first is not None:
+                    times.append((first - started) * 1e3)
+    return {
+        "uncached_ms": round(sorted(misses)[len(misses) // 2], 1) if misses else -1.0,
+        "cached_ms": round(sorted(hits)[len(hits) // 2], 1) if hits else -1.0,
+    }
+
+
+def prefill_times(local_mesh: LocalMesh, count: int) -> dict[str, Any]:
+    """Each worker's prefill time of a ~1,000-token prompt, uncached and cached (the model's
+    own figure; the prompts are made for this and used nowhere else)."""
+    workload = Workload(
+        Lengths.parse(str(PREFIX_WORDS + 16)), Lengths.parse("1"), seed=1, text_seed=777
+    )
+    found: dict[str, Any] = {}
+    prompts = iter(workload.requests())
+    for program in local_mesh.replicas("worker"):
+        batch = [request.prompt for request in islice(prompts, count)]
+        found[program.name] = asyncio.run(prefill_probe(program.address, batch))
+    return found
+
+
+def check_prefixes_outrun_the_key() -> None:
+    """Every prefix is longer than the gateway's affinity key (its first characters), so the
+    key is the prefix's alone and a request's own suffix plays no part in it."""
+    key = GatewaySettings().affinity_prefix_chars
+    sample = Workload(
+        Lengths.parse("1"), Lengths.parse("1"), 1, prefixes=64, prefix_words=PREFIX_WORDS
+    )
+    shortest = min(len(prefix) for prefix in sample.shared_prefixes())
+    if shortest <= key:
+        raise SystemExit(f"prefixes of {shortest} characters do not outrun the {key}-character key")
+
+
+def wait_for_workers(admin_port: int, workers: int, seconds: float = 60.0) -> None:
+    """Until the Envoy at admin_port sees every worker healthy."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        hosts = envoy_hosts(admin_port).get("worker", [])
+        if sum(healthy for _, healthy in hosts) >= workers:
+            return
+        time.sleep(0.5)
+    raise SystemExit(f"the Envoy at admin port {admin_port} has no {workers} healthy workers")
+
+
+def markdown(rows: list[dict[str, Any]], verdicts: dict[str, Any], notes: dict[str, Any]) -> str:
+    lines = [
+        "# Prefix-aware routing: least_request against prefix (issue #19)\n",
+        f"Model {notes['model']}, {WORKERS} workers (an engine on each core), 1 gateway, "
+        f"direct token path; {notes['rounds']} interleaved rounds of {notes['round_seconds']:g} s "
+        f"per policy and workload, open loop (Poisson); prefixes of {PREFIX_WORDS} words "
+        f"(~{notes.get('prefix_tokens', '?')} tokens), suffixes of {SUFFIX_WORDS} words, "
+        f"{OUTPUT_TOKENS} tokens out. Prefill of a ~1,000-token prompt on each worker "
+        f"(uncached / cached, ms): "
+        + ", ".join(
+            f"{name} {times['uncached_ms']} / {times['cached_ms']}"
+            for name, times in notes["prefill"].items()
+        )
+        + ".\n",
+        "| workload | policy | rate/s | req | err | hit ratio | TTFT p50 / p99 ms | tokens/s | "
+        "worker request shares | max/mean | computed-token shares | Envoy endpoint shares |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['workload']} | {r['policy']} | {r['rate']:g} | {r['requests']} | "
+            f"{r['errors']} | {r['hit_ratio']} | {r['ttft_ms']['p50_ms']:.0f} / "
+            f"{r['ttft_ms']['p99_ms']:.0f} | {r['tokens_per_second']:.1f} | "
+            f"{_shares(r['request_shares'])} | {r['requests_max_over_mean']} | "
+            f"{_shares(r['computed_token_shares'])} | {_shares(r['envoy_endpoint_shares'])} |"
+        )
+    lines += [
+        "",
+        "CPU per request (ms) of each process:\n",
+        "| workload | policy | " + " | ".join(sorted(rows[0]["cpu"])) + " |",
+        "|---|---|" + "---|" * len(rows[0]["cpu"]),
+    ]
+    for r in rows:
+        costs = " | ".join(str(r["cpu"][name]["ms_per_request"]) for name in sorted(r["cpu"]))
+        lines.append(f"| {r['workload']} | {r['policy']} | {costs} |")
+    lines += ["", "## Targets\n"]
+    for workload, verdict in verdicts.items():
+        lines.append(f"- {workload}: " + ", ".join(f"{k} {v}" for k, v in verdict.items()))
+    lines += ["", "Hit ratio per round:\n"]
+    for r in rows:
+        lines.append(f"- {r['workload']} {r['policy']}: {r['hit_ratio_per_round']}")
+    return "\n".join(lines) + "\n"
+
+
+def _shares(values: dict[str, float]) -> str:
+    return " / ".join(f"{value:.0%}" for _, value in sorted(values.items())) or "n/a"
+
+
+def prefix_routing(bench: Bench, rounds: int) -> dict[str, Any]:
+    """Every workload through both edges in interleaved rounds; the report's figures."""
+    out = bench.out / SCENARIO
+    seconds = 8.0 if bench.quick else 30.0
+    rows: list[dict[str, Any]] = []
+    with (
+        environment(WORKER_ENVIRONMENT),
+        private_mesh(workers=WORKERS, model=SMALL_MODEL) as local_mesh,
+        second_envoy(local_mesh, local_mesh.run_dir, worker_routing="prefix") as (envoy, pid),
+    ):
+        settings = local_mesh.settings
+        if settings.worker_routing != "least_request" or not settings.direct_token_path:
+            raise SystemExit("the mesh's own edge must route least_request on the direct path")
+        check_prefixes_outrun_the_key()
+        edges = [
+            Edge(
+                "least_request",
+                f"127.0.0.1:{settings.edge_port}",
+                settings.envoy_admin_port,
+                local_mesh.pid("envoy"),
+            ),
+            Edge("prefix", f"127.0.0.1:{envoy.edge_port}", envoy.admin_port, pid),
+        ]
+        for edge in edges:
+            wait_for_workers(edge.admin_port, WORKERS)
+        mesh = Mesh(local_mesh)
+        prefill = prefill_times(local_mesh, 3 if bench.quick else 5)
+        print(f"[{SCENARIO}] prefill: {prefill}", file=sys.stderr, flush=True)
+        # Off the engines' cores where the machine has any to spare (a 2-core one has not).
+        cpus = local_mesh.mesh_cores(WORKERS, os.cpu_count() or 1)
+        for edge in edges:  # the engines' first batches of each shape, not measured
+            warm = plans()[0].config(edge, 3.0, seed=999, text_seed=999)
+            run(replace(warm, cpus=cpus, label=f"warm-up {edge.policy}"), show_progress=False)
+        for number_of_plan, plan in enumerate(plans()):
+            runs: dict[str, list[dict[str, Any]]] = {edge.policy: [] for edge in edges}
+            for number in range(rounds):
+                order = edges if number % 2 == 0 else edges[::-1]
+                for edge in order:
+                    seed = 100 * (number_of_plan + 1) + number
+                    text_seed = 10 * seed + POLICIES.index(edge.policy) + 1
+                    config = replace(plan.config(edge, seconds, seed, text_seed), cpus=cpus)
+                    result = measured_round(config, edge, mesh)
+                    runs[edge.policy].append(result)
+                    print(
+                        f"[{SCENARIO}] {config.label} ({number + 1}/{rounds}): "
+                        f"{result['requests']} requests, {result['errors']} errors, hit ratio "
+                        f"{result['prefix']['hit_ratio']}, TTFT p50/p99 "
+                        f"{result['ttft_ms']['p50_ms']:.0f}/{result['ttft_ms']['p99_ms']:.0f} ms,"
+                        f" shares {result['prefix']['request_shares']}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+            results = []
+            for edge in edges:
+                total = combined(runs[edge.policy])
+                bench._record(SCENARIO, total)
+                results.append(total)
+                rows.append(row(plan, edge.policy, total))
+            report.plot_cdfs(
+                results, "ttft", out / f"{plan.name}-ttft-cdf.png", f"TTFT: {plan.name}"
+            )
+    verdicts = targets(rows)
+    tokens = [r["prompt_tokens_per_request"] for r in rows if r["workload"] != "uniform"]
+    notes = {
+        "model": SMALL_MODEL,
+        "workers": WORKERS,
+        "rounds": rounds,
+        "round_seconds": seconds,
+        "prefix_words": PREFIX_WORDS,
+        "suffix_words": SUFFIX_WORDS,
+        "output_tokens": OUTPUT_TOKENS,
+        "prefix_tokens": round(min(t for t in tokens if t)) if any(tokens) else None,
+        "prefill": prefill,
+        "plans": [vars(plan) for plan in plans()],
+        "generator_cpus": cpus or "any",
+        "machine": {"cpus": os.cpu_count(), **report.processor()},
+        "load_average_at_end": [round(v, 2) for v in os.getloadavg()],
+    }
+    summary = {"notes": notes, "rows": rows, "targets": verdicts}
+    report.write_json(summary, out / "summary.json")
+    (out / "summary.md").write_text(markdown(rows, verdicts, notes))
+    return {"rows": rows, "targets": verdicts}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="short rounds (a smoke test)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per policy")
+    parser.add_argument("--out", type=Path, default=None, help="result directory")
+    args = parser.parse_args()
+    stamp = datetime.now(UTC).strftime("%Y-%m-%d")
+    bench = Bench(args.out or RESULTS / (stamp + ("-quick" if args.quick else "")), args.quick)
+    prefix_routing(bench, 1 if args.quick else args.rounds)
+    print((bench.out / SCENARIO / "summary.md").read_text())
+    print(f"results in {bench.out / SCENARIO}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

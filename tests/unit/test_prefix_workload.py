@@ -1,0 +1,297 @@
+"""The shared-prefix workload and the prefix-routing benchmark's arithmetic: reproducible
+prompts, prefixes shared exactly, unique suffixes, the skew's share, fresh prefixes per round,
+and hit ratios and worker shares from two counter snapshots. No timed assertions."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import sys
+from collections import Counter
+from itertools import islice
+from types import ModuleType
+
+import pytest
+
+from loadtests.__main__ import add_run_arguments, config_from
+from loadtests.prefix_routing import (
+    PREFIX_WORDS,
+    check_prefixes_outrun_the_key,
+    difference,
+    endpoint_requests,
+    hit_ratio,
+    load_figures,
+    max_over_mean,
+    shares,
+    targets,
+    worker_counters,
+)
+from loadtests.runner import RunConfig
+from loadtests.workload import Lengths, RequestSpec, Workload
+from tests.support import ROOT
+from tokenmesh.gateway.affinity import affinity_key
+
+
+def shared(seed: int = 3, text_seed: int = 0, prefixes: int = 8, share: float = 0.0) -> Workload:
+    return Workload(
+        Lengths.parse("uniform:4:12"),
+        Lengths.parse("uniform:8:32"),
+        seed,
+        prefixes=prefixes,
+        prefix_words=PREFIX_WORDS,
+        prefix_share=share,
+        text_seed=text_seed,
+    )
+
+
+def take(workload: Workload, count: int, shard: int = 0) -> list[RequestSpec]:
+    return list(islice(workload.requests(shard), count))
+
+
+def test_shared_prefix_requests_are_reproducible_from_the_seed() -> None:
+    first = take(shared(), 300)
+    assert first == take(shared(), 300)
+    assert first != take(shared(seed=4), 300)
+    assert first != take(shared(), 300, shard=1)
+    assert [spec.index for spec in first] == list(range(300))
+
+
+def test_requests_of_one_prefix_share_exactly_it_and_have_suffixes_of_their_own() -> None:
+    workload = shared()
+    prefixes = workload.shared_prefixes()
+    assert len(set(prefixes)) == len(prefixes) == 8
+    assert all(len(prefix.split()) == PREFIX_WORDS for prefix in prefixes)
+    specs = take(workload, 500) + take(workload, 500, shard=1)
+    suffixes = []
+    for spec in specs:
+        prefix = prefixes[spec.prefix]
+        assert spec.prompt.startswith(prefix + " ")
+        suffix = spec.prompt[len(prefix) :]
+        # No other prefix starts the prompt: the shared part is exactly this one.
+        assert not any(spec.prompt.startswith(other) for other in prefixes if other != prefix)
+        suffixes.append(suffix)
+    assert len(set(suffixes)) == len(specs)  # unique across both shards
+
+
+def test_one_prefix_one_affinity_key_and_every_prefix_its_own() -> None:
+    """The gateway's key covers only the prefix (which outruns its 1,024 characters)."""
+    check_prefixes_outrun_the_key()
+    workload = shared()
+    keys: dict[int, set[str]] = {}
+    for spec in take(workload, 200):
+        keys.setdefault(spec.prefix, set()).add(affinity_key(spec.prompt, 1024))
+    assert all(len(found) == 1 for found in keys.values())
+    assert len({key for found in keys.values() for key in found}) == len(keys)
+
+
+def test_the_skewed_prefix_gets_the_asked_share_and_the_rest_spread_evenly() -> None:
+    specs = take(shared(share=0.5, prefixes=16), 20_000)
+    counts = Counter(spec.prefix for spec in specs)
+    assert counts[0] / len(specs) == pytest.approx(0.5, abs=0.02)
+    others = [counts[index] for index in range(1, 16)]
+    mean = sum(others) / len(others)
+    assert all(abs(count - mean) / mean < 0.15 for count in others)
+
+
+def test_without_a_share_every_prefix_is_taken_alike() -> None:
+    specs = take(shared(prefixes=8), 16_000)
+    counts = Counter(spec.prefix for spec in specs)
+    assert sorted(counts) == list(range(8))
+    assert all(count / len(specs) == pytest.approx(1 / 8, abs=0.015) for count in counts.values())
+
+
+def test_per_round_text_seeds_give_disjoint_prefixes_with_the_same_shape() -> None:
+    rounds = [shared(text_seed=seed) for seed in range(1, 21)]
+    starts = [prefix[:100] for workload in rounds for prefix in workload.shared_prefixes()]
+    # Not one prefix, nor even one prefix's first 100 characters (~40 tokens), shared.
+    assert len(set(starts)) == len(starts) == 20 * 8
+    a, b = take(rounds[0], 200), take(rounds[1], 200)
+    assert [(s.prefix, s.max_tokens) for s in a] == [(s.prefix, s.max_tokens) for s in b]
+    assert all(x.prompt != y.prompt for x, y in zip(a, b, strict=True))
+
+
+def test_a_text_seed_alone_changes_the_words_not_the_lengths() -> None:
+    """The uniform workload's paired rounds: same lengths, other prompts."""
+    base = Workload(Lengths.parse("uniform:4:40"), Lengths.parse("normal:64:16"), 5)
+    one, two = (Workload(base.prompt_words, base.output_tokens, 5, text_seed=s) for s in (1, 2))
+    a, b = take(one, 100), take(two, 100)
+    assert [len(s.prompt.split()) for s in a] == [len(s.prompt.split()) for s in b]
+    assert all(x.prompt != y.prompt for x, y in zip(a, b, strict=True))
+    assert all(spec.prefix == -1 for spec in a)
+
+
+def test_workloads_without_prefixes_send_what_they_always_sent() -> None:
+    workload = Workload(Lengths.parse("uniform:4:40"), Lengths.parse("normal:64:16"), 7)
+    specs = take(workload, 200, shard=1)
+    digest = hashlib.sha256(repr([(s.index, s.prompt, s.max_tokens) for s in specs]).encode())
+    assert digest.hexdigest() == (
+        "3dee93510038da534e0a4c8ab9b85d1873fe51c8f8678cc56dc89b52967c41d7"
+    )
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"prefixes": 4},  # no prefix length
+        {"prefix_words": 10},  # no prefixes
+        {"prefixes": 4, "prefix_words": 10, "prefix_share": 1.0},
+        {"prefixes": 1, "prefix_words": 10, "prefix_share": 0.5},
+        {"prefixes": -1, "prefix_words": 10},
+        {"text_seed": -1},
+    ],
+)
+def test_config_rejects_impossible_prefixes(fields: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        RunConfig(target="llm", address="127.0.0.1:1", **fields)  # type: ignore[arg-type]
+
+
+def test_the_run_command_takes_the_prefix_flags() -> None:
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+    args = parser.parse_args(
+        ["--prefixes", "16", "--prefix-words", "360", "--prefix-share", "0.5", "--text-seed", "9"]
+    )
+    config = config_from(args)
+    assert (config.prefixes, config.prefix_words, config.prefix_share, config.text_seed) == (
+        16,
+        360,
+        0.5,
+        9,
+    )
+
+
+WORKER_METRICS = """\
+# HELP vllm:prefix_cache_queries_total Prefix cache queries.
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{engine="0",model_name="small-llama"} 5000.0
+# HELP vllm:prefix_cache_hits_total Prefix cache hits.
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{engine="0",model_name="small-llama"} 3000.0
+# HELP vllm:prompt_tokens_total Prompt tokens.
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{engine="0",model_name="small-llama"} 5000.0
+# HELP grpc_server_started_total RPCs started on the server.
+# TYPE grpc_server_started_total counter
+grpc_server_started_total{grpc_method="Generate",grpc_service="tokenmesh.v1.InferenceService",\
+grpc_type="SERVER_STREAMING"} 5.0
+grpc_server_started_total{grpc_method="Check",grpc_service="grpc.health.v1.Health",\
+grpc_type="UNARY"} 90.0
+"""
+
+ENVOY_CLUSTERS = """\
+worker::default_priority::max_requests::4096
+worker::127.0.0.1:20001::cx_active::1
+worker::127.0.0.1:20001::rq_total::30
+worker::127.0.0.1:20002::rq_total::10
+gateway::127.0.0.1:20100::rq_total::40
+"""
+
+
+def test_worker_counters_are_read_from_its_metrics_page() -> None:
+    counters = worker_counters(WORKER_METRICS)
+    assert counters == {"hits": 3000.0, "queries": 5000.0, "prompt_tokens": 5000.0, "requests": 5.0}
+
+
+def test_envoy_per_host_requests_of_the_workers_cluster_only() -> None:
+    assert endpoint_requests(ENVOY_CLUSTERS) == {"127.0.0.1:20001": 30.0, "127.0.0.1:20002": 10.0}
+
+
+def test_hit_ratio_and_shares_come_from_the_difference_of_two_snapshots() -> None:
+    before = {
+        "worker-0": {"hits": 100.0, "queries": 1000.0, "prompt_tokens": 1000.0, "requests": 1.0},
+        "worker-1": {"hits": 0.0, "queries": 1000.0, "prompt_tokens": 1000.0, "requests": 1.0},
+    }
+    after = {
+        "worker-0": {"hits": 4100.0, "queries": 7000.0, "prompt_tokens": 7000.0, "requests": 7.0},
+        "worker-1": {"hits": 1000.0, "queries": 3000.0, "prompt_tokens": 3000.0, "requests": 3.0},
+    }
+    grown = difference(before, after)
+    assert grown["worker-0"] == {
+        "hits": 4000.0,
+        "queries": 6000.0,
+        "prompt_tokens": 6000.0,
+        "requests": 6.0,
+    }
+    # (4000 + 1000) cached of (6000 + 2000) looked up: what happened between the snapshots.
+    assert hit_ratio(grown) == 0.625
+    figures = load_figures(grown)
+    assert figures["request_shares"] == {"worker-0": 0.75, "worker-1": 0.25}
+    assert figures["requests_max_over_mean"] == 1.5
+    # Computed (not cached) prompt tokens: 2000 and 1000.
+    assert figures["computed_token_shares"] == {"worker-0": 0.6667, "worker-1": 0.3333}
+    assert figures["prompt_tokens_per_request"] == 1000.0
+
+
+def test_no_traffic_gives_no_ratio_rather_than_a_division_by_zero() -> None:
+    idle = {"worker-0": dict.fromkeys(("hits", "queries", "prompt_tokens", "requests"), 0.0)}
+    assert hit_ratio(idle) is None
+    assert max_over_mean({"a": 0.0, "b": 0.0}) is None
+    assert shares({"a": 0.0}) == {"a": 0.0}
+    assert load_figures(idle)["prompt_tokens_per_request"] is None
+
+
+def row(workload: str, policy: str, **values: object) -> dict[str, object]:
+    base: dict[str, object] = {
+        "workload": workload,
+        "policy": policy,
+        "hit_ratio": 0.5,
+        "ttft_ms": {"p50_ms": 100.0, "p99_ms": 400.0},
+        "tokens_per_second": 48.0,
+        "requests_max_over_mean": 1.0,
+        "requests_max_over_mean_per_round": [1.0],
+    }
+    return {**base, **values}
+
+
+def test_the_targets_are_judged_from_the_rows() -> None:
+    verdicts = targets(
+        [
+            row("shared", "least_request", hit_ratio=0.5),
+            row("shared", "prefix", hit_ratio=0.85, ttft_ms={"p50_ms": 60.0, "p99_ms": 300.0}),
+            row("uniform", "least_request", tokens_per_second=48.0),
+            row("uniform", "prefix", tokens_per_second=44.0),
+            row("skewed", "least_request"),
+            row(
+                "skewed",
+                "prefix",
+                requests_max_over_mean=1.2,
+                requests_max_over_mean_per_round=[1.1, 1.3],
+                ttft_ms={"p50_ms": 90.0, "p99_ms": 390.0},
+            ),
+        ]
+    )
+    assert verdicts["shared"]["hit_ratio_gain"] == 1.7
+    assert verdicts["shared"]["hit_ratio_met"] and verdicts["shared"]["ttft_p50_met"]
+    assert verdicts["uniform"]["tokens_per_second_ratio"] == pytest.approx(0.917, abs=0.001)
+    assert not verdicts["uniform"]["met"]
+    # Balanced over all rounds, but one round's busiest worker was over 1.25x the mean.
+    assert not verdicts["skewed"]["balance_met"]
+    assert verdicts["skewed"]["ttft_p99_met"]
+    assert "few" not in verdicts
+
+
+def tiny_model_script() -> ModuleType:
+    """scripts/make_tiny_model.py, imported from its file (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(
+        "make_tiny_model", ROOT / "scripts" / "make_tiny_model.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    # Its dataclass looks its module up by name.
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_tiny_models_marker_is_unchanged_and_a_larger_one_says_its_sizes() -> None:
+    script = tiny_model_script()
+    assert script.Shape().marker() == {"vocab_size": 2048, "hidden_size": 128, "layers": 2}
+    larger = script.Shape(hidden_size=768, heads=12, layers=8, intermediate_size=2048)
+    assert larger.marker() == {
+        "vocab_size": 2048,
+        "hidden_size": 768,
+        "layers": 8,
+        "heads": 12,
+        "intermediate_size": 2048,
+    }
