@@ -270,6 +270,20 @@ SERVING = Dashboard(
             unit="percentunit",
         ),
         Panel(
+            "Endpoint picker: picks/s by choice",
+            "Workers the gateways' endpoint picker named (worker_routing picker), by why: "
+            "first (the prompt prefix's own worker), spilled (a later one in the prefix's "
+            "ranking: those before it were busier than the slack allows), none (no load "
+            "figures: Envoy's least request chose). Empty under least_request and prefix.",
+            (
+                Query(
+                    f"sum by (choice) (rate(tokenmesh_gateway_worker_picks_total[{RATE}]))",
+                    "{{choice}}",
+                ),
+            ),
+            unit="reqps",
+        ),
+        Panel(
             "Time queued in vLLM",
             "How long requests waited before the engine scheduled them.",
             quantiles("vllm:request_queue_time_seconds", "replica", 'replica=~"$worker"'),

@@ -153,13 +153,14 @@ def metric_value(metrics: str, name: str, default: float | None = None, **labels
 
 def direct_logs_delivered(mesh: LocalMesh, within: float = 15.0) -> None:
     """Return once every access-log entry the mesh's Envoy has written to the gateways has been
-    recorded by them (its logs_written against their logged count from it): a test that counts
-    direct answers takes its baseline after this, so that an earlier stream's entry, still in
-    flight, does not land after the baseline."""
+    recorded by them: a test that counts direct answers takes its baseline after this, so that
+    an earlier stream's entry, still in flight, does not land after the baseline. Recorded: the
+    gateways' logged count from this Envoy has caught up with its logs_written, or (a gateway
+    restarted by an earlier test began its count again) neither has moved for two flushes."""
     envoy = mesh.settings.mesh()
     stats = f"http://127.0.0.1:{envoy.admin_port}/stats/prometheus"
 
-    def delivered() -> bool:
+    def counts() -> tuple[float, float]:
         [written] = series_values(
             fetch_text(stats), "envoy_access_logs_grpc_access_log_logs_written"
         )
@@ -173,15 +174,19 @@ def direct_logs_delivered(mesh: LocalMesh, within: float = 15.0) -> None:
             )
             for gateway in mesh.replicas("gateway")
         )
-        return logged >= written
+        return written, logged
 
     # An entry counts as written once Envoy flushes it: a stream that has just ended waits
     # one flush interval for it.
     time.sleep(DIRECT_LOG_FLUSH_SECONDS * 1.5)
     deadline = time.monotonic() + within
-    while not delivered():
-        assert time.monotonic() < deadline, "the gateways did not record the edge's access log"
-        time.sleep(0.1)
+    seen = [counts()]
+    while not (seen[-1][1] >= seen[-1][0] or seen[-3:] == [seen[-1]] * 3):
+        assert time.monotonic() < deadline, (
+            f"the gateways did not record the edge's access log: (written, logged) {seen[-3:]}"
+        )
+        time.sleep(DIRECT_LOG_FLUSH_SECONDS)
+        seen.append(counts())
 
 
 def service_process(

@@ -26,10 +26,16 @@ QUIET = re.compile(r"\]\[(info|debug)\]\[| (INFO|DEBUG) |level=(info|debug)")
 def mesh(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalMesh]:
-    """supervisord, control plane, Envoy, 2 gateways, 2 workers, the reranker, and Prometheus
-    when its binary is on PATH, on free ports with their own run directory."""
+    """supervisord, control plane, Envoy, 2 gateways (their endpoint picker on), 2 workers, the
+    reranker, and Prometheus when its binary is on PATH, on free ports with their own run
+    directory."""
     settings = LocalMeshSettings.on_free_ports(
-        tmp_path_factory.mktemp("mesh"), gateways=2, workers=2, ready_timeout_seconds=600
+        tmp_path_factory.mktemp("mesh"),
+        gateways=2,
+        workers=2,
+        ready_timeout_seconds=600,
+        # For test_prefix_routing's Envoy with worker_routing picker.
+        picker_feed=True,
     )
     with running_mesh(settings) as local_mesh:
         request.config.stash[MESH_KEY] = local_mesh

@@ -23,9 +23,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from tests.support import ROOT, free_port
+from tokenmesh.common.backoff import Backoff
 from tokenmesh.common.consul_http import consul_client
 from tokenmesh.common.registration import ConsulRegistration, ServiceInstance
-from tokenmesh.controlplane.backoff import Backoff
 from tokenmesh.controlplane.consul_source import ConsulSource
 from tokenmesh.controlplane.endpoints import Endpoint, Snapshot
 

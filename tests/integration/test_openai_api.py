@@ -281,8 +281,14 @@ def test_each_request_is_counted_by_route_and_status(
     counted_within(10, lambda: http_requests(mesh, route, "200") == served + 1)
     assert http_requests(mesh, route, "400") == refused + 1
     gone = http_requests(mesh, route, "499")
+    # Long enough (seconds) that the client's close reaches Envoy before the worker's end even
+    # when the machine stalls the client between its first chunk and the close.
     with client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, max_tokens=200, stream=True, extra_body={"ignore_eos": True}
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=1000,
+        stream=True,
+        extra_body={"ignore_eos": True},
     ) as stream:
         next(iter(stream))
     # Counted as the client going away: by the gateway that streamed it, from its connection,

@@ -1,7 +1,8 @@
-"""Prefix-aware routing on the real mesh: a second Envoy with worker_routing prefix in front of
-the session mesh's gateways and two workers. Repeats of a prefix reach one worker, prefixes
-spread over both, a hot prefix spills under load, and a worker out of rotation hands its
-prefixes to the other without an error (Envoy's own per-host counters say where each went)."""
+"""Prefix-aware routing on the real mesh: second Envoys with worker_routing prefix (Maglev) and
+picker (the gateways' endpoint picker) in front of the session mesh's gateways and two workers.
+Repeats of a prefix reach one worker, prefixes spread over both, a hot prefix spills under
+load, and a worker out of rotation hands its prefixes to the other without an error (Envoy's
+own per-host counters say where each went)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from tests.support import eventually
 from tokenmesh.common.tokens import token_count
 from tokenmesh.localmesh.mesh import LocalMesh
 from tokenmesh.meshconfig.config import MeshSettings
-from tokenmesh.v1 import llm_pb2, llm_pb2_grpc
+from tokenmesh.v1 import llm_pb2, llm_pb2_grpc, ops_pb2, ops_pb2_grpc
 
 pytestmark = pytest.mark.integration
 
@@ -72,18 +73,27 @@ async def generate(edge: llm_pb2_grpc.LLMServiceStub, prompt: str, tokens: int =
     return received
 
 
+async def placements(
+    settings: MeshSettings, edge: llm_pb2_grpc.LLMServiceStub, names: list[str]
+) -> dict[str, set[str]]:
+    """Three questions after each named prefix, one after another: the workers each prefix's
+    questions reached (Envoy's counters before and after each)."""
+    placed: dict[str, set[str]] = {}
+    for name in names:
+        for question in range(3):
+            before = requests_by_host(settings)
+            await generate(edge, f"{prefix(name)} question {question}?")
+            [(host, count)] = (requests_by_host(settings) - before).items()
+            assert count == 1
+            placed.setdefault(name, set()).add(host)
+    return placed
+
+
 async def test_repeats_of_a_prefix_reach_one_worker_and_prefixes_spread_over_both(
     prefix_edge: MeshSettings, edge: llm_pb2_grpc.LLMServiceStub
 ) -> None:
     assert len(worker_hosts(prefix_edge)) == 2
-    placed: dict[str, set[str]] = {}
-    for name in (f"topic{number}" for number in range(12)):
-        for question in range(3):
-            before = requests_by_host(prefix_edge)
-            await generate(edge, f"{prefix(name)} question {question}?")
-            [(host, count)] = (requests_by_host(prefix_edge) - before).items()
-            assert count == 1
-            placed.setdefault(name, set()).add(host)
+    placed = await placements(prefix_edge, edge, [f"topic{number}" for number in range(12)])
     assert all(len(hosts) == 1 for hosts in placed.values()), placed
     # 12 keys over 2 workers all on one: 1 chance in 2,048.
     assert len(set().union(*placed.values())) == 2, placed
@@ -148,3 +158,93 @@ async def test_a_worker_out_of_rotation_loses_its_prefixes_to_the_other_without_
     before = requests_by_host(prefix_edge)
     await generate(edge, f"{prefix(moved[0])} home again")
     assert (requests_by_host(prefix_edge) - before)[stopped_host] == 1
+
+
+@pytest.fixture(scope="module")
+def picker_edge(mesh: LocalMesh) -> Iterator[MeshSettings]:
+    """An Envoy that sends each stream where the gateways' endpoint picker says (the session
+    mesh's gateways run it: LocalMeshSettings.picker_feed)."""
+    with second_envoy(mesh, mesh.log_dir, worker_routing="picker") as (settings, _):
+        yield settings
+
+
+@pytest.fixture
+async def picked(picker_edge: MeshSettings) -> AsyncIterator[llm_pb2_grpc.LLMServiceStub]:
+    async with aio.insecure_channel(f"127.0.0.1:{picker_edge.edge_port}") as channel:
+        yield llm_pb2_grpc.LLMServiceStub(channel)
+
+
+async def test_the_picker_keeps_repeats_of_a_prefix_on_one_worker_and_spreads_prefixes(
+    picker_edge: MeshSettings, picked: llm_pb2_grpc.LLMServiceStub
+) -> None:
+    placed = await placements(picker_edge, picked, [f"theme{number}" for number in range(12)])
+    assert all(len(hosts) == 1 for hosts in placed.values()), placed
+    # A new prefix goes to the less loaded worker, the last one's to the other: both get some.
+    assert len(set().union(*placed.values())) == 2, placed
+
+
+async def test_the_picker_spreads_a_hot_prefix_by_load(
+    picker_edge: MeshSettings, picked: llm_pb2_grpc.LLMServiceStub
+) -> None:
+    """16 streams of one prefix at once: its worker takes them while it is at most a couple of
+    streams ahead of the other, which then takes its share."""
+    hot = prefix("heat")
+    before = requests_by_host(picker_edge)
+    await generate(picked, f"{hot} alone")
+    [home] = (requests_by_host(picker_edge) - before).keys()
+    before = requests_by_host(picker_edge)
+    counts = await asyncio.gather(
+        *(generate(picked, f"{hot} burst {number}", tokens=64) for number in range(16))
+    )
+    assert counts == [64] * 16
+    spread = requests_by_host(picker_edge) - before
+    assert sum(spread.values()) == 16
+    assert len(spread) == 2, spread
+    # Its own worker still takes the larger share.
+    assert spread[home] >= 8, spread
+
+
+async def worker_reported(mesh: LocalMesh, address: str, serving: bool, within: float) -> None:
+    """Until the control plane's worker feed (the picker's figures) has shown the worker
+    serving, or not (a probe that timed out counts as not), twice running: the gateways'
+    own subscriptions see it by then too."""
+    async with aio.insecure_channel(f"127.0.0.1:{mesh.settings.controlplane_port}") as channel:
+        feed = ops_pb2_grpc.OpsServiceStub(channel).SubscribeWorkers(
+            ops_pb2.WorkersRequest(interval_ms=100), timeout=within
+        )
+        running = 0
+        async for snapshot in feed:
+            [worker] = [worker for worker in snapshot.workers if worker.address == address]
+            running = running + 1 if (worker.serving and not worker.error) == serving else 0
+            if running == 2:
+                feed.cancel()
+                return
+
+
+async def test_a_worker_the_picker_sees_stop_loses_its_prefixes_without_errors(
+    mesh: LocalMesh, picker_edge: MeshSettings, picked: llm_pb2_grpc.LLMServiceStub
+) -> None:
+    names = [f"shift{number}" for number in range(6)]
+    home: dict[str, str] = {}
+    for name in names:
+        before = requests_by_host(picker_edge)
+        await generate(picked, f"{prefix(name)} first")
+        [home[name]] = (requests_by_host(picker_edge) - before).keys()
+    stopped_host = Counter(home.values()).most_common(1)[0][0]
+    [program] = [p for p in mesh.replicas("worker") if p.address == stopped_host]
+    worker = psutil.Process(mesh.pid(program.name))
+    worker.suspend()  # SIGSTOP: the control plane's probes of it time out
+    try:
+        await worker_reported(mesh, stopped_host, serving=False, within=15)
+        moved = [name for name in names if home[name] == stopped_host]
+        before = requests_by_host(picker_edge)
+        counts = await asyncio.gather(
+            *(generate(picked, f"{prefix(name)} again") for name in moved)
+        )
+        assert counts == [4] * len(moved)
+        after = requests_by_host(picker_edge) - before
+        assert after[stopped_host] == 0 and sum(after.values()) == len(moved), after
+    finally:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            worker.resume()
+    await worker_reported(mesh, stopped_host, serving=True, within=15)

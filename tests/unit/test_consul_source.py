@@ -13,8 +13,8 @@ import pytest
 
 from tests.consul_fake import FakeConsul, Instance
 from tests.support import eventually
+from tokenmesh.common.backoff import Backoff
 from tokenmesh.common.consul_http import ConsulAddress, consul_client
-from tokenmesh.controlplane.backoff import Backoff
 from tokenmesh.controlplane.consul_source import ConsulSource, endpoints_from_health
 from tokenmesh.controlplane.endpoints import Endpoint, Snapshot
 

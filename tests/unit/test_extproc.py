@@ -19,6 +19,7 @@ from tokenmesh.common.tokens import (
     EDGE_METADATA,
     LLM_GENERATE,
     WORKER_GENERATE,
+    WORKER_HEADER,
 )
 from tokenmesh.gateway.affinity import affinity_key
 from tokenmesh.gateway.config import GatewaySettings
@@ -58,9 +59,13 @@ class Prepared:
     """A pipeline that prepares every prompt with fixed warnings (the processor's own logic is
     under test, not the reranker's)."""
 
-    def __init__(self, warnings: tuple[str, ...] = (), metered: bool = False) -> None:
+    def __init__(
+        self, warnings: tuple[str, ...] = (), metered: bool = False, picked: tuple[str, ...] = ()
+    ) -> None:
         self.warnings = warnings
         self.metered = metered
+        # The workers its endpoint picker names for every prompt (none: no picker).
+        self.picked = picked
         self.remaining: list[float | None] = []
 
     async def prepare(self, job: GenerationJob, remaining: float | None) -> PreparedPrompt:
@@ -78,8 +83,8 @@ class Prepared:
             request.prompt = prompt.fallback
         return request
 
-    def affinity(self, prompt: Prompt) -> str:
-        return affinity_key(prompt, 1024)
+    def routing(self, prompt: Prompt) -> tuple[str, list[str]]:
+        return affinity_key(prompt, 1024), list(self.picked)
 
 
 def headers(path: str, **extra: str) -> ext_proc.ProcessingRequest:
@@ -137,6 +142,23 @@ async def test_generate_is_rewritten_into_the_workers_request() -> None:
     assert worker.prompt == "[ctx] question"
     assert worker.sampling.max_tokens == 7 and worker.sampling.ignore_eos
     assert list(worker.warnings) == ["reranker_unavailable: UNAVAILABLE"]
+
+
+async def test_the_pickers_workers_go_with_the_request_and_a_callers_own_never_do() -> None:
+    request = llm_pb2.GenerateRequest(prompt="question", max_tokens=3)
+    caller = {"x_tokenmesh_worker": "10.0.0.9:1"}
+    _, picked = await replies(
+        Prepared(picked=("10.0.0.2:50061", "10.0.0.1:50061")),
+        headers(LLM_GENERATE, **caller),
+        body(request),
+    )
+    mutation = picked.request_body.response.header_mutation
+    # Envoy's override-host policy tries them in this order (worker_routing picker).
+    assert set_headers(mutation)[WORKER_HEADER] == "10.0.0.2:50061,10.0.0.1:50061"
+    _, unpicked = await replies(Prepared(), headers(LLM_GENERATE, **caller), body(request))
+    mutation = unpicked.request_body.response.header_mutation
+    assert WORKER_HEADER not in set_headers(mutation)
+    assert WORKER_HEADER in mutation.remove_headers
 
 
 async def test_an_answer_that_is_not_degraded_drops_a_callers_degraded_header() -> None:

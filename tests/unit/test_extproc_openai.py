@@ -22,6 +22,7 @@ from tokenmesh.common.tokens import (
     OPENAI_COMPLETIONS,
     ROUTE_HEADER,
     WORKER_GENERATE_OPENAI,
+    WORKER_HEADER,
     WORKER_REFUSED,
 )
 from tokenmesh.gateway.config import GatewaySettings
@@ -109,7 +110,7 @@ async def test_a_chat_is_prepared_for_a_worker_to_answer_in_openais_shape() -> N
     assert rewritten[ROUTE_HEADER] == "/v1/chat/completions"
     limit = GatewaySettings().http_request_timeout_seconds
     assert rewritten["grpc-timeout"] == f"{int(limit) + 5}S"
-    assert list(common.header_mutation.remove_headers) == [DEGRADED_HEADER]
+    assert list(common.header_mutation.remove_headers) == [DEGRADED_HEADER, WORKER_HEADER]
     data = single_message(common.body_mutation.body)
     assert data is not None
     worker = inference_pb2.InferenceRequest.FromString(data)

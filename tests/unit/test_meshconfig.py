@@ -68,8 +68,16 @@ def test_committed_config_is_the_rendered_one() -> None:
         MeshSettings(direct_token_path=False),
         MeshSettings(stats_port=19902),
         MeshSettings(worker_routing="prefix"),
+        MeshSettings(worker_routing="picker"),
     ],
-    ids=["defaults", "custom", "gateway token path", "stats listener", "prefix routing"],
+    ids=[
+        "defaults",
+        "custom",
+        "gateway token path",
+        "stats listener",
+        "prefix routing",
+        "endpoint picker",
+    ],
 )
 def test_envoy_accepts_the_rendered_config(settings: MeshSettings, tmp_path: Path) -> None:
     path = tmp_path / "envoy.yaml"
@@ -271,6 +279,22 @@ def test_prefix_routing_hashes_the_affinity_key_onto_workers_under_bounded_load(
     for name in ("gateway", "reranker"):
         assert clusters(config)[name]["lb_policy"] == "LEAST_REQUEST"
         assert "consistent_hashing_lb_config" not in clusters(config)[name]["common_lb_config"]
+
+
+def test_picker_routing_sends_each_attempt_to_the_next_named_worker_then_least_request() -> None:
+    config = render(MeshSettings(worker_routing="picker"))
+    worker = clusters(config)["worker"]
+    assert "lb_policy" not in worker
+    (policy,) = worker["load_balancing_policy"]["policies"]
+    override = policy["typed_extension_config"]["typed_config"]
+    assert override["override_host_sources"] == [{"header": "x-tokenmesh-worker"}]
+    (fallback,) = override["fallback_policy"]["policies"]
+    assert fallback["typed_extension_config"]["name"].endswith("least_request")
+    # Retries still pass over the hosts already tried.
+    for route in worker_routes(config):
+        assert route["retry_policy"]["retry_host_predicate"][0]["name"].endswith("previous_hosts")
+    for name in ("gateway", "reranker"):
+        assert clusters(config)[name]["lb_policy"] == "LEAST_REQUEST"
 
 
 def test_least_request_is_the_default_and_refuses_a_balance_factor_below_100() -> None:

@@ -1,6 +1,7 @@
 """The ops feed's logic: interval limits, snapshots assembled from worker figures and Prometheus
-answers, warnings instead of hangs when Prometheus is missing, and a stream that stops working
-the moment its caller goes away. Fakes stand in for workers and Prometheus only where the logic
+answers, warnings instead of hangs when Prometheus is missing, the workers-only feed the
+gateways pick workers by (no Prometheus), and streams that stop working the moment their caller
+goes away. Fakes stand in for workers and Prometheus only where the logic
 is under test; the probe, the Prometheus client and the page server run for real."""
 
 from __future__ import annotations
@@ -26,9 +27,13 @@ from tokenmesh.common.errors import InvalidArgument
 from tokenmesh.common.interceptors import standard_interceptors
 from tokenmesh.common.server import Health
 from tokenmesh.controlplane.ops import (
+    DASHBOARD_INTERVAL,
+    SHARED_ROUND_SECONDS,
+    WORKERS_INTERVAL,
     Dashboard,
     FleetQueries,
     GrpcWorkerProbe,
+    IntervalLimits,
     OpsServicer,
     PrefixCacheWindow,
     PrometheusError,
@@ -50,19 +55,48 @@ SLACK = 4.0
 PROMPTLY = 10.0
 
 
-@pytest.mark.parametrize(("interval_ms", "seconds"), [(0, 1.0), (100, 0.1), (30_000, 30.0)])
-def test_interval_defaults_to_one_second_and_accepts_its_limits(
-    interval_ms: int, seconds: float
+# Each feed's request and interval limits.
+DASHBOARD = (ops_pb2.DashboardRequest, DASHBOARD_INTERVAL)
+WORKERS = (ops_pb2.WorkersRequest, WORKERS_INTERVAL)
+
+
+@pytest.mark.parametrize(
+    ("feed", "interval_ms", "seconds"),
+    [
+        (DASHBOARD, 0, 1.0),
+        (DASHBOARD, 100, 0.1),
+        (DASHBOARD, 30_000, 30.0),
+        (WORKERS, 0, 0.2),
+        (WORKERS, 50, 0.05),
+        (WORKERS, 30_000, 30.0),
+    ],
+)
+def test_interval_defaults_per_feed_and_accepts_its_limits(
+    feed: tuple[Any, IntervalLimits], interval_ms: int, seconds: float
 ) -> None:
-    assert interval_seconds(ops_pb2.DashboardRequest(interval_ms=interval_ms)) == seconds
+    request, limits = feed
+    assert interval_seconds(request(interval_ms=interval_ms), limits) == seconds
 
 
-@pytest.mark.parametrize("interval_ms", [-1, 99, 30_001])
-def test_interval_outside_limits_is_rejected_naming_field_and_limits(interval_ms: int) -> None:
+@pytest.mark.parametrize(
+    ("feed", "interval_ms", "limits"),
+    [
+        (DASHBOARD, -1, "100..30000"),
+        (DASHBOARD, 99, "100..30000"),
+        (DASHBOARD, 30_001, "100..30000"),
+        (WORKERS, -1, "50..30000"),
+        (WORKERS, 49, "50..30000"),
+        (WORKERS, 30_001, "50..30000"),
+    ],
+)
+def test_interval_outside_limits_is_rejected_naming_field_and_limits(
+    feed: tuple[Any, IntervalLimits], interval_ms: int, limits: str
+) -> None:
+    request, interval_limits = feed
     with pytest.raises(InvalidArgument) as caught:
-        interval_seconds(ops_pb2.DashboardRequest(interval_ms=interval_ms))
+        interval_seconds(request(interval_ms=interval_ms), interval_limits)
     assert caught.value.field == "interval_ms"
-    assert "100..30000" in caught.value.message and str(interval_ms) in caught.value.message
+    assert limits in caught.value.message and str(interval_ms) in caught.value.message
 
 
 class FakeProbe:
@@ -341,6 +375,47 @@ async def test_snapshots_carry_each_workers_hit_ratio_over_the_rate_window() -> 
     assert w1.error and math.isnan(w1.prefix_cache_hit_ratio)
 
 
+async def test_workers_snapshot_carries_each_workers_load_and_asks_prometheus_nothing() -> None:
+    clock = Clock()
+    probe = FakeProbe(
+        {
+            W0: WorkerFigures(
+                W0,
+                True,
+                running_requests=3,
+                waiting_requests=5,
+                kv_cache_usage=0.25,
+                prefix_cache_queries=1000,
+                prefix_cache_hits=100,
+            )
+        }
+    )
+    prometheus = FakePrometheus(PROMETHEUS_ANSWERS)
+    dashboard = Dashboard(
+        lambda: [W1, W0],
+        probe,
+        prometheus,
+        QUERIES,
+        clock=lambda: 12.0,
+        prefix_cache=PrefixCacheWindow(30.0, clock),
+    )
+    snapshot = await dashboard.workers_snapshot()
+    assert snapshot.taken_unix_millis == 12_000
+    assert probe.retained == [W0, W1]
+    w0, w1 = snapshot.workers
+    assert (w0.address, w0.serving, w0.running_requests, w0.waiting_requests) == (W0, True, 3, 5)
+    assert (w0.kv_cache_usage, w0.error, w0.tokens_per_second) == (0.25, "", 0.0)
+    assert (w0.prefix_cache_queries, w0.prefix_cache_hits) == (1000, 100)
+    assert math.isnan(w0.prefix_cache_hit_ratio)
+    assert (w1.address, w1.serving, w1.error) == (W1, False, "UNAVAILABLE: down")
+    assert prometheus.queries == []
+    # Its counts stay out of the dashboard's window: the dashboard's first look is still NaN.
+    clock.now += 1
+    probe.figures[W0] = WorkerFigures(W0, True, prefix_cache_queries=1400, prefix_cache_hits=400)
+    assert math.isnan((await dashboard.snapshot()).workers[0].prefix_cache_hit_ratio)
+    assert prometheus.queries, "the dashboard's snapshot asks Prometheus (the fake records it)"
+
+
 @pytest.mark.parametrize(("duration", "seconds"), [("30s", 30), ("5m", 300), ("1h", 3600)])
 def test_the_rate_window_the_hit_ratio_shares_is_read_in_seconds(
     duration: str, seconds: float
@@ -402,61 +477,126 @@ async def test_grpc_probe_reads_health_and_engine_stats_and_reports_a_dead_worke
 class Ops:
     stub: ops_pb2_grpc.OpsServiceStub
     probe: FakeProbe
+    prometheus: FakePrometheus
     registry: CollectorRegistry
 
-    def subscriptions_ended(self) -> float:
-        """SubscribeDashboard handlers that have returned, by the server's own metrics."""
+    def subscriptions_ended(self, method: str) -> float:
+        """The method's handlers that have returned, by the server's own metrics."""
         return sum(
             sample.value
             for metric in self.registry.collect()
             for sample in metric.samples
-            if sample.name == "grpc_server_handled_total"
-            and sample.labels["grpc_method"] == "SubscribeDashboard"
+            if sample.name == "grpc_server_handled_total" and sample.labels["grpc_method"] == method
         )
 
 
 @pytest.fixture
 async def ops() -> AsyncIterator[Ops]:
-    """OpsService behind the standard interceptors, on a real port."""
-    probe = FakeProbe({W0: WorkerFigures(W0, True, running_requests=1)})
-    dashboard = Dashboard(lambda: [W0], probe, None, QUERIES)
+    """OpsService behind the standard interceptors, on a real port: W0 answers, W1 does not."""
+    probe = FakeProbe({W0: WorkerFigures(W0, True, running_requests=1, waiting_requests=2)})
+    prometheus = FakePrometheus(PROMETHEUS_ANSWERS)
+    dashboard = Dashboard(lambda: [W0, W1], probe, prometheus, QUERIES)
     registry = CollectorRegistry()
     server = aio.server(interceptors=standard_interceptors(registry))
     ops_pb2_grpc.add_OpsServiceServicer_to_server(OpsServicer(dashboard), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     async with aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        yield Ops(ops_pb2_grpc.OpsServiceStub(channel), probe, registry)
+        yield Ops(ops_pb2_grpc.OpsServiceStub(channel), probe, prometheus, registry)
     await server.stop(0)
+
+
+async def read_then_leave(call: Any, count: int) -> tuple[list[Any], float]:
+    """A subscription's first count snapshots and the seconds they took to arrive; then the
+    caller goes away."""
+    started = time.monotonic()
+    snapshots = [await call.read() for _ in range(count)]
+    elapsed = time.monotonic() - started
+    call.cancel()
+    return snapshots, elapsed
 
 
 async def test_subscription_streams_a_snapshot_per_interval(ops: Ops) -> None:
     call = ops.stub.SubscribeDashboard(ops_pb2.DashboardRequest(interval_ms=100))
-    started = time.monotonic()
-    snapshots = [await call.read() for _ in range(4)]
-    elapsed = time.monotonic() - started
-    call.cancel()
+    snapshots, elapsed = await read_then_leave(call, 4)
     assert [s.workers[0].running_requests for s in snapshots] == [1, 1, 1, 1]
-    # Three 100 ms intervals between four snapshots; the default 1 s ones would take 3 s.
-    assert 0.25 < elapsed < 2.5, elapsed
+    # Three ticks of 100 ms after the first (the first one sooner: ticks fall on multiples of
+    # the interval); the default 1 s ones would take over 2 s.
+    assert 0.19 < elapsed < 1.5, elapsed
 
 
-async def test_bad_interval_fails_with_invalid_argument(ops: Ops) -> None:
+async def test_workers_stream_carries_every_workers_load_at_the_asked_interval(ops: Ops) -> None:
+    call = ops.stub.SubscribeWorkers(ops_pb2.WorkersRequest(interval_ms=500))
+    snapshots, elapsed = await read_then_leave(call, 3)
+    for snapshot in snapshots:
+        assert [
+            (w.address, w.serving, w.running_requests, w.waiting_requests, w.error)
+            for w in snapshot.workers
+        ] == [(W0, True, 1, 2, ""), (W1, False, 0, 0, "UNAVAILABLE: down")]
+    # Two ticks of 500 ms after the first (the first one sooner: ticks fall on multiples of
+    # the interval); the default 200 ms ones would take at most 0.4 s.
+    assert 0.5 < elapsed < 1.0 + SLACK, elapsed
+
+
+async def test_subscribers_at_one_moment_share_a_round_of_probes() -> None:
+    probe = FakeProbe({W0: WorkerFigures(W0, True, running_requests=1)})
+    dashboard = Dashboard(lambda: [W0, W1], probe, None, QUERIES)
+    first, second = await asyncio.gather(dashboard.workers_snapshot(), dashboard.workers_snapshot())
+    assert first == second and probe.calls == 2  # each worker once, not once per subscriber
+    await asyncio.sleep(SHARED_ROUND_SECONDS * 2)
+    await dashboard.workers_snapshot()
+    assert probe.calls == 4
+
+
+async def test_workers_stream_asks_prometheus_nothing(ops: Ops) -> None:
+    call = ops.stub.SubscribeWorkers(ops_pb2.WorkersRequest(interval_ms=50))
+    for _ in range(3):
+        await call.read()
+    call.cancel()
+    assert ops.prometheus.queries == []
+    # The same server's dashboard does ask it: the fake would have seen the workers' queries.
+    dashboard = ops.stub.SubscribeDashboard(ops_pb2.DashboardRequest())
+    await dashboard.read()
+    dashboard.cancel()
+    assert ops.prometheus.queries
+
+
+@pytest.mark.parametrize(
+    ("method", "request_", "limits"),
+    [
+        ("SubscribeDashboard", ops_pb2.DashboardRequest(interval_ms=5), "100..30000"),
+        ("SubscribeWorkers", ops_pb2.WorkersRequest(interval_ms=49), "50..30000"),
+        ("SubscribeWorkers", ops_pb2.WorkersRequest(interval_ms=30_001), "50..30000"),
+    ],
+)
+async def test_bad_interval_fails_with_invalid_argument(
+    ops: Ops, method: str, request_: Any, limits: str
+) -> None:
     with pytest.raises(aio.AioRpcError) as caught:
-        async for _ in ops.stub.SubscribeDashboard(ops_pb2.DashboardRequest(interval_ms=5)):
+        async for _ in getattr(ops.stub, method)(request_):
             pass
     assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-    assert "interval_ms" in (caught.value.details() or "")
+    details = caught.value.details() or ""
+    assert "interval_ms" in details and limits in details, details
 
 
-async def test_stream_stops_probing_once_the_caller_goes_away(ops: Ops) -> None:
-    call = ops.stub.SubscribeDashboard(ops_pb2.DashboardRequest(interval_ms=100))
+@pytest.mark.parametrize(
+    ("method", "request_"),
+    [
+        ("SubscribeDashboard", ops_pb2.DashboardRequest(interval_ms=100)),
+        ("SubscribeWorkers", ops_pb2.WorkersRequest(interval_ms=100)),
+    ],
+)
+async def test_stream_stops_probing_once_the_caller_goes_away(
+    ops: Ops, method: str, request_: Any
+) -> None:
+    call = getattr(ops.stub, method)(request_)
     await call.read()
     call.cancel()
     # The cancel reaches the server and its handler returns (a handler that went on would
     # never be counted as handled).
     deadline = time.monotonic() + PROMPTLY
-    while ops.subscriptions_ended() < 1:
+    while ops.subscriptions_ended(method) < 1:
         assert time.monotonic() < deadline, "the handler did not end after the caller left"
         await asyncio.sleep(0.01)
     calls = ops.probe.calls

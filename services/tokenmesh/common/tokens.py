@@ -40,6 +40,10 @@ ROUTE_HEADER = "x-tokenmesh-route"
 # The gateway's prefix-affinity key of a worker request (gateway/affinity.py), which Envoy's
 # hashing policy places it by (worker_routing prefix).
 AFFINITY_HEADER = "x-tokenmesh-affinity"
+# The workers the gateway's endpoint picker chose for a worker request, best first ("IP:port,
+# IP:port"): with worker_routing picker, Envoy's override-host policy sends each attempt to the
+# next of them, then falls back to least request.
+WORKER_HEADER = "x-tokenmesh-worker"
 # Why the edge answered itself when the external processor answered a worker's refusal of an
 # OpenAI completion (in OpenAI's shape already: the edge's OpenAI reply mappers keep it).
 WORKER_REFUSED = "worker_refused"

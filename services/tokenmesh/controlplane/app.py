@@ -10,10 +10,10 @@ import aiohttp
 from envoy.service.discovery.v3 import ads_pb2, ads_pb2_grpc
 from envoy.service.endpoint.v3 import eds_pb2, eds_pb2_grpc
 
+from tokenmesh.common.backoff import Backoff
 from tokenmesh.common.consul_http import consul_client
 from tokenmesh.common.credentials import ReloadingChannelCredentials
 from tokenmesh.common.host import ServiceHost
-from tokenmesh.controlplane.backoff import Backoff
 from tokenmesh.controlplane.config import ControlPlaneSettings
 from tokenmesh.controlplane.consul_source import ConsulSource
 from tokenmesh.controlplane.dns_source import DnsSource

@@ -8,7 +8,7 @@ import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from tokenmesh.controlplane.backoff import Backoff
+from tokenmesh.common.backoff import Backoff
 from tokenmesh.controlplane.endpoints import Endpoint, Snapshot, check_ip, check_port, normalized
 
 log = logging.getLogger(__name__)

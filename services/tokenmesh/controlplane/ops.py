@@ -1,4 +1,5 @@
-"""The live ops feed: DashboardSnapshots from the workers themselves and the mesh's Prometheus."""
+"""The live ops feed: DashboardSnapshots from the workers themselves and the mesh's Prometheus,
+and WorkersSnapshots (the workers' figures alone) for the gateways' endpoint picker."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import aiohttp
 from grpc import aio
@@ -22,10 +23,6 @@ from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, ops_pb2, ops_pb2_grp
 
 log = logging.getLogger(__name__)
 
-DEFAULT_INTERVAL_MS = 1000
-MIN_INTERVAL_MS = 100
-# Well under Envoy's 60 s stream idle timeout, which would cut a quieter stream at the edge.
-MAX_INTERVAL_MS = 30_000
 WORKER_HEALTH_SERVICE = "tokenmesh.v1.InferenceService"
 PUBLIC_API = 'service="gateway",grpc_service="tokenmesh.v1.LLMService"'
 # Health checks are Envoy's, and the ops feed's own subscriptions end CANCELLED whenever a page
@@ -39,13 +36,30 @@ CIRCUIT_STATES = {
 }
 
 
-def interval_seconds(request: ops_pb2.DashboardRequest) -> float:
+@dataclass(frozen=True)
+class IntervalLimits:
+    """A subscription's interval_ms: what 0 means, and the range a caller may ask for."""
+
+    default_ms: int
+    min_ms: int
+    # Well under Envoy's 60 s stream idle timeout, which would cut a quieter stream at the edge.
+    max_ms: int = 30_000
+
+
+DASHBOARD_INTERVAL = IntervalLimits(default_ms=1000, min_ms=100)
+# The gateways pick workers by these figures: fresher by default, and cheap (no Prometheus).
+WORKERS_INTERVAL = IntervalLimits(default_ms=200, min_ms=50)
+
+
+def interval_seconds(
+    request: ops_pb2.DashboardRequest | ops_pb2.WorkersRequest, limits: IntervalLimits
+) -> float:
     """The request's interval (0: the default); INVALID_ARGUMENT outside the limits."""
-    interval_ms = request.interval_ms or DEFAULT_INTERVAL_MS
-    if not MIN_INTERVAL_MS <= interval_ms <= MAX_INTERVAL_MS:
+    interval_ms = request.interval_ms or limits.default_ms
+    if not limits.min_ms <= interval_ms <= limits.max_ms:
         raise InvalidArgument(
             "interval_ms",
-            f"must be 0 (default {DEFAULT_INTERVAL_MS}) or {MIN_INTERVAL_MS}..{MAX_INTERVAL_MS}, "
+            f"must be 0 (default {limits.default_ms}) or {limits.min_ms}..{limits.max_ms}, "
             f"got {request.interval_ms}",
         )
     return interval_ms / 1000
@@ -371,7 +385,8 @@ class GrpcWorkerProbe:
 
 
 class Dashboard:
-    """Builds one DashboardSnapshot: every worker probed and Prometheus queried at once."""
+    """Builds one DashboardSnapshot: every worker probed and Prometheus queried at once; or one
+    WorkersSnapshot: every worker probed, nothing else."""
 
     def __init__(
         self,
@@ -393,26 +408,70 @@ class Dashboard:
         self._prefix_cache = prefix_cache or PrefixCacheWindow(
             duration_seconds(queries.rate_window)
         )
+        # The workers-only round in flight or just taken, which every gateway's subscription
+        # shares (their ticks are aligned: `every`), so workers are probed once per tick.
+        self._workers_round: asyncio.Future[ops_pb2.WorkersSnapshot] | None = None
+        self._workers_round_at = -math.inf
 
-    async def _probe_worker(self, address: str) -> tuple[WorkerFigures, float]:
-        """A worker's figures and its prefix-cache hit ratio, its counts taken as they arrive
-        (so concurrent subscriptions' readings go in in the order they were made)."""
+    async def _probe_worker(self, address: str, hit_ratio: bool) -> ops_pb2.WorkerSnapshot:
+        """A worker's figures; with hit_ratio, its prefix-cache hit ratio too, its counts taken
+        as they arrive (so concurrent subscriptions' readings go in in the order they were
+        made), else NaN and its counts left out of the window."""
         worker = await self._probe.probe(address)
-        if worker.error:
-            return worker, math.nan
-        ratio = self._prefix_cache.ratio(
-            address, worker.prefix_cache_hits, worker.prefix_cache_queries
+        ratio = math.nan
+        if hit_ratio and not worker.error:
+            ratio = self._prefix_cache.ratio(
+                address, worker.prefix_cache_hits, worker.prefix_cache_queries
+            )
+        return ops_pb2.WorkerSnapshot(
+            address=worker.address,
+            serving=worker.serving,
+            running_requests=worker.running_requests,
+            waiting_requests=worker.waiting_requests,
+            kv_cache_usage=worker.kv_cache_usage,
+            error=worker.error,
+            prefix_cache_hit_ratio=ratio,
+            prefix_cache_queries=worker.prefix_cache_queries,
+            prefix_cache_hits=worker.prefix_cache_hits,
         )
-        return worker, ratio
+
+    async def _probe_workers(
+        self, addresses: Sequence[str], hit_ratios: bool
+    ) -> list[ops_pb2.WorkerSnapshot]:
+        """Every worker (sorted addresses) probed at once; those gone from the fleet forgotten."""
+        await self._probe.retain(addresses)
+        self._prefix_cache.retain(addresses)
+        return await asyncio.gather(
+            *(self._probe_worker(address, hit_ratios) for address in addresses)
+        )
+
+    async def workers_snapshot(self) -> ops_pb2.WorkersSnapshot:
+        """The workers' figures alone, for the gateways' endpoint picker: no Prometheus, and no
+        hit ratio (the dashboard's, over its window: a feed this frequent, on several streams,
+        would crowd it with readings that may arrive out of order). Callers within
+        SHARED_ROUND_SECONDS of each other share one round of probes."""
+        now = asyncio.get_running_loop().time()
+        round_ = self._workers_round
+        if round_ is None or (
+            round_.done() and now - self._workers_round_at > SHARED_ROUND_SECONDS
+        ):
+            round_ = self._workers_round = asyncio.ensure_future(self._take_workers())
+            self._workers_round_at = now
+        # One caller going away must not cancel the others' round.
+        return await asyncio.shield(round_)
+
+    async def _take_workers(self) -> ops_pb2.WorkersSnapshot:
+        workers = await self._probe_workers(sorted(self._workers()), hit_ratios=False)
+        return ops_pb2.WorkersSnapshot(taken_unix_millis=int(self._clock() * 1000), workers=workers)
 
     async def snapshot(self) -> ops_pb2.DashboardSnapshot:
         addresses = sorted(self._workers())
-        await self._probe.retain(addresses)
-        self._prefix_cache.retain(addresses)
-        fleet, figures = await asyncio.gather(
+        fleet, workers = await asyncio.gather(
             query_fleet(self._prometheus, self._queries, self._prometheus_url),
-            asyncio.gather(*(self._probe_worker(address) for address in addresses)),
+            self._probe_workers(addresses, hit_ratios=True),
         )
+        for worker in workers:
+            worker.tokens_per_second = fleet.worker_tokens_per_second.get(worker.address, 0.0)
         warnings = list(fleet.warnings)
         if not addresses:
             warnings.append("no workers known to the control plane's endpoint source")
@@ -423,21 +482,7 @@ class Dashboard:
         )
         return ops_pb2.DashboardSnapshot(
             taken_unix_millis=int(self._clock() * 1000),
-            workers=[
-                ops_pb2.WorkerSnapshot(
-                    address=worker.address,
-                    serving=worker.serving,
-                    running_requests=worker.running_requests,
-                    waiting_requests=worker.waiting_requests,
-                    kv_cache_usage=worker.kv_cache_usage,
-                    tokens_per_second=fleet.worker_tokens_per_second.get(worker.address, 0.0),
-                    error=worker.error,
-                    prefix_cache_hit_ratio=hit_ratio,
-                    prefix_cache_queries=worker.prefix_cache_queries,
-                    prefix_cache_hits=worker.prefix_cache_hits,
-                )
-                for worker, hit_ratio in figures
-            ],
+            workers=workers,
             reranker_circuit=circuit,
             requests_per_second=fleet.requests_per_second,
             tokens_per_second=fleet.tokens_per_second,
@@ -456,6 +501,23 @@ class Dashboard:
         )
 
 
+Snapshot = TypeVar("Snapshot")
+# Subscriptions asking for the workers' figures this close together share one round of probes.
+SHARED_ROUND_SECONDS = 0.02
+
+
+async def every(
+    interval: float, take: Callable[[], Awaitable[Snapshot]]
+) -> AsyncIterator[Snapshot]:
+    """take()'s snapshot at once, then at every multiple of interval on the event loop's clock
+    (skipping those a snapshot overran), for ever: subscriptions with one interval tick
+    together, so they can share a round of probes."""
+    loop = asyncio.get_running_loop()
+    while True:
+        yield await take()
+        await asyncio.sleep(interval - loop.time() % interval)
+
+
 class OpsServicer(ops_pb2_grpc.OpsServiceServicer):
     """tokenmesh.v1.OpsService: a snapshot every interval until the caller goes away (gRPC
     cancels the handler, ending the sleep or the probes at once)."""
@@ -466,9 +528,13 @@ class OpsServicer(ops_pb2_grpc.OpsServiceServicer):
     async def SubscribeDashboard(
         self, request: ops_pb2.DashboardRequest, context: aio.ServicerContext[Any, Any]
     ) -> Any:
-        interval = interval_seconds(request)
-        loop = asyncio.get_running_loop()
-        while True:
-            started = loop.time()
-            yield await self._dashboard.snapshot()
-            await asyncio.sleep(max(0.0, interval - (loop.time() - started)))
+        interval = interval_seconds(request, DASHBOARD_INTERVAL)
+        async for snapshot in every(interval, self._dashboard.snapshot):
+            yield snapshot
+
+    async def SubscribeWorkers(
+        self, request: ops_pb2.WorkersRequest, context: aio.ServicerContext[Any, Any]
+    ) -> Any:
+        interval = interval_seconds(request, WORKERS_INTERVAL)
+        async for snapshot in every(interval, self._dashboard.workers_snapshot):
+            yield snapshot

@@ -10,6 +10,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_gr
 from grpc import aio
 from prometheus_client import CollectorRegistry
 
+from tokenmesh.common.backoff import Backoff
 from tokenmesh.common.channels import Dependency
 from tokenmesh.common.credentials import ReloadingChannelCredentials
 from tokenmesh.common.host import ServiceHost
@@ -28,6 +29,7 @@ from tokenmesh.gateway.openai_api import (
     ModelCatalog,
     OpenAIApi,
 )
+from tokenmesh.gateway.picker import EndpointPicker, PickerMetrics, WorkerFeed
 from tokenmesh.gateway.pipeline import DocumentSelector, GatewayMetrics, Pipeline, WorkerClient
 from tokenmesh.gateway.quota import QuotaMeter
 from tokenmesh.gateway.servicer import LLMServicer
@@ -36,6 +38,9 @@ from tokenmesh.v1 import llm_pb2, llm_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+# Between attempts to subscribe to the control plane's worker feed again.
+FEED_BACKOFF_SECONDS = 0.5
+FEED_BACKOFF_MAX_SECONDS = 10.0
 SERVICE_NAMES = (llm_pb2.DESCRIPTOR.services_by_name["LLMService"].full_name,)
 
 
@@ -95,6 +100,20 @@ async def serve(settings: GatewaySettings) -> int:
         host.keep_running(worker.watch_tls(), "worker-tls-watch")
         host.keep_running(reranker.watch_tls(), "reranker-tls-watch")
     breaker = CircuitBreaker(settings.breaker, on_transition=metrics.on_transition)
+    picker = None
+    if settings.picker.feed_address is not None:
+        picker = EndpointPicker(settings.picker, PickerMetrics(host.registry))
+        feed = Dependency("controlplane", settings.picker.feed_address, settings.max_message_bytes)
+        host.on_stop(feed.close)
+        host.keep_running(
+            WorkerFeed(
+                feed.channel,
+                picker,
+                settings.picker.feed_interval_ms,
+                Backoff(FEED_BACKOFF_SECONDS, FEED_BACKOFF_MAX_SECONDS),
+            ).run(),
+            "worker-feed",
+        )
     pipeline = Pipeline(
         DocumentSelector(reranker, breaker, metrics, settings, host.tracing.tracer),
         WorkerClient(
@@ -105,6 +124,7 @@ async def serve(settings: GatewaySettings) -> int:
         ),
         settings,
         tenancy.meter,
+        picker,
     )
     server = host.server(tenancy.interceptors)
     stream_metrics = StreamMetrics(host.registry, log_tokens=settings.log_tokens)

@@ -52,6 +52,60 @@ class BreakerSettings(BaseModel):
     )
 
 
+class PickerSettings(BaseModel):
+    """The endpoint picker (worker_routing picker): where the workers' load comes from, and how
+    far prefix affinity may outweigh it."""
+
+    model_config = {"frozen": True}
+
+    feed_address: str | None = Field(
+        default=None,
+        description=(
+            "The control plane's gRPC address (host:port), whose OpsService.SubscribeWorkers "
+            "feeds the picker every worker's health and engine queue. Unset: no picker; the "
+            "gateway names no worker and Envoy's worker_routing decides alone."
+        ),
+    )
+    feed_interval_ms: int = Field(
+        default=100,
+        ge=50,
+        le=30_000,
+        description="How often the control plane sends the workers' figures.",
+    )
+    slack_streams: int = Field(
+        default=2,
+        ge=0,
+        description=(
+            "A request goes to the first worker in its affinity key's ranking whose queue "
+            "(running + waiting requests) is at most this many streams longer than the least-"
+            "loaded serving worker's (or slack_percent of that one's, if more). 0: the least-"
+            "loaded worker, the key's ranking breaking ties."
+        ),
+    )
+    slack_percent: int = Field(
+        default=25,
+        ge=0,
+        description="The slack as a percentage of the least-loaded worker's queue.",
+    )
+    candidates: int = Field(
+        default=3,
+        ge=1,
+        le=16,
+        description=(
+            "Workers named per request (x-tokenmesh-worker), best first: a retry before the "
+            "first token goes to the next; after the last, Envoy's least request picks."
+        ),
+    )
+    stale_seconds: float = Field(
+        default=3.0,
+        gt=0,
+        description=(
+            "With no figures from the control plane for this long, the picker names no worker "
+            "(Envoy's least request decides) until they are back."
+        ),
+    )
+
+
 class GatewaySettings(ServiceSettings):
     model_config = SettingsConfigDict(
         env_prefix="TOKENMESH_GATEWAY_", env_nested_delimiter="__", frozen=True, extra="ignore"
@@ -125,6 +179,7 @@ class GatewaySettings(ServiceSettings):
         ),
     )
     breaker: BreakerSettings = BreakerSettings()
+    picker: PickerSettings = PickerSettings()
 
     keys_file: Path | None = Field(
         default=None,

@@ -37,13 +37,15 @@ from tokenmesh.common.tokens import (
     ROUTE_HEADER,
     WORKER_GENERATE,
     WORKER_GENERATE_OPENAI,
+    WORKER_HEADER,
     WORKER_REFUSED,
 )
 from tokenmesh.common.tracing import extract
 from tokenmesh.gateway.config import GatewaySettings
 from tokenmesh.gateway.openai_api import OpenAIApi
 from tokenmesh.gateway.openai_protocol import ChatCompletionRequest, CompletionRequest, parse
-from tokenmesh.gateway.pipeline import Pipeline
+from tokenmesh.gateway.picker import header_value
+from tokenmesh.gateway.pipeline import Pipeline, Prompt
 from tokenmesh.gateway.requests import generation_job
 from tokenmesh.v1 import llm_pb2
 
@@ -265,9 +267,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
         worker = self._pipeline.worker_request(prepared.prompt, job.sampling)
         worker.warnings.extend(prepared.warnings)
         mutation = worker_headers(
-            WORKER_GENERATE,
-            prepared.degraded,
-            header(AFFINITY_HEADER, self._pipeline.affinity(prepared.prompt)),
+            WORKER_GENERATE, prepared.degraded, *self._routing(prepared.prompt)
         )
         # grpc-timeout goes on unchanged: the worker's clock starts later than the caller's,
         # so the caller's deadline (its own timer, and Envoy's max_stream_duration) ends the
@@ -312,12 +312,20 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
             WORKER_GENERATE_OPENAI,
             answer.degraded,
             header(ROUTE_HEADER, OPENAI_HTTP_PATHS[path]),
-            header(AFFINITY_HEADER, self._pipeline.affinity(answer.prompt)),
+            *self._routing(answer.prompt),
             header("grpc-timeout", f"{math.ceil(limit + CALL_DEADLINE_SLACK_SECONDS)}S"),
         )
         self._metrics.requests.labels(api="openai", outcome="direct").inc()
         self._metrics.prepare_seconds.observe(time.monotonic() - started)
         return rewritten(mutation, grpc_frame(worker.SerializeToString())), True
+
+    def _routing(self, prompt: Prompt) -> list[base_pb2.HeaderValueOption]:
+        """The prompt's affinity key and, when the picker named any, its workers."""
+        key, workers = self._pipeline.routing(prompt)
+        headers = [header(AFFINITY_HEADER, key)]
+        if workers:
+            headers.append(header(WORKER_HEADER, header_value(workers)))
+        return headers
 
     async def _traced(self, headers: dict[str, str], preparing: Awaitable[P]) -> P:
         """A preparation, in the caller's trace when tracing is on (its traceparent is among
@@ -339,8 +347,10 @@ def worker_headers(
 ) -> ext_proc.HeaderMutation:
     """The headers of a request rewritten for the workers' `path`. Only the gateway says an
     answer is degraded, never the caller."""
+    # A caller's own worker choice never reaches Envoy's override-host policy: the header is
+    # set again after removal when the picker named workers.
     mutation = ext_proc.HeaderMutation(
-        set_headers=[header(":path", path), *extra], remove_headers=[DEGRADED_HEADER]
+        set_headers=[header(":path", path), *extra], remove_headers=[DEGRADED_HEADER, WORKER_HEADER]
     )
     if degraded:
         mutation.set_headers.append(header(DEGRADED_HEADER, DEGRADED_BY_RERANKER))

@@ -22,10 +22,11 @@ from tokenmesh.common.errors import DependencyError
 from tokenmesh.common.metrics import RPC_BUCKETS
 from tokenmesh.common.outcome import Deadline
 from tokenmesh.common.tenants import TENANT_HEADER, current_tenant
-from tokenmesh.common.tokens import AFFINITY_HEADER, merge, token_count
+from tokenmesh.common.tokens import AFFINITY_HEADER, WORKER_HEADER, merge, token_count
 from tokenmesh.gateway.affinity import affinity_key
 from tokenmesh.gateway.breaker import CircuitBreaker, CircuitOpenError, CircuitState
 from tokenmesh.gateway.config import GatewaySettings
+from tokenmesh.gateway.picker import EndpointPicker, header_value
 from tokenmesh.gateway.prompts import Conversation, context_question, message, with_context
 from tokenmesh.gateway.quota import QuotaMeter
 from tokenmesh.gateway.requests import GenerationJob
@@ -322,8 +323,11 @@ class Pipeline:
         worker: WorkerClient,
         settings: GatewaySettings,
         meter: QuotaMeter | None = None,
+        picker: EndpointPicker | None = None,
     ) -> None:
         self._selector = selector
+        # Names the workers for each request (worker_routing picker); None: Envoy alone picks.
+        self._picker = picker
         self._worker = worker
         self._margin = settings.deadline_margin_seconds
         self._affinity_chars = settings.affinity_prefix_chars
@@ -366,11 +370,17 @@ class Pipeline:
             )
         return request
 
-    def affinity(self, prompt: Prompt) -> str:
-        """The prompt's prefix-affinity key (x-tokenmesh-affinity), on the current span too."""
+    def routing(self, prompt: Prompt) -> tuple[str, list[str]]:
+        """How Envoy is to choose the prompt's worker: its prefix-affinity key
+        (x-tokenmesh-affinity) and the workers the endpoint picker names for it
+        (x-tokenmesh-worker; none without a picker), both on the current span too."""
         key = affinity_key(prompt, self._affinity_chars)
-        trace.get_current_span().set_attribute("tokenmesh.affinity_key", key)
-        return key
+        span = trace.get_current_span()
+        span.set_attribute("tokenmesh.affinity_key", key)
+        workers = [] if self._picker is None else self._picker.pick(key)
+        if workers:
+            span.set_attribute("tokenmesh.picked_workers", workers)
+        return key, workers
 
     @property
     def metered(self) -> bool:
@@ -386,12 +396,17 @@ class Pipeline:
         """The worker's tokens. For the RPC's tenant (set by the auth interceptor in the RPC's
         context; none with auth off), they are charged to its quota and the worker is told
         whose request it is (x-tenant-id: the gateway's own metadata, never a caller's); the
-        prompt's prefix-affinity key goes with the call for Envoy's choice of worker."""
+        prompt's prefix-affinity key and picked workers go with the call for Envoy's choice of
+        worker."""
         tenant = current_tenant()
         request = self.worker_request(prompt, sampling)
         time_limit = remaining_after_margin(remaining, self._margin)
-        affinity = (AFFINITY_HEADER, self.affinity(prompt))
+        key, workers = self.routing(prompt)
+        metadata = [(AFFINITY_HEADER, key)]
+        if workers:
+            metadata.append((WORKER_HEADER, header_value(workers)))
         if tenant is None:
-            return self._worker.stream(request, time_limit, (affinity,))
-        tokens = self._worker.stream(request, time_limit, (affinity, (TENANT_HEADER, tenant.id)))
+            return self._worker.stream(request, time_limit, tuple(metadata))
+        metadata.append((TENANT_HEADER, tenant.id))
+        tokens = self._worker.stream(request, time_limit, tuple(metadata))
         return tokens if self._meter is None else self._meter.metered(tenant, tokens)

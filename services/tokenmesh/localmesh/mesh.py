@@ -101,7 +101,10 @@ class LocalMeshSettings(BaseSettings):
     # request (MeshSettings.direct_token_path). False: every token passes through a gateway.
     direct_token_path: bool = True
     # How Envoy picks a worker for each stream (MeshSettings.worker_routing).
-    worker_routing: Literal["least_request", "prefix"] = "least_request"
+    worker_routing: Literal["least_request", "prefix", "picker"] = "least_request"
+    # The gateways' endpoint picker follows the workers' load (and names workers) even when
+    # this mesh's Envoy does not route by it: for a second Envoy with worker_routing picker.
+    picker_feed: bool = False
     # Replica i of a service listens on base + i (gRPC) and metrics base + i.
     gateway_port: int = Field(default=50051, ge=1, le=65535)
     gateway_metrics_port: int = Field(default=9451, ge=1, le=65535)
@@ -135,6 +138,9 @@ class LocalMeshSettings(BaseSettings):
     prometheus_retention: str = "2d"
     # CPU KV cache per worker, GiB.
     worker_kv_cache_space_gib: int = Field(default=1, ge=1)
+    # The workers' weights and activations (WorkerSettings.dtype). auto turns a float32 model
+    # into bfloat16, which the CPU backend computes natively only with AVX-512's bf16.
+    worker_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     # How long `up` waits for every service to be SERVING and every Envoy host healthy.
     ready_timeout_seconds: float = Field(default=600.0, gt=0)
     # OTLP/gRPC collector (e.g. Jaeger's 127.0.0.1:4317) every gateway, worker and reranker
@@ -395,6 +401,7 @@ class LocalMesh:
                         # What OpenAI clients name as `model`: the model directory's name.
                         "SERVED_MODEL_NAME": Path(s.model).name,
                         "KV_CACHE_SPACE_GIB": str(s.worker_kv_cache_space_gib),
+                        "DTYPE": s.worker_dtype,
                         # vLLM pins its OpenMP threads: engines on one machine get their own
                         # cores, or they fight over the same ones.
                         "CPU_THREADS_BIND": str(i % cores) if workers <= cores else "auto",
@@ -415,6 +422,12 @@ class LocalMesh:
                 mtls,
             )
         )
+        # The gateways' endpoint picker follows the workers' load on the control plane.
+        picker = (
+            {"PICKER__FEED_ADDRESS": f"127.0.0.1:{s.controlplane_port}"}
+            if s.worker_routing == "picker" or s.picker_feed
+            else {}
+        )
         for i in range(s.gateways):
             programs.append(
                 tokenmesh_service(
@@ -426,6 +439,7 @@ class LocalMesh:
                         "WORKER_ADDRESS": f"127.0.0.1:{s.worker_listener_port}",
                         "RERANKER_ADDRESS": f"127.0.0.1:{s.reranker_listener_port}",
                         "OPENAI_PORT": str(s.gateway_openai_port + i),
+                        **picker,
                         **registration,
                         **tracing,
                         **auth,

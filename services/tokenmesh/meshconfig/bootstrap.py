@@ -27,6 +27,7 @@ from tokenmesh.common.tokens import (
     USAGE_TRAILER,
     WORKER_GENERATE,
     WORKER_GENERATE_OPENAI,
+    WORKER_HEADER,
     WORKER_REFUSED,
 )
 from tokenmesh.meshconfig.config import MeshSettings
@@ -164,7 +165,43 @@ CHART_HEALTH_CHECKS = HealthCheckTiming(
 # Envoy's policy for each worker_routing setting. Maglev rather than a ring hash: one table
 # look-up per pick, and an even spread of keys over a few hosts (a ring of a few hosts needs
 # many points per host to be even); both move only a departed host's keys elsewhere.
-WORKER_LB_POLICIES = {"least_request": "LEAST_REQUEST", "prefix": "MAGLEV"}
+# picker is no enum value: the override-host policy is a typed extension (picker_policy).
+PICKER = "PICKER"
+WORKER_LB_POLICIES = {"least_request": "LEAST_REQUEST", "prefix": "MAGLEV", "picker": PICKER}
+
+
+def picker_policy() -> Config:
+    """The workers' load_balancing_policy for worker_routing picker: each attempt goes to the
+    next worker the gateway's endpoint picker named (WORKER_HEADER); with none named, or all
+    tried, least request."""
+    return {
+        "policies": [
+            {
+                "typed_extension_config": {
+                    "name": "envoy.load_balancing_policies.override_host",
+                    "typed_config": {
+                        "@type": TYPE
+                        + "envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
+                        "override_host_sources": [{"header": WORKER_HEADER}],
+                        "fallback_policy": {
+                            "policies": [
+                                {
+                                    "typed_extension_config": {
+                                        "name": "envoy.load_balancing_policies.least_request",
+                                        "typed_config": {
+                                            "@type": TYPE
+                                            + "envoy.extensions.load_balancing_policies."
+                                            "least_request.v3.LeastRequest"
+                                        },
+                                    }
+                                }
+                            ]
+                        },
+                    },
+                }
+            }
+        ]
+    }
 
 
 @dataclass(frozen=True)
@@ -1029,7 +1066,10 @@ def service_cluster(
             ]
         },
     }
-    if balancing is not None:
+    if balancing is not None and balancing.lb_policy == PICKER:
+        del cluster["lb_policy"]
+        cluster["load_balancing_policy"] = picker_policy()
+    elif balancing is not None:
         cluster["lb_policy"] = balancing.lb_policy
         # Bounded load, for the hashing policy (LEAST_REQUEST ignores it): a host with more than
         # this percentage of the mean streams in flight is passed over for the next one.

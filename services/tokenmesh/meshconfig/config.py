@@ -332,14 +332,18 @@ class MeshSettings(BaseSettings):
             "cluster `openai`, whose endpoints the control plane sends like the others')."
         ),
     )
-    worker_routing: Literal["least_request", "prefix"] = Field(
+    worker_routing: Literal["least_request", "prefix", "picker"] = Field(
         default="least_request",
         description=(
             "How Envoy picks a worker for a stream. least_request: the one with the fewest "
             "streams in flight (of two drawn at random). prefix: by the gateway's prefix-"
             "affinity key (x-tokenmesh-affinity), consistently hashed (Maglev) under bounded "
             "load, so requests whose prompts start alike reach the worker that holds that "
-            "prefix's KV cache (docs/architecture.md, prefix-aware routing)."
+            "prefix's KV cache. picker: the worker the gateway's endpoint picker names "
+            "(x-tokenmesh-worker: the first in the key's rendezvous ranking whose queue is "
+            "within the gateway's picker slack of the least-loaded worker's, from the "
+            "workers' own figures the control plane feeds it), least_request without one "
+            "(docs/architecture.md, prefix-aware routing)."
         ),
     )
     prefix_balance_factor_percent: int = Field(

@@ -93,3 +93,17 @@ class DashboardSnapshot(_message.Message):
     recent_errors: _containers.RepeatedCompositeFieldContainer[ErrorCount]
     warnings: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, taken_unix_millis: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerSnapshot, _Mapping]]] = ..., reranker_circuit: _Optional[_Union[CircuitState, str]] = ..., requests_per_second: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., ttft_p50_seconds: _Optional[float] = ..., ttft_p99_seconds: _Optional[float] = ..., degraded_responses_total: _Optional[int] = ..., gateway_circuits: _Optional[_Iterable[_Union[GatewayCircuit, _Mapping]]] = ..., recent_errors: _Optional[_Iterable[_Union[ErrorCount, _Mapping]]] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class WorkersRequest(_message.Message):
+    __slots__ = ("interval_ms",)
+    INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    interval_ms: int
+    def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
+
+class WorkersSnapshot(_message.Message):
+    __slots__ = ("taken_unix_millis", "workers")
+    TAKEN_UNIX_MILLIS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    taken_unix_millis: int
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerSnapshot]
+    def __init__(self, taken_unix_millis: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerSnapshot, _Mapping]]] = ...) -> None: ...

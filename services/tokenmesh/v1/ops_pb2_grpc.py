@@ -39,6 +39,11 @@ class OpsServiceStub:
                 request_serializer=tokenmesh_dot_v1_dot_ops__pb2.DashboardRequest.SerializeToString,
                 response_deserializer=tokenmesh_dot_v1_dot_ops__pb2.DashboardSnapshot.FromString,
                 _registered_method=True)
+        self.SubscribeWorkers = channel.unary_stream(
+                '/tokenmesh.v1.OpsService/SubscribeWorkers',
+                request_serializer=tokenmesh_dot_v1_dot_ops__pb2.WorkersRequest.SerializeToString,
+                response_deserializer=tokenmesh_dot_v1_dot_ops__pb2.WorkersSnapshot.FromString,
+                _registered_method=True)
 
 
 class OpsServiceServicer:
@@ -51,6 +56,14 @@ class OpsServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubscribeWorkers(self, request, context):
+        """Every worker's health and scheduler load, every interval, for the gateways' choice of
+        worker; no Prometheus figures. Streams until the client goes away.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OpsServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -58,6 +71,11 @@ def add_OpsServiceServicer_to_server(servicer, server):
                     servicer.SubscribeDashboard,
                     request_deserializer=tokenmesh_dot_v1_dot_ops__pb2.DashboardRequest.FromString,
                     response_serializer=tokenmesh_dot_v1_dot_ops__pb2.DashboardSnapshot.SerializeToString,
+            ),
+            'SubscribeWorkers': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeWorkers,
+                    request_deserializer=tokenmesh_dot_v1_dot_ops__pb2.WorkersRequest.FromString,
+                    response_serializer=tokenmesh_dot_v1_dot_ops__pb2.WorkersSnapshot.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -87,6 +105,33 @@ class OpsService:
             '/tokenmesh.v1.OpsService/SubscribeDashboard',
             tokenmesh_dot_v1_dot_ops__pb2.DashboardRequest.SerializeToString,
             tokenmesh_dot_v1_dot_ops__pb2.DashboardSnapshot.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeWorkers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tokenmesh.v1.OpsService/SubscribeWorkers',
+            tokenmesh_dot_v1_dot_ops__pb2.WorkersRequest.SerializeToString,
+            tokenmesh_dot_v1_dot_ops__pb2.WorkersSnapshot.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,184 @@
+"""The endpoint picker: a worker for each request, by prefix affinity bounded by live load."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from grpc import aio
+from prometheus_client import CollectorRegistry, Counter
+
+from tokenmesh.common.backoff import Backoff
+from tokenmesh.common.channels import SwappableChannel
+from tokenmesh.gateway.config import PickerSettings
+from tokenmesh.v1 import ops_pb2, ops_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """One worker as the control plane last saw it: its address as Envoy knows the host
+    (IP:port), whether it is serving, and its engine's queue (running + waiting requests)."""
+
+    address: str
+    serving: bool
+    queued: int
+
+
+# Why the picker named its first worker: the key's own (first in its ranking), a later one
+# in the ranking (those before it were too busy), or none (no figures: Envoy chose).
+CHOICES = ("first", "spilled", "none")
+
+
+class PickerMetrics:
+    """tokenmesh_gateway_worker_picks_total{choice}, choice one of CHOICES."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.picks = Counter(
+            "tokenmesh_gateway_worker_picks_total",
+            "Workers the endpoint picker named first, by why it chose that one.",
+            ["choice"],
+            registry=registry,
+        )
+        for choice in CHOICES:
+            self.picks.labels(choice=choice)
+
+
+def ranking(key: str, addresses: Iterable[str]) -> list[str]:
+    """The workers in the key's own order (rendezvous hashing: each worker's score is a hash
+    of the key and its address, highest first). Every gateway ranks a key alike, and a worker
+    that leaves or joins moves only the keys it ranks first."""
+    return sorted(
+        addresses,
+        key=lambda address: hashlib.blake2b(f"{key}|{address}".encode(), digest_size=8).digest(),
+        reverse=True,
+    )
+
+
+class EndpointPicker:
+    """Chooses workers for an affinity key: the first serving worker in the key's ranking whose
+    load is within the policy's slack of the least-loaded serving worker's. Load is the
+    engine's own queue (running + waiting) at the control plane's last report plus the streams
+    this picker sent the worker since. So repeats of a prefix reach one worker (its prefix
+    cache holds their KV blocks), whichever gateway picks, until that worker is busier than
+    the least-loaded by more than the slack; then they spill to the key's next worker, whose
+    cache warms to them in turn, never to a worker busier than the slack allows.
+
+    Written here rather than taken from a router (SGLang's cache-aware policy, llm-d's
+    scorers): those run as proxies or Envoy filters of their own, with one router's view of
+    what it sent; this only names the hosts, from the workers' own queues, and Envoy's
+    override-host policy routes to them (worker_routing picker)."""
+
+    def __init__(
+        self,
+        policy: PickerSettings,
+        metrics: PickerMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._policy = policy
+        self._metrics = metrics
+        self._clock = clock
+        self._workers: dict[str, WorkerLoad] = {}
+        # Streams sent to each worker since its last report (not yet in its queue figure).
+        self._sent: dict[str, int] = {}
+        self._updated_at: float | None = None
+
+    def update(self, workers: Iterable[WorkerLoad]) -> None:
+        """A new report of every worker (those missing from it are gone)."""
+        self._workers = {worker.address: worker for worker in workers}
+        self._sent = dict.fromkeys(self._workers, 0)
+        self._updated_at = self._clock()
+
+    def forget(self) -> None:
+        """No figures any more (the feed broke): pick nothing until the next report."""
+        self._updated_at = None
+
+    def load(self, address: str) -> int:
+        return self._workers[address].queued + self._sent[address]
+
+    def pick(self, key: str) -> list[str]:
+        """The workers for a request with this affinity key, best first; empty when the
+        figures are missing or stale or no worker is serving."""
+        picked, choice = self._pick(key)
+        if self._metrics is not None:
+            self._metrics.picks.labels(choice=choice).inc()
+        return picked
+
+    def _pick(self, key: str) -> tuple[list[str], str]:
+        if (
+            self._updated_at is None
+            or self._clock() - self._updated_at > self._policy.stale_seconds
+        ):
+            return [], "none"
+        serving = [address for address, worker in self._workers.items() if worker.serving]
+        if not serving:
+            return [], "none"
+        least = min(self.load(address) for address in serving)
+        bound = least + max(self._policy.slack_streams, least * self._policy.slack_percent // 100)
+        ranked = ranking(key, serving)
+        # The least-loaded worker is within the bound: there is always one.
+        chosen = next(address for address in ranked if self.load(address) <= bound)
+        self._sent[chosen] += 1
+        # A retry (the chosen one refused) goes to the least loaded of the rest.
+        others = sorted((address for address in ranked if address != chosen), key=self.load)
+        choice = "first" if chosen == ranked[0] else "spilled"
+        return [chosen, *others][: self._policy.candidates], choice
+
+
+def loads(snapshot: ops_pb2.WorkersSnapshot) -> list[WorkerLoad]:
+    """The workers of a control-plane report; one that did not answer counts as not serving."""
+    return [
+        WorkerLoad(
+            worker.address,
+            worker.serving and not worker.error,
+            worker.running_requests + worker.waiting_requests,
+        )
+        for worker in snapshot.workers
+    ]
+
+
+class WorkerFeed:
+    """Keeps the picker's figures current from the control plane's OpsService.SubscribeWorkers
+    stream, subscribing again (with back-off) whenever it breaks."""
+
+    def __init__(
+        self,
+        channel: aio.Channel | SwappableChannel,
+        picker: EndpointPicker,
+        interval_ms: int,
+        backoff: Backoff,
+    ) -> None:
+        self._channel = channel
+        self._picker = picker
+        self._interval_ms = interval_ms
+        self._backoff = backoff
+
+    async def run(self) -> None:
+        """Until cancelled."""
+        while True:
+            try:
+                await self._follow()
+            except aio.AioRpcError as exc:
+                log.warning(
+                    "worker feed broke: picking no workers until it is back",
+                    extra={"code": exc.code().name, "details": exc.details()},
+                )
+            self._picker.forget()
+            await asyncio.sleep(self._backoff.next_delay())
+
+    async def _follow(self) -> None:
+        stub = ops_pb2_grpc.OpsServiceStub(self._channel)
+        call = stub.SubscribeWorkers(ops_pb2.WorkersRequest(interval_ms=self._interval_ms))
+        async for snapshot in call:
+            self._picker.update(loads(snapshot))
+            self._backoff.reset()
+
+
+def header_value(addresses: Sequence[str]) -> str:
+    """The picked workers as Envoy's override-host policy reads them."""
+    return ",".join(addresses)
