@@ -13,6 +13,12 @@ TINY_MODEL := models/tiny-llama
 # (float32: the CPU backend computes bfloat16 natively only with AVX-512).
 SMALL_MODEL := models/small-llama
 SMALL_MODEL_SHAPE := --hidden-size 512 --heads 8 --layers 4 --intermediate-size 1376 --max-positions 4096 --dtype float32
+# A model whose KV cache is large for its compute, for the benchmark's pressure workload: no
+# grouped-query attention and many narrow layers make 64 KiB of KV cache a token (float32), so
+# a worker's 1 GiB holds 16,384 tokens (16 prefixes of ~1,000 tokens), while its compute a
+# token stays small enough for a CPU to prefill such prefixes many times a round.
+PRESSURE_MODEL := models/pressure-llama
+PRESSURE_MODEL_SHAPE := --hidden-size 256 --heads 4 --layers 32 --intermediate-size 256 --max-positions 4096 --dtype float32
 SETUP_STAMP := $(VENV)/.setup-$(VLLM_TARGET)
 # Tools whose own pins conflict with the project's (checkov: the Helm chart's policy scan in
 # tests/unit/test_helm_envoy.py): a venv of their own, inside .venv so `make clean` and
@@ -38,7 +44,8 @@ help:
 	@echo "make images  build the container images (needs docker; IMAGE_PREFIX, IMAGE_TAG)"
 	@echo "make docs    regenerate docs/settings.md's tables from the settings classes"
 
-setup: $(SETUP_STAMP) $(TOOLS_STAMP) $(TINY_MODEL)/tokenmesh-tiny.json prometheus ops-page
+setup: $(SETUP_STAMP) $(TOOLS_STAMP) $(TINY_MODEL)/tokenmesh-tiny.json prometheus ops-page \
+  crd-validator
 
 # The live ops page (ops/): TypeScript, its gRPC-Web client generated from ops.proto by
 # protoc-gen-es (npm) through grpc_tools' protoc, bundled by esbuild into ops/dist, which the
@@ -63,6 +70,21 @@ build-ops-page:
 	$(BIN)/python -m grpc_tools.protoc -Iprotos --plugin=protoc-gen-es=ops/node_modules/.bin/protoc-gen-es \
 	  --es_out=ops/src/gen --es_opt=target=ts protos/tokenmesh/v1/ops.proto
 	cd ops && npx --no-install tsc --noEmit && node build.mjs
+
+# The validator of the Helm chart's custom resources (tests/crds/validate.mjs, run by
+# tests/unit/test_helm_chart.py): the Prometheus Operator's, cert-manager's and KEDA's CRD
+# schemas from their npm models (kubernetes-models-ts), pinned by tests/crds/package-lock.json.
+# Needs Node.js and npm; without npm, setup goes on and the chart test says what is missing.
+CRD_VALIDATOR_STAMP := tests/crds/node_modules/.setup
+.PHONY: crd-validator
+crd-validator: $(CRD_VALIDATOR_STAMP)
+
+$(CRD_VALIDATOR_STAMP): tests/crds/package.json tests/crds/package-lock.json
+	@if ! command -v npm >/dev/null 2>&1; then \
+	  echo "no npm on PATH: the chart's custom resources cannot be validated; install Node.js 20+"; \
+	  exit 0; \
+	fi; \
+	(cd tests/crds && npm ci --no-audit --no-fund --loglevel=error) && touch $@
 
 # Prometheus (Debian package; `make up` runs it when it is on PATH). Installed only when missing
 # and apt-get can be used as root; otherwise setup goes on and says how to get it.
@@ -121,6 +143,13 @@ small-model: $(SMALL_MODEL)/tokenmesh-tiny.json
 
 $(SMALL_MODEL)/tokenmesh-tiny.json: scripts/make_tiny_model.py | $(SETUP_STAMP)
 	$(BIN)/python scripts/make_tiny_model.py $(SMALL_MODEL) $(SMALL_MODEL_SHAPE) --force
+
+.PHONY: pressure-model
+pressure-model: $(PRESSURE_MODEL)/tokenmesh-tiny.json
+	@$(BIN)/python scripts/make_tiny_model.py $(PRESSURE_MODEL) $(PRESSURE_MODEL_SHAPE)
+
+$(PRESSURE_MODEL)/tokenmesh-tiny.json: scripts/make_tiny_model.py | $(SETUP_STAMP)
+	$(BIN)/python scripts/make_tiny_model.py $(PRESSURE_MODEL) $(PRESSURE_MODEL_SHAPE) --force
 
 proto: $(SETUP_STAMP)
 	$(BIN)/python scripts/gen_protos.py
@@ -218,7 +247,8 @@ lock-gpu:
 	rm -r build/lock-gpu
 
 clean: down
-	rm -rf $(VENV) $(TINY_MODEL) $(SMALL_MODEL) .run build ops/dist ops/node_modules ops/src/gen
+	rm -rf $(VENV) $(TINY_MODEL) $(SMALL_MODEL) $(PRESSURE_MODEL) .run build ops/dist ops/node_modules ops/src/gen \
+	  tests/crds/node_modules
 
 dashboards: $(SETUP_STAMP)
 	$(BIN)/python scripts/gen_dashboards.py

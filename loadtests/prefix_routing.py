@@ -1,25 +1,37 @@
-"""Prefix-cache-aware routing (issue #19) measured: least_request against prefix on one mesh.
+"""Prefix-cache-aware routing (issue #19) measured: least_request, prefix and picker on one mesh.
 
-A private mesh of 1 gateway and 2 workers on the small model (models/small-llama, whose prefill
-is slow enough for a prefix-cache hit to show in TTFT) and, beside its own Envoy (worker_routing
-least_request), a second Envoy with worker_routing prefix in front of the same gateway and
-workers, both on the direct token path (the edge routes each stream straight to a worker).
-Open-loop (Poisson) load, one edge at a time, in interleaved rounds (A B, B A, ...); in each
-round both edges get the same arrivals, lengths and prefix choices with text of their own, so
-neither profits from a prefix the other put in a cache. Workloads:
+A private mesh of 1 gateway and 2 workers on a generated model (by default models/small-llama,
+whose prefill is slow enough for a prefix-cache hit to show in TTFT; models/pressure-llama's
+KV cache holds only a few thousand tokens a GiB, for the pressure workload) and an Envoy for
+each worker_routing policy in front of the same gateway and workers, all on the direct token
+path (the edge routes each stream straight to a worker), each started and placed alike in a
+session of its own: least_request, prefix (Maglev hashing of the gateway's affinity key) and
+picker (the workers the gateway's endpoint picker names, whose feed of the workers' load is on
+when picker is measured). Open-loop (Poisson) load, one edge at a time, in interleaved rounds whose
+order rotates (A B C, B C A, ...); in each round every edge gets the same arrivals, lengths and
+prefix choices with text of its own, so none profits from a prefix another put in a cache.
+Workloads:
 
 shared    P prefixes of ~1,000 tokens, each request a prefix and a unique suffix
 few       the same with many more prefixes, each used only a few times per round
 uniform   no shared prefixes (prompts as long, every one its own)
 skewed    as shared, one prefix taking half the requests
+pressure  prefixes of ~1,000 tokens totalling 1.5x one worker's KV cache (as its engine reports
+          it), each used several times a round in a random order: least_request makes both
+          workers cache them all and evict, split over two workers they fit; its rate is a
+          share of what the workers serve uncached (the prefill measured before the rounds)
 
 Per policy and workload: the prefix-cache hit ratio from vLLM's own counters on each worker
 (vllm:prefix_cache_hits/queries, read before and after each round), TTFT p50/p99, tokens/s,
 each worker's share of the requests (its own gRPC counter, and the loaded Envoy's per-host
 rq_total), CPU per request and per token of each process from /proc; before the rounds, the
-prefill time of a ~1,000-token prompt on each worker, uncached and cached.
+prefill time of a ~1,000-token prompt on each worker, uncached and cached. The summary sets
+each policy against least_request, with the issue's targets.
 
-    python -m loadtests.prefix_routing [--quick] [--rounds N] [--out DIR]
+    python -m loadtests.prefix_routing [--quick] [--rounds N] [--out DIR] [--model DIR]
+        [--workloads shared,few,uniform,skewed] [--policies least_request,prefix,picker]
+    python -m loadtests.prefix_routing --model models/pressure-llama \
+        --workloads pressure,uniform,skewed
     python -m loadtests bench --scenarios prefix
 
 Results: loadtests/results/<date>/prefix-routing/ (a JSON per workload and policy,
@@ -36,6 +48,8 @@ import sys
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from itertools import islice
@@ -43,11 +57,11 @@ from pathlib import Path
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
+from tokenizers import Tokenizer
 
 from loadtests import report
-from loadtests.chaos import environment
 from loadtests.runner import RunConfig, combine, one_request, run
-from loadtests.scenarios import RESULTS, Bench, private_mesh, second_envoy
+from loadtests.scenarios import RESULTS, ROOT, Bench, private_mesh, second_envoy
 from loadtests.targets import WorkerTarget
 from loadtests.token_cost import cpu_seconds
 from loadtests.workload import Lengths, RequestSpec, Workload
@@ -59,11 +73,22 @@ SCENARIO = "prefix-routing"
 SMALL_MODEL = "models/small-llama"
 # The workers compute in float32: vLLM's "auto" dtype turns a float32 model into bfloat16,
 # which vLLM's CPU backend computes natively only with AVX-512's bf16 instructions (on AVX2
-# it prefilled 6x slower). LocalMeshSettings has no dtype; the workers read their settings
-# from the environment, which they inherit through supervisord from this process.
-WORKER_ENVIRONMENT = {"TOKENMESH_WORKER_DTYPE": "float32"}
+# it prefilled 6x slower).
+WORKER_DTYPE = "float32"
 WORKERS = 2
-POLICIES = ("least_request", "prefix")
+# Every other policy is set against this one.
+BASELINE = "least_request"
+POLICIES = (BASELINE, "prefix", "picker")
+WORKLOADS = ("shared", "few", "uniform", "skewed", "pressure")
+DEFAULT_WORKLOADS = ("shared", "few", "uniform", "skewed")
+# The pressure workload: prefixes whose tokens total this many times one worker's KV cache
+# (more than one worker holds, less than the workers together), each taken by about this many
+# requests a round (fewer in a quick run), at this share of the requests/s the workers serve
+# when every prompt is computed.
+PRESSURE_FACTOR = 1.5
+PRESSURE_USES = 6
+PRESSURE_USES_QUICK = 4
+PRESSURE_LOAD = 0.6
 # A prefix of this many words is ~1,000 tokens of the models' tokenizer (2.75 tokens and 6.4
 # characters a word), well past the gateway's affinity key (its first 1,024 characters).
 PREFIX_WORDS = 360
@@ -76,11 +101,21 @@ VLLM_COUNTERS = {
     "vllm:prompt_tokens_total": "prompt_tokens",
 }
 WORKER_METHODS = ("Generate", "GenerateOpenAI")
-# The issue's targets.
+# The issue's targets, against least_request: on the workloads that share prefixes a hit ratio
+# this many times as high and a TTFT p50 this much lower; on uniform, tokens/s at most this
+# much lower; on skewed, no worker above this many times the mean requests, and no worse TTFT p99.
+HIT_WORKLOADS = ("shared", "few", "pressure")
 HIT_RATIO_GAIN = 1.6
 TTFT_P50_DROP = 0.30
 TOKENS_PER_SECOND_BAND = 0.05
 MAX_OVER_MEAN = 1.25
+TARGETS = {
+    "hit_ratio_met": f"hit ratio >= {HIT_RATIO_GAIN:g}x",
+    "ttft_p50_met": f"TTFT p50 >= {TTFT_P50_DROP:.0%} lower",
+    "tokens_per_second_met": f"tokens/s at most {TOKENS_PER_SECOND_BAND:.0%} lower",
+    "balance_met": f"max/mean <= {MAX_OVER_MEAN:g} every round",
+    "ttft_p99_met": "TTFT p99 no worse",
+}
 
 
 @dataclass(frozen=True)
@@ -93,6 +128,8 @@ class Plan:
     prefixes: int = 0
     prefix_share: float = 0.0
     prompt_words: str = SUFFIX_WORDS
+    # Each round's length, s (None: the run's).
+    seconds: float | None = None
 
     def config(self, edge: Edge, seconds: float, seed: int, text_seed: int) -> RunConfig:
         return RunConfig(
@@ -127,6 +164,42 @@ def plans() -> list[Plan]:
     ]
 
 
+def pressure_plan(
+    capacity_tokens: int, prefix_tokens: float, uncached_ms: float, uses: int
+) -> Plan:
+    """The pressure workload for workers whose KV caches hold capacity_tokens each, prefixes of
+    prefix_tokens and a prefill of uncached_ms: prefixes totalling PRESSURE_FACTOR caches, at
+    PRESSURE_LOAD of the requests/s the workers serve uncached, rounds long enough for `uses`
+    requests of each prefix."""
+    if not 1 < PRESSURE_FACTOR < WORKERS:
+        raise ValueError("the prefixes must outgrow one worker's cache and fit in all of them")
+    prefixes = max(2, round(PRESSURE_FACTOR * capacity_tokens / prefix_tokens))
+    rate = round(PRESSURE_LOAD * WORKERS * 1e3 / uncached_ms, 2)
+    return Plan(
+        "pressure",
+        f"{prefixes} prefixes of ~{prefix_tokens:,.0f} tokens ({PRESSURE_FACTOR:g}x a worker's "
+        f"KV cache of {capacity_tokens:,} tokens), ~{uses} requests each a round",
+        rate,
+        prefixes=prefixes,
+        seconds=round(prefixes * uses / rate, 1),
+    )
+
+
+def selection(text: str, names: Sequence[str]) -> tuple[str, ...]:
+    """The names a comma-separated option chose, in the order of `names`."""
+    chosen = {name.strip() for name in text.split(",") if name.strip()}
+    unknown = chosen - set(names)
+    if unknown or not chosen:
+        raise ValueError(f"choose among {', '.join(names)}, not {text!r}")
+    return tuple(name for name in names if name in chosen)
+
+
+def rotation(items: Sequence[Edge], number: int) -> list[Edge]:
+    """Round `number`'s order: each round starts one further along (A B C, B C A, C A B)."""
+    start = number % len(items)
+    return [*items[start:], *items[:start]]
+
+
 @dataclass(frozen=True)
 class Edge:
     """An Envoy edge under test: its worker_routing, address, admin port and process."""
@@ -157,6 +230,29 @@ def worker_counters(text: str) -> dict[str, float]:
             ):
                 totals["requests"] += sample.value
     return totals
+
+
+def kv_capacity_tokens(text: str) -> int | None:
+    """The tokens a worker's KV cache holds as its engine reports it, from its metrics page
+    (vllm:cache_config_info: num_gpu_blocks blocks of block_size tokens); None: not there."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "vllm:cache_config_info":
+                blocks = sample.labels.get("num_gpu_blocks", "")
+                size = sample.labels.get("block_size", "")
+                if blocks.isdigit() and size.isdigit():
+                    return int(blocks) * int(size)
+    return None
+
+
+def prefix_tokens(model: str) -> float:
+    """The mean length in the model's tokens of the benchmark's prefixes."""
+    tokenizer = Tokenizer.from_file(str(ROOT / model / "tokenizer.json"))
+    sample = Workload(
+        Lengths.parse("1"), Lengths.parse("1"), 1, prefixes=16, prefix_words=PREFIX_WORDS
+    )
+    prefixes = sample.shared_prefixes()
+    return sum(len(tokenizer.encode(prefix).ids) for prefix in prefixes) / len(prefixes)
 
 
 def endpoint_requests(text: str, cluster: str = "worker") -> dict[str, float]:
@@ -230,13 +326,21 @@ class Mesh:
             "gateway": [local_mesh.pid("gateway-0")],
         }
 
-    def counters(self) -> dict[str, dict[str, float]]:
+    def pages(self) -> dict[str, str]:
         return {
-            program.name: worker_counters(
-                scrape(f"http://127.0.0.1:{program.metrics_port}/metrics")
-            )
+            program.name: scrape(f"http://127.0.0.1:{program.metrics_port}/metrics")
             for program in self.workers
         }
+
+    def counters(self) -> dict[str, dict[str, float]]:
+        return {name: worker_counters(text) for name, text in self.pages().items()}
+
+    def kv_capacity(self) -> int:
+        """The smallest of the workers' KV caches, in tokens."""
+        found = {name: kv_capacity_tokens(text) for name, text in self.pages().items()}
+        if any(tokens is None for tokens in found.values()):
+            raise SystemExit(f"a worker reports no KV cache size (vllm:cache_config_info): {found}")
+        return min(tokens for tokens in found.values() if tokens is not None)
 
     def cpu(self, edge: Edge) -> dict[str, float]:
         processes = {**self.processes, "envoy": [edge.pid]}
@@ -320,64 +424,60 @@ def row(plan: Plan, policy: str, result: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The issue's targets, each with its figures and whether it was met."""
-    by = {(r["workload"], r["policy"]): r for r in rows}
-    verdicts: dict[str, Any] = {}
+def ratio(value: float | None, base: float | None, digits: int = 3) -> float | None:
+    """value over base (None when either is missing, or base is zero)."""
+    return round(value / base, digits) if value is not None and base else None
 
-    def pair(workload: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
-        found = by.get((workload, "least_request")), by.get((workload, "prefix"))
-        return None if None in found else found  # type: ignore[return-value]
 
-    for workload in ("shared", "few"):
-        both = pair(workload)
-        if both is None:
-            continue
-        baseline, prefix = both
-        gain = (
-            prefix["hit_ratio"] / baseline["hit_ratio"]
-            if prefix["hit_ratio"] and baseline["hit_ratio"]
-            else None
-        )
-        base_p50, p50 = baseline["ttft_ms"]["p50_ms"], prefix["ttft_ms"]["p50_ms"]
-        drop = 1 - p50 / base_p50 if base_p50 else None
-        verdicts[workload] = {
-            "hit_ratio_gain": round(gain, 2) if gain is not None else None,
-            "hit_ratio_target": HIT_RATIO_GAIN,
+def versus(baseline: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    """A policy's row against least_request's: hit ratio, TTFT p99 and tokens/s as ratios, the
+    TTFT p50 as the share it is lower by."""
+    p50 = ratio(other["ttft_ms"]["p50_ms"], baseline["ttft_ms"]["p50_ms"], 6)
+    return {
+        "hit_ratio_gain": ratio(other["hit_ratio"], baseline["hit_ratio"], 2),
+        "ttft_p50_drop": round(1 - p50, 3) if p50 is not None else None,
+        "ttft_p99_ratio": ratio(other["ttft_ms"]["p99_ms"], baseline["ttft_ms"]["p99_ms"]),
+        "tokens_per_second_ratio": ratio(other["tokens_per_second"], baseline["tokens_per_second"]),
+        "requests_max_over_mean_worst_round": max(
+            [other["requests_max_over_mean"] or 0.0, *other["requests_max_over_mean_per_round"]]
+        ),
+    }
+
+
+def judged(workload: str, figures: dict[str, Any]) -> dict[str, bool]:
+    """Which of the issue's targets a workload has, each met or not (figures: versus())."""
+    gain, drop = figures["hit_ratio_gain"], figures["ttft_p50_drop"]
+    if workload in HIT_WORKLOADS:
+        return {
             "hit_ratio_met": gain is not None and gain >= HIT_RATIO_GAIN,
-            "ttft_p50_drop": round(drop, 3) if drop is not None else None,
-            "ttft_p50_target": TTFT_P50_DROP,
             "ttft_p50_met": drop is not None and drop >= TTFT_P50_DROP,
         }
-    both = pair("uniform")
-    if both is not None:
-        baseline, prefix = both
-        ratio = (
-            prefix["tokens_per_second"] / baseline["tokens_per_second"]
-            if baseline["tokens_per_second"]
-            else None
-        )
-        verdicts["uniform"] = {
-            "tokens_per_second_ratio": round(ratio, 3) if ratio is not None else None,
-            "band": TOKENS_PER_SECOND_BAND,
-            "met": ratio is not None and abs(ratio - 1) <= TOKENS_PER_SECOND_BAND,
+    if workload == "uniform":
+        tokens = figures["tokens_per_second_ratio"]
+        return {
+            # No more than the band slower (faster is no failure).
+            "tokens_per_second_met": tokens is not None and tokens >= 1 - TOKENS_PER_SECOND_BAND
         }
-    both = pair("skewed")
-    if both is not None:
-        baseline, prefix = both
-        worst = max(
-            [prefix["requests_max_over_mean"] or 0.0, *prefix["requests_max_over_mean_per_round"]]
-        )
-        p99, base_p99 = prefix["ttft_ms"]["p99_ms"], baseline["ttft_ms"]["p99_ms"]
-        verdicts["skewed"] = {
-            "requests_max_over_mean": prefix["requests_max_over_mean"],
-            "requests_max_over_mean_worst_round": worst,
-            "max_over_mean_target": MAX_OVER_MEAN,
-            "balance_met": worst <= MAX_OVER_MEAN,
-            "ttft_p99_ms": {"least_request": base_p99, "prefix": p99},
-            "ttft_p99_ratio": round(p99 / base_p99, 3) if base_p99 else None,
-            "ttft_p99_met": p99 <= base_p99,
+    if workload == "skewed":
+        p99 = figures["ttft_p99_ratio"]
+        return {
+            "balance_met": figures["requests_max_over_mean_worst_round"] <= MAX_OVER_MEAN,
+            "ttft_p99_met": p99 is not None and p99 <= 1.0,
         }
+    return {}
+
+
+def targets(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Every policy's rows against least_request's of the same workload: by workload and
+    policy, the ratios and each of the issue's targets, met or not."""
+    by = {(r["workload"], r["policy"]): r for r in rows}
+    verdicts: dict[str, dict[str, dict[str, Any]]] = {}
+    for (workload, policy), other in by.items():
+        baseline = by.get((workload, BASELINE))
+        if policy == BASELINE or baseline is None:
+            continue
+        figures = versus(baseline, other)
+        verdicts.setdefault(workload, {})[policy] = {**figures, **judged(workload, figures)}
     return verdicts
 
 
@@ -438,17 +538,28 @@ def wait_for_workers(admin_port: int, workers: int, seconds: float = 60.0) -> No
 
 
 def markdown(rows: list[dict[str, Any]], verdicts: dict[str, Any], notes: dict[str, Any]) -> str:
+    policies = ", ".join(notes["policies"])
     lines = [
-        "# Prefix-aware routing: least_request against prefix (issue #19)\n",
-        f"Model {notes['model']}, {WORKERS} workers (an engine on each core), 1 gateway, "
-        f"direct token path; {notes['rounds']} interleaved rounds of {notes['round_seconds']:g} s "
-        f"per policy and workload, open loop (Poisson); prefixes of {PREFIX_WORDS} words "
-        f"(~{notes.get('prefix_tokens', '?')} tokens), suffixes of {SUFFIX_WORDS} words, "
-        f"{OUTPUT_TOKENS} tokens out. Prefill of a ~1,000-token prompt on each worker "
-        f"(uncached / cached, ms): "
+        f"# Prefix-aware routing: {policies} (issue #19)\n",
+        f"Model {notes['model']} ({notes['worker_dtype']}; KV cache of "
+        f"{notes['kv_capacity_tokens']:,} tokens a worker), {WORKERS} workers (an engine on "
+        f"each core), 1 gateway, direct token path; {notes['rounds']} interleaved rounds of "
+        f"{notes['round_seconds']:g} s (pressure: as its plan says) per policy and workload, "
+        f"open loop (Poisson); prefixes of {PREFIX_WORDS} words (~{notes['prefix_tokens']:.0f} "
+        f"tokens), suffixes of {SUFFIX_WORDS} words, {OUTPUT_TOKENS} tokens out. Prefill of a "
+        f"~1,000-token prompt on each worker (uncached / cached, ms): "
         + ", ".join(
             f"{name} {times['uncached_ms']} / {times['cached_ms']}"
             for name, times in notes["prefill"].items()
+        )
+        + ".\n",
+        "Workloads: "
+        + "; ".join(f"{plan['name']} {plan['what']}, {plan['rate']:g}/s" for plan in notes["plans"])
+        + ".\n",
+        "Picker settings: "
+        + (
+            ", ".join(f"{k}={v}" for k, v in sorted(notes.get("picker_environment", {}).items()))
+            or "the gateway's defaults"
         )
         + ".\n",
         "| workload | policy | rate/s | req | err | hit ratio | TTFT p50 / p99 ms | tokens/s | "
@@ -465,6 +576,27 @@ def markdown(rows: list[dict[str, Any]], verdicts: dict[str, Any], notes: dict[s
         )
     lines += [
         "",
+        f"## Against {BASELINE}\n",
+        "Hit ratio, TTFT p99 and tokens/s as ratios to least_request's; TTFT p50 as the share it "
+        "is lower by; the busiest worker's requests over the mean in the worst round; the "
+        "workload's targets, met or not.\n",
+        "| workload | policy | hit ratio x | TTFT p50 lower | TTFT p99 x | tokens/s x | "
+        "max/mean, worst round | targets |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for workload, by_policy in verdicts.items():
+        for policy, v in by_policy.items():
+            met = "; ".join(
+                f"{TARGETS[key]}: {'yes' if v[key] else 'NO'}" for key in TARGETS if key in v
+            )
+            lines.append(
+                f"| {workload} | {policy} | {_figure(v['hit_ratio_gain'])} | "
+                f"{_figure(v['ttft_p50_drop'], '.0%')} | {_figure(v['ttft_p99_ratio'])} | "
+                f"{_figure(v['tokens_per_second_ratio'])} | "
+                f"{v['requests_max_over_mean_worst_round']:g} | {met or 'none'} |"
+            )
+    lines += [
+        "",
         "CPU per request (ms) of each process:\n",
         "| workload | policy | " + " | ".join(sorted(rows[0]["cpu"])) + " |",
         "|---|---|" + "---|" * len(rows[0]["cpu"]),
@@ -472,71 +604,118 @@ def markdown(rows: list[dict[str, Any]], verdicts: dict[str, Any], notes: dict[s
     for r in rows:
         costs = " | ".join(str(r["cpu"][name]["ms_per_request"]) for name in sorted(r["cpu"]))
         lines.append(f"| {r['workload']} | {r['policy']} | {costs} |")
-    lines += ["", "## Targets\n"]
-    for workload, verdict in verdicts.items():
-        lines.append(f"- {workload}: " + ", ".join(f"{k} {v}" for k, v in verdict.items()))
     lines += ["", "Hit ratio per round:\n"]
     for r in rows:
         lines.append(f"- {r['workload']} {r['policy']}: {r['hit_ratio_per_round']}")
     return "\n".join(lines) + "\n"
 
 
+def _figure(value: float | None, spec: str = ".2f") -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
 def _shares(values: dict[str, float]) -> str:
     return " / ".join(f"{value:.0%}" for _, value in sorted(values.items())) or "n/a"
 
 
-def prefix_routing(bench: Bench, rounds: int) -> dict[str, Any]:
-    """Every workload through both edges in interleaved rounds; the report's figures."""
+def open_edges(stack: ExitStack, local_mesh: LocalMesh, policies: Sequence[str]) -> list[Edge]:
+    """An Envoy in `stack` for each policy, least_request's too, each started and placed
+    alike (the mesh's own Envoy, under supervisord, would be scheduled unlike the others)."""
+    if not local_mesh.settings.direct_token_path:
+        raise SystemExit("the mesh must route on the direct token path")
+    edges = []
+    for policy in policies:
+        envoy, pid = stack.enter_context(
+            second_envoy(local_mesh, local_mesh.run_dir, worker_routing=policy)
+        )
+        edges.append(Edge(policy, f"127.0.0.1:{envoy.edge_port}", envoy.admin_port, pid))
+    for edge in edges:
+        wait_for_workers(edge.admin_port, WORKERS)
+    return edges
+
+
+def uncached_ms(prefill: dict[str, Any]) -> float:
+    """The workers' mean prefill time of a ~1,000-token prompt, uncached."""
+    times = [float(times["uncached_ms"]) for times in prefill.values()]
+    if not times or min(times) <= 0:
+        raise SystemExit(f"no prefill time measured on every worker: {prefill}")
+    return sum(times) / len(times)
+
+
+def run_plan(
+    plan: Plan, edges: list[Edge], mesh: Mesh, rounds: int, seconds: float, cpus: str
+) -> dict[str, list[dict[str, Any]]]:
+    """Every edge's rounds of one workload, in rotating order; each round's result by policy."""
+    runs: dict[str, list[dict[str, Any]]] = {edge.policy: [] for edge in edges}
+    for number in range(rounds):
+        for edge in rotation(edges, number):
+            seed = 100 * (WORKLOADS.index(plan.name) + 1) + number
+            text_seed = 10 * seed + POLICIES.index(edge.policy) + 1
+            config = replace(plan.config(edge, plan.seconds or seconds, seed, text_seed), cpus=cpus)
+            result = measured_round(config, edge, mesh)
+            runs[edge.policy].append(result)
+            print(
+                f"[{SCENARIO}] {config.label} ({number + 1}/{rounds}): "
+                f"{result['requests']} requests, {result['errors']} errors, hit ratio "
+                f"{result['prefix']['hit_ratio']}, TTFT p50/p99 "
+                f"{result['ttft_ms']['p50_ms']:.0f}/{result['ttft_ms']['p99_ms']:.0f} ms,"
+                f" shares {result['prefix']['request_shares']}",
+                file=sys.stderr,
+                flush=True,
+            )
+    return runs
+
+
+def prefix_routing(
+    bench: Bench,
+    rounds: int,
+    model: str = SMALL_MODEL,
+    workloads: Sequence[str] = DEFAULT_WORKLOADS,
+    policies: Sequence[str] = POLICIES,
+) -> dict[str, Any]:
+    """Every workload through every policy's edge in interleaved rounds; the report's
+    figures."""
+    if BASELINE not in policies:
+        raise SystemExit(f"every policy is set against {BASELINE}: measure it too")
+    if not (ROOT / model / "config.json").is_file():
+        raise SystemExit(f"no model at {model} (make small-model, make pressure-model)")
+    check_prefixes_outrun_the_key()
     out = bench.out / SCENARIO
     seconds = 8.0 if bench.quick else 30.0
+    tokens = prefix_tokens(model)
     rows: list[dict[str, Any]] = []
-    with (
-        environment(WORKER_ENVIRONMENT),
-        private_mesh(workers=WORKERS, model=SMALL_MODEL) as local_mesh,
-        second_envoy(local_mesh, local_mesh.run_dir, worker_routing="prefix") as (envoy, pid),
-    ):
-        settings = local_mesh.settings
-        if settings.worker_routing != "least_request" or not settings.direct_token_path:
-            raise SystemExit("the mesh's own edge must route least_request on the direct path")
-        check_prefixes_outrun_the_key()
-        edges = [
-            Edge(
-                "least_request",
-                f"127.0.0.1:{settings.edge_port}",
-                settings.envoy_admin_port,
-                local_mesh.pid("envoy"),
-            ),
-            Edge("prefix", f"127.0.0.1:{envoy.edge_port}", envoy.admin_port, pid),
-        ]
-        for edge in edges:
-            wait_for_workers(edge.admin_port, WORKERS)
+    with ExitStack() as stack:
+        local_mesh = stack.enter_context(
+            private_mesh(
+                workers=WORKERS,
+                model=model,
+                worker_dtype=WORKER_DTYPE,
+                # The gateways name workers for the picker's Envoy (the others ignore them).
+                picker_feed="picker" in policies,
+            )
+        )
+        edges = open_edges(stack, local_mesh, policies)
         mesh = Mesh(local_mesh)
+        capacity = mesh.kv_capacity()
         prefill = prefill_times(local_mesh, 3 if bench.quick else 5)
-        print(f"[{SCENARIO}] prefill: {prefill}", file=sys.stderr, flush=True)
+        print(
+            f"[{SCENARIO}] KV cache {capacity:,} tokens a worker, prefixes of ~{tokens:.0f} "
+            f"tokens; prefill: {prefill}",
+            file=sys.stderr,
+            flush=True,
+        )
+        chosen = {plan.name: plan for plan in plans()}
+        if "pressure" in workloads:
+            uses = PRESSURE_USES_QUICK if bench.quick else PRESSURE_USES
+            chosen["pressure"] = pressure_plan(capacity, tokens, uncached_ms(prefill), uses)
+        selected = [chosen[name] for name in workloads]
         # Off the engines' cores where the machine has any to spare (a 2-core one has not).
         cpus = local_mesh.mesh_cores(WORKERS, os.cpu_count() or 1)
         for edge in edges:  # the engines' first batches of each shape, not measured
             warm = plans()[0].config(edge, 3.0, seed=999, text_seed=999)
             run(replace(warm, cpus=cpus, label=f"warm-up {edge.policy}"), show_progress=False)
-        for number_of_plan, plan in enumerate(plans()):
-            runs: dict[str, list[dict[str, Any]]] = {edge.policy: [] for edge in edges}
-            for number in range(rounds):
-                order = edges if number % 2 == 0 else edges[::-1]
-                for edge in order:
-                    seed = 100 * (number_of_plan + 1) + number
-                    text_seed = 10 * seed + POLICIES.index(edge.policy) + 1
-                    config = replace(plan.config(edge, seconds, seed, text_seed), cpus=cpus)
-                    result = measured_round(config, edge, mesh)
-                    runs[edge.policy].append(result)
-                    print(
-                        f"[{SCENARIO}] {config.label} ({number + 1}/{rounds}): "
-                        f"{result['requests']} requests, {result['errors']} errors, hit ratio "
-                        f"{result['prefix']['hit_ratio']}, TTFT p50/p99 "
-                        f"{result['ttft_ms']['p50_ms']:.0f}/{result['ttft_ms']['p99_ms']:.0f} ms,"
-                        f" shares {result['prefix']['request_shares']}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+        for plan in selected:
+            runs = run_plan(plan, edges, mesh, rounds, seconds, cpus)
             results = []
             for edge in edges:
                 total = combined(runs[edge.policy])
@@ -547,18 +726,26 @@ def prefix_routing(bench: Bench, rounds: int) -> dict[str, Any]:
                 results, "ttft", out / f"{plan.name}-ttft-cdf.png", f"TTFT: {plan.name}"
             )
     verdicts = targets(rows)
-    tokens = [r["prompt_tokens_per_request"] for r in rows if r["workload"] != "uniform"]
     notes = {
-        "model": SMALL_MODEL,
+        "model": model,
+        "worker_dtype": WORKER_DTYPE,
+        # The gateways' picker settings given to this run (the defaults otherwise).
+        "picker_environment": {
+            name: value
+            for name, value in os.environ.items()
+            if name.startswith("TOKENMESH_GATEWAY_PICKER__")
+        },
         "workers": WORKERS,
+        "policies": list(policies),
         "rounds": rounds,
         "round_seconds": seconds,
+        "kv_capacity_tokens": capacity,
         "prefix_words": PREFIX_WORDS,
+        "prefix_tokens": round(tokens, 1),
         "suffix_words": SUFFIX_WORDS,
         "output_tokens": OUTPUT_TOKENS,
-        "prefix_tokens": round(min(t for t in tokens if t)) if any(tokens) else None,
         "prefill": prefill,
-        "plans": [vars(plan) for plan in plans()],
+        "plans": [vars(plan) for plan in selected],
         "generator_cpus": cpus or "any",
         "machine": {"cpus": os.cpu_count(), **report.processor()},
         "load_average_at_end": [round(v, 2) for v in os.getloadavg()],
@@ -574,10 +761,26 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="short rounds (a smoke test)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per policy")
     parser.add_argument("--out", type=Path, default=None, help="result directory")
+    parser.add_argument("--model", default=SMALL_MODEL, help="the workers' model directory")
+    parser.add_argument(
+        "--workloads",
+        default=",".join(DEFAULT_WORKLOADS),
+        help=f"comma-separated, of {','.join(WORKLOADS)}",
+    )
+    parser.add_argument(
+        "--policies",
+        default=",".join(POLICIES),
+        help=f"comma-separated worker_routing policies, of {','.join(POLICIES)}",
+    )
     args = parser.parse_args()
+    try:
+        workloads = selection(args.workloads, WORKLOADS)
+        policies = selection(args.policies, POLICIES)
+    except ValueError as error:
+        parser.error(str(error))
     stamp = datetime.now(UTC).strftime("%Y-%m-%d")
     bench = Bench(args.out or RESULTS / (stamp + ("-quick" if args.quick else "")), args.quick)
-    prefix_routing(bench, 1 if args.quick else args.rounds)
+    prefix_routing(bench, 1 if args.quick else args.rounds, args.model, workloads, policies)
     print((bench.out / SCENARIO / "summary.md").read_text())
     print(f"results in {bench.out / SCENARIO}", file=sys.stderr)
 

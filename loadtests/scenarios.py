@@ -167,10 +167,13 @@ def second_envoy(
     envoy = shutil.which("envoy", path=str(Path(sys.executable).parent)) or "envoy"
     # Its access log (stdout) and errors beside its config.
     log = (run_dir / f"envoy-{ports[0]}.log").open("w")
+    # A session of its own, as the mesh's programs have under supervisord: scheduled apart
+    # from the benchmark that started it (Linux's autogroups are per session).
     process = subprocess.Popen(
         [*pinned, envoy, "-c", str(config), "--base-id", str(ports[0]), "--log-level", "warn"],
         stdout=log,
         stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 60

@@ -24,6 +24,7 @@ MAX_POSITIONS = 2048
 # Weights and activations. vLLM's CPU backend computes bfloat16 natively only with AVX-512's
 # bf16 instructions; on AVX2 float32 is several times faster.
 DTYPE = "bfloat16"
+DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
 SEED = 1234
 
 # A minimal ChatML-like chat template (the model's own, as vLLM renders chat): each message is
@@ -60,6 +61,15 @@ class Shape:
             if name not in written and value != getattr(Shape, name):
                 written[name] = value
         return written
+
+    def kv_bytes_per_token(self) -> int:
+        """The KV cache one token takes: a key and a value for every head of every layer (as
+        many KV heads as heads: no grouped-query attention), in the model's dtype."""
+        return 2 * self.layers * self.hidden_size * DTYPE_BYTES[self.dtype]
+
+    def kv_tokens_per_gib(self) -> int:
+        """Tokens one GiB of KV cache holds (the CPU backend's cache comes in whole GiB)."""
+        return 2**30 // self.kv_bytes_per_token()
 
 
 def corpus() -> list[str]:
@@ -154,7 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     build_tokenizer(args.out_dir, shape)
     build_model(args.out_dir, shape)
     marker.write_text(text)
-    print(f"model written to {args.out_dir}")
+    print(
+        f"model written to {args.out_dir}: KV cache {shape.kv_bytes_per_token():,} bytes a "
+        f"token, {shape.kv_tokens_per_gib():,} tokens a GiB"
+    )
     return 0
 
 

@@ -1,10 +1,12 @@
 """The Helm chart, rendered offline (Helm v4 as a library, PyPI helm-python-sdk) for every value
 set below and every manifest validated strictly against Kubernetes 1.33's schemas (PyPI
-kubernetes-validate); then the facts that matter asserted on the rendered objects: GPUs on
-workers only, native gRPC probes on the right ports, NetworkPolicies that select the right
-pods, an Envoy config the real Envoy accepts, discovery wiring, TLS, API keys, autoscaling,
-mTLS, monitoring, names that fit for any release name, shutdown timing, model storage, the
-pods' extension points, and the value combinations refused at render time.
+kubernetes-validate), the custom resources against their CRDs' schemas (tests/crds: the npm
+models of the Prometheus Operator's, cert-manager's and KEDA's CRDs); then the facts that
+matter asserted on the rendered objects: GPUs on workers only, native gRPC probes on the right
+ports, NetworkPolicies that select the right pods, an Envoy config the real Envoy accepts,
+discovery wiring, TLS, API keys, autoscaling, mTLS, monitoring, names that fit for any release
+name, shutdown timing, model storage, the pods' extension points, and the value combinations
+refused at render time.
 No cluster is involved."""
 
 from __future__ import annotations
@@ -50,7 +52,9 @@ HEALTH_SERVICES = {
     "reranker": "tokenmesh.v1.RerankService",
     "controlplane": "envoy.service.discovery.v3.AggregatedDiscoveryService",
 }
-# Custom resources: no Kubernetes schema; their shape is asserted below instead.
+# Custom resources: no Kubernetes schema; validated against their CRDs' schemas instead, by
+# tests/crds/validate.mjs (Node.js; `make setup` installs its npm packages).
+CRD_VALIDATOR = ROOT / "tests" / "crds"
 CUSTOM_KINDS = {"ServiceMonitor", "PrometheusRule", "Certificate", "ScaledObject"}
 CUSTOM_APIS = {"monitoring.coreos.com/v1", "cert-manager.io/v1", "keda.sh/v1alpha1"}
 OPERATOR_APIS = (
@@ -131,6 +135,14 @@ def python_extension_values(component: str, scale: int) -> dict[str, Any]:
     }
 
 
+# envoy.workerRouting.picker, none of them the default.
+PICKER_VALUES = {
+    "slackStreams": 4,
+    "slackPercent": 50,
+    "candidates": 2,
+    "staleSeconds": 1.5,
+    "feedIntervalMs": 250,
+}
 # name -> (values, extra API versions the simulated cluster serves)
 VALUE_SETS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "defaults": ({}, ()),
@@ -219,6 +231,14 @@ VALUE_SETS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
             "monitoring": {"serviceMonitor": {"enabled": True}},
         },
         OPERATOR_APIS,
+    ),
+    # Load-aware prefix affinity (the gateways' endpoint picker) under mTLS, tunables changed.
+    "mtls-picker": (
+        {
+            "envoy": {"workerRouting": {"policy": "picker", "picker": PICKER_VALUES}},
+            "mtls": {"enabled": True, "existingSecret": "tokenmesh-mtls"},
+        },
+        (),
     ),
     # Every kind of object the chart can make, under the longest release name.
     "long-release": (
@@ -323,6 +343,28 @@ class Release:
         return dict(self.envoy_secret(reference)["tls_certificate"])
 
 
+def validate_custom(objects: list[dict[str, Any]]) -> subprocess.CompletedProcess[str]:
+    """tests/crds/validate.mjs on objects: a line per object, `ok <kind>/<name>` or
+    `FAIL <kind>/<name>: <what is wrong>`; exit status 1 when any fails its CRD's schema."""
+    node = shutil.which("node")
+    assert node, (
+        "no node on PATH: install Node.js 20+, then run `make setup` (it installs tests/crds)"
+    )
+    stamp = CRD_VALIDATOR / "node_modules" / ".setup"
+    assert stamp.exists(), "the CRD validator's packages are not installed: run `make setup`"
+    assert stamp.stat().st_mtime >= (CRD_VALIDATOR / "package-lock.json").stat().st_mtime, (
+        "tests/crds/package-lock.json is newer than its install: run `make setup`"
+    )
+    return subprocess.run(
+        [node, str(CRD_VALIDATOR / "validate.mjs")],
+        input=json.dumps(objects),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
 @pytest.fixture(scope="module")
 def releases() -> dict[str, Release]:
     """Every value set rendered once."""
@@ -367,12 +409,19 @@ def test_every_manifest_is_valid_for_the_kubernetes_version(
     release = releases[value_set]
     kinds = {o["kind"] for o in release.objects}
     assert {"Deployment", "Service", "ConfigMap", "PodDisruptionBudget", "NetworkPolicy"} <= kinds
+    custom = []
     for item in release.objects:
         if item["kind"] in CUSTOM_KINDS:
             assert item["apiVersion"] in CUSTOM_APIS
-            assert item["spec"], item["metadata"]["name"]
+            custom.append(item)
             continue
         kubernetes_validate.validate(item, KUBE_VERSION, strict=True)
+    if custom:
+        result = validate_custom(custom)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert result.stdout.splitlines() == [
+            f"ok {item['kind']}/{item['metadata']['name']}" for item in custom
+        ]
 
 
 def test_strict_validation_rejects_an_unknown_field(releases: dict[str, Release]) -> None:
@@ -381,6 +430,41 @@ def test_strict_validation_rejects_an_unknown_field(releases: dict[str, Release]
     deployment["spec"]["template"]["spec"]["containers"][0]["imagePullPolicyy"] = "Always"
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(deployment, KUBE_VERSION, strict=True)
+
+
+def test_crd_validation_refuses_a_wrong_type_and_names_the_object(
+    releases: dict[str, Release],
+) -> None:
+    """The custom resources' validation can fail: a field of the wrong type is refused in each
+    of the Prometheus Operator's, cert-manager's and KEDA's schemas, naming the object and the
+    field; a kind without a schema is refused too; a valid object beside them passes."""
+    monitor = json.loads(
+        json.dumps(releases["hpa-monitoring"].get("ServiceMonitor", f"{PREFIX}-worker"))
+    )
+    monitor["spec"]["endpoints"] = "metrics"
+    certificate = json.loads(json.dumps(releases["tls"].get("Certificate", f"{PREFIX}-envoy")))
+    certificate["spec"]["duration"] = 2160
+    scaled = json.loads(json.dumps(releases["keda"].get("ScaledObject", f"{PREFIX}-worker")))
+    scaled["spec"]["triggers"][0]["metadata"]["threshold"] = 4
+    valid = releases["hpa-monitoring"].get("PrometheusRule", f"{PREFIX}-alerts")
+    unknown = {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PodMonitor",
+        "metadata": {"name": "pods"},
+        "spec": {},
+    }
+    result = validate_custom([monitor, certificate, scaled, valid, unknown])
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stdout.splitlines() == [
+        f"FAIL ServiceMonitor/{PREFIX}-worker: /spec/endpoints must be array",
+        f"FAIL Certificate/{PREFIX}-envoy: /spec/duration must be string",
+        f"FAIL ScaledObject/{PREFIX}-worker: /spec/triggers/0/metadata/threshold must be string",
+        f"ok PrometheusRule/{PREFIX}-alerts",
+        "FAIL PodMonitor/pods: no schema for monitoring.coreos.com/v1/PodMonitor (known: "
+        "monitoring.coreos.com/v1/ServiceMonitor, monitoring.coreos.com/v1/PrometheusRule, "
+        "cert-manager.io/v1/Certificate, keda.sh/v1alpha1/ScaledObject)",
+        "4 of 5 objects fail their schema",
+    ]
 
 
 def test_schema_accepts_the_value_sets_and_rejects_bad_values() -> None:
@@ -788,7 +872,7 @@ def mesh_certificates(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-@pytest.mark.parametrize("value_set", ["defaults", "tls", "mtls", "mtls-secret"])
+@pytest.mark.parametrize("value_set", ["defaults", "tls", "mtls", "mtls-secret", "mtls-picker"])
 def test_envoy_accepts_the_configmap(
     value_set: str,
     releases: dict[str, Release],
@@ -1653,6 +1737,35 @@ IMPOSSIBLE: list[tuple[dict[str, Any], str]] = [
     (
         {"worker": {"extraEnv": [{"name": "TOKENMESH_WORKER_GRACE_SECONDS", "value": "5"}]}},
         "set TOKENMESH_WORKER_GRACE_SECONDS with shutdown.graceSeconds, not extraEnv",
+    ),
+    (
+        {"envoy": {"workerRouting": {"policy": "picker"}}, "controlplane": {"enabled": False}},
+        "envoy.workerRouting.policy=picker needs controlplane.enabled",
+    ),
+    (
+        {
+            "envoy": {
+                "workerRouting": {
+                    "policy": "picker",
+                    "picker": {"staleSeconds": 0.2, "feedIntervalMs": 200},
+                }
+            }
+        },
+        r"picker.staleSeconds \(0.2\) must exceed feedIntervalMs \(200 ms\)",
+    ),
+    (
+        {"gateway": {"env": {"TOKENMESH_GATEWAY_PICKER__SLACK_STREAMS": "0"}}},
+        "set TOKENMESH_GATEWAY_PICKER__SLACK_STREAMS with envoy.workerRouting .*, not gateway.env",
+    ),
+    (
+        {
+            "envoy": {"workerRouting": {"policy": "picker"}},
+            "gateway": {
+                "extraEnv": [{"name": "TOKENMESH_GATEWAY_PICKER__FEED_ADDRESS", "value": "cp:1"}]
+            },
+        },
+        "set TOKENMESH_GATEWAY_PICKER__FEED_ADDRESS with envoy.workerRouting .*, not "
+        "gateway.extraEnv",
     ),
     (
         {"reranker": {"podLabels": {"app.kubernetes.io/component": "x"}}},

@@ -1,12 +1,14 @@
 """The chart's Envoy and egress wiring, rendered offline like tests/unit/test_helm_chart.py
 (whose helpers this reuses): admin on 127.0.0.1 with probes and metrics on the stats listener,
-a preStop that really drains, health checks from values, a high uid of Envoy's own, egress
-NetworkPolicies that allow each component exactly what it calls (and never the cloud metadata
-service), each call admitted by the callee's ingress policy, tracing to a collector, and
-checkov's scan."""
+a preStop that really drains, health checks and worker routing from values (the endpoint
+picker's cluster policy as meshconfig renders it, the gateways' feed of the workers' load),
+a high uid of Envoy's own, egress NetworkPolicies that allow each component exactly what it
+calls (and never the cloud metadata service), each call admitted by the callee's ingress
+policy, tracing to a collector, and checkov's scan."""
 
 from __future__ import annotations
 
+import copy
 import ipaddress
 import json
 import os
@@ -25,6 +27,9 @@ import pytest
 from tests.support import ROOT
 from tests.unit.test_helm_chart import (
     CHART,
+    DEFAULTS,
+    NAMESPACE,
+    PICKER_VALUES,
     PREFIX,
     PYTHON_COMPONENTS,
     VALUE_SETS,
@@ -35,11 +40,20 @@ from tests.unit.test_helm_chart import (
     selects,
 )
 from tests.unit.test_meshconfig import envoy_validate
+from tokenmesh.gateway.config import GatewaySettings, PickerSettings
 from tokenmesh.meshconfig import bootstrap
-from tokenmesh.meshconfig.config import MeshSettings
+from tokenmesh.meshconfig.config import MeshSettings, kubernetes_profile
 
 COMPONENTS = (*PYTHON_COMPONENTS, "envoy")
-RENDERED = ("defaults", "cpu", "multi-gpu", "consul", "mtls-secret", "hpa-monitoring")
+RENDERED = (
+    "defaults",
+    "cpu",
+    "multi-gpu",
+    "consul",
+    "mtls-secret",
+    "hpa-monitoring",
+    "mtls-picker",
+)
 # The cloud metadata services (AWS, GCP, Azure, Alibaba; AWS over IPv6).
 METADATA = ("169.254.169.254", "100.100.100.200", "fd00:ec2::254")
 
@@ -349,6 +363,141 @@ def test_worker_routing_comes_from_values_and_envoy_accepts_it(
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+# ---- worker routing: the gateways' endpoint picker
+
+
+def clusters_of(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["name"]: c for c in config["static_resources"]["clusters"]}
+
+
+def as_picker(config: dict[str, Any]) -> dict[str, Any]:
+    """A least_request config with the workers' cluster as meshconfig renders it for
+    worker_routing picker: no lb_policy nor bounded load, the override-host policy instead."""
+    config = copy.deepcopy(config)
+    worker = clusters_of(config)["worker"]
+    assert worker.pop("lb_policy") == "LEAST_REQUEST"
+    del worker["common_lb_config"]["consistent_hashing_lb_config"]
+    worker["load_balancing_policy"] = bootstrap.picker_policy()
+    return config
+
+
+@pytest.mark.parametrize(
+    ("tls", "mtls"),
+    [(False, False), (True, False), (False, True), (True, True)],
+    ids=["plaintext", "tls", "mtls", "tls-mtls"],
+)
+def test_picker_routing_renders_meshconfigs_worker_cluster(
+    tls: bool, mtls: bool, tmp_path: Path
+) -> None:
+    """With picker the chart's Envoy config is its least_request one with exactly the change
+    meshconfig makes to its own (the workers' cluster; no route, ext_proc or header handling
+    differs), and the workers' cluster is the one meshconfig renders for the same profile."""
+    profile = kubernetes_profile(tls=tls, mtls=mtls)
+    least = bootstrap.render(profile)
+    picked = bootstrap.render(profile.model_copy(update={"worker_routing": "picker"}))
+    assert picked == as_picker(least)  # meshconfig's whole difference between the two
+    base: dict[str, Any] = {
+        "envoy": {"tls": {"enabled": tls, "existingSecret": "edge-tls"}},
+        "mtls": {"enabled": mtls, "existingSecret": "tokenmesh-mtls"},
+    }
+    chart_least = Release(render(base)).envoy_config()
+    routing = {"workerRouting": {"policy": "picker"}}
+    release = Release(render({**base, "envoy": {**base["envoy"], **routing}}))
+    chart_picked = release.envoy_config()
+    assert chart_picked == as_picker(chart_least)
+    assert clusters_of(chart_picked)["worker"] == clusters_of(picked)["worker"]
+    # Least request stays on the other clusters, and the bounded load's placeholder is gone.
+    for name in ("gateway", "reranker", "openai"):
+        assert clusters_of(chart_picked)[name]["lb_policy"] == "LEAST_REQUEST"
+    text = release.get("ConfigMap", f"{PREFIX}-envoy")["data"]["envoy.yaml"]
+    assert "${" not in text
+    if not (tls or mtls):  # with certificates: test_helm_chart's test_envoy_accepts_the_configmap
+        path = tmp_path / "envoy.yaml"
+        path.write_text(text.replace("/etc/envoy/config", str(tmp_path)))
+        result = envoy_validate(path)
+        assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_picker_gateways_follow_the_control_plane_feed(
+    releases: dict[str, Release], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The gateways' feed is the control plane's gRPC port, through its headless Service: the
+    host and port Envoy's xDS dials, plaintext as xDS is (the control plane's port takes no
+    TLS); the tunables from values reach the settings the gateway reads."""
+    release = releases["mtls-picker"]
+    env = release.env("gateway")
+    address = env["TOKENMESH_GATEWAY_PICKER__FEED_ADDRESS"]
+    host, _, port = address.rpartition(":")
+    service_name, namespace, *domain = host.split(".")
+    assert (namespace, domain) == (NAMESPACE, ["svc", "cluster", "local"])
+    service = release.get("Service", service_name)
+    assert selects(service["spec"]["selector"], pod_labels(release, "controlplane"))
+    grpc = port_number(release.container("controlplane"), "grpc")
+    assert int(port) == grpc
+    assert {"name": "grpc", "port": grpc} in [
+        {"name": p["name"], "port": p["port"]} for p in service["spec"]["ports"]
+    ]
+    xds = clusters_of(release.envoy_config())["xds_cluster"]
+    endpoint = xds["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+    assert endpoint["address"]["socket_address"] == {"address": host, "port_value": grpc}
+    assert "transport_socket" not in xds
+    controlplane = release.env("controlplane")
+    assert not [name for name in controlplane if name.startswith("TOKENMESH_CONTROLPLANE_TLS")]
+    # The variables are the gateway's settings, with the values given.
+    for name in [n for n in os.environ if n.startswith("TOKENMESH_GATEWAY_")]:
+        monkeypatch.delenv(name)
+    picker = {n: v for n, v in env.items() if n.startswith("TOKENMESH_GATEWAY_PICKER__")}
+    assert all(isinstance(value, str) for value in picker.values())
+    for name, value in picker.items():
+        monkeypatch.setenv(name, value)
+    assert GatewaySettings().picker == PickerSettings(
+        feed_address=address,
+        slack_streams=PICKER_VALUES["slackStreams"],
+        slack_percent=PICKER_VALUES["slackPercent"],
+        candidates=PICKER_VALUES["candidates"],
+        stale_seconds=PICKER_VALUES["staleSeconds"],
+        feed_interval_ms=PICKER_VALUES["feedIntervalMs"],
+    )
+    # Every one of them is set: none is left to the gateway's default.
+    assert len(picker) == len(PickerSettings.model_fields)
+    # Without picker the gateways follow no feed.
+    for value_set in ("defaults", "mtls-secret"):
+        gateway = releases[value_set].env("gateway")
+        assert not [name for name in gateway if "PICKER" in name], value_set
+
+
+# pydantic's bounds (annotated_types) as JSON Schema's keywords.
+BOUNDS = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "exclusiveMaximum"}
+PICKER_FIELDS = {
+    "slackStreams": "slack_streams",
+    "slackPercent": "slack_percent",
+    "candidates": "candidates",
+    "staleSeconds": "stale_seconds",
+    "feedIntervalMs": "feed_interval_ms",
+}
+
+
+def test_picker_values_default_and_are_bounded_as_the_gateways_settings() -> None:
+    defaults = DEFAULTS["envoy"]["workerRouting"]["picker"]
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    picker = schema["properties"]["envoy"]["properties"]["workerRouting"]["properties"]["picker"]
+    fields = PickerSettings.model_fields
+    assert set(defaults) == set(picker["properties"]) == set(PICKER_FIELDS)
+    assert set(PICKER_FIELDS.values()) == set(fields) - {"feed_address"}
+    for key, name in PICKER_FIELDS.items():
+        field = fields[name]
+        assert defaults[key] == field.default, key
+        bounds = {
+            keyword: getattr(rule, attribute)
+            for rule in field.metadata
+            for attribute, keyword in BOUNDS.items()
+            if hasattr(rule, attribute)
+        }
+        prop = picker["properties"][key]
+        assert {k: v for k, v in prop.items() if k != "type"} == bounds, key
+        assert prop["type"] == ("integer" if field.annotation is int else "number"), key
+
+
 # ---- Envoy's user
 
 
@@ -418,6 +567,27 @@ def test_the_schema_refuses_bad_drain_and_egress_values() -> None:
                 {"envoy": {"workerRouting": {"prefixBalanceFactorPercent": 90}}},
                 "/envoy/workerRouting/prefixBalanceFactorPercent",
             ),
+            (
+                {"envoy": {"workerRouting": {"picker": {"candidates": 17}}}},
+                "/envoy/workerRouting/picker/candidates",
+            ),
+            (
+                {"envoy": {"workerRouting": {"picker": {"feedIntervalMs": 49}}}},
+                "/envoy/workerRouting/picker/feedIntervalMs",
+            ),
+            (
+                {"envoy": {"workerRouting": {"picker": {"staleSeconds": 0}}}},
+                "/envoy/workerRouting/picker/staleSeconds",
+            ),
+            (
+                {"envoy": {"workerRouting": {"picker": {"slackStreams": -1}}}},
+                "/envoy/workerRouting/picker/slackStreams",
+            ),
+            (
+                {"envoy": {"workerRouting": {"picker": {"slackPercent": 2.5}}}},
+                "/envoy/workerRouting/picker/slackPercent",
+            ),
+            ({"envoy": {"workerRouting": {"picker": {"slack": 2}}}}, "/envoy/workerRouting/picker"),
             ({"envoy": {"podSecurityContext": {"runAsUser": 0}}}, "/envoy/podSecurityContext"),
             ({"envoy": {"podSecurityContext": {"fsGroup": 1}}}, "/envoy/podSecurityContext"),
         ]
@@ -477,7 +647,7 @@ def tcp(peer: str, *ports: int) -> set[tuple[str, str, int]]:
     return {(peer, "TCP", port) for port in ports}
 
 
-@pytest.mark.parametrize("value_set", ["defaults", "mtls-secret"])
+@pytest.mark.parametrize("value_set", ["defaults", "mtls-secret", "mtls-picker"])
 def test_each_component_may_call_exactly_what_it_calls(
     value_set: str, releases: dict[str, Release]
 ) -> None:
@@ -489,7 +659,11 @@ def test_each_component_may_call_exactly_what_it_calls(
     clusters = {c["name"]: c for c in release.envoy_config()["static_resources"]["clusters"]}
     ops_page = clusters["ops_page"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
     grpc = {c: port_number(release.container(c), "grpc") for c in PYTHON_COMPONENTS}
-    assert allowed(release, "gateway") == tcp("envoy", listeners["worker"], listeners["reranker"])
+    # With picker routing, also the control plane's feed of the workers' load.
+    feed = tcp("controlplane", grpc["controlplane"]) if value_set == "mtls-picker" else set()
+    assert allowed(release, "gateway") == (
+        tcp("envoy", listeners["worker"], listeners["reranker"]) | feed
+    )
     assert allowed(release, "envoy") == (
         tcp("gateway", grpc["gateway"], port_number(release.container("gateway"), "openai"))
         | tcp("worker", grpc["worker"])
@@ -531,7 +705,7 @@ def admitted(release: Release, component: str) -> set[tuple[str, int]]:
     return found
 
 
-@pytest.mark.parametrize("value_set", ["defaults", "mtls-secret", "consul"])
+@pytest.mark.parametrize("value_set", ["defaults", "mtls-secret", "consul", "mtls-picker"])
 def test_every_call_the_egress_allows_the_callee_admits(
     value_set: str, releases: dict[str, Release]
 ) -> None:
@@ -565,6 +739,24 @@ def test_the_control_plane_serves_the_ops_page_where_envoy_calls_it(
     assert ("controlplane", port_number(release.container("worker"), "grpc")) in admitted(
         release, "worker"
     )
+
+
+def test_only_picker_routing_lets_gateways_reach_the_control_plane(
+    releases: dict[str, Release],
+) -> None:
+    """Both ways (the gateways' egress, the control plane's ingress), its gRPC port only."""
+    picker = releases["mtls-picker"]
+    grpc = port_number(picker.container("controlplane"), "grpc")
+    assert {port for peer, port in admitted(picker, "controlplane") if peer == "gateway"} == {grpc}
+    assert {
+        (protocol, port)
+        for peer, protocol, port in allowed(picker, "gateway")
+        if peer == "controlplane"
+    } == {("TCP", grpc)}
+    prefix = Release(render({"envoy": {"workerRouting": {"policy": "prefix"}}}))
+    for release in (releases["defaults"], releases["mtls-secret"], prefix):
+        assert not [peer for peer, _ in admitted(release, "controlplane") if peer == "gateway"]
+        assert not [peer for peer, _, _ in allowed(release, "gateway") if peer == "controlplane"]
 
 
 def test_workers_with_a_local_model_reach_no_hub(releases: dict[str, Release]) -> None:

@@ -361,7 +361,9 @@ spec:
 Ingress of a Python component: its gRPC port from Envoy's pods (and from Consul's health
 checks in consul mode), its metrics port from networkPolicy.metricsFrom. Besides Envoy, the
 control plane's ops feed asks each worker on its gRPC port (grpc.health.v1 Check and
-GetEngineStats), and Envoy's edge reaches the control plane's ops page.
+GetEngineStats), Envoy's edge reaches the control plane's ops page, and with
+envoy.workerRouting.policy=picker the gateways reach the control plane's gRPC port (the
+workers' feed, OpsService.SubscribeWorkers).
 */}}
 {{- define "tokenmesh.serviceNetworkPolicy" -}}
 {{- $values := index .root.Values .component }}
@@ -410,6 +412,15 @@ spec:
               {{- include "tokenmesh.selectorLabels" (dict "root" .root "component" "envoy") | nindent 14 }}
       ports:
         - port: ops-page
+    {{- if and (eq .root.Values.envoy.workerRouting.policy "picker") .root.Values.gateway.enabled }}
+    # worker_routing picker: each gateway's endpoint picker follows the workers' load here.
+    - from:
+        - podSelector:
+            matchLabels:
+              {{- include "tokenmesh.selectorLabels" (dict "root" .root "component" "gateway") | nindent 14 }}
+      ports:
+        - port: grpc
+    {{- end }}
     {{- end }}
     - from:
         {{- toYaml .root.Values.networkPolicy.metricsFrom | nindent 8 }}
@@ -487,15 +498,28 @@ spec:
 Envoy's configuration, generated from services/tokenmesh/meshconfig (make chart): the edge
 with TLS when envoy.tls.enabled, mTLS to the services when mtls.enabled, the control plane's
 placeholder host replaced by its headless Service, the health checks' placeholders by
-envoy.healthChecks and the workers' balancing by envoy.workerRouting. Listener and admin ports
-are read from it, never repeated in values.
+envoy.healthChecks and the workers' balancing by envoy.workerRouting (with picker, the
+workers' cluster gets tokenmesh.pickerPolicy in place of its lb_policy, as meshconfig's
+picker_policy() renders it). Listener and admin ports are read from it, never repeated in values.
 */}}
 {{- define "tokenmesh.envoyConfig" -}}
 {{- $file := printf "files/envoy%s%s.yaml" (ternary "-tls" "" .Values.envoy.tls.enabled) (ternary "-mtls" "" .Values.mtls.enabled) }}
 {{- $host := printf "%s.%s.svc.%s" (include "tokenmesh.headlessName" (dict "root" . "component" "controlplane")) .Release.Namespace .Values.clusterDomain }}
 {{- $checks := .Values.envoy.healthChecks }}
 {{- $routing := .Values.envoy.workerRouting }}
-{{- .Files.Get $file | replace "${TOKENMESH_CONTROLPLANE_HOST}" $host
+{{- $text := .Files.Get $file }}
+{{- if eq $routing.policy "picker" }}
+{{- /* The override-host policy is a typed extension, not an lb_policy value: it replaces the
+line, at that line's indentation, and the hashing policy's bounded load goes. */}}
+{{- $line := regexFind "(?m)^ *lb_policy: \\$\\{TOKENMESH_WORKER_LB_POLICY\\}$" $text }}
+{{- $hashing := regexFind "(?m)^ *consistent_hashing_lb_config:\\n *hash_balance_factor: \\$\\{TOKENMESH_PREFIX_BALANCE_FACTOR\\}\\n" $text }}
+{{- if or (not $line) (not $hashing) }}
+{{- fail (printf "%s has no worker lb_policy or bounded-load placeholder where envoy.workerRouting.policy=picker expects them: regenerate the chart files (make chart) or update tokenmesh.envoyConfig" $file) }}
+{{- end }}
+{{- $indent := len (regexFind "^ *" $line) }}
+{{- $text = replace $line (printf "%sload_balancing_policy:%s" (repeat $indent " ") (include "tokenmesh.pickerPolicy" . | nindent (add $indent 2 | int))) $text | replace $hashing "" }}
+{{- end }}
+{{- $text | replace "${TOKENMESH_CONTROLPLANE_HOST}" $host
   | replace "${TOKENMESH_HEALTH_CHECK_TIMEOUT}" (include "tokenmesh.duration" $checks.timeoutSeconds)
   | replace "${TOKENMESH_HEALTH_CHECK_INTERVAL}" (include "tokenmesh.duration" $checks.intervalSeconds)
   | replace "${TOKENMESH_HEALTH_CHECK_UNHEALTHY_THRESHOLD}" (printf "%d" (int $checks.unhealthyThreshold))
@@ -503,6 +527,28 @@ are read from it, never repeated in values.
   | replace "${TOKENMESH_HEALTHY_PANIC_THRESHOLD_PERCENT}" (printf "%g" (float64 $checks.panicThresholdPercent))
   | replace "${TOKENMESH_WORKER_LB_POLICY}" (get (dict "least_request" "LEAST_REQUEST" "prefix" "MAGLEV") $routing.policy)
   | replace "${TOKENMESH_PREFIX_BALANCE_FACTOR}" (printf "%d" (int $routing.prefixBalanceFactorPercent)) }}
+{{- end }}
+
+{{/*
+The workers' load_balancing_policy for envoy.workerRouting.policy=picker: each attempt goes to
+the next worker the gateway's endpoint picker named in x-tokenmesh-worker; with none named, or
+all tried, least request. The same structure as meshconfig's picker_policy() (bootstrap.py),
+which the generated files do not carry; tests/unit/test_helm_envoy.py compares the two.
+*/}}
+{{- define "tokenmesh.pickerPolicy" -}}
+policies:
+- typed_extension_config:
+    name: envoy.load_balancing_policies.override_host
+    typed_config:
+      '@type': type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost
+      override_host_sources:
+      - header: x-tokenmesh-worker
+      fallback_policy:
+        policies:
+        - typed_extension_config:
+            name: envoy.load_balancing_policies.least_request
+            typed_config:
+              '@type': type.googleapis.com/envoy.extensions.load_balancing_policies.least_request.v3.LeastRequest
 {{- end }}
 
 {{/* Seconds as an Envoy duration, as meshconfig writes them: 0.5 -> 0.5s, 1 -> 1s. */}}
@@ -713,6 +759,22 @@ timeout would fail every check); the schema bounds the values themselves. */}}
 {{- $seconds := toString (index $v.envoy.healthChecks $key) }}
 {{- if not (regexMatch "^[0-9]+(\\.[0-9]{1,3})?$" $seconds) }}
 {{- fail (printf "envoy.healthChecks.%s (%s) must be a whole number of milliseconds: Envoy times health checks in milliseconds and would drop the rest" $key $seconds) }}
+{{- end }}
+{{- end }}
+{{- /* The gateways' endpoint picker: its settings come from envoy.workerRouting only. */}}
+{{- $routing := $v.envoy.workerRouting }}
+{{- if and (eq $routing.policy "picker") (not $v.controlplane.enabled) }}
+{{- fail "envoy.workerRouting.policy=picker needs controlplane.enabled: the gateways' endpoint picker follows the workers' load on the control plane's feed (without it every request would fall back to least request)" }}
+{{- end }}
+{{- if and (eq $routing.policy "picker") (le (mulf $routing.picker.staleSeconds 1000) (float64 $routing.picker.feedIntervalMs)) }}
+{{- fail (printf "envoy.workerRouting.picker.staleSeconds (%v) must exceed feedIntervalMs (%v ms): the gateways would count the figures stale between two reports and name no worker" $routing.picker.staleSeconds $routing.picker.feedIntervalMs) }}
+{{- end }}
+{{- $pickerEnv := list }}
+{{- range $name, $_ := $v.gateway.env }}{{ $pickerEnv = append $pickerEnv (dict "name" $name "where" "env") }}{{ end }}
+{{- range $v.gateway.extraEnv }}{{ $pickerEnv = append $pickerEnv (dict "name" .name "where" "extraEnv") }}{{ end }}
+{{- range $pickerEnv }}
+{{- if hasPrefix "TOKENMESH_GATEWAY_PICKER__" .name }}
+{{- fail (printf "set %s with envoy.workerRouting (policy picker, picker.*), not gateway.%s: the chart sets the gateways' picker settings, and with the other policies Envoy ignores the workers a picker names" .name .where) }}
 {{- end }}
 {{- end }}
 {{- range $component := list "gateway" "worker" "reranker" "controlplane" }}
