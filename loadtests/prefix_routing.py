@@ -114,6 +114,7 @@ TARGETS = {
     "ttft_p50_met": f"TTFT p50 >= {TTFT_P50_DROP:.0%} lower",
     "tokens_per_second_met": f"tokens/s at most {TOKENS_PER_SECOND_BAND:.0%} lower",
     "balance_met": f"max/mean <= {MAX_OVER_MEAN:g} every round",
+    "work_balance_met": f"computed tokens max/mean <= {MAX_OVER_MEAN:g} every round",
     "ttft_p99_met": "TTFT p99 no worse",
 }
 
@@ -232,17 +233,58 @@ def worker_counters(text: str) -> dict[str, float]:
     return totals
 
 
-def kv_capacity_tokens(text: str) -> int | None:
-    """The tokens a worker's KV cache holds as its engine reports it, from its metrics page
-    (vllm:cache_config_info: num_gpu_blocks blocks of block_size tokens); None: not there."""
+def cache_config(text: str) -> tuple[int, int] | None:
+    """A worker's KV cache as its engine reports it on its metrics page
+    (vllm:cache_config_info): (blocks, tokens a block); None: not there."""
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "vllm:cache_config_info":
                 blocks = sample.labels.get("num_gpu_blocks", "")
                 size = sample.labels.get("block_size", "")
                 if blocks.isdigit() and size.isdigit():
-                    return int(blocks) * int(size)
+                    return int(blocks), int(size)
     return None
+
+
+def kv_capacity_tokens(text: str) -> int | None:
+    """The tokens a worker's KV cache holds (None: its engine does not say)."""
+    found = cache_config(text)
+    return None if found is None else found[0] * found[1]
+
+
+class BestCache:
+    """The hit ratio of one prefix cache of unbounded size that saw a round's requests in the
+    order they were sent: the most any routing over the workers' caches could hit (each of
+    them holds less, and a prompt's blocks are found only where that prompt's prefix went).
+    vLLM's rule: a hit is a whole block of the prompt whose every earlier block hit too, and
+    the prompt's last token is always computed."""
+
+    def __init__(self, tokenizer: Tokenizer, block_size: int) -> None:
+        self._tokenizer = tokenizer
+        self._block = block_size
+        # Each cached block's key: a hash of the blocks before it and its own tokens.
+        self._seen: set[int] = set()
+
+    def counts(self, config: RunConfig, requests: int) -> dict[str, int]:
+        """Prompt tokens looked up and found, over the round's first `requests` requests
+        (the generator sends them in order, from one process: shard 0), from an empty cache."""
+        self._seen.clear()
+        hits = queries = 0
+        for spec in islice(config.workload().requests(), requests):
+            ids = self._tokenizer.encode(spec.prompt).ids
+            queries += len(ids)
+            hits += self.look_up(ids)
+        return {"hits": hits, "queries": queries}
+
+    def look_up(self, ids: Sequence[int]) -> int:
+        """The prompt's tokens found cached; then all its whole blocks are."""
+        chain, found, hits = 0, True, 0
+        for end in range(self._block, len(ids) + 1, self._block):
+            chain = hash((chain, tuple(ids[end - self._block : end])))
+            found = found and chain in self._seen and end < len(ids)
+            hits += self._block if found else 0
+            self._seen.add(chain)
+        return hits
 
 
 def prefix_tokens(model: str) -> float:
@@ -295,13 +337,20 @@ def max_over_mean(counts: dict[str, float]) -> float | None:
     return round(max(counts.values()) * len(counts) / total, 3) if total else None
 
 
-def load_figures(workers: dict[str, dict[str, float]]) -> dict[str, Any]:
-    """From the workers' counter growth: the hit ratio, each worker's share of the requests
-    and of the prompt tokens it computed (not from its cache), and the busiest over the mean."""
+def load_figures(
+    workers: dict[str, dict[str, float]], best: dict[str, float] | None = None
+) -> dict[str, Any]:
+    """From the workers' counter growth: the hit ratio (and the best any routing could have,
+    from BestCache's counts), each worker's share of the requests and of the prompt tokens it
+    computed (not from its cache), and the busiest over the mean."""
     requests = {name: counters["requests"] for name, counters in workers.items()}
     computed = {name: counters["queries"] - counters["hits"] for name, counters in workers.items()}
+    ratio_now = hit_ratio(workers)
+    best_ratio = hit_ratio({"best": best}) if best else None
     return {
-        "hit_ratio": hit_ratio(workers),
+        "hit_ratio": ratio_now,
+        "best_hit_ratio": best_ratio,
+        "of_best": round(ratio_now / best_ratio, 3) if ratio_now and best_ratio else None,
         "request_shares": shares(requests),
         "requests_max_over_mean": max_over_mean(requests),
         "computed_token_shares": shares(computed),
@@ -335,6 +384,13 @@ class Mesh:
     def counters(self) -> dict[str, dict[str, float]]:
         return {name: worker_counters(text) for name, text in self.pages().items()}
 
+    def block_size(self) -> int:
+        """The tokens in a KV-cache block (every worker's engine alike)."""
+        sizes = {found[1] for found in map(cache_config, self.pages().values()) if found}
+        if len(sizes) != 1:
+            raise SystemExit(f"the workers' engines report block sizes {sizes or 'none'}")
+        return sizes.pop()
+
     def kv_capacity(self) -> int:
         """The smallest of the workers' KV caches, in tokens."""
         found = {name: kv_capacity_tokens(text) for name, text in self.pages().items()}
@@ -347,9 +403,9 @@ class Mesh:
         return {name: cpu_seconds(pids) for name, pids in processes.items()}
 
 
-def measured_round(config: RunConfig, edge: Edge, mesh: Mesh) -> dict[str, Any]:
+def measured_round(config: RunConfig, edge: Edge, mesh: Mesh, best: BestCache) -> dict[str, Any]:
     """One run through one edge, with the growth of the workers' counters, the edge's
-    per-host requests and each process's CPU seconds over it."""
+    per-host requests and each process's CPU seconds over it, and the best cache's counts."""
     stats = f"http://127.0.0.1:{edge.admin_port}/clusters"
     counters, endpoints, cpu = mesh.counters(), endpoint_requests(scrape(stats)), mesh.cpu(edge)
     result = run(config, show_progress=False)
@@ -361,7 +417,8 @@ def measured_round(config: RunConfig, edge: Edge, mesh: Mesh) -> dict[str, Any]:
         address: value - endpoints.get(address, 0.0) for address, value in after.items()
     }
     result["cpu_seconds"] = {name: value - cpu[name] for name, value in mesh.cpu(edge).items()}
-    result["prefix"] = load_figures(workers)
+    result["best_cache"] = best.counts(config, result["requests"])
+    result["prefix"] = load_figures(workers, result["best_cache"])
     return result
 
 
@@ -371,7 +428,9 @@ def combined(results: list[dict[str, Any]]) -> dict[str, Any]:
     workers: dict[str, Counter[str]] = {}
     endpoints: Counter[str] = Counter()
     cpu: Counter[str] = Counter()
+    best: Counter[str] = Counter()
     for result in results:
+        best.update(result["best_cache"])
         for name, counters in result["workers"].items():
             workers.setdefault(name, Counter()).update(counters)
         endpoints.update(result["envoy_endpoint_requests"])
@@ -379,8 +438,9 @@ def combined(results: list[dict[str, Any]]) -> dict[str, Any]:
     total["workers"] = {name: dict(counters) for name, counters in workers.items()}
     total["envoy_endpoint_requests"] = dict(endpoints)
     total["cpu_seconds"] = dict(cpu)
+    total["best_cache"] = dict(best)
     total["prefix"] = {
-        **load_figures(total["workers"]),
+        **load_figures(total["workers"], total["best_cache"]),
         "envoy_endpoint_shares": shares(dict(endpoints)),
         "per_round": [result["prefix"] for result in results],
     }
@@ -409,6 +469,8 @@ def row(plan: Plan, policy: str, result: dict[str, Any]) -> dict[str, Any]:
         "errors": result["errors"],
         "hit_ratio": figures["hit_ratio"],
         "hit_ratio_per_round": [r["hit_ratio"] for r in figures["per_round"]],
+        "best_hit_ratio": figures["best_hit_ratio"],
+        "of_best": figures["of_best"],
         "ttft_ms": {k: result["ttft_ms"][k] for k in ("p50_ms", "p99_ms")},
         "tokens_per_second": result["tokens_per_second"],
         "request_shares": figures["request_shares"],
@@ -417,6 +479,9 @@ def row(plan: Plan, policy: str, result: dict[str, Any]) -> dict[str, Any]:
             r["requests_max_over_mean"] for r in figures["per_round"]
         ],
         "computed_token_shares": figures["computed_token_shares"],
+        "computed_tokens_max_over_mean_per_round": [
+            r["computed_tokens_max_over_mean"] for r in figures["per_round"]
+        ],
         "envoy_endpoint_shares": figures["envoy_endpoint_shares"],
         "prompt_tokens_per_request": figures["prompt_tokens_per_request"],
         "cpu": cpu_costs(result),
@@ -441,6 +506,12 @@ def versus(baseline: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
         "requests_max_over_mean_worst_round": max(
             [other["requests_max_over_mean"] or 0.0, *other["requests_max_over_mean_per_round"]]
         ),
+        # The prompt tokens the engines computed (a cached request costs a fraction of one
+        # that is not): the busiest worker's over the mean, in the worst round.
+        "computed_max_over_mean_worst_round": max(
+            [v or 0.0 for v in other.get("computed_tokens_max_over_mean_per_round", [])],
+            default=None,
+        ),
     }
 
 
@@ -460,8 +531,10 @@ def judged(workload: str, figures: dict[str, Any]) -> dict[str, bool]:
         }
     if workload == "skewed":
         p99 = figures["ttft_p99_ratio"]
+        work = figures["computed_max_over_mean_worst_round"]
         return {
             "balance_met": figures["requests_max_over_mean_worst_round"] <= MAX_OVER_MEAN,
+            "work_balance_met": work is not None and work <= MAX_OVER_MEAN,
             "ttft_p99_met": p99 is not None and p99 <= 1.0,
         }
     return {}
@@ -562,14 +635,18 @@ def markdown(rows: list[dict[str, Any]], verdicts: dict[str, Any], notes: dict[s
             or "the gateway's defaults"
         )
         + ".\n",
-        "| workload | policy | rate/s | req | err | hit ratio | TTFT p50 / p99 ms | tokens/s | "
-        "worker request shares | max/mean | computed-token shares | Envoy endpoint shares |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "Best possible: the hit ratio of one prefix cache of unbounded size that saw every "
+        "request in the order sent, the most any routing could reach.\n",
+        "| workload | policy | rate/s | req | err | hit ratio | best possible | TTFT p50 / p99 ms "
+        "| tokens/s | worker request shares | max/mean | computed-token shares | "
+        "Envoy endpoint shares |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['workload']} | {r['policy']} | {r['rate']:g} | {r['requests']} | "
-            f"{r['errors']} | {r['hit_ratio']} | {r['ttft_ms']['p50_ms']:.0f} / "
+            f"{r['errors']} | {r['hit_ratio']} | {_figure(r.get('best_hit_ratio'), 'g')} | "
+            f"{r['ttft_ms']['p50_ms']:.0f} / "
             f"{r['ttft_ms']['p99_ms']:.0f} | {r['tokens_per_second']:.1f} | "
             f"{_shares(r['request_shares'])} | {r['requests_max_over_mean']} | "
             f"{_shares(r['computed_token_shares'])} | {_shares(r['envoy_endpoint_shares'])} |"
@@ -578,11 +655,11 @@ def markdown(rows: list[dict[str, Any]], verdicts: dict[str, Any], notes: dict[s
         "",
         f"## Against {BASELINE}\n",
         "Hit ratio, TTFT p99 and tokens/s as ratios to least_request's; TTFT p50 as the share it "
-        "is lower by; the busiest worker's requests over the mean in the worst round; the "
-        "workload's targets, met or not.\n",
+        "is lower by; the busiest worker's requests, and prompt tokens computed, over the mean "
+        "in the worst round; the workload's targets, met or not.\n",
         "| workload | policy | hit ratio x | TTFT p50 lower | TTFT p99 x | tokens/s x | "
-        "max/mean, worst round | targets |",
-        "|---|---|---|---|---|---|---|---|",
+        "max/mean, worst round | computed max/mean, worst round | targets |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for workload, by_policy in verdicts.items():
         for policy, v in by_policy.items():
@@ -593,7 +670,8 @@ def markdown(rows: list[dict[str, Any]], verdicts: dict[str, Any], notes: dict[s
                 f"| {workload} | {policy} | {_figure(v['hit_ratio_gain'])} | "
                 f"{_figure(v['ttft_p50_drop'], '.0%')} | {_figure(v['ttft_p99_ratio'])} | "
                 f"{_figure(v['tokens_per_second_ratio'])} | "
-                f"{v['requests_max_over_mean_worst_round']:g} | {met or 'none'} |"
+                f"{v['requests_max_over_mean_worst_round']:g} | "
+                f"{_figure(v['computed_max_over_mean_worst_round'], 'g')} | {met or 'none'} |"
             )
     lines += [
         "",
@@ -643,7 +721,13 @@ def uncached_ms(prefill: dict[str, Any]) -> float:
 
 
 def run_plan(
-    plan: Plan, edges: list[Edge], mesh: Mesh, rounds: int, seconds: float, cpus: str
+    plan: Plan,
+    edges: list[Edge],
+    mesh: Mesh,
+    best: BestCache,
+    rounds: int,
+    seconds: float,
+    cpus: str,
 ) -> dict[str, list[dict[str, Any]]]:
     """Every edge's rounds of one workload, in rotating order; each round's result by policy."""
     runs: dict[str, list[dict[str, Any]]] = {edge.policy: [] for edge in edges}
@@ -652,12 +736,13 @@ def run_plan(
             seed = 100 * (WORKLOADS.index(plan.name) + 1) + number
             text_seed = 10 * seed + POLICIES.index(edge.policy) + 1
             config = replace(plan.config(edge, plan.seconds or seconds, seed, text_seed), cpus=cpus)
-            result = measured_round(config, edge, mesh)
+            result = measured_round(config, edge, mesh, best)
             runs[edge.policy].append(result)
             print(
                 f"[{SCENARIO}] {config.label} ({number + 1}/{rounds}): "
                 f"{result['requests']} requests, {result['errors']} errors, hit ratio "
-                f"{result['prefix']['hit_ratio']}, TTFT p50/p99 "
+                f"{result['prefix']['hit_ratio']} (best {result['prefix']['best_hit_ratio']}), "
+                "TTFT p50/p99 "
                 f"{result['ttft_ms']['p50_ms']:.0f}/{result['ttft_ms']['p99_ms']:.0f} ms,"
                 f" shares {result['prefix']['request_shares']}",
                 file=sys.stderr,
@@ -697,6 +782,8 @@ def prefix_routing(
         edges = open_edges(stack, local_mesh, policies)
         mesh = Mesh(local_mesh)
         capacity = mesh.kv_capacity()
+        tokenizer = Tokenizer.from_file(str(ROOT / model / "tokenizer.json"))
+        best = BestCache(tokenizer, mesh.block_size())
         prefill = prefill_times(local_mesh, 3 if bench.quick else 5)
         print(
             f"[{SCENARIO}] KV cache {capacity:,} tokens a worker, prefixes of ~{tokens:.0f} "
@@ -715,7 +802,7 @@ def prefix_routing(
             warm = plans()[0].config(edge, 3.0, seed=999, text_seed=999)
             run(replace(warm, cpus=cpus, label=f"warm-up {edge.policy}"), show_progress=False)
         for plan in selected:
-            runs = run_plan(plan, edges, mesh, rounds, seconds, cpus)
+            runs = run_plan(plan, edges, mesh, best, rounds, seconds, cpus)
             results = []
             for edge in edges:
                 total = combined(runs[edge.policy])

@@ -139,6 +139,8 @@ def python_extension_values(component: str, scale: int) -> dict[str, Any]:
 PICKER_VALUES = {
     "slackStreams": 4,
     "slackPercent": 50,
+    "workBoundPercent": 150,
+    "workWindowSeconds": 20.5,
     "candidates": 2,
     "staleSeconds": 1.5,
     "feedIntervalMs": 250,

@@ -454,6 +454,8 @@ def test_picker_gateways_follow_the_control_plane_feed(
         feed_address=address,
         slack_streams=PICKER_VALUES["slackStreams"],
         slack_percent=PICKER_VALUES["slackPercent"],
+        work_bound_percent=PICKER_VALUES["workBoundPercent"],
+        work_window_seconds=PICKER_VALUES["workWindowSeconds"],
         candidates=PICKER_VALUES["candidates"],
         stale_seconds=PICKER_VALUES["staleSeconds"],
         feed_interval_ms=PICKER_VALUES["feedIntervalMs"],
@@ -471,6 +473,8 @@ BOUNDS = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "exc
 PICKER_FIELDS = {
     "slackStreams": "slack_streams",
     "slackPercent": "slack_percent",
+    "workBoundPercent": "work_bound_percent",
+    "workWindowSeconds": "work_window_seconds",
     "candidates": "candidates",
     "staleSeconds": "stale_seconds",
     "feedIntervalMs": "feed_interval_ms",
@@ -494,7 +498,8 @@ def test_picker_values_default_and_are_bounded_as_the_gateways_settings() -> Non
             if hasattr(rule, attribute)
         }
         prop = picker["properties"][key]
-        assert {k: v for k, v in prop.items() if k != "type"} == bounds, key
+        # "not": the settings' own rule past the bounds (work_bound_percent: 0 or >= 100).
+        assert {k: v for k, v in prop.items() if k not in ("type", "not")} == bounds, key
         assert prop["type"] == ("integer" if field.annotation is int else "number"), key
 
 
@@ -586,6 +591,14 @@ def test_the_schema_refuses_bad_drain_and_egress_values() -> None:
             (
                 {"envoy": {"workerRouting": {"picker": {"slackPercent": 2.5}}}},
                 "/envoy/workerRouting/picker/slackPercent",
+            ),
+            (
+                {"envoy": {"workerRouting": {"picker": {"workBoundPercent": 50}}}},
+                "/envoy/workerRouting/picker/workBoundPercent",
+            ),
+            (
+                {"envoy": {"workerRouting": {"picker": {"workWindowSeconds": 0}}}},
+                "/envoy/workerRouting/picker/workWindowSeconds",
             ),
             ({"envoy": {"workerRouting": {"picker": {"slack": 2}}}}, "/envoy/workerRouting/picker"),
             ({"envoy": {"podSecurityContext": {"runAsUser": 0}}}, "/envoy/podSecurityContext"),

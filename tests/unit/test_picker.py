@@ -177,3 +177,64 @@ def test_the_gateways_own_worker_call_names_the_picked_workers() -> None:
     assert WORKER_HEADER not in unpicked  # no figures yet: Envoy chooses
     assert picked[WORKER_HEADER] == ",".join(ranking(unpicked[AFFINITY_HEADER], [A, B]))
     assert picked[AFFINITY_HEADER] == unpicked[AFFINITY_HEADER]
+
+
+def worked(queued: dict[str, int], computed: dict[str, int]) -> list[WorkerLoad]:
+    return [WorkerLoad(address, True, queued[address], computed[address]) for address in queued]
+
+
+def test_a_worker_over_the_work_bound_gets_no_slack_until_the_window_forgets() -> None:
+    key = "k"
+    first, second = ranking(key, [A, B])
+    clock = Clock()
+    chooser = picker(clock, slack_streams=2, work_bound_percent=125, work_window_seconds=10)
+    chooser.update(worked({first: 0, second: 0}, {first: 0, second: 0}))
+    clock.now += 5
+    # In 5 s the key's first worker computed 3,000 prompt tokens and the other 1,000: 150 % of
+    # the mean. One stream ahead of the other, it gets no slack; as idle as it, it keeps the key.
+    chooser.update(worked({first: 1, second: 0}, {first: 3000, second: 1000}))
+    assert chooser.overworked([first, second]) == {first}
+    assert chooser.pick(key)[0] == second
+    chooser.update(worked({first: 0, second: 0}, {first: 3000, second: 1000}))
+    assert chooser.pick(key)[0] == first
+    # 120 % of the mean is within the bound: the slack is back.
+    chooser.update(worked({first: 1, second: 0}, {first: 3000, second: 2000}))
+    assert chooser.overworked([first, second]) == set()
+    assert chooser.pick(key)[0] == first
+    # Past the window (reports every 5 s): only the last 10 s count, 500 against 500.
+    for _ in range(2):
+        clock.now += 5
+        chooser.update(worked({first: 1, second: 0}, {first: 3500, second: 2500}))
+    assert chooser.work(first) == chooser.work(second) == 500
+    clock.now += 5
+    chooser.update(worked({first: 1, second: 0}, {first: 4000, second: 2500}))
+    assert chooser.work(first) == 500 and chooser.work(second) == 0
+    assert chooser.overworked([first, second]) == {first}
+
+
+def test_the_work_bound_off_and_a_restarted_engine_count_no_false_work() -> None:
+    key = "k"
+    first, second = ranking(key, [A, B])
+    clock = Clock()
+    off = picker(clock, slack_streams=2, work_bound_percent=0)
+    off.update(worked({first: 1, second: 0}, {first: 0, second: 0}))
+    clock.now += 1
+    off.update(worked({first: 1, second: 0}, {first: 9000, second: 0}))
+    assert off.overworked([first, second]) == set() and off.pick(key)[0] == first
+    chooser = picker(clock)
+    chooser.update(worked({first: 0, second: 0}, {first: 50_000, second: 800}))
+    clock.now += 1
+    # The first's engine restarted (its count began again): its window starts anew.
+    chooser.update(worked({first: 0, second: 0}, {first: 100, second: 900}))
+    assert chooser.work(first) == 0 and chooser.work(second) == 100
+
+
+def test_a_report_carries_each_workers_computed_prompt_tokens() -> None:
+    snapshot = ops_pb2.WorkersSnapshot(
+        workers=[
+            ops_pb2.WorkerSnapshot(
+                address=A, serving=True, prefix_cache_queries=5000, prefix_cache_hits=3500
+            )
+        ]
+    )
+    assert loads(snapshot) == [WorkerLoad(A, True, 0, 1500)]

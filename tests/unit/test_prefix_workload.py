@@ -12,11 +12,14 @@ import importlib.util
 import shlex
 import sys
 from collections import Counter
+from dataclasses import replace
 from itertools import islice
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
+from typing import cast
 
 import pytest
+from tokenizers import Tokenizer
 
 from loadtests.__main__ import add_run_arguments, config_from
 from loadtests.prefix_routing import (
@@ -26,6 +29,7 @@ from loadtests.prefix_routing import (
     WORKER_DTYPE,
     WORKERS,
     WORKLOADS,
+    BestCache,
     check_prefixes_outrun_the_key,
     difference,
     endpoint_requests,
@@ -280,9 +284,15 @@ def judged_rows() -> list[dict[str, object]]:
             "prefix",
             requests_max_over_mean=1.2,
             requests_max_over_mean_per_round=[1.1, 1.3],
+            computed_tokens_max_over_mean_per_round=[1.1, 1.4],
             ttft_ms={"p50_ms": 90.0, "p99_ms": 390.0},
         ),
-        row("skewed", "picker", requests_max_over_mean_per_round=[1.1, 1.2]),
+        row(
+            "skewed",
+            "picker",
+            requests_max_over_mean_per_round=[1.1, 1.2],
+            computed_tokens_max_over_mean_per_round=[1.25, 1.0],
+        ),
     ]
 
 
@@ -311,6 +321,10 @@ def test_every_policy_is_judged_against_least_request() -> None:
     # Balanced over all rounds, but one round's busiest worker was over 1.25x the mean.
     assert verdicts["skewed"]["prefix"]["requests_max_over_mean_worst_round"] == 1.3
     assert not verdicts["skewed"]["prefix"]["balance_met"]
+    # And its busiest worker computed 1.4x the mean's prompt tokens in one round.
+    assert verdicts["skewed"]["prefix"]["computed_max_over_mean_worst_round"] == 1.4
+    assert not verdicts["skewed"]["prefix"]["work_balance_met"]
+    assert verdicts["skewed"]["picker"]["work_balance_met"]
     assert verdicts["skewed"]["prefix"]["ttft_p99_met"]
     assert (
         verdicts["skewed"]["picker"]["balance_met"] and verdicts["skewed"]["picker"]["ttft_p99_met"]
@@ -349,13 +363,18 @@ def test_the_summary_sets_each_policy_against_least_request() -> None:
         "plans": [{"name": "shared", "what": "16 prefixes", "rate": 2.5}],
     }
     text = markdown(rows, targets(rows), notes)  # type: ignore[arg-type]
-    assert "| shared | prefix | 1.70 | 40% | 0.75 | 1.00 | 1 | hit ratio >= 1.6x: yes; " in text
-    assert "| shared | picker | 1.50 | 25% | 0.50 | 1.00 | 1 | hit ratio >= 1.6x: NO; " in text
     assert (
-        "| uniform | prefix | n/a | -50% | 1.50 | 0.92 | 1 | tokens/s at most 5% lower: NO |"
+        "| shared | prefix | 1.70 | 40% | 0.75 | 1.00 | 1 | n/a | hit ratio >= 1.6x: yes; " in text
+    )
+    assert (
+        "| shared | picker | 1.50 | 25% | 0.50 | 1.00 | 1 | n/a | hit ratio >= 1.6x: NO; " in text
+    )
+    assert (
+        "| uniform | prefix | n/a | -50% | 1.50 | 0.92 | 1 | n/a | tokens/s at most 5% lower: NO |"
         in text
     )
     assert "| skewed | prefix |" in text and "max/mean <= 1.25 every round: NO" in text
+    assert "| skewed | picker | 1.00 | 0% | 1.00 | 1.00 | 1.2 | 1.25 | max/mean <= 1.25" in text
     assert "KV cache of 16,384 tokens a worker" in text
     assert "Picker settings: the gateway's defaults." in text
     given = {**notes, "picker_environment": {"TOKENMESH_GATEWAY_PICKER__SLACK_STREAMS": "0"}}
@@ -465,3 +484,55 @@ def test_the_pressure_models_cache_holds_a_few_prefixes_and_the_small_ones_many(
     assert small.kv_tokens_per_gib() == 65_536  # type: ignore[attr-defined]
     assert 8_192 <= pressure.kv_tokens_per_gib() <= 16_384  # type: ignore[attr-defined]
     assert script.Shape().kv_bytes_per_token() == 2 * 2 * 128 * 2
+
+
+class CharTokens:
+    """A tokenizer whose tokens are the prompt's characters (for BestCache's arithmetic)."""
+
+    def encode(self, text: str) -> SimpleNamespace:
+        return SimpleNamespace(ids=[ord(c) for c in text])
+
+
+def common_start(one: str, other: str) -> int:
+    """How many characters the two start with alike."""
+    return next(
+        (i for i, (a, b) in enumerate(zip(one, other, strict=False)) if a != b),
+        min(len(one), len(other)),
+    )
+
+
+def test_the_best_cache_hits_whole_blocks_of_a_prefix_seen_before() -> None:
+    config = RunConfig(
+        target="llm",
+        address="127.0.0.1:1",
+        rate=1.0,
+        mode="open",
+        prompt_words="3",
+        output_tokens="1",
+        seed=7,
+        prefixes=2,
+        prefix_words=40,
+        text_seed=70,
+    )
+    specs = list(islice(config.workload().requests(), 12))
+    best = BestCache(cast(Tokenizer, CharTokens()), block_size=16)
+    counts = best.counts(config, 12)
+    assert counts["queries"] == sum(len(spec.prompt) for spec in specs)
+    # Each prompt finds its longest common start with any earlier one, in whole blocks, short
+    # of its last token.
+    expected = 0
+    for number, spec in enumerate(specs):
+        common = max(
+            (common_start(spec.prompt, earlier.prompt) for earlier in specs[:number]),
+            default=0,
+        )
+        expected += min(common, len(spec.prompt) - 1) // 16 * 16
+    assert counts["hits"] == expected > 0
+    # No prefixes, no hits; and a prompt seen whole still computes its last token.
+    alone = replace(config, prefixes=0, prefix_words=0, prompt_words="30", text_seed=0)
+    assert best.counts(alone, 5)["hits"] == 0
+    cache = BestCache(cast(Tokenizer, CharTokens()), block_size=4)
+    assert cache.look_up(list(range(10))) == 0
+    assert cache.look_up(list(range(10))) == 8  # 2 whole blocks; the last 2 tokens computed
+    assert cache.look_up(list(range(8))) == 4  # seen whole: its last block is computed
+    assert cache.look_up([0, 1, 2, 9, 4, 5, 6, 7]) == 0  # the first block differs

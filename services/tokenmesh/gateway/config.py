@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from tokenmesh.common.settings import MIB, ServiceSettings
@@ -87,6 +87,21 @@ class PickerSettings(BaseModel):
         ge=0,
         description="The slack as a percentage of the least-loaded worker's queue.",
     )
+    work_bound_percent: int = Field(
+        default=125,
+        ge=0,
+        description=(
+            "A worker that computed more than this percentage of the mean serving worker's "
+            "prompt tokens over work_window_seconds gets no slack: it takes a request only "
+            "while its queue is as short as the least-loaded worker's. 0: off."
+        ),
+    )
+    work_window_seconds: float = Field(
+        default=10.0,
+        gt=0,
+        le=600,
+        description="The window over which the workers' computed prompt tokens are compared.",
+    )
     candidates: int = Field(
         default=3,
         ge=1,
@@ -104,6 +119,13 @@ class PickerSettings(BaseModel):
             "(Envoy's least request decides) until they are back."
         ),
     )
+
+    @field_validator("work_bound_percent")
+    @classmethod
+    def _a_bound_over_the_mean(cls, value: int) -> int:
+        if 0 < value < 100:
+            raise ValueError("must be 0 (off) or at least 100 (the mean)")
+        return value
 
 
 class GatewaySettings(ServiceSettings):

@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -23,11 +24,14 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class WorkerLoad:
     """One worker as the control plane last saw it: its address as Envoy knows the host
-    (IP:port), whether it is serving, and its engine's queue (running + waiting requests)."""
+    (IP:port), whether it is serving, its engine's queue (running + waiting requests), and the
+    prompt tokens its engine has computed since it started (looked up in its prefix cache and
+    not found there: the prefill work it did)."""
 
     address: str
     serving: bool
     queued: int
+    computed: int = 0
 
 
 # Why the picker named its first worker: the key's own (first in its ranking), a later one
@@ -69,6 +73,13 @@ class EndpointPicker:
     the least-loaded by more than the slack; then they spill to the key's next worker, whose
     cache warms to them in turn, never to a worker busier than the slack allows.
 
+    A worker that has computed more than work_bound_percent of the mean worker's prompt tokens
+    over the last work_window_seconds (from the same reports: every gateway sees alike) has
+    no slack: it takes a key only while it is as little loaded as the least-loaded worker.
+    The queues alone cannot see this imbalance at a few streams in flight (a hot prefix and
+    the keys that happen to rank its worker first all stay there); an idle worker keeps its
+    keys whatever it did before, so a lone conversation never moves.
+
     Written here rather than taken from a router (SGLang's cache-aware policy, llm-d's
     scorers): those run as proxies or Envoy filters of their own, with one router's view of
     what it sent; this only names the hosts, from the workers' own queues, and Envoy's
@@ -86,13 +97,27 @@ class EndpointPicker:
         self._workers: dict[str, WorkerLoad] = {}
         # Streams sent to each worker since its last report (not yet in its queue figure).
         self._sent: dict[str, int] = {}
+        # Each worker's (time, computed) reports spanning the work window, oldest first.
+        self._computed: dict[str, deque[tuple[float, int]]] = {}
         self._updated_at: float | None = None
 
     def update(self, workers: Iterable[WorkerLoad]) -> None:
         """A new report of every worker (those missing from it are gone)."""
+        now = self._clock()
         self._workers = {worker.address: worker for worker in workers}
         self._sent = dict.fromkeys(self._workers, 0)
-        self._updated_at = self._clock()
+        self._computed = {
+            address: self._computed.get(address, deque()) for address in self._workers
+        }
+        for address, worker in self._workers.items():
+            reports = self._computed[address]
+            if reports and worker.computed < reports[-1][1]:
+                reports.clear()  # the engine restarted: its count began again
+            reports.append((now, worker.computed))
+            # Keep the newest report at or before the window's start: the window is spanned.
+            while len(reports) > 1 and reports[1][0] <= now - self._policy.work_window_seconds:
+                reports.popleft()
+        self._updated_at = now
 
     def forget(self) -> None:
         """No figures any more (the feed broke): pick nothing until the next report."""
@@ -100,6 +125,24 @@ class EndpointPicker:
 
     def load(self, address: str) -> int:
         return self._workers[address].queued + self._sent[address]
+
+    def work(self, address: str) -> int:
+        """Prompt tokens the worker computed over the work window (as far as reports span it)."""
+        reports = self._computed[address]
+        return reports[-1][1] - reports[0][1]
+
+    def overworked(self, serving: Sequence[str]) -> set[str]:
+        """The serving workers over the work bound (none with the bound off, or no work)."""
+        if not self._policy.work_bound_percent:
+            return set()
+        work = {address: self.work(address) for address in serving}
+        total = sum(work.values())
+        # work > bound% of the mean, in integers: work * 100 * n > bound * total.
+        return {
+            address
+            for address, done in work.items()
+            if done * 100 * len(serving) > self._policy.work_bound_percent * total
+        }
 
     def pick(self, key: str) -> list[str]:
         """The workers for a request with this affinity key, best first; empty when the
@@ -120,9 +163,14 @@ class EndpointPicker:
             return [], "none"
         least = min(self.load(address) for address in serving)
         bound = least + max(self._policy.slack_streams, least * self._policy.slack_percent // 100)
+        overworked = self.overworked(serving)
         ranked = ranking(key, serving)
-        # The least-loaded worker is within the bound: there is always one.
-        chosen = next(address for address in ranked if self.load(address) <= bound)
+        # The least-loaded worker is within either bound: there is always one.
+        chosen = next(
+            address
+            for address in ranked
+            if self.load(address) <= (least if address in overworked else bound)
+        )
         self._sent[chosen] += 1
         # A retry (the chosen one refused) goes to the least loaded of the rest.
         others = sorted((address for address in ranked if address != chosen), key=self.load)
@@ -137,6 +185,7 @@ def loads(snapshot: ops_pb2.WorkersSnapshot) -> list[WorkerLoad]:
             worker.address,
             worker.serving and not worker.error,
             worker.running_requests + worker.waiting_requests,
+            worker.prefix_cache_queries - worker.prefix_cache_hits,
         )
         for worker in snapshot.workers
     ]
