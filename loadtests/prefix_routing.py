@@ -287,9 +287,8 @@ class BestCache:
         return hits
 
 
-def prefix_tokens(model: str) -> float:
+def prefix_tokens(tokenizer: Tokenizer) -> float:
     """The mean length in the model's tokens of the benchmark's prefixes."""
-    tokenizer = Tokenizer.from_file(str(ROOT / model / "tokenizer.json"))
     sample = Workload(
         Lengths.parse("1"), Lengths.parse("1"), 1, prefixes=16, prefix_words=PREFIX_WORDS
     )
@@ -767,7 +766,8 @@ def prefix_routing(
     check_prefixes_outrun_the_key()
     out = bench.out / SCENARIO
     seconds = 8.0 if bench.quick else 30.0
-    tokens = prefix_tokens(model)
+    tokenizer = Tokenizer.from_file(str(ROOT / model / "tokenizer.json"))
+    tokens = prefix_tokens(tokenizer)
     rows: list[dict[str, Any]] = []
     with ExitStack() as stack:
         local_mesh = stack.enter_context(
@@ -782,7 +782,6 @@ def prefix_routing(
         edges = open_edges(stack, local_mesh, policies)
         mesh = Mesh(local_mesh)
         capacity = mesh.kv_capacity()
-        tokenizer = Tokenizer.from_file(str(ROOT / model / "tokenizer.json"))
         best = BestCache(tokenizer, mesh.block_size())
         prefill = prefill_times(local_mesh, 3 if bench.quick else 5)
         print(

@@ -99,6 +99,9 @@ class EndpointPicker:
         self._sent: dict[str, int] = {}
         # Each worker's (time, computed) reports spanning the work window, oldest first.
         self._computed: dict[str, deque[tuple[float, int]]] = {}
+        # The serving workers and those of them over the work bound, as of the last report.
+        self._serving: list[str] = []
+        self._overworked: set[str] = set()
         self._updated_at: float | None = None
 
     def update(self, workers: Iterable[WorkerLoad]) -> None:
@@ -117,6 +120,8 @@ class EndpointPicker:
             # Keep the newest report at or before the window's start: the window is spanned.
             while len(reports) > 1 and reports[1][0] <= now - self._policy.work_window_seconds:
                 reports.popleft()
+        self._serving = [address for address, worker in self._workers.items() if worker.serving]
+        self._overworked = self.overworked(self._serving)
         self._updated_at = now
 
     def forget(self) -> None:
@@ -158,12 +163,12 @@ class EndpointPicker:
             or self._clock() - self._updated_at > self._policy.stale_seconds
         ):
             return [], "none"
-        serving = [address for address, worker in self._workers.items() if worker.serving]
+        serving = self._serving
         if not serving:
             return [], "none"
         least = min(self.load(address) for address in serving)
         bound = least + max(self._policy.slack_streams, least * self._policy.slack_percent // 100)
-        overworked = self.overworked(serving)
+        overworked = self._overworked
         ranked = ranking(key, serving)
         # The least-loaded worker is within either bound: there is always one.
         chosen = next(
