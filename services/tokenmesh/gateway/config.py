@@ -88,12 +88,13 @@ class PickerSettings(BaseModel):
         description="The slack as a percentage of the least-loaded worker's queue.",
     )
     work_bound_percent: int = Field(
-        default=125,
+        default=0,
         ge=0,
         description=(
             "A worker that computed more than this percentage of the mean serving worker's "
             "prompt tokens over work_window_seconds gets no slack: it takes a request only "
-            "while its queue is as short as the least-loaded worker's. 0: off."
+            "while its queue is as short as the least-loaded worker's. 0: off (the default: it "
+            "also moves a hot prefix off the worker that just computed it; 125 was measured)."
         ),
     )
     work_window_seconds: float = Field(
