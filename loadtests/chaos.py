@@ -423,6 +423,14 @@ async def worker_kill(mesh: ScenarioMesh, short: bool) -> Row:
         row.notes["watch"] = seen
         row.notes["first_tokens_seen_at_kill"] = sum(event.is_set() for event in events)
         if running_now is None:
+            # Whether Envoy had taken a worker out (a failed check, an outlier ejection).
+            row.notes["envoy_worker_health"] = {
+                address: host.get("health_status", {})
+                for cluster, address, host in envoy_host_statuses(
+                    mesh.local_mesh.settings.envoy_admin_port
+                )
+                if cluster == "worker"
+            }
             row.violations.append(f"the workers were not both generating within 180 s: {seen}")
             for task in running:
                 task.cancel()

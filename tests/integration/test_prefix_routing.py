@@ -103,17 +103,19 @@ async def test_repeats_of_a_prefix_reach_one_worker_and_prefixes_spread_over_bot
 async def test_a_hot_prefix_spills_to_the_other_worker_under_load(
     prefix_edge: MeshSettings, edge: llm_pb2_grpc.LLMServiceStub
 ) -> None:
-    """Bounded load: with 16 streams of one prefix in flight at once, its worker would hold
-    all of them; past 125 % of the mean, Envoy sends the next to the other worker."""
+    """Bounded load: with 16 streams of one prefix in flight at once (long enough that none
+    ends before the last begins), its worker would hold all of them; past 125 % of the mean,
+    Envoy sends the next to the other worker."""
     hot = prefix("hot")
     before = requests_by_host(prefix_edge)
     await generate(edge, f"{hot} alone")
     [home] = (requests_by_host(prefix_edge) - before).keys()
     before = requests_by_host(prefix_edge)
     counts = await asyncio.gather(
-        *(generate(edge, f"{hot} burst {number}", tokens=64) for number in range(16))
+        *(generate(edge, f"{hot} burst {number}", tokens=512) for number in range(16))
     )
-    assert counts == [64] * 16
+    print(f"home {home}: {requests_by_host(prefix_edge) - before}")
+    assert counts == [512] * 16
     spread = requests_by_host(prefix_edge) - before
     assert sum(spread.values()) == 16
     assert len(spread) == 2, spread

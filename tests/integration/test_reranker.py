@@ -27,6 +27,7 @@ from tests.support import (
     reranker_process,
     scrape_metrics,
 )
+from tokenmesh.localmesh.probes import series_values
 from tokenmesh.v1 import rerank_pb2, rerank_pb2_grpc
 
 pytestmark = pytest.mark.integration
@@ -81,6 +82,19 @@ def model_calls(metrics: str) -> tuple[float, float]:
 
 def handled(metrics: str, code: str) -> float:
     return metric_value(metrics, "grpc_server_handled_total", 0.0, **RERANK, grpc_code=code)
+
+
+async def settled_metrics(process: ServiceProcess) -> str:
+    """The metrics page once every Rerank call the server started is counted as handled: a
+    call's status reaches its client a moment before the server counts it, so an earlier
+    test's last call may otherwise be counted after this page."""
+    for _ in range(50):
+        metrics = metrics_of(process)
+        started = metric_value(metrics, "grpc_server_started_total", 0.0, **RERANK)
+        if started == sum(series_values(metrics, "grpc_server_handled_total", **RERANK)):
+            return metrics
+        await asyncio.sleep(0.1)
+    raise AssertionError("the reranker's started and handled Rerank calls never agreed")
 
 
 def grpcurl(*args: str) -> subprocess.CompletedProcess[str]:
@@ -270,7 +284,7 @@ async def test_invalid_request_is_rejected_with_field_and_limit(
 async def test_rejected_requests_never_reach_the_model(
     rerank: rerank_pb2_grpc.RerankServiceStub, reranker: ServiceProcess
 ) -> None:
-    before = metrics_of(reranker)
+    before = await settled_metrics(reranker)
     for fields, _ in VALIDATION_CASES.values():
         message = rerank_pb2.RerankRequest(**{"query": FRANCE, "documents": [PARIS], **fields})
         with pytest.raises(aio.AioRpcError):

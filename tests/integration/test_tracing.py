@@ -147,7 +147,7 @@ DECODE = ("tokenmesh-worker", "decode")
 
 
 async def test_one_trace_from_the_client_through_envoy_to_reranker_and_worker(
-    edge, traced_mesh: TracedMesh, otlp_collector: OtlpCollector
+    edge, traced_mesh: TracedMesh, otlp_collector: OtlpCollector, worker: ServiceProcess
 ) -> None:
     traceparent, trace_id, client_span_id = client_traceparent()
     query = llm_pb2.Query(
@@ -164,18 +164,21 @@ async def test_one_trace_from_the_client_through_envoy_to_reranker_and_worker(
     gateway = one(spans, *GATEWAY_ANSWER)
     rerank = one(spans, *RERANK)
     reranker = one(spans, *RERANKER)
-    worker = one(spans, *WORKER)
+    worker_span = one(spans, *WORKER)
     prefill, decode = one(spans, *PREFILL), one(spans, *DECODE)
     # The client's span is the gateway's parent: the trace continued through Envoy's edge.
     assert gateway.parent_span_id == client_span_id and gateway.kind == SERVER
     assert gateway.attributes["rpc.grpc.status_code"] == 0
+    # The routing decision: the prompt's prefix-affinity key and the worker Envoy chose.
+    assert len(gateway.attributes["tokenmesh.affinity_key"]) == 16
+    assert gateway.attributes["tokenmesh.worker"] == worker.address
     # gateway -> rerank -> (Envoy) -> reranker
     assert rerank.parent_span_id == gateway.span_id
     assert reranker.parent_span_id == rerank.span_id and reranker.kind == SERVER
     assert rerank.attributes["tokenmesh.documents"] == 2
     # gateway -> (Envoy) -> worker -> queue_prefill, decode
-    assert worker.parent_span_id == gateway.span_id and worker.kind == SERVER
-    assert prefill.parent_span_id == worker.span_id == decode.parent_span_id
+    assert worker_span.parent_span_id == gateway.span_id and worker_span.kind == SERVER
+    assert prefill.parent_span_id == worker_span.span_id == decode.parent_span_id
     assert prefill.attributes["tokenmesh.prompt_tokens"] > 0
     assert decode.attributes["tokenmesh.completion_tokens"] == 4
     assert decode.attributes["tokenmesh.finish_reason"] == "FINISH_REASON_LENGTH"
@@ -191,7 +194,7 @@ async def test_one_trace_from_the_client_through_envoy_to_reranker_and_worker(
 
 
 async def test_a_cancelled_stream_records_the_cancellation_in_gateway_and_worker_spans(
-    edge, traced_mesh: TracedMesh, otlp_collector: OtlpCollector
+    edge, traced_mesh: TracedMesh, otlp_collector: OtlpCollector, worker: ServiceProcess
 ) -> None:
     traceparent, trace_id, client_span_id = client_traceparent()
     # 20 logprobs a token make the 2,000 tokens take the worker ~9 s instead of ~3 s: a cancel
@@ -210,14 +213,18 @@ async def test_a_cancelled_stream_records_the_cancellation_in_gateway_and_worker
     spans = await otlp_collector.wait_for(
         trace_id, lambda found: has(found, generate, WORKER, DECODE)
     )
-    gateway, worker, decode = one(spans, *generate), one(spans, *WORKER), one(spans, *DECODE)
+    gateway, worker_span = one(spans, *generate), one(spans, *WORKER)
+    decode = one(spans, *DECODE)
     # Through a gateway the worker's span is under the gateway's; on the direct token path both
     # continue the caller's span side by side (the gateway's timed by Envoy's access log).
     if traced_mesh.direct_token_path:
-        assert worker.parent_span_id == client_span_id == gateway.parent_span_id
+        assert worker_span.parent_span_id == client_span_id == gateway.parent_span_id
     else:
-        assert worker.parent_span_id == gateway.span_id
-    for span in (gateway, worker, decode):
+        assert worker_span.parent_span_id == gateway.span_id
+    # Either way the gateway's span names the key and the worker Envoy chose.
+    assert len(gateway.attributes["tokenmesh.affinity_key"]) == 16
+    assert gateway.attributes["tokenmesh.worker"] == worker.address
+    for span in (gateway, worker_span, decode):
         assert span.events.get("cancelled") == {"tokenmesh.reason": "cancelled"}, spans
-    assert worker.attributes["rpc.grpc.status_code"] == 1  # CANCELLED
+    assert worker_span.attributes["rpc.grpc.status_code"] == 1  # CANCELLED
     assert 2 <= decode.attributes["tokenmesh.completion_tokens"] < 2000

@@ -314,14 +314,16 @@ def test_health_check_values_reach_every_service_cluster_and_envoy_accepts_them(
 def test_worker_routing_comes_from_values_and_envoy_accepts_it(
     releases: dict[str, Release], tmp_path: Path
 ) -> None:
-    """Least-request by default, as the local mesh; prefix: Maglev on the affinity key, bounded
-    by the factor, on every route to the workers."""
+    """Prefix by default, as the local mesh: Maglev on the affinity key, bounded by the factor,
+    on every route to the workers; least_request when asked."""
     default = {
         c["name"]: c for c in releases["defaults"].envoy_config()["static_resources"]["clusters"]
     }
     local = {c["name"]: c for c in bootstrap.render(MeshSettings())["static_resources"]["clusters"]}
-    assert default["worker"]["lb_policy"] == "LEAST_REQUEST"
+    assert default["worker"]["lb_policy"] == local["worker"]["lb_policy"] == "MAGLEV"
     assert default["worker"]["common_lb_config"] == local["worker"]["common_lb_config"]
+    least = Release(render({"envoy": {"workerRouting": {"policy": "least_request"}}}))
+    assert clusters_of(least.envoy_config())["worker"]["lb_policy"] == "LEAST_REQUEST"
     values = {"policy": "prefix", "prefixBalanceFactorPercent": 140}
     for tls in (False, True):
         release = Release(
@@ -393,14 +395,16 @@ def test_picker_routing_renders_meshconfigs_worker_cluster(
     meshconfig makes to its own (the workers' cluster; no route, ext_proc or header handling
     differs), and the workers' cluster is the one meshconfig renders for the same profile."""
     profile = kubernetes_profile(tls=tls, mtls=mtls)
-    least = bootstrap.render(profile)
+    least = bootstrap.render(profile.model_copy(update={"worker_routing": "least_request"}))
     picked = bootstrap.render(profile.model_copy(update={"worker_routing": "picker"}))
     assert picked == as_picker(least)  # meshconfig's whole difference between the two
     base: dict[str, Any] = {
         "envoy": {"tls": {"enabled": tls, "existingSecret": "edge-tls"}},
         "mtls": {"enabled": mtls, "existingSecret": "tokenmesh-mtls"},
     }
-    chart_least = Release(render(base)).envoy_config()
+    chart_least = Release(
+        render({**base, "envoy": {**base["envoy"], "workerRouting": {"policy": "least_request"}}})
+    ).envoy_config()
     routing = {"workerRouting": {"policy": "picker"}}
     release = Release(render({**base, "envoy": {**base["envoy"], **routing}}))
     chart_picked = release.envoy_config()

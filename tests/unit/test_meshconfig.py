@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from tests.support import ROOT
 from tokenmesh.common.errors import error_body
-from tokenmesh.common.tokens import ROUTE_HEADER, USAGE_TRAILER, WORKER_REFUSED
+from tokenmesh.common.tokens import ROUTE_HEADER, UPSTREAM_HEADER, USAGE_TRAILER, WORKER_REFUSED
 from tokenmesh.localmesh.certs import (
     EDGE,
     ENVOY_CLIENT,
@@ -147,7 +147,7 @@ def test_service_clusters_are_health_checked_eds_clusters_named_after_services()
         assert http2["initial_stream_window_size"] == 64 * 1024
         # A stream window for each of 1,024 stalled streams sharing the connection.
         assert http2["initial_connection_window_size"] == 1024 * 64 * 1024
-    assert found["worker"]["lb_policy"] == "LEAST_REQUEST"
+    assert found["worker"]["lb_policy"] == "MAGLEV"
     assert "outlier_detection" in found["reranker"]
     assert "retry_budget" in found["worker"]["circuit_breakers"]["thresholds"][0]
 
@@ -297,12 +297,25 @@ def test_picker_routing_sends_each_attempt_to_the_next_named_worker_then_least_r
         assert clusters(config)[name]["lb_policy"] == "LEAST_REQUEST"
 
 
-def test_least_request_is_the_default_and_refuses_a_balance_factor_below_100() -> None:
-    assert clusters(render(MeshSettings()))["worker"]["lb_policy"] == "LEAST_REQUEST"
+def test_prefix_is_the_default_and_refuses_a_balance_factor_below_100() -> None:
+    worker = clusters(render(MeshSettings()))["worker"]
+    assert worker["lb_policy"] == "MAGLEV"
+    assert worker["common_lb_config"]["consistent_hashing_lb_config"]["hash_balance_factor"] == 125
     with pytest.raises(ValidationError, match="prefix_balance_factor_percent"):
         MeshSettings(prefix_balance_factor_percent=99)
     with pytest.raises(ValidationError, match="worker_routing"):
         MeshSettings(worker_routing="round_robin")
+
+
+def test_only_the_internal_worker_listener_says_which_worker_answered() -> None:
+    found = listeners(render(MeshSettings()))
+    hosts = {name: manager["route_config"]["virtual_hosts"][0] for name, manager in found.items()
+             if "route_config" in manager}  # fmt: skip
+    (added,) = hosts["worker"]["response_headers_to_add"]
+    assert added["header"] == {"key": UPSTREAM_HEADER, "value": "%UPSTREAM_REMOTE_ADDRESS%"}
+    # Callers at the edge never learn the workers' addresses.
+    assert "response_headers_to_add" not in hosts["edge"]
+    assert "response_headers_to_add" not in hosts["reranker"]
 
 
 def test_retry_budget_covers_losing_one_of_two_replicas() -> None:

@@ -44,6 +44,9 @@ AFFINITY_HEADER = "x-tokenmesh-affinity"
 # IP:port"): with worker_routing picker, Envoy's override-host policy sends each attempt to the
 # next of them, then falls back to least request.
 WORKER_HEADER = "x-tokenmesh-worker"
+# The worker Envoy's internal worker listener sent a gateway's call to (IP:port), in the
+# answer's headers: the gateway records its routing decision on its span.
+UPSTREAM_HEADER = "x-tokenmesh-upstream"
 # Why the edge answered itself when the external processor answered a worker's refusal of an
 # OpenAI completion (in OpenAI's shape already: the edge's OpenAI reply mappers keep it).
 WORKER_REFUSED = "worker_refused"

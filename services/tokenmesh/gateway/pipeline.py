@@ -22,7 +22,13 @@ from tokenmesh.common.errors import DependencyError
 from tokenmesh.common.metrics import RPC_BUCKETS
 from tokenmesh.common.outcome import Deadline
 from tokenmesh.common.tenants import TENANT_HEADER, current_tenant
-from tokenmesh.common.tokens import AFFINITY_HEADER, WORKER_HEADER, merge, token_count
+from tokenmesh.common.tokens import (
+    AFFINITY_HEADER,
+    UPSTREAM_HEADER,
+    WORKER_HEADER,
+    merge,
+    token_count,
+)
 from tokenmesh.gateway.affinity import affinity_key
 from tokenmesh.gateway.breaker import CircuitBreaker, CircuitOpenError, CircuitState
 from tokenmesh.gateway.config import GatewaySettings
@@ -259,6 +265,14 @@ class ReadAhead:
         self._reader.cancel()
 
 
+async def record_upstream(call: aio.UnaryStreamCall) -> None:
+    """The worker Envoy chose for the call (its answer's x-tokenmesh-upstream), on the current
+    span: with the affinity key, the routing decision."""
+    for name, value in await call.initial_metadata() or ():
+        if name == UPSTREAM_HEADER:
+            trace.get_current_span().set_attribute("tokenmesh.worker", str(value))
+
+
 class WorkerClient:
     """Streams tokens from a worker; cancelling the stream cancels the worker call, which
     aborts the engine request."""
@@ -294,6 +308,8 @@ class WorkerClient:
         received = 0
         try:
             while (token := await ahead.next()) is not None:
+                if not received:
+                    await record_upstream(call)
                 received += token_count(token)
                 yield token
         except aio.AioRpcError as err:

@@ -101,7 +101,7 @@ class LocalMeshSettings(BaseSettings):
     # request (MeshSettings.direct_token_path). False: every token passes through a gateway.
     direct_token_path: bool = True
     # How Envoy picks a worker for each stream (MeshSettings.worker_routing).
-    worker_routing: Literal["least_request", "prefix", "picker"] = "least_request"
+    worker_routing: Literal["least_request", "prefix", "picker"] = "prefix"
     # The gateways' endpoint picker follows the workers' load (and names workers) even when
     # this mesh's Envoy does not route by it: for a second Envoy with worker_routing picker.
     picker_feed: bool = False

@@ -24,6 +24,7 @@ from tokenmesh.common.tokens import (
     OPENAI_COMPLETIONS,
     OPENAI_SERVICE,
     ROUTE_HEADER,
+    UPSTREAM_HEADER,
     USAGE_TRAILER,
     WORKER_GENERATE,
     WORKER_GENERATE_OPENAI,
@@ -757,6 +758,15 @@ def listener(name: str, host: str, port: int, cluster: str, mesh: MeshSettings) 
     edge = name == "edge"
     routes = edge_routes(mesh) if edge else [route_to(cluster, mesh)]
     virtual_host: Config = {"name": cluster, "domains": ["*"], "routes": routes}
+    if cluster == "worker":
+        # Which worker took a gateway's call, for the gateway's span. Internal listener only:
+        # the edge never tells callers the workers' addresses.
+        virtual_host["response_headers_to_add"] = [
+            {
+                "header": {"key": UPSTREAM_HEADER, "value": "%UPSTREAM_REMOTE_ADDRESS%"},
+                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+            }
+        ]
     if edge:
         virtual_host["typed_per_filter_config"] = cors_policy(mesh)
         if mesh.direct_token_path:
@@ -1081,6 +1091,25 @@ def service_cluster(
         del cluster["typed_extension_protocol_options"]
     if mesh.upstream_mtls:
         cluster["transport_socket"] = upstream_tls(name, mesh)
+    if name == "worker":
+        # A worker whose connections fail (killed, its port closed) leaves the table at the
+        # first failure, not at its next failed health check; a passing check brings it back.
+        # Hashing under bounded load (worker_routing prefix) needs it: a dead worker has no
+        # streams, so it is the least loaded, and every pick and retry would go to it until
+        # then. Only connection failures count: a worker's gRPC answers never eject it.
+        cluster["outlier_detection"] = {
+            "split_external_local_origin_errors": True,
+            "consecutive_local_origin_failure": 1,
+            "enforcing_consecutive_local_origin_failure": 100,
+            "enforcing_consecutive_5xx": 0,
+            "enforcing_consecutive_gateway_failure": 0,
+            "enforcing_success_rate": 0,
+            "enforcing_local_origin_success_rate": 0,
+            "enforcing_failure_percentage": 0,
+            "enforcing_failure_percentage_local_origin": 0,
+            "base_ejection_time": "10s",
+            "max_ejection_percent": 100,
+        }
     if name == "reranker":
         # Eject a failing reranker host quickly, before the gateway's own breaker opens, and
         # bound what may pile up in front of a slow one.

@@ -333,7 +333,7 @@ class MeshSettings(BaseSettings):
         ),
     )
     worker_routing: Literal["least_request", "prefix", "picker"] = Field(
-        default="least_request",
+        default="prefix",
         description=(
             "How Envoy picks a worker for a stream. least_request: the one with the fewest "
             "streams in flight (of two drawn at random). prefix: by the gateway's prefix-"
