@@ -114,7 +114,6 @@ async def test_a_hot_prefix_spills_to_the_other_worker_under_load(
     counts = await asyncio.gather(
         *(generate(edge, f"{hot} burst {number}", tokens=512) for number in range(16))
     )
-    print(f"home {home}: {requests_by_host(prefix_edge) - before}")
     assert counts == [512] * 16
     spread = requests_by_host(prefix_edge) - before
     assert sum(spread.values()) == 16

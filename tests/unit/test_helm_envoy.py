@@ -402,11 +402,14 @@ def test_picker_routing_renders_meshconfigs_worker_cluster(
         "envoy": {"tls": {"enabled": tls, "existingSecret": "edge-tls"}},
         "mtls": {"enabled": mtls, "existingSecret": "tokenmesh-mtls"},
     }
-    chart_least = Release(
-        render({**base, "envoy": {**base["envoy"], "workerRouting": {"policy": "least_request"}}})
-    ).envoy_config()
-    routing = {"workerRouting": {"policy": "picker"}}
-    release = Release(render({**base, "envoy": {**base["envoy"], **routing}}))
+
+    def routed(policy: str) -> Release:
+        return Release(
+            render({**base, "envoy": {**base["envoy"], "workerRouting": {"policy": policy}}})
+        )
+
+    chart_least = routed("least_request").envoy_config()
+    release = routed("picker")
     chart_picked = release.envoy_config()
     assert chart_picked == as_picker(chart_least)
     assert clusters_of(chart_picked)["worker"] == clusters_of(picked)["worker"]

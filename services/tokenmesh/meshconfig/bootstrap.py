@@ -1096,17 +1096,14 @@ def service_cluster(
         # first failure, not at its next failed health check; a passing check brings it back.
         # Hashing under bounded load (worker_routing prefix) needs it: a dead worker has no
         # streams, so it is the least loaded, and every pick and retry would go to it until
-        # then. Only connection failures count: a worker's gRPC answers never eject it.
+        # then. Only connection failures count: a worker's gRPC answers never eject it (the
+        # ejections Envoy enforces by default besides, 5xx and success rate, are off).
         cluster["outlier_detection"] = {
             "split_external_local_origin_errors": True,
             "consecutive_local_origin_failure": 1,
-            "enforcing_consecutive_local_origin_failure": 100,
             "enforcing_consecutive_5xx": 0,
-            "enforcing_consecutive_gateway_failure": 0,
             "enforcing_success_rate": 0,
             "enforcing_local_origin_success_rate": 0,
-            "enforcing_failure_percentage": 0,
-            "enforcing_failure_percentage_local_origin": 0,
             "base_ejection_time": "10s",
             "max_ejection_percent": 100,
         }
