@@ -24,9 +24,15 @@ from prometheus_client import CollectorRegistry
 from loadtests.stats import Latencies
 from tokenmesh.common.interceptors import standard_interceptors
 from tokenmesh.common.tenants import Limits
-from tokenmesh.gateway.auth import AuthInterceptor, KeysFile, KeyStore, TenantEntry, hash_key
-from tokenmesh.gateway.limits import LimitsInterceptor, TenantLimiter
-from tokenmesh.gateway.tenant_metrics import TenantMetrics
+from tokenmesh.gateway.core.tenancy.auth import (
+    AuthInterceptor,
+    KeysFile,
+    KeyStore,
+    TenantEntry,
+    hash_key,
+)
+from tokenmesh.gateway.core.tenancy.limits import LimitsInterceptor, TenantLimiter
+from tokenmesh.gateway.core.tenancy.metrics import TenantMetrics
 from tokenmesh.v1 import token_pb2
 
 KEY = "tm_benchmark_key"

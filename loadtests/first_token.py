@@ -24,7 +24,8 @@ import uvloop
 from grpc import aio
 
 from loadtests.report import emit
-from loadtests.scenarios import private_mesh, second_envoy
+from loadtests.scenarios import private_mesh
+from tests.harness.meshes import second_envoy
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, llm_pb2, llm_pb2_grpc
 
 PROMPT = "hello there " * 8

@@ -61,10 +61,11 @@ from tokenizers import Tokenizer
 
 from loadtests import report
 from loadtests.runner import RunConfig, combine, one_request, run
-from loadtests.scenarios import RESULTS, ROOT, Bench, private_mesh, second_envoy
+from loadtests.scenarios import RESULTS, ROOT, Bench, private_mesh
 from loadtests.targets import WorkerTarget
 from loadtests.token_cost import cpu_seconds
 from loadtests.workload import Lengths, RequestSpec, Workload
+from tests.harness.meshes import second_envoy
 from tokenmesh.gateway.config import GatewaySettings
 from tokenmesh.localmesh.mesh import LocalMesh, envoy_hosts
 from tokenmesh.worker.placement import descendants

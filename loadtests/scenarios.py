@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -44,11 +43,10 @@ import psutil
 from loadtests import report
 from loadtests.runner import RunConfig, combine, run
 from loadtests.stats import Latencies
-from tokenmesh.common.affinity import pin_threads
-from tokenmesh.localmesh.mesh import LocalMesh, LocalMeshSettings, envoy_hosts
+from tokenmesh.common.cpu_pinning import pin_threads
+from tokenmesh.common.processes import stop_process
+from tokenmesh.localmesh.mesh import LocalMesh, LocalMeshSettings
 from tokenmesh.localmesh.probes import free_port
-from tokenmesh.meshconfig.__main__ import render_yaml
-from tokenmesh.meshconfig.config import MeshSettings
 from tokenmesh.worker.placement import place_engine
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -128,68 +126,6 @@ def private_mesh(**overrides: Any) -> Iterator[LocalMesh]:
             yield local_mesh
         finally:
             local_mesh.down()
-
-
-def stop(process: subprocess.Popen[Any], grace: float) -> None:
-    """SIGTERM, and SIGKILL after `grace` seconds."""
-    process.terminate()
-    try:
-        process.wait(grace)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait(10)
-
-
-@contextmanager
-def second_envoy(
-    local_mesh: LocalMesh, run_dir: Path, **overrides: Any
-) -> Iterator[tuple[MeshSettings, int]]:
-    """Another Envoy in front of the mesh's gateways and workers (their endpoints from the
-    mesh's control plane), rendered with `overrides` (e.g. direct_token_path=True) and run on
-    the mesh's cores like the mesh's own, its config and log in run_dir: its settings and
-    process id, once it has a healthy gateway and worker."""
-    ports = [free_port() for _ in range(4)]
-    settings = MeshSettings(
-        **{
-            **local_mesh.settings.mesh().model_dump(),
-            "edge_port": ports[0],
-            "admin_port": ports[1],
-            "worker_listener_port": ports[2],
-            "reranker_listener_port": ports[3],
-            "node_id": f"tokenmesh-envoy-{ports[0]}",
-            **overrides,
-        }
-    )
-    config = run_dir / f"envoy-{ports[0]}.yaml"
-    config.write_text(render_yaml(settings))
-    cores = local_mesh.mesh_cores(local_mesh.settings.worker_count(), os.cpu_count() or 1)
-    pinned = ["taskset", "-c", cores] if cores and shutil.which("taskset") else []
-    envoy = shutil.which("envoy", path=str(Path(sys.executable).parent)) or "envoy"
-    # Its access log (stdout) and errors beside its config.
-    log = (run_dir / f"envoy-{ports[0]}.log").open("w")
-    # A session of its own, as the mesh's programs have under supervisord: scheduled apart
-    # from the benchmark that started it (Linux's autogroups are per session).
-    process = subprocess.Popen(
-        [*pinned, envoy, "-c", str(config), "--base-id", str(ports[0]), "--log-level", "warn"],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while not all(
-            any(ok for _, ok in envoy_hosts(settings.admin_port).get(cluster, []))
-            for cluster in ("gateway", "worker")
-        ):
-            if process.poll() is not None:
-                raise SystemExit(f"the second Envoy exited ({process.returncode})")
-            if time.monotonic() > deadline:
-                raise SystemExit("the second Envoy found no healthy gateway and worker in 60 s")
-            time.sleep(0.2)
-        yield settings, process.pid
-    finally:
-        stop(process, 30)
-        log.close()
 
 
 def hops(local_mesh: LocalMesh) -> list[tuple[str, str, str]]:
@@ -422,7 +358,7 @@ def openai_server(placed: bool = False) -> Iterator[tuple[str, int]]:
                 pin_threads(frozenset(os.sched_getaffinity(0)) - engine, process.pid)
             yield f"127.0.0.1:{port}", process.pid
         finally:
-            stop(process, 60)
+            stop_process(process, 60)
 
 
 def sse(bench: Bench) -> None:

@@ -43,8 +43,9 @@ from loadtests.scenarios import (
     Bench,
     openai_server,
     private_mesh,
-    second_envoy,
 )
+from tests.harness.meshes import second_envoy
+from tokenmesh.common.processes import stop_process
 from tokenmesh.localmesh.mesh import LocalMesh
 from tokenmesh.meshconfig.config import MeshSettings
 from tokenmesh.worker.placement import descendants
@@ -433,11 +434,10 @@ def sampling(name: str, process: int, seconds: float, out: Path) -> Iterator[Pat
         try:
             yield raw
         finally:
-            try:
+            # py-spy ends on its own after `seconds` and writes its profile then.
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 recorder.wait(seconds + 30)
-            except subprocess.TimeoutExpired:
-                recorder.kill()
-                recorder.wait(10)
+            stop_process(recorder, 10)
 
 
 def where_time_goes(raw: Path, top: int = 25) -> dict[str, Any]:

@@ -16,13 +16,15 @@ DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 # Grafana's rate window: at least four scrape intervals, so rate() always has samples.
 RATE = "$__rate_interval"
 # Status codes that mean the service failed (a caller's own mistakes and cancels are not its
-# errors): the same set as the TokenmeshHighErrorRatio alert.
+# errors): the same set as the TokenmeshHighErrorRatio alert, as the services label them.
 SERVER_ERROR_CODES = (
-    "Unknown|DeadlineExceeded|ResourceExhausted|Unimplemented|Internal|Unavailable|DataLoss"
+    "UNKNOWN|DEADLINE_EXCEEDED|RESOURCE_EXHAUSTED|UNIMPLEMENTED|INTERNAL|UNAVAILABLE|DATA_LOSS"
 )
 # Health checks are frequent and say nothing about the service's own calls.
 NOT_HEALTH = 'grpc_service!="grpc.health.v1.Health"'
-PUBLIC_API = 'service="gateway",grpc_service="tokenmesh.v1.LLMService"'
+# The public API's calls at the gateways, whichever path their tokens took (a path label:
+# gateway or direct).
+PUBLIC_CALLS = 'service="gateway"'
 # Token streams the workers started (gRPC and OpenAI), whichever path brought them.
 WORKER_STREAMS = (
     'service="worker",grpc_service="tokenmesh.v1.InferenceService",'
@@ -73,13 +75,19 @@ class Dashboard:
 
 
 def quantiles(
-    metric: str, by: str, selector: str, qs: tuple[float, ...] = (0.5, 0.99)
+    metric: str,
+    by: str,
+    selector: str,
+    qs: tuple[float, ...] = (0.5, 0.99),
+    legend: str | None = None,
 ) -> tuple[Query, ...]:
-    """p50/p99 (or qs) of a histogram, one line per `by` value."""
+    """p50/p99 (or qs) of a histogram, one line per `by` value (named by legend, a Grafana
+    template; the `by` label by default)."""
+    name = legend or f"{{{{{by}}}}}"
     return tuple(
         Query(
             f"histogram_quantile({q}, {rate(metric + '_bucket', 'le, ' + by, selector)})",
-            f"{{{{{by}}}}} p{round(q * 100)}",
+            f"{name} p{round(q * 100)}",
         )
         for q in qs
     )
@@ -105,8 +113,15 @@ OVERVIEW = Dashboard(
     panels=(
         Panel(
             "Requests/s by gRPC code",
-            "Public API calls (LLMService) finished per second at the gateways, by status code.",
-            (Query(rate("grpc_server_handled_total", "grpc_code", PUBLIC_API), "{{grpc_code}}"),),
+            "Public API calls (LLMService) finished per second, by status code and the path "
+            "their tokens took (gateway: through a gateway; direct: from a worker through "
+            "Envoy).",
+            (
+                Query(
+                    rate("tokenmesh_gateway_calls_total", "grpc_code, path", PUBLIC_CALLS),
+                    "{{grpc_code}} ({{path}})",
+                ),
+            ),
             unit="reqps",
         ),
         Panel(
@@ -151,9 +166,13 @@ OVERVIEW = Dashboard(
         ),
         Panel(
             "End-to-end RPC duration",
-            "Whole public API calls at the gateways, by method (a Generate lasts until its last "
-            "token).",
-            quantiles("grpc_server_handling_seconds", "grpc_method", PUBLIC_API),
+            "Whole public API calls, by method and path (a Generate lasts until its last token).",
+            quantiles(
+                "tokenmesh_gateway_call_seconds",
+                "grpc_method, path",
+                PUBLIC_CALLS,
+                legend="{{grpc_method}} ({{path}})",
+            ),
             unit="s",
         ),
         Panel(

@@ -12,7 +12,7 @@ from grpc import aio
 
 from tests.consul_fake import FakeConsul
 from tests.otlp_collector import OtlpCollector
-from tests.stalls import StallWatch, describe, stalled_seconds
+from tests.stalls import StallWatch, describe, earns_rerun
 from tests.support import TINY_MODEL, ServiceProcess, reranker_process, worker_process
 from tokenmesh.v1 import inference_pb2_grpc
 
@@ -26,16 +26,12 @@ RERANKER_START_TIMEOUT = 120.0
 STALL_WATCH = pytest.StashKey[StallWatch]()
 TEST_BEGUN = pytest.StashKey[float]()
 ATTEMPT_FAILED = pytest.StashKey[bool]()
-# A failed integration test runs once more if the machine stalled this long while it ran (a
-# CPU taken by the hypervisor, the VM paused, a kernel lockup): its processes are pinned to
-# cores, and a stall of one stops them for as long.
-RERUN_AFTER_STALLED_SECONDS = 1.0
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests that stop the shared worker run after all others, in their file order; an
-    integration test that fails while the machine stalled runs once more (pytest-rerunfailures,
-    reported as a rerun)."""
+    integration test that fails while the machine itself stalled (stolen CPU time, a kernel
+    lockup) runs once more (pytest-rerunfailures, reported as a rerun)."""
     items.sort(key=lambda item: item.get_closest_marker("stops_worker") is not None)
     for item in items:
         if item.get_closest_marker("integration") is not None:
@@ -43,10 +39,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def stalled(item: pytest.Item) -> bool:
-    """The machine stalled for RERUN_AFTER_STALLED_SECONDS or more since the test began (then
-    the run's output says so: a rerun's first failure is not shown)."""
+    """The machine itself stalled long enough for a rerun (tests/stalls.py, earns_rerun) since
+    the test began (then the run's output says so: a rerun's first failure is not shown)."""
     stalls = item.config.stash[STALL_WATCH].since(item.stash.get(TEST_BEGUN, 0.0))
-    if not stalls or stalled_seconds(stalls) < RERUN_AFTER_STALLED_SECONDS:
+    if not earns_rerun(stalls):
         return False
     reporter = item.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None and item.stash.get(ATTEMPT_FAILED, False):
@@ -75,7 +71,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> None:
-    """A failed test's report says how long the machine stalled while it ran."""
+    """A failed test's report says how long the machine stalled while it ran, and what else
+    the stall watch saw (late wake-ups, I/O stalls: information, never a rerun)."""
     if call.excinfo is None:
         return
     item.stash[ATTEMPT_FAILED] = True

@@ -1,13 +1,15 @@
-"""The machine's stalls: CPU time the VM lost, as steal time, late wake-ups and kernel lockups."""
+"""The machine's stalls: CPU time the VM lost (steal time), kernel lockups, and, as information
+only, late wake-ups and I/O stalls."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +27,9 @@ LATE_SECONDS = 1.0
 KERNEL_EVERY_SECONDS = 10.0
 KERNEL_LOCKUP = re.compile(r"^\[\s*(\d+\.\d+)\].*lockup.*stuck for (\d+)s", re.MULTILINE)
 TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK")
+# A failed integration test runs once more if the machine itself stalled this long while it ran
+# (tests/conftest.py): its processes are pinned to cores, and a stall of one stops them as long.
+RERUN_AFTER_STALLED_SECONDS = 1.0
 
 
 def stolen_seconds(stat: str) -> dict[str, float]:
@@ -58,6 +63,11 @@ def kernel_lockups(log: str) -> list[tuple[float, int]]:
     return [(float(found[1]), int(found[2])) for found in KERNEL_LOCKUP.finditer(log)]
 
 
+def newest_lockup(log: str) -> float:
+    """The kernel timestamp of the newest lockup in the log (0 without one)."""
+    return max([0.0, *(at for at, _ in kernel_lockups(log))])
+
+
 def read_kernel_log() -> str:
     """The kernel's ring buffer (dmesg needs root or CAP_SYSLOG; without them: nothing)."""
     try:
@@ -74,14 +84,20 @@ class Stall:
     source: str  # "steal cpuN", "io stall", "late wake-up" or "kernel lockup"
     seconds: float
 
+    @property
+    def machine(self) -> bool:
+        """Stolen time or a kernel lockup: the machine's own, which no code under test can
+        cause. A late wake-up or an I/O stall it can (a regression that hogs the CPUs or the
+        disk), so those are reported but never excuse a failure."""
+        return self.source.startswith("steal") or self.source == "kernel lockup"
+
 
 class StallWatch:
-    """A daemon thread that records the moments this VM lost its CPUs or its disk: a CPU
-    stolen by the hypervisor for STALL_SECONDS or more within one interval, every task
-    waiting on I/O that long (a restarted worker reading vLLM's libraries from a stalled
-    disk), the thread itself waking LATE_SECONDS or more late, or a new lockup in the
-    kernel's log. Such a stall stops every process it touches for as long
-    (docs/testing.md)."""
+    """A daemon thread that records the moments this VM lost its CPUs: a CPU stolen by the
+    hypervisor for STALL_SECONDS or more within one interval, or a new lockup in the kernel's
+    log (Stall.machine); and, as information for a failure's report, every task waiting on
+    I/O that long or the thread itself waking LATE_SECONDS or more late, which the tests' own
+    load causes too (docs/testing.md)."""
 
     def __init__(
         self,
@@ -148,7 +164,7 @@ class StallWatch:
         before = stolen_seconds(self._stat.read_text())
         io_before = io_full_seconds(read_io_pressure())
         # Lockups reported before the watch began are not this run's.
-        lockups = max([0.0, *(at for at, _ in kernel_lockups(self._kernel_log()))])
+        lockups = newest_lockup(self._kernel_log())
         last = kernel_checked = time.monotonic()
         while not self._stop.wait(self._every):
             now = time.monotonic()
@@ -164,15 +180,48 @@ class StallWatch:
 
 
 def stalled_seconds(stalls: list[Stall]) -> float:
-    """How long the machine stalled, by its worst signal: stolen time or I/O stall time summed
-    over their intervals, or the longest late wake-up or kernel lockup."""
-    stolen = sum(s.seconds for s in stalls if s.source.startswith("steal"))
-    io = sum(s.seconds for s in stalls if s.source == "io stall")
-    others = [s.seconds for s in stalls if s.source in ("late wake-up", "kernel lockup")]
-    return max([stolen, io, *others])
+    """How long the machine itself stalled (Stall.machine), by its worse signal: stolen time
+    summed over the intervals, or the longest kernel lockup."""
+    stolen = sum((s.seconds for s in stalls if s.machine and s.source.startswith("steal")), 0.0)
+    lockups = [s.seconds for s in stalls if s.machine and not s.source.startswith("steal")]
+    return max([stolen, *lockups])
+
+
+def earns_rerun(stalls: list[Stall]) -> bool:
+    """Whether a failed integration test runs once more after these stalls: the machine itself
+    stalled RERUN_AFTER_STALLED_SECONDS or more; late wake-ups and I/O stalls do not count."""
+    return stalled_seconds(stalls) >= RERUN_AFTER_STALLED_SECONDS
 
 
 def describe(stalls: list[Stall]) -> str:
-    """The total, then one entry a stall."""
-    listed = ", ".join(f"{s.source} {s.seconds} s" for s in stalls[:40])
-    return f"the machine stalled for {stalled_seconds(stalls):.1f} s in all: {listed}"
+    """The machine's own stalls, their total first, then the other observations."""
+
+    def listed(these: list[Stall]) -> str:
+        return ", ".join(f"{s.source} {s.seconds} s" for s in these[:40]) or "none"
+
+    machine = [s for s in stalls if s.machine]
+    others = [s for s in stalls if not s.machine]
+    text = f"the machine stalled for {stalled_seconds(stalls):.1f} s in all: {listed(machine)}"
+    if others:
+        text += f"; also seen (load, the tests' own included): {listed(others)}"
+    return text
+
+
+@contextlib.contextmanager
+def machine_stalls(
+    stat: Path = PROC_STAT, kernel_log: Callable[[], str] = read_kernel_log
+) -> Iterator[list[Stall]]:
+    """The machine's own stalls while the block ran (a CPU's steal time of STALL_SECONDS or
+    more, a new kernel lockup), in the list it gives, filled when the block ends: one round of
+    a measurement that such a stall overlapped may be measured again (tests/timing.py)."""
+    found: list[Stall] = []
+    watch = StallWatch(stat, kernel_log=kernel_log)
+    if not watch.available:
+        yield found
+        return
+    stolen, lockups = stolen_seconds(stat.read_text()), newest_lockup(kernel_log())
+    yield found
+    now = time.monotonic()
+    watch.sample(stolen, stolen_seconds(stat.read_text()), now)
+    watch.kernel(lockups, kernel_log(), now)
+    found.extend(watch.since(0.0))

@@ -5,20 +5,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import math
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from tests.timing import Unmeasured
+from tokenmesh.common.processes import stop_process
 from tokenmesh.common.tokens import token_count
 from tokenmesh.localmesh.mesh import LocalMesh, LocalMeshSettings
 from tokenmesh.localmesh.probes import (
@@ -28,7 +29,7 @@ from tokenmesh.localmesh.probes import (
     health,
     series_values,
 )
-from tokenmesh.meshconfig.bootstrap import DIRECT_LOG_FLUSH_SECONDS
+from tokenmesh.meshconfig.access_logs import DIRECT_LOG_FLUSH_SECONDS
 
 if TYPE_CHECKING:
     from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
@@ -114,18 +115,7 @@ class ServiceProcess:
 
     def stop(self, timeout: float = 60.0) -> int | None:
         """SIGTERM, wait, then SIGKILL the whole process group (vLLM's children too)."""
-        if self.process is None:
-            return None
-        if self.process.poll() is None:
-            # A test may have paused it (SIGSTOP): a stopped process cannot act on SIGTERM.
-            self.process.send_signal(signal.SIGCONT)
-            self.process.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(timeout)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait()
-        return self.process.returncode
+        return None if self.process is None else stop_process(self.process, timeout)
 
 
 async def read_rest(call: grpc.aio.UnaryStreamCall) -> list:  # type: ignore[type-arg]
@@ -141,11 +131,12 @@ def scrape_metrics(metrics_port: int) -> str:
 
 
 def metric_value(metrics: str, name: str, default: float | None = None, **labels: str) -> float:
-    """The value of series name{labels...} in a Prometheus text page (labels may be a subset);
-    default when there is no such series (an error if default is None)."""
+    """The value of series name{labels...} in a Prometheus text page; labels may be a subset,
+    and then the values of every series they match add up. Default when there is no such
+    series (an error if default is None)."""
     values = series_values(metrics, name, **labels)
     if values:
-        return values[0]
+        return sum(values)
     if default is None:
         raise AssertionError(f"no series {name}{labels}")
     return default
@@ -241,40 +232,6 @@ def gateway_process(
     return service_process("gateway", log_dir, name, settings, overrides)
 
 
-# A cancel or deadline frees the engine within this (ms since the cancel or the deadline).
-CANCEL_BUDGET_SECONDS = 0.100
-# Rounds a latency check may take: see within_budget.
-BUDGET_ATTEMPTS = 3
-
-
-async def within_budget(
-    what: str, measure: Callable[[], Awaitable[float]], budget: float = CANCEL_BUDGET_SECONDS
-) -> float:
-    """Runs measure (one round of a latency check, returning seconds) until a round is within
-    budget, at most BUDGET_ATTEMPTS times. A mechanism that works meets the budget in its
-    first round on a quiet machine; on a loaded one a round the scheduler stretched is measured
-    again. One that does not work (an engine left running, a cancel that never arrives) misses
-    every round, and the failure lists them all."""
-    taken = []
-    for _ in range(BUDGET_ATTEMPTS):
-        try:
-            seconds = await measure()
-        except TimeoutError as error:
-            # engine_empty_at gave up waiting: a stall of the machine longer than its window,
-            # or an engine that never empties. A missed round either way; only the second
-            # misses every round.
-            print(f"{what}: {error}")
-            seconds = math.inf
-        taken.append(seconds)
-        print(f"{what}: {seconds * 1000:.0f} ms")
-        if seconds <= budget:
-            return seconds
-    raise AssertionError(
-        f"{what}: over {budget * 1000:.0f} ms in all {BUDGET_ATTEMPTS} rounds: "
-        + ", ".join(f"{seconds * 1000:.0f} ms" for seconds in taken)
-    )
-
-
 async def cancel_until_empty(calls: list[Any], engines: list[Any], within: float = 30.0) -> float:
     """Seconds from cancelling calls, once the engines (InferenceService stubs) are generating
     every one still open (or, if they never all run at once, STAGGER_SECONDS after the first
@@ -323,8 +280,9 @@ async def _cancel_once_generating(calls: list[Any], engines: list[Any], within: 
         if not open_calls or now > deadline:
             # Nothing to measure in this round: the streams ended (or never ran) first.
             codes = [str(await call.code()) if call.done() else "open" for call in calls]
-            print(f"no engine generated the streams within {within} s: {', '.join(codes)}")
-            return math.inf
+            raise Unmeasured(
+                f"no engine generated the streams within {within} s: {', '.join(codes)}"
+            )
         await asyncio.sleep(0.005)
     cancelled_at = time.time_ns()
     for call in calls:
@@ -338,23 +296,21 @@ async def seconds_until_emptied(
     ended_at: int,
 ) -> float:
     """Seconds from ended_at (time.time_ns(), when the client cancelled or closed its streams)
-    until every engine that was busy in `reports` had emptied; inf when there is nothing to
-    measure: no engine was busy, or one emptied before ended_at (it finished its streams before
-    the end reached it)."""
+    until every engine that was busy in `reports` had emptied; Unmeasured when there is
+    nothing to measure: no engine was busy, or one emptied before ended_at (it finished its
+    streams before the end reached it)."""
     busy = [
         (engine, report)
         for engine, report in zip(engines, reports, strict=True)
         if report.running_requests or report.waiting_requests
     ]
     if not busy:
-        print("no engine was busy")
-        return math.inf
+        raise Unmeasured("no engine was busy")
     empty_at = [
         await engine_empty_at(engine, report.reported_unix_nanos) for engine, report in busy
     ]
     if min(empty_at) < ended_at:
-        print("an engine emptied before the streams ended")
-        return math.inf
+        raise Unmeasured("an engine emptied before the streams ended")
     return (max(empty_at) - ended_at) / 1e9
 
 
@@ -367,11 +323,6 @@ STAGGER_SECONDS = 0.2
 GENERATE_METHOD = {"grpc_service": "tokenmesh.v1.LLMService", "grpc_method": "Generate"}
 INFERENCE_METHOD = {"grpc_service": "tokenmesh.v1.InferenceService", "grpc_method": "Generate"}
 # A gateway preparing a Generate request for the direct token path (Envoy's external processor).
-PREPARE_METHOD = {
-    "grpc_service": "envoy.service.ext_proc.v3.ExternalProcessor",
-    "grpc_method": "Process",
-}
-# A gateway preparing a Generate for Envoy to stream from a worker (the direct token path).
 PREPARE_METHOD = {
     "grpc_service": "envoy.service.ext_proc.v3.ExternalProcessor",
     "grpc_method": "Process",

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from loadtests.slow_consumer_bench import SlowConsumerProbe, slow_consumer_env
+from tests.harness.slow_consumer import SlowConsumerProbe, slow_consumer_env
 from tests.support import running_mesh
 from tokenmesh.localmesh.mesh import LocalMesh, LocalMeshSettings
 from tokenmesh.meshconfig.config import MeshSettings

@@ -1,5 +1,5 @@
 """Failure behaviour, with real faults in the shared mesh: the short version of each
-`make chaos` scenario (loadtests/chaos.py). Each test injects its fault with a real signal to a
+`make chaos` scenario (tests/harness/chaos.py). Each test injects its fault with a real signal to a
 real process (or stops one), drives bounded traffic through the edge, asserts the scenario's
 guarantees and that no request hung, and leaves the mesh as it found it (restarted programs
 healthy in Envoy again) for the tests after it."""
@@ -11,7 +11,7 @@ from dataclasses import asdict
 
 import pytest
 
-from loadtests.chaos import REJOIN_WITHIN_SECONDS, SCENARIOS, Row, ScenarioMesh
+from tests.harness.chaos import REJOIN_WITHIN_SECONDS, SCENARIOS, Row, ScenarioMesh
 from tokenmesh.localmesh.mesh import LocalMesh
 
 pytestmark = pytest.mark.integration

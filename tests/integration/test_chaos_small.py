@@ -1,5 +1,5 @@
 """Failure behaviour that needs small limits: overload and a client that stops reading, the short
-version of their `make chaos` scenarios (loadtests/chaos.py) on a mesh of their own (1 gateway,
+version of their `make chaos` scenarios (tests/harness/chaos.py) on a mesh of their own (1 gateway,
 1 worker admitting 4 running + 4 waiting streams, a 5 s stream idle timeout)."""
 
 from __future__ import annotations
@@ -10,14 +10,8 @@ from dataclasses import asdict
 
 import pytest
 
-from loadtests.chaos import (
-    SMALL_MESH_ENV,
-    SMALL_SCENARIOS,
-    Row,
-    ScenarioMesh,
-    environment,
-    own_mesh,
-)
+from tests.harness.chaos import SMALL_MESH_ENV, SMALL_SCENARIOS, Row, ScenarioMesh
+from tests.harness.meshes import environment, own_mesh
 
 pytestmark = pytest.mark.integration
 

@@ -8,9 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import shutil
-import signal
 import subprocess
 import time
 import urllib.request
@@ -25,6 +23,7 @@ from grpc_health.v1._async import HealthServicer
 from tests.support import ROOT, free_port
 from tokenmesh.common.backoff import Backoff
 from tokenmesh.common.consul_http import consul_client
+from tokenmesh.common.processes import stop_process
 from tokenmesh.common.registration import ConsulRegistration, ServiceInstance
 from tokenmesh.controlplane.consul_source import ConsulSource
 from tokenmesh.controlplane.endpoints import Endpoint, Snapshot
@@ -86,15 +85,8 @@ class ConsulAgent:
         raise TimeoutError(f"consul agent not ready:\n{self.log_path.read_text()[-3000:]}")
 
     def stop(self) -> None:
-        if self.process is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        if self.process is not None:
+            stop_process(self.process, 20)
 
     def agent_services(self) -> dict[str, Any]:
         with urllib.request.urlopen(f"http://{self.address}/v1/agent/services", timeout=5) as r:

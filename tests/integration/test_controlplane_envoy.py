@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ from tests.support import (
     scrape_metrics,
 )
 from tests.xds_client import XdsClient, decode
+from tokenmesh.common.processes import stop_process
 
 pytestmark = pytest.mark.integration
 
@@ -233,15 +233,8 @@ class Envoy:
         return "\n".join(text.splitlines()[-30:])
 
     def stop(self) -> None:
-        if self.process is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        if self.process is not None:
+            stop_process(self.process, 10)
 
 
 async def until(envoy: Envoy, condition: Any, within: float, what: str) -> float:

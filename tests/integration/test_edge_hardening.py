@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from tests.support import free_port, health_status
+from tokenmesh.common.processes import stop_process
 from tokenmesh.localmesh.mesh import LocalMesh, envoy_hosts
 from tokenmesh.meshconfig.__main__ import render_yaml
 from tokenmesh.meshconfig.config import MeshSettings
@@ -352,8 +353,7 @@ def test_edge_rate_limit_refuses_grpc_with_resource_exhausted(
                     hints.append(dict(metadata).get("retry-after-ms"))
             took = time.monotonic() - begun
     finally:
-        envoy.terminate()
-        envoy.wait(30)
+        stop_process(envoy, 30)
     # The bucket starts full (2) and refills 1/s: at most 2 + the seconds taken get through.
     assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 6 - 2 - int(took) - 1, codes
     assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes

@@ -22,9 +22,9 @@ from tests.support import (
     generated,
     positions,
     read_rest,
-    within_budget,
 )
-from tokenmesh.gateway.prompts import context_question
+from tests.timing import within_budget
+from tokenmesh.gateway.core.prompts import context_question
 from tokenmesh.v1 import llm_pb2, llm_pb2_grpc, token_pb2
 
 pytestmark = pytest.mark.integration

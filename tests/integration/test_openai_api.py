@@ -38,9 +38,10 @@ from tests.support import (
     metric_value,
     scrape_metrics,
     seconds_until_emptied,
-    within_budget,
 )
-from tokenmesh.gateway.auth import UNAUTHENTICATED_MESSAGE, hash_key
+from tests.timing import within_budget
+from tokenmesh.common.processes import stop_process
+from tokenmesh.gateway.core.tenancy.auth import UNAUTHENTICATED_MESSAGE, hash_key
 from tokenmesh.localmesh.mesh import LocalMesh, envoy_hosts
 from tokenmesh.meshconfig.__main__ import render_yaml
 from tokenmesh.meshconfig.config import MeshSettings
@@ -775,8 +776,7 @@ def edge_of_its_own(
         try:
             yield edge
         finally:
-            envoy.terminate()
-            envoy.wait(30)
+            stop_process(envoy, 30)
     finally:
         controlplane.stop(timeout=10)
 

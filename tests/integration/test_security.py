@@ -32,7 +32,7 @@ from tests.support import (
     read_rest,
     scrape_metrics,
 )
-from tokenmesh.gateway.auth import UNAUTHENTICATED_MESSAGE, hash_key
+from tokenmesh.gateway.core.tenancy.auth import UNAUTHENTICATED_MESSAGE, hash_key
 from tokenmesh.gateway.keys import add_key
 from tokenmesh.v1 import llm_pb2, llm_pb2_grpc, token_pb2
 

@@ -7,10 +7,7 @@ worker and reranker are the session's, which export to the same receiver."""
 
 from __future__ import annotations
 
-import contextlib
-import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -32,6 +29,7 @@ from tests.support import (
     metric_value,
     scrape_metrics,
 )
+from tokenmesh.common.processes import stop_process
 from tokenmesh.localmesh.mesh import envoy_hosts
 from tokenmesh.meshconfig.bootstrap import render
 from tokenmesh.meshconfig.config import MeshSettings
@@ -51,7 +49,6 @@ SERVER = 2  # OTLP Span.SpanKind SPAN_KIND_SERVER
 class TracedMesh:
     edge: str
     gateway: ServiceProcess
-    direct_token_path: bool
 
 
 def client_traceparent() -> tuple[str, str, str]:
@@ -112,12 +109,10 @@ def traced_mesh(
             assert envoy.poll() is None, "envoy exited (see .run/test-logs/envoy-traced.log)"
             assert time.monotonic() < deadline, f"Envoy hosts not healthy: {hosts}"
             time.sleep(0.2)
-        yield TracedMesh(f"127.0.0.1:{mesh.edge_port}", gateway, mesh.direct_token_path)
+        yield TracedMesh(f"127.0.0.1:{mesh.edge_port}", gateway)
     finally:
         if envoy is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(envoy.pid, signal.SIGTERM)
-            envoy.wait(10)
+            stop_process(envoy, 10)
         gateway.stop()
         controlplane.stop(timeout=10)
 
@@ -215,13 +210,11 @@ async def test_a_cancelled_stream_records_the_cancellation_in_gateway_and_worker
     )
     gateway, worker_span = one(spans, *generate), one(spans, *WORKER)
     decode = one(spans, *DECODE)
-    # Through a gateway the worker's span is under the gateway's; on the direct token path both
-    # continue the caller's span side by side (the gateway's timed by Envoy's access log).
-    if traced_mesh.direct_token_path:
-        assert worker_span.parent_span_id == client_span_id == gateway.parent_span_id
-    else:
-        assert worker_span.parent_span_id == gateway.span_id
-    # Either way the gateway's span names the key and the worker Envoy chose.
+    # On the direct token path the gateway's span (timed by Envoy's access log) and the
+    # worker's continue the caller's side by side (through a gateway, GetAnswer's test above,
+    # the worker's is under the gateway's).
+    assert worker_span.parent_span_id == client_span_id == gateway.parent_span_id
+    # The gateway's span names the key and the worker Envoy chose.
     assert len(gateway.attributes["tokenmesh.affinity_key"]) == 16
     assert gateway.attributes["tokenmesh.worker"] == worker.address
     for span in (gateway, worker_span, decode):

@@ -26,7 +26,8 @@ from tokenmesh.common.server import Health
 from tokenmesh.common.tenants import Limits, Tenant, current_tenant
 from tokenmesh.gateway.app import Tenancy
 from tokenmesh.gateway.app import serve as serve_gateway
-from tokenmesh.gateway.auth import (
+from tokenmesh.gateway.config import GatewaySettings
+from tokenmesh.gateway.core.tenancy.auth import (
     UNAUTHENTICATED_MESSAGE,
     KeysFileError,
     KeyStore,
@@ -34,9 +35,8 @@ from tokenmesh.gateway.auth import (
     new_key,
     presented_key,
 )
-from tokenmesh.gateway.config import GatewaySettings
+from tokenmesh.gateway.core.tenancy.metrics import TenantMetrics
 from tokenmesh.gateway.keys import add_key, main
-from tokenmesh.gateway.tenant_metrics import TenantMetrics
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
 from tokenmesh.worker.tenant import TenantMetadataInterceptor
 

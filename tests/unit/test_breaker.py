@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmesh.gateway.breaker import CircuitBreaker, CircuitOpenError, CircuitState
 from tokenmesh.gateway.config import BreakerSettings
+from tokenmesh.gateway.core.breaker import CircuitBreaker, CircuitOpenError, CircuitState
 
 
 class Clock:

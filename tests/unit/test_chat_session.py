@@ -10,8 +10,8 @@ import pytest
 
 from tokenmesh.common.errors import InvalidArgument, ResourceExhausted
 from tokenmesh.gateway.config import GatewaySettings
-from tokenmesh.gateway.prompts import Conversation
-from tokenmesh.gateway.servicer import ChatSession
+from tokenmesh.gateway.core.prompts import Conversation
+from tokenmesh.gateway.frontends.chat import ChatSession
 from tokenmesh.v1 import llm_pb2, token_pb2
 
 

@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
 
-from tokenmesh.common.metrics import GrpcServerMetrics, StreamMetrics
+from tokenmesh.common.metrics import StreamMetrics
 from tokenmesh.common.tokens import (
     AFFINITY_HEADER,
     ROUTE_HEADER,
@@ -23,15 +23,14 @@ from tokenmesh.common.tokens import (
     parse_usage_trailer,
     usage_trailer,
 )
-from tokenmesh.gateway.accesslog import DirectStreamLog
-from tokenmesh.gateway.extproc import DirectMetrics
-from tokenmesh.gateway.openai_api import HttpMetrics
+from tokenmesh.gateway.frontends.calls import CallMetrics
+from tokenmesh.gateway.frontends.direct_log import DirectStreamLog
+from tokenmesh.gateway.frontends.extproc import DirectMetrics
+from tokenmesh.gateway.frontends.openai.http import HttpMetrics
 
-GENERATE = {
-    "grpc_type": "server_stream",
-    "grpc_service": "tokenmesh.v1.LLMService",
-    "grpc_method": "Generate",
-}
+# The public call a direct stream is: Generate, on the direct path.
+GENERATE = {"grpc_service": "tokenmesh.v1.LLMService", "grpc_method": "Generate", "path": "direct"}
+CALLS = "tokenmesh_gateway_calls_total"
 
 
 def entry(
@@ -70,7 +69,7 @@ def traced_log() -> tuple[DirectStreamLog, InMemorySpanExporter]:
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     registry = CollectorRegistry()
     log = DirectStreamLog(
-        StreamMetrics(registry), GrpcServerMetrics(registry), provider.get_tracer("test")
+        StreamMetrics(registry), CallMetrics(registry), provider.get_tracer("test")
     )
     return log, exporter
 
@@ -78,7 +77,7 @@ def traced_log() -> tuple[DirectStreamLog, InMemorySpanExporter]:
 class Recorded:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.log = DirectStreamLog(StreamMetrics(self.registry), GrpcServerMetrics(self.registry))
+        self.log = DirectStreamLog(StreamMetrics(self.registry), CallMetrics(self.registry))
 
     def value(self, name: str, **labels: str) -> float:
         return self.registry.get_sample_value(name, labels) or 0.0
@@ -88,11 +87,9 @@ def test_a_finished_stream_counts_as_the_gateways_own() -> None:
     seen = Recorded()
     usage = usage_trailer(prompt_tokens=12, completion_tokens=128, messages=40)
     seen.log.record(entry(trailers={"grpc-status": "0", USAGE_TRAILER: usage}))
-    assert seen.value("grpc_server_started_total", **GENERATE) == 1
-    assert seen.value("grpc_server_handled_total", **GENERATE, grpc_code="OK") == 1
-    assert seen.value("grpc_server_stream_msg_received_total", **GENERATE) == 1
-    assert seen.value("grpc_server_stream_msg_sent_total", **GENERATE) == 40
-    assert seen.value("grpc_server_handling_seconds_sum", **GENERATE) == pytest.approx(1.5)
+    assert seen.value(CALLS, **GENERATE, grpc_code="OK") == 1
+    seconds = {"grpc_method": "Generate", "path": "direct"}
+    assert seen.value("tokenmesh_gateway_call_seconds_sum", **seconds) == pytest.approx(1.5)
     assert seen.value("tokenmesh_ttft_seconds_count") == 1
     assert seen.value("tokenmesh_ttft_seconds_sum") == pytest.approx(0.25)
     assert seen.value("tokenmesh_tokens_generated_total") == 128
@@ -106,7 +103,7 @@ def test_an_error_answered_before_any_token_has_no_first_token() -> None:
     seen = Recorded()
     # Trailers-only: the status comes in the headers, and no message was sent.
     seen.log.record(entry(body_bytes=0, headers={"grpc-status": "8"}, trailers={}))
-    assert seen.value("grpc_server_handled_total", **GENERATE, grpc_code="RESOURCE_EXHAUSTED") == 1
+    assert seen.value(CALLS, **GENERATE, grpc_code="RESOURCE_EXHAUSTED") == 1
     assert seen.value("tokenmesh_ttft_seconds_count") == 0
     assert seen.value("tokenmesh_tokens_generated_total") == 0
 
@@ -127,7 +124,7 @@ def test_a_stream_cut_short_ends_as_the_caller_saw_it(
 ) -> None:
     seen = Recorded()
     seen.log.record(entry(timeout=timeout, duration=duration, trailers={}, **flags))
-    assert seen.value("grpc_server_handled_total", **GENERATE, grpc_code=code) == 1
+    assert seen.value(CALLS, **GENERATE, grpc_code=code) == 1
     assert seen.value("tokenmesh_request_duration_seconds_count", grpc_code=code) == 1
     # Cut short: the worker sent no usage, so no tokens are counted here.
     assert seen.value("tokenmesh_tokens_generated_total") == 0
@@ -137,9 +134,9 @@ def test_a_stream_cut_short_ends_as_the_caller_saw_it(
 def test_other_paths_and_malformed_usage_are_not_counted() -> None:
     seen = Recorded()
     seen.log.record(entry(path="/tokenmesh.v1.LLMService/Generate"))
-    assert seen.value("grpc_server_started_total", **GENERATE) == 0
+    assert seen.value(CALLS, **GENERATE, grpc_code="OK") == 0
     seen.log.record(entry(trailers={"grpc-status": "0", USAGE_TRAILER: "12 x 3"}))
-    assert seen.value("grpc_server_handled_total", **GENERATE, grpc_code="OK") == 1
+    assert seen.value(CALLS, **GENERATE, grpc_code="OK") == 1
     assert seen.value("tokenmesh_tokens_generated_total") == 0
 
 
@@ -176,7 +173,7 @@ async def test_envoys_log_stream_is_served_over_grpc() -> None:
             await stub.StreamAccessLogs(batches())
     finally:
         await server.stop(None)
-    assert seen.value("grpc_server_handled_total", **GENERATE, grpc_code="OK") == 4
+    assert seen.value(CALLS, **GENERATE, grpc_code="OK") == 4
     assert seen.value("tokenmesh_tokens_generated_total") == 28
 
 
@@ -202,7 +199,7 @@ def test_an_openai_answer_counts_as_the_gateways_http_api_counts_its_own() -> No
     as LLMService/Generate."""
     registry = CollectorRegistry()
     log = DirectStreamLog(
-        StreamMetrics(registry), GrpcServerMetrics(registry), None, HttpMetrics(registry)
+        StreamMetrics(registry), CallMetrics(registry), None, HttpMetrics(registry)
     )
     chat = {ROUTE_HEADER: "/v1/chat/completions"}
     usage = usage_trailer(prompt_tokens=14, completion_tokens=8, messages=8)
@@ -219,13 +216,13 @@ def test_an_openai_answer_counts_as_the_gateways_http_api_counts_its_own() -> No
         log.record(answer)
 
     def requests(status: str) -> float:
-        labels = {"route": "/v1/chat/completions", "status": status}
+        labels = {"route": "/v1/chat/completions", "status": status, "path": "direct"}
         return registry.get_sample_value("tokenmesh_gateway_http_requests_total", labels) or 0.0
 
     assert [requests(s) for s in ("200", "504", "499", "400")] == [1, 1, 1, 1]
     assert registry.get_sample_value("tokenmesh_tokens_generated_total") == 8
     assert registry.get_sample_value("tokenmesh_ttft_seconds_count") == 3
-    assert (registry.get_sample_value("grpc_server_started_total", GENERATE) or 0) == 0
+    assert (registry.get_sample_value(CALLS, {**GENERATE, "grpc_code": "OK"}) or 0) == 0
 
 
 async def test_each_envoys_entries_are_counted_by_its_node_id_and_api() -> None:
@@ -233,7 +230,7 @@ async def test_each_envoys_entries_are_counted_by_its_node_id_and_api() -> None:
     in a stream's first message only."""
     registry = CollectorRegistry()
     logged = DirectMetrics(registry).logged
-    log = DirectStreamLog(StreamMetrics(registry), GrpcServerMetrics(registry), logged=logged)
+    log = DirectStreamLog(StreamMetrics(registry), CallMetrics(registry), logged=logged)
 
     def message(*entries: accesslog_pb2.HTTPAccessLogEntry, node: str | None = None) -> Any:
         sent = als_pb2.StreamAccessLogsMessage()

@@ -13,7 +13,7 @@ from vllm.renderers.chat_utils import ChatTemplateResolutionError
 from tokenmesh.common.errors import InvalidArgument
 from tokenmesh.worker.config import WorkerSettings
 from tokenmesh.worker.engine import EngineLoad, VllmEngine
-from tokenmesh.worker.requests import GenerationSpec, Message
+from tokenmesh.worker.requests import EngineRequest, Message
 
 CONTEXT = 64
 
@@ -52,7 +52,7 @@ def engine(template: bool) -> VllmEngine:
     return VllmEngine(llm, EngineLoad(), settings, thread=None)  # type: ignore[arg-type]
 
 
-def spec(prompt: str = "", *messages: tuple[str, str], **fields: Any) -> GenerationSpec:
+def spec(prompt: str = "", *messages: tuple[str, str], **fields: Any) -> EngineRequest:
     values: dict[str, Any] = dict(
         request_id="r",
         prompt=prompt,
@@ -65,10 +65,10 @@ def spec(prompt: str = "", *messages: tuple[str, str], **fields: Any) -> Generat
         ignore_eos=False,
         messages=tuple(Message(role, content) for role, content in messages),
     )
-    return GenerationSpec(**(values | fields))
+    return EngineRequest(**(values | fields))
 
 
-def tokenize(template: bool, request: GenerationSpec) -> tuple[int, int]:
+def tokenize(template: bool, request: EngineRequest) -> tuple[int, int]:
     """Prompt tokens and the tokens the request may generate."""
 
     async def run() -> tuple[int, int]:

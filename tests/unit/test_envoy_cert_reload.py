@@ -18,6 +18,7 @@ import yaml
 
 from tests.support import ROOT
 from tests.unit.test_reloading_credentials import MountedSecret
+from tokenmesh.common.processes import stop_process
 from tokenmesh.localmesh.certs import EDGE, CertMaker, CertPaths, CertSettings
 from tokenmesh.localmesh.mesh import LocalMesh, LocalMeshSettings
 from tokenmesh.localmesh.probes import free_port
@@ -116,12 +117,7 @@ def running_envoy(
     try:
         yield envoy, edge_port, secret, tmp_path
     finally:
-        envoy.terminate()
-        try:
-            envoy.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            envoy.kill()
-            envoy.wait(timeout=15)
+        stop_process(envoy, 15)
         print(log.read_text()[-4000:])
 
 

@@ -21,17 +21,17 @@ from tokenmesh.common.tokens import (
     WORKER_GENERATE,
     WORKER_HEADER,
 )
-from tokenmesh.gateway.affinity import affinity_key
 from tokenmesh.gateway.config import GatewaySettings
-from tokenmesh.gateway.extproc import (
+from tokenmesh.gateway.core.documents import Selection
+from tokenmesh.gateway.core.prefix_key import affinity_key
+from tokenmesh.gateway.core.prepare import Preparer
+from tokenmesh.gateway.frontends.extproc import (
     DirectMetrics,
     ExternalProcessor,
     grpc_frame,
     grpc_timeout,
     single_message,
 )
-from tokenmesh.gateway.pipeline import PreparedPrompt, Prompt
-from tokenmesh.gateway.requests import GenerationJob
 from tokenmesh.v1 import inference_pb2, llm_pb2
 
 
@@ -55,36 +55,44 @@ def test_grpc_timeout_headers_in_every_unit() -> None:
         assert grpc_timeout(value) is None, value
 
 
+class Selector:
+    """Chooses no documents, with fixed warnings (the processor's own logic is under test, not
+    the reranker's), and keeps the time each call was given."""
+
+    def __init__(self, warnings: tuple[str, ...]) -> None:
+        self.warnings = warnings
+        self.remaining: list[float | None] = []
+
+    async def select(
+        self, query: str, documents: Any, top_k: int, remaining: float | None
+    ) -> Selection:
+        self.remaining.append(remaining)
+        return Selection((), self.warnings)
+
+
+class Picker:
+    def __init__(self, picked: tuple[str, ...]) -> None:
+        self.picked = picked
+
+    def pick(self, key: str) -> list[str]:
+        return list(self.picked)
+
+
 class Prepared:
-    """A pipeline that prepares every prompt with fixed warnings (the processor's own logic is
-    under test, not the reranker's)."""
+    """The gateway's real preparation over a fixed selector (and endpoint picker, when it
+    names workers), and whether quotas are on."""
 
     def __init__(
         self, warnings: tuple[str, ...] = (), metered: bool = False, picked: tuple[str, ...] = ()
     ) -> None:
-        self.warnings = warnings
+        self.selector = Selector(warnings)
         self.metered = metered
-        # The workers its endpoint picker names for every prompt (none: no picker).
-        self.picked = picked
-        self.remaining: list[float | None] = []
+        picker = Picker(picked) if picked else None
+        self.preparer = Preparer(self.selector, GatewaySettings(), picker)  # type: ignore[arg-type]
 
-    async def prepare(self, job: GenerationJob, remaining: float | None) -> PreparedPrompt:
-        self.remaining.append(remaining)
-        return PreparedPrompt(f"[ctx] {job.prompt}", (), (), self.warnings)
-
-    def worker_request(
-        self, prompt: Prompt, sampling: inference_pb2.SamplingParams
-    ) -> inference_pb2.InferenceRequest:
-        request = inference_pb2.InferenceRequest(request_id="r1", sampling=sampling)
-        if isinstance(prompt, str):
-            request.prompt = prompt
-        else:
-            request.messages.extend(prompt.messages)
-            request.prompt = prompt.fallback
-        return request
-
-    def routing(self, prompt: Prompt) -> tuple[str, list[str]]:
-        return affinity_key(prompt, 1024), list(self.picked)
+    @property
+    def remaining(self) -> list[float | None]:
+        return self.selector.remaining
 
 
 def headers(path: str, **extra: str) -> ext_proc.ProcessingRequest:
@@ -110,7 +118,9 @@ async def replies(
     pipeline: Any, *messages: ext_proc.ProcessingRequest, metrics: DirectMetrics | None = None
 ) -> list[Any]:
     metrics = metrics or DirectMetrics(CollectorRegistry())
-    processor = ExternalProcessor(pipeline, GatewaySettings(), metrics)
+    processor = ExternalProcessor(
+        pipeline.preparer, GatewaySettings(), metrics, metered=pipeline.metered
+    )
 
     async def requests() -> AsyncIterator[ext_proc.ProcessingRequest]:
         for message in messages:
@@ -132,16 +142,17 @@ async def test_generate_is_rewritten_into_the_workers_request() -> None:
     assert common.clear_route_cache
     rewritten = set_headers(common.header_mutation)
     assert rewritten[":path"] == WORKER_GENERATE
-    assert rewritten[DEGRADED_HEADER] == "reranker"
     # Envoy places it by the prepared prompt's prefix (worker_routing prefix).
-    assert rewritten[AFFINITY_HEADER] == affinity_key("[ctx] question", 1024)
+    assert rewritten[AFFINITY_HEADER] == affinity_key("question", 1024)
     # The reranker call gets what is left of the 2 s; the worker the caller's own grpc-timeout.
     assert pipeline.remaining and 0 < (pipeline.remaining[0] or 0) <= 2.0
     assert "grpc-timeout" not in rewritten
     worker = inference_pb2.InferenceRequest.FromString(single_message(common.body_mutation.body))
-    assert worker.prompt == "[ctx] question"
+    assert worker.prompt == "question"
     assert worker.sampling.max_tokens == 7 and worker.sampling.ignore_eos
+    # The worker presents both: the warnings on the first token, the marker as a trailer.
     assert list(worker.warnings) == ["reranker_unavailable: UNAVAILABLE"]
+    assert worker.degraded == "reranker"
 
 
 async def test_the_pickers_workers_go_with_the_request_and_a_callers_own_never_do() -> None:
@@ -161,12 +172,15 @@ async def test_the_pickers_workers_go_with_the_request_and_a_callers_own_never_d
     assert WORKER_HEADER in mutation.remove_headers
 
 
-async def test_an_answer_that_is_not_degraded_drops_a_callers_degraded_header() -> None:
+async def test_only_the_preparation_marks_an_answer_degraded_never_a_caller() -> None:
     request = llm_pb2.GenerateRequest(prompt="question", max_tokens=3)
-    _, second = await replies(Prepared(), headers(LLM_GENERATE), body(request))
-    mutation = second.request_body.response.header_mutation
-    assert DEGRADED_HEADER not in set_headers(mutation)
-    assert DEGRADED_HEADER in mutation.remove_headers
+    _, second = await replies(
+        Prepared(), headers(LLM_GENERATE, x_tokenmesh_degraded="reranker"), body(request)
+    )
+    common = second.request_body.response
+    assert DEGRADED_HEADER not in set_headers(common.header_mutation)
+    worker = inference_pb2.InferenceRequest.FromString(single_message(common.body_mutation.body))
+    assert worker.degraded == "" and not worker.warnings
 
 
 async def test_a_request_the_gateway_would_refuse_goes_on_to_its_own_handler() -> None:

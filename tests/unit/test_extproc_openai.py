@@ -11,13 +11,11 @@ from typing import Any
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from google.api import httpbody_pb2
-from opentelemetry.trace import NoOpTracer
 from prometheus_client import CollectorRegistry
 
 from tests.unit.test_extproc import Prepared, headers, set_headers
-from tokenmesh.common.metrics import StreamMetrics
+from tokenmesh.common.presentation import answer_extra
 from tokenmesh.common.tokens import (
-    DEGRADED_HEADER,
     OPENAI_CHAT_COMPLETIONS,
     OPENAI_COMPLETIONS,
     ROUTE_HEADER,
@@ -26,14 +24,15 @@ from tokenmesh.common.tokens import (
     WORKER_REFUSED,
 )
 from tokenmesh.gateway.config import GatewaySettings
-from tokenmesh.gateway.extproc import (
+from tokenmesh.gateway.core.catalog import ModelNotFound
+from tokenmesh.gateway.frontends.extproc import (
     DirectMetrics,
     ExternalProcessor,
     answered,
     grpc_frame,
     single_message,
 )
-from tokenmesh.gateway.openai_api import HttpMetrics, HttpTenancy, OpenAIApi
+from tokenmesh.gateway.frontends.openai.prepare import OpenAIPreparer
 from tokenmesh.v1 import inference_pb2
 
 MODEL = "tiny"
@@ -44,8 +43,6 @@ class Catalog:
     """The served model's name, without a worker to ask."""
 
     async def check(self, requested: str) -> str:
-        from tokenmesh.gateway.openai_api import ModelNotFound
-
         if requested != MODEL:
             raise ModelNotFound(f"the model {requested!r} does not exist")
         return MODEL
@@ -67,18 +64,11 @@ async def replies(
 ) -> tuple[list[Any], DirectMetrics]:
     registry = CollectorRegistry()
     settings = GatewaySettings()
-    api = OpenAIApi(
-        pipeline,  # type: ignore[arg-type]
-        settings,
-        StreamMetrics(registry),
-        Catalog(),  # type: ignore[arg-type]
-        HttpTenancy(),
-        NoOpTracer(),
-        HttpMetrics(registry),
-        lambda: True,
-    )
+    openai = OpenAIPreparer(pipeline.preparer, Catalog(), settings)  # type: ignore[arg-type]
     metrics = DirectMetrics(registry)
-    processor = ExternalProcessor(pipeline, settings, metrics, None, api)  # type: ignore[arg-type]
+    processor = ExternalProcessor(
+        pipeline.preparer, settings, metrics, None, openai, pipeline.metered
+    )
 
     async def requests() -> AsyncIterator[ext_proc.ProcessingRequest]:
         for message in messages:
@@ -110,7 +100,7 @@ async def test_a_chat_is_prepared_for_a_worker_to_answer_in_openais_shape() -> N
     assert rewritten[ROUTE_HEADER] == "/v1/chat/completions"
     limit = GatewaySettings().http_request_timeout_seconds
     assert rewritten["grpc-timeout"] == f"{int(limit) + 5}S"
-    assert list(common.header_mutation.remove_headers) == [DEGRADED_HEADER, WORKER_HEADER]
+    assert list(common.header_mutation.remove_headers) == [WORKER_HEADER]
     data = single_message(common.body_mutation.body)
     assert data is not None
     worker = inference_pb2.InferenceRequest.FromString(data)
@@ -122,9 +112,8 @@ async def test_a_chat_is_prepared_for_a_worker_to_answer_in_openais_shape() -> N
     assert answer.chat and answer.stream and answer.include_usage
     assert answer.time_limit_seconds == limit
     assert answer.model == MODEL and answer.id.startswith("chatcmpl-") and answer.created > 0
-    assert json.loads(answer.extra_json)["tokenmesh"]["warnings"] == [
-        "reranker_unavailable: UNAVAILABLE"
-    ]
+    assert worker.degraded == "reranker"
+    assert answer_extra(worker)["tokenmesh"]["warnings"] == ["reranker_unavailable: UNAVAILABLE"]
     assert metrics.requests.labels(api="openai", outcome="direct")._value.get() == 1
 
 
@@ -136,7 +125,7 @@ async def test_a_completion_is_prepared_whole_without_a_stream() -> None:
     data = single_message(common.body_mutation.body)
     assert data is not None
     worker = inference_pb2.InferenceRequest.FromString(data)
-    assert worker.prompt == "[ctx] say"
+    assert worker.prompt == "say"
     assert worker.sampling.logprobs and worker.sampling.top_logprobs == 2
     assert not worker.openai.chat and not worker.openai.stream
     assert worker.openai.id.startswith("cmpl-")

@@ -8,15 +8,16 @@ import pytest
 
 from tokenmesh.common.errors import InvalidArgument
 from tokenmesh.gateway.config import GatewaySettings
-from tokenmesh.gateway.pipeline import PROMPT_LOGGER, Pipeline, PreparedPrompt
-from tokenmesh.gateway.prompts import (
+from tokenmesh.gateway.core.documents import ContextPrompt
+from tokenmesh.gateway.core.prepare import PROMPT_LOGGER, Preparer
+from tokenmesh.gateway.core.prompts import (
     ChatHistory,
     ChatTurn,
     Conversation,
     context_question,
     with_context,
 )
-from tokenmesh.gateway.requests import generation_job
+from tokenmesh.gateway.core.requests import question
 from tokenmesh.v1 import inference_pb2, llm_pb2
 
 LIMITS = GatewaySettings(
@@ -25,9 +26,7 @@ LIMITS = GatewaySettings(
 
 
 def job(**fields: object):
-    return generation_job(
-        llm_pb2.GenerateRequest(**{"prompt": "q", "max_tokens": 4, **fields}), LIMITS
-    )
+    return question(llm_pb2.GenerateRequest(**{"prompt": "q", "max_tokens": 4, **fields}), LIMITS)
 
 
 def test_defaults_and_sampling_pass_through() -> None:
@@ -84,7 +83,7 @@ def test_context_lists_documents_in_order() -> None:
 
 
 def test_a_question_with_context_is_one_user_message_with_the_plain_prompt_as_fallback() -> None:
-    prepared = PreparedPrompt("Why?", ("first doc", "second doc"), (1, 0))
+    prepared = ContextPrompt("Why?", ("first doc", "second doc"), (1, 0))
     prompt = prepared.prompt
     assert isinstance(prompt, Conversation)
     (question,) = prompt.messages
@@ -92,7 +91,7 @@ def test_a_question_with_context_is_one_user_message_with_the_plain_prompt_as_fa
     assert question.content == context_question("Why?", ["first doc", "second doc"])
     assert not question.content.endswith("Answer:")
     assert prompt.fallback == with_context("Why?", ["first doc", "second doc"])
-    assert PreparedPrompt("Why?", (), ()).prompt == "Why?"
+    assert ContextPrompt("Why?", (), ()).prompt == "Why?"
 
 
 def test_chat_history_drops_oldest_turns_past_the_turn_bound() -> None:
@@ -151,13 +150,9 @@ def test_chat_history_drops_oldest_turns_past_the_token_bound() -> None:
 def test_prompts_are_logged_only_when_log_prompts_is_on(
     enabled: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
-    class Worker:
-        def stream(self, request: object, time_limit: object, metadata: object = ()) -> None:
-            return None
-
-    pipeline = Pipeline(None, Worker(), GatewaySettings(log_prompts=enabled))  # type: ignore[arg-type]
+    preparer = Preparer(None, GatewaySettings(log_prompts=enabled))  # type: ignore[arg-type]
     with caplog.at_level(logging.DEBUG):
-        pipeline.stream("the secret prompt", inference_pb2.SamplingParams(max_tokens=1), None)
+        preparer.call("the secret prompt", inference_pb2.SamplingParams(max_tokens=1))
     logged = [getattr(record, "prompt", "") for record in caplog.records]
     assert ("the secret prompt" in logged) is enabled
     assert all(record.name == PROMPT_LOGGER for record in caplog.records)

@@ -34,8 +34,8 @@ from tests.unit.test_meshconfig import envoy_validate
 from tokenmesh.common.metrics import StreamMetrics
 from tokenmesh.common.tenants import Limits
 from tokenmesh.controlplane.config import ControlPlaneSettings
-from tokenmesh.gateway.auth import KeysFile
 from tokenmesh.gateway.config import GatewaySettings
+from tokenmesh.gateway.core.tenancy.auth import KeysFile
 from tokenmesh.localmesh.certs import ENVOY_CLIENT, CertMaker, CertPaths, CertSettings
 from tokenmesh.reranker.config import RerankerSettings
 from tokenmesh.worker.config import WorkerSettings

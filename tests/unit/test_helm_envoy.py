@@ -42,6 +42,7 @@ from tests.unit.test_helm_chart import (
 from tests.unit.test_meshconfig import envoy_validate
 from tokenmesh.gateway.config import GatewaySettings, PickerSettings
 from tokenmesh.meshconfig import bootstrap
+from tokenmesh.meshconfig.clusters import picker_policy
 from tokenmesh.meshconfig.config import MeshSettings, kubernetes_profile
 
 COMPONENTS = (*PYTHON_COMPONENTS, "envoy")
@@ -379,7 +380,7 @@ def as_picker(config: dict[str, Any]) -> dict[str, Any]:
     worker = clusters_of(config)["worker"]
     assert worker.pop("lb_policy") == "LEAST_REQUEST"
     del worker["common_lb_config"]["consistent_hashing_lb_config"]
-    worker["load_balancing_policy"] = bootstrap.picker_policy()
+    worker["load_balancing_policy"] = picker_policy()
     return config
 
 

@@ -17,9 +17,14 @@ from prometheus_client import CollectorRegistry
 from tokenmesh.common.errors import RETRY_AFTER_HEADER
 from tokenmesh.common.interceptors import admitted, standard_interceptors
 from tokenmesh.common.tenants import Limits, Tenant, enter_tenant
-from tokenmesh.gateway.limits import Charge, LimitExceeded, LimitsInterceptor, TenantLimiter
-from tokenmesh.gateway.quota import QuotaMeter
-from tokenmesh.gateway.tenant_metrics import TenantMetrics
+from tokenmesh.gateway.core.tenancy.limits import (
+    Charge,
+    LimitExceeded,
+    LimitsInterceptor,
+    TenantLimiter,
+)
+from tokenmesh.gateway.core.tenancy.metrics import TenantMetrics
+from tokenmesh.gateway.core.tenancy.quota import QuotaMeter
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
 
 # Generous bound for a condition that should hold promptly.

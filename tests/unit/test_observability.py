@@ -26,12 +26,12 @@ from tokenmesh.common.interceptors import standard_interceptors
 from tokenmesh.common.logs import TraceIdFilter, configure_logging
 from tokenmesh.common.metrics import TOKEN_LOGGER, GrpcClientMetrics, StreamMetrics
 from tokenmesh.common.tracing import Tracing
-from tokenmesh.gateway.client import (
+from tokenmesh.gateway.client_interceptors import (
     ClientMetricsInterceptor,
     TraceContextClientInterceptor,
     for_every_arity,
 )
-from tokenmesh.gateway.pipeline import WorkerClient
+from tokenmesh.gateway.core.workers import WorkerClient
 from tokenmesh.localmesh.mesh import LocalMesh, LocalMeshSettings
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
 

@@ -15,7 +15,11 @@ from tokenmesh.common.openai_answers import (
     completion_logprobs,
     per_token,
 )
-from tokenmesh.gateway.openai_protocol import ChatCompletionRequest, CompletionRequest, parse
+from tokenmesh.gateway.frontends.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse,
+)
 from tokenmesh.v1 import token_pb2
 
 
@@ -113,7 +117,7 @@ def test_a_merged_message_is_split_into_its_tokens_by_their_text_lengths() -> No
 
 def test_the_fast_chunk_is_the_same_json_as_the_whole_chunk() -> None:
     for is_chat in (True, False):
-        shape = Shape.new(is_chat, "m", {})
+        shape = Shape.of(Shape.new_answer(is_chat, "m", False, False), {})
         head, tail = shape.text_chunk_parts()
         fast = json.loads((head + json.dumps('a "quoted" ü').encode() + tail)[6:])
         piece = {"content": 'a "quoted" ü'} if is_chat else 'a "quoted" ü'
@@ -150,7 +154,7 @@ def test_every_chunk_validates_against_the_openai_sdks_own_models() -> None:
     )
     extra = {"tokenmesh": {"degraded": "reranker", "warnings": ["reranker_unavailable: x"]}}
     for is_chat, model in ((True, ChatCompletionChunk), (False, Completion)):
-        shape = Shape.new(is_chat, "m", extra)
+        shape = Shape.of(Shape.new_answer(is_chat, "m", False, False), extra)
         head, tail = shape.text_chunk_parts()
         piece = {"content": "hi"} if is_chat else "hi"
         logprobs = chat_logprobs(token) if is_chat else completion_logprobs(token, 0)
@@ -185,7 +189,7 @@ def test_a_stream_of_messages_becomes_its_events_with_usage_and_done_after_the_l
     first, one chunk per message, the usage chunk when asked and [DONE] after the last."""
     from openai.types.chat import ChatCompletionChunk
 
-    shape = Shape.new(True, "m", {})
+    shape = Shape.of(Shape.new_answer(True, "m", False, False), {})
     stream = EventStream(shape, logprobs=False, include_usage=True)
     middle = token_pb2.Token(text="Hé", token_ids=[5, 6], text_lengths=[1, 2])
     last = token_pb2.Token(
@@ -209,7 +213,7 @@ def test_a_stream_of_messages_becomes_its_events_with_usage_and_done_after_the_l
 def test_a_whole_answer_gathers_its_text_logprobs_and_usage() -> None:
     from openai.types import Completion
 
-    answer = WholeAnswer(Shape.new(False, "m", {}), logprobs=True)
+    answer = WholeAnswer(Shape.of(Shape.new_answer(False, "m", False, False), {}), logprobs=True)
     answer.add(
         token_pb2.Token(
             text="ab",

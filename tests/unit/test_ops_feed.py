@@ -157,7 +157,7 @@ PROMETHEUS_ANSWERS = {
             4.2,
         ),
     ],
-    "grpc_server_handled_total": [Sample({}, 3.0)],
+    "tokenmesh_gateway_calls_total": [Sample({}, 3.0)],
     "histogram_quantile(0.5,": [Sample({}, 0.04)],
     "histogram_quantile(0.99,": [Sample({}, 0.25)],
     "tokenmesh_reranker_circuit_state": [

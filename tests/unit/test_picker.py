@@ -10,8 +10,11 @@ from prometheus_client import CollectorRegistry
 
 from tokenmesh.common.tokens import AFFINITY_HEADER, WORKER_HEADER
 from tokenmesh.gateway.config import GatewaySettings, PickerSettings
-from tokenmesh.gateway.picker import EndpointPicker, PickerMetrics, WorkerLoad, loads, ranking
-from tokenmesh.gateway.pipeline import DocumentSelector, Pipeline, WorkerClient
+from tokenmesh.gateway.core.documents import DocumentSelector
+from tokenmesh.gateway.core.picker import EndpointPicker, PickerMetrics, WorkerLoad, loads, ranking
+from tokenmesh.gateway.core.pipeline import Pipeline
+from tokenmesh.gateway.core.prepare import Preparer
+from tokenmesh.gateway.core.workers import WorkerClient
 from tokenmesh.v1 import inference_pb2, ops_pb2
 
 A, B, C = "10.0.0.1:50061", "10.0.0.2:50061", "10.0.0.3:50061"
@@ -166,13 +169,12 @@ class Worker:
 def test_the_gateways_own_worker_call_names_the_picked_workers() -> None:
     worker = Worker()
     chooser = picker()
-    pipeline = Pipeline(
-        cast(DocumentSelector, None), cast(WorkerClient, worker), GatewaySettings(), None, chooser
-    )
+    preparer = Preparer(cast(DocumentSelector, None), GatewaySettings(), chooser)
+    pipeline = Pipeline(cast(WorkerClient, worker), GatewaySettings())
     sampling = inference_pb2.SamplingParams(max_tokens=1)
-    pipeline.stream("a prompt", sampling, None)
+    pipeline.stream(preparer.call("a prompt", sampling), None)
     chooser.update(fleet(a=0, b=0))
-    pipeline.stream("a prompt", sampling, None)
+    pipeline.stream(preparer.call("a prompt", sampling), None)
     unpicked, picked = (dict(metadata) for metadata in worker.metadata)
     assert WORKER_HEADER not in unpicked  # no figures yet: Envoy chooses
     assert picked[WORKER_HEADER] == ",".join(ranking(unpicked[AFFINITY_HEADER], [A, B]))

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from tokenmesh.gateway.affinity import affinity_key, affinity_text
-from tokenmesh.gateway.pipeline import PreparedPrompt
-from tokenmesh.gateway.prompts import Conversation, message
+from tokenmesh.gateway.core.documents import ContextPrompt
+from tokenmesh.gateway.core.prefix_key import affinity_key, affinity_text
+from tokenmesh.gateway.core.prompts import Conversation, message
 
 SYSTEM = "You are a careful assistant for the operators of a GPU cluster. " * 4
 
@@ -62,7 +62,7 @@ def test_roles_are_part_of_the_key() -> None:
 
 def test_documents_as_context_lead_the_key() -> None:
     documents = ("Envoy balances streams per request. " * 20, "Workers run vLLM. " * 20)
-    asked = PreparedPrompt("What balances streams?", documents, (0, 1))
-    other = PreparedPrompt("What runs vLLM?", documents, (0, 1))
+    asked = ContextPrompt("What balances streams?", documents, (0, 1))
+    other = ContextPrompt("What runs vLLM?", documents, (0, 1))
     assert affinity_text(asked.prompt, 256).startswith("user\x1fContext:\n[1] Envoy")
     assert affinity_key(asked.prompt, 256) == affinity_key(other.prompt, 256)

@@ -49,7 +49,7 @@ from loadtests.prefix_routing import (
 from loadtests.runner import RunConfig
 from loadtests.workload import Lengths, RequestSpec, Workload
 from tests.support import ROOT
-from tokenmesh.gateway.affinity import affinity_key
+from tokenmesh.gateway.core.prefix_key import affinity_key
 from tokenmesh.localmesh.mesh import LocalMesh, LocalMeshSettings
 
 

@@ -3,10 +3,12 @@ Envoy, and the alert rules are valid and behave as their promtool unit tests exp
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
 
+import grpc
 import pytest
 import yaml
 
@@ -70,6 +72,24 @@ def test_every_alert_has_a_severity_summary_and_description() -> None:
     for rule in rules:
         assert rule["labels"]["severity"] in ("warning", "critical"), rule["alert"]
         assert rule["annotations"]["summary"] and rule["annotations"]["description"], rule["alert"]
+
+
+def test_status_codes_in_rules_and_dashboards_are_the_ones_the_services_export() -> None:
+    """grpc_code label values are the status codes' names (common/outcome.py: "UNAVAILABLE",
+    not go-grpc-prometheus' "Unavailable"): a selector naming another spelling matches
+    nothing, and the alert or panel never fires or shows."""
+    names = {code.name for code in grpc.StatusCode}
+    selectors = re.compile(r'grpc_code\s*(?:=~|!~|=|!=)\s*\\?"([^"\\]+)')
+    texts = [RULES.read_text(), RULE_TESTS.read_text()]
+    texts += [path.read_text() for path in (ROOT / "dashboards").glob("*.json")]
+    found = [
+        value
+        for text in texts
+        for match in selectors.finditer(text)
+        for value in match[1].split("|")
+    ]
+    assert found, "no grpc_code selector found"
+    assert sorted(set(found) - names) == []
 
 
 def test_every_alert_has_promtool_unit_tests() -> None:

@@ -246,7 +246,7 @@ async def test_the_gateways_openai_port_serves_a_renewed_certificate(tmp_path: P
     from starlette.responses import PlainTextResponse
     from starlette.routing import Route
 
-    from tokenmesh.gateway.openai_api import HttpServer
+    from tokenmesh.gateway.frontends.openai.http import HttpServer
 
     old, new = issue(tmp_path / "old"), issue(tmp_path / "new")
     secret = MountedSecret(tmp_path / "secret")

@@ -10,7 +10,7 @@ import pytest
 
 from tests.support import generated, positions
 from tokenmesh.common.tokens import cut, merge, text_lengths, token_count
-from tokenmesh.gateway.pipeline import ReadAhead
+from tokenmesh.gateway.core.workers import ReadAhead
 from tokenmesh.v1 import token_pb2
 from tokenmesh.worker.engine import Candidate, Handoff, Inbox, Tokens
 from tokenmesh.worker.servicer import token_message

@@ -12,7 +12,7 @@ from grpc import aio
 
 from tokenmesh.common.channels import Dependency
 from tokenmesh.common.errors import DependencyError
-from tokenmesh.gateway.pipeline import WorkerClient
+from tokenmesh.gateway.core.workers import WorkerClient
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
 
 # Generous bound on connecting to the in-process server.

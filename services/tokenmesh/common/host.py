@@ -13,8 +13,8 @@ from grpc import aio
 from prometheus_client import CollectorRegistry
 from prometheus_client.registry import Collector
 
-from tokenmesh.common.affinity import pin_threads
-from tokenmesh.common.interceptors import standard_interceptors
+from tokenmesh.common.cpu_pinning import pin_threads
+from tokenmesh.common.interceptors import Ends, standard_interceptors
 from tokenmesh.common.metrics import GrpcServerMetrics, MetricsEndpoint
 from tokenmesh.common.registration import ConsulRegistration, instance_for
 from tokenmesh.common.server import (
@@ -64,8 +64,7 @@ class ServiceHost:
         self.role = role
         self.settings = settings
         self.registry = CollectorRegistry()
-        # grpc_server_*: recorded by the server's interceptors, and by a service for RPCs it
-        # learns of otherwise (the gateway: streams Envoy sent straight from a worker).
+        # grpc_server_*: the RPCs this process's server handled, recorded by its interceptors.
         self.rpc_metrics = GrpcServerMetrics(self.registry)
         self.tracing = Tracing(f"tokenmesh-{role}", settings.otlp_endpoint)
         self.health = Health(service_names)
@@ -96,13 +95,18 @@ class ServiceHost:
     def add_collector(self, collector: Collector) -> None:
         self.registry.register(collector)
 
-    def server(self, interceptors: Sequence[aio.ServerInterceptor] = ()) -> aio.Server:
+    def server(
+        self, interceptors: Sequence[aio.ServerInterceptor] = (), ends: Ends | None = None
+    ) -> aio.Server:
         """The service's gRPC server with the standard interceptors, then `interceptors`;
-        health and reflection are on it. Built on the first call."""
+        health and reflection are on it; `ends`: the service's own accounting of some
+        methods' RPCs. Built on the first call."""
         if self._server is None:
             self._server = build_server(
                 self.settings,
-                standard_interceptors(self.registry, self.tracer, interceptors, self.rpc_metrics),
+                standard_interceptors(
+                    self.registry, self.tracer, interceptors, self.rpc_metrics, ends
+                ),
             )
             self.health.register(self._server)
             enable_reflection(self._server, self._service_names)

@@ -414,10 +414,16 @@ class _RpcLogLine(_RpcObserver):
 
 
 class _MethodCounts(_RpcObserver):
-    __slots__ = ("_metrics",)
+    """grpc_server_* of one RPC, and the service's own end-of-RPC accounting when it has one
+    (in this observer, so a stream's messages pass no observer more)."""
 
-    def __init__(self, metrics: MethodMetrics) -> None:
+    __slots__ = ("_end", "_metrics")
+
+    def __init__(
+        self, metrics: MethodMetrics, end: Callable[[str, float], None] | None = None
+    ) -> None:
         self._metrics = metrics
+        self._end = end
         metrics.started.inc()
 
     def sent(self, response: Any) -> None:
@@ -425,6 +431,13 @@ class _MethodCounts(_RpcObserver):
 
     def end(self, code: str, seconds: float) -> None:
         self._metrics.finish(code, seconds)
+        if self._end is not None:
+            self._end(code, seconds)
+
+
+# For a method ('/package.Service/Method'): what to call with each of its RPCs' final code
+# and seconds, or None (a service's own accounting of some methods, e.g. by token path).
+Ends = Callable[[str], Callable[[str, float], None] | None]
 
 
 class ObservingInterceptor(aio.ServerInterceptor):
@@ -441,12 +454,16 @@ class ObservingInterceptor(aio.ServerInterceptor):
       authenticated, or named by the gateway) and the trace id (when traced); health and
       reflection calls at DEBUG only;
     - grpc_server_started/handled/msg_sent/msg_received/handling_seconds per method, the names
-      and labels of go-grpc-prometheus so standard dashboards work unchanged.
+      and labels of go-grpc-prometheus so standard dashboards work unchanged;
+    - the service's own end-of-RPC accounting for the methods `ends` names.
     """
 
-    def __init__(self, metrics: GrpcServerMetrics, tracer: Tracer | None = None) -> None:
+    def __init__(
+        self, metrics: GrpcServerMetrics, tracer: Tracer | None = None, ends: Ends | None = None
+    ) -> None:
         self._metrics = metrics
         self._tracer = tracer
+        self._ends = ends
 
     async def intercept_service(
         self,
@@ -465,6 +482,7 @@ class ObservingInterceptor(aio.ServerInterceptor):
         name = method.lstrip("/")
         service, _, rpc = name.partition("/")
         attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": rpc}
+        end = None if self._ends is None else self._ends(method)
 
         def begin(context: aio.ServicerContext[Any, Any]) -> list[_RpcObserver]:
             observers: list[_RpcObserver] = []
@@ -481,7 +499,7 @@ class ObservingInterceptor(aio.ServerInterceptor):
                 observers.append(_ServerSpan(span))
             if logged:
                 observers.append(_RpcLogLine(method, level, context))
-            observers.append(_MethodCounts(counts))
+            observers.append(_MethodCounts(counts, end))
             return observers
 
         return _observe(handler, begin, counts.received.inc)
@@ -492,14 +510,16 @@ def standard_interceptors(
     tracer: Tracer | None = None,
     inner: Sequence[aio.ServerInterceptor] = (),
     metrics: GrpcServerMetrics | None = None,
+    ends: Ends | None = None,
 ) -> list[aio.ServerInterceptor]:
     """Every service's interceptors, outermost first: the observer (span, log line, metrics)
     sees the final status code that error mapping produced, and its span is current for
     everything inside; no tracer (tracing off): no spans at all. `inner` ones (authentication,
     tenant limits) run inside error mapping, so the errors they raise map like a handler's.
-    `metrics`: the grpc_server_* set on `registry`, when the caller records in it too."""
+    `metrics`: the grpc_server_* set on `registry`, when the caller records in it too; `ends`:
+    the service's own accounting of some methods' RPCs."""
     return [
-        ObservingInterceptor(metrics or GrpcServerMetrics(registry), tracer),
+        ObservingInterceptor(metrics or GrpcServerMetrics(registry), tracer, ends),
         ErrorMappingInterceptor(),
         *inner,
     ]

@@ -113,25 +113,22 @@ class Shape:
     extra: dict[str, Any]
 
     @classmethod
-    def new(cls, chat: bool, model: str, extra: dict[str, Any]) -> Shape:
-        prefix = "chatcmpl-" if chat else "cmpl-"
-        return cls(chat, model, prefix + uuid.uuid4().hex, int(time.time()), extra)
-
-    @classmethod
-    def of(cls, answer: inference_pb2.OpenAIAnswer) -> Shape:
-        extra = json.loads(answer.extra_json) if answer.extra_json else {}
+    def of(cls, answer: inference_pb2.OpenAIAnswer, extra: dict[str, Any]) -> Shape:
         return cls(answer.chat, answer.model, answer.id, answer.created, extra)
 
-    def answer(self, stream: bool, include_usage: bool) -> inference_pb2.OpenAIAnswer:
-        """The shape as a worker's GenerateOpenAI request carries it."""
+    @staticmethod
+    def new_answer(
+        chat: bool, model: str, stream: bool, include_usage: bool
+    ) -> inference_pb2.OpenAIAnswer:
+        """A new answer's identity and options, as a prepared request carries them."""
+        prefix = "chatcmpl-" if chat else "cmpl-"
         return inference_pb2.OpenAIAnswer(
-            chat=self.chat,
-            id=self.id,
-            created=self.created,
-            model=self.model,
+            chat=chat,
+            id=prefix + uuid.uuid4().hex,
+            created=int(time.time()),
+            model=model,
             stream=stream,
             include_usage=include_usage,
-            extra_json=json.dumps(self.extra) if self.extra else "",
         )
 
     @property
@@ -225,6 +222,10 @@ class EventStream:
     def failed(body: dict[str, Any]) -> bytes:
         """An error after the answer began: in the stream, as OpenAI's servers send it."""
         return sse(body) + DONE
+
+    @staticmethod
+    def done() -> bytes:
+        return DONE
 
 
 @dataclass

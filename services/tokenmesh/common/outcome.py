@@ -47,6 +47,15 @@ class Deadline:
         return DEADLINE_EXCEEDED if self.passed() else CANCELLED
 
 
+def ended(code: str | None, deadline: Deadline, interrupted: bool, failure: str) -> str:
+    """How an RPC ended, from what is known of it, in this order: the caller interrupted it
+    (DEADLINE_EXCEEDED once its deadline had all but passed, else CANCELLED); its status code;
+    else `failure` (what an end with neither means where it was seen)."""
+    if interrupted:
+        return deadline.interruption()
+    return code if code is not None else failure
+
+
 def final_code(
     context: aio.ServicerContext[Any, Any],
     deadline: Deadline,
@@ -58,13 +67,9 @@ def final_code(
     handler raised (a cancel is CancelledError or GeneratorExit); `cut_short`: the RPC ended
     without error but before its end (a token stream without its last token), which only a
     cancel or the deadline does."""
-    if isinstance(error, (asyncio.CancelledError, GeneratorExit)):
-        return deadline.interruption()
-    code = context.code()
-    if isinstance(code, grpc.StatusCode):
-        return str(code.name)
-    if cut_short:
-        return deadline.interruption()
-    if error is not None and not isinstance(error, aio.AbortError):
-        return "UNKNOWN"
-    return "OK"
+    cancelled = isinstance(error, (asyncio.CancelledError, GeneratorExit))
+    status = context.code()
+    code = str(status.name) if isinstance(status, grpc.StatusCode) else None
+    failed = error is not None and not isinstance(error, aio.AbortError)
+    interrupted = cancelled or (code is None and cut_short)
+    return ended(code, deadline, interrupted, "UNKNOWN" if failed else "OK")

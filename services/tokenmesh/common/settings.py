@@ -9,7 +9,7 @@ from typing import Literal, Self
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from tokenmesh.common.affinity import known_cores, parse_cores
+from tokenmesh.common.cpu_pinning import known_cores, parse_cores
 
 MIB = 1024 * 1024
 
@@ -149,9 +149,9 @@ class ServiceSettings(BaseSettings):
         default=10_000,
         ge=1,
         description=(
-            "A ping unanswered this long closes the connection, with every stream on it. Not "
-            "1 s: a client starved of CPU can take over a second to answer, and live streams "
-            "were cut."
+            "Milliseconds a keepalive ping may go unanswered before the connection closes, "
+            "with every stream on it; long enough for a CPU-starved peer to answer "
+            "(docs/decisions/0011-keepalive-timeout-10-seconds.md)."
         ),
     )
     keepalive_permit_without_calls: bool = Field(

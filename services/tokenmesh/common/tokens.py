@@ -11,7 +11,8 @@ DEGRADED_HEADER = "x-tokenmesh-degraded"
 DEGRADED_BY_RERANKER = "reranker"
 # The trailer a worker ends a finished stream with: its prompt and completion tokens and the
 # messages it sent ("12 128 40"). Envoy logs it for the gateway when it streams a worker's
-# tokens straight to the caller (gateway/accesslog.py), where no gateway sees the messages.
+# tokens straight to the caller (gateway/frontends/direct_log.py), where no gateway sees the
+# messages.
 USAGE_TRAILER = "x-tokenmesh-usage"
 # The callers' Generate and the workers': on the direct token path the edge routes the first
 # to a gateway to prepare, then the rewritten second to a worker, and logs that one to the
@@ -35,9 +36,9 @@ WORKER_GENERATE_OPENAI = (
     + "/GenerateOpenAI"
 )
 # The OpenAI route a request prepared for a worker came by: set by the gateway on the
-# rewritten request, logged by the edge for the gateways' metrics (gateway/accesslog.py).
+# rewritten request, logged by the edge for the gateways' metrics (gateway/frontends/direct_log.py).
 ROUTE_HEADER = "x-tokenmesh-route"
-# The gateway's prefix-affinity key of a worker request (gateway/affinity.py), which Envoy's
+# The gateway's prefix-affinity key of a worker request (gateway/core/prefix_key.py), which Envoy's
 # hashing policy places it by (worker_routing prefix).
 AFFINITY_HEADER = "x-tokenmesh-affinity"
 # The workers the gateway's endpoint picker chose for a worker request, best first ("IP:port,

@@ -24,11 +24,12 @@ from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, ops_pb2, ops_pb2_grp
 log = logging.getLogger(__name__)
 
 WORKER_HEALTH_SERVICE = "tokenmesh.v1.InferenceService"
-PUBLIC_API = 'service="gateway",grpc_service="tokenmesh.v1.LLMService"'
+# The public API's calls at the gateways, whichever path their tokens took.
+PUBLIC_CALLS = "tokenmesh_gateway_calls_total"
 # Health checks are Envoy's, and the ops feed's own subscriptions end CANCELLED whenever a page
 # closes: neither is an error worth showing.
 NOT_OURS = 'grpc_service!~"grpc.health.v1.Health|tokenmesh.v1.OpsService"'
-# tokenmesh_reranker_circuit_state gauge values (gateway/breaker.py) -> the API's enum.
+# tokenmesh_reranker_circuit_state gauge values (gateway/core/breaker.py) -> the API's enum.
 CIRCUIT_STATES = {
     0: ops_pb2.CIRCUIT_STATE_CLOSED,
     1: ops_pb2.CIRCUIT_STATE_HALF_OPEN,
@@ -122,7 +123,7 @@ class FleetQueries:
     window: str = "1m"
 
     def requests_per_second(self) -> str:
-        return f"sum(rate(grpc_server_handled_total{{{PUBLIC_API}}}[{self.rate_window}]))"
+        return f'sum(rate({PUBLIC_CALLS}{{service="gateway"}}[{self.rate_window}]))'
 
     def tokens_per_second(self) -> str:
         selector = 'service="gateway"'
@@ -147,10 +148,13 @@ class FleetQueries:
         return "sum(tokenmesh_degraded_responses_total)"
 
     def recent_errors(self) -> str:
-        selector = f'grpc_code!="OK",{NOT_OURS}'
+        """Failed RPCs each service's server handled, and the public calls whose tokens came
+        straight from a worker (no gateway's server handled those)."""
+        served = f'grpc_server_handled_total{{grpc_code!="OK",{NOT_OURS}}}'
+        direct = f'{PUBLIC_CALLS}{{grpc_code!="OK",path="direct"}}'
         return (
             "sum by (service, grpc_service, grpc_method, grpc_code) "
-            f"(increase(grpc_server_handled_total{{{selector}}}[{self.window}])) > 0"
+            f"(increase({served}[{self.window}]) or increase({direct}[{self.window}])) > 0"
         )
 
 

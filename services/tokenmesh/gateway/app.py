@@ -15,25 +15,27 @@ from tokenmesh.common.channels import Dependency
 from tokenmesh.common.credentials import ReloadingChannelCredentials
 from tokenmesh.common.host import ServiceHost
 from tokenmesh.common.metrics import StreamMetrics
-from tokenmesh.gateway.accesslog import DirectStreamLog
-from tokenmesh.gateway.auth import AuthInterceptor, KeysFileError, KeyStore
-from tokenmesh.gateway.breaker import CircuitBreaker
-from tokenmesh.gateway.client import standard_client_interceptors
+from tokenmesh.gateway.client_interceptors import standard_client_interceptors
 from tokenmesh.gateway.config import GatewaySettings
-from tokenmesh.gateway.extproc import PROCESS_METHOD, DirectMetrics, ExternalProcessor
-from tokenmesh.gateway.limits import LimitsInterceptor, TenantLimiter
-from tokenmesh.gateway.openai_api import (
-    HttpMetrics,
-    HttpServer,
-    HttpTenancy,
-    ModelCatalog,
-    OpenAIApi,
-)
-from tokenmesh.gateway.picker import EndpointPicker, PickerMetrics, WorkerFeed
-from tokenmesh.gateway.pipeline import DocumentSelector, GatewayMetrics, Pipeline, WorkerClient
-from tokenmesh.gateway.quota import QuotaMeter
-from tokenmesh.gateway.servicer import LLMServicer
-from tokenmesh.gateway.tenant_metrics import TenantMetrics
+from tokenmesh.gateway.core.breaker import CircuitBreaker
+from tokenmesh.gateway.core.catalog import ModelCatalog
+from tokenmesh.gateway.core.documents import DocumentMetrics, DocumentSelector
+from tokenmesh.gateway.core.picker import EndpointPicker, PickerMetrics, WorkerFeed
+from tokenmesh.gateway.core.pipeline import Pipeline
+from tokenmesh.gateway.core.prepare import Preparer
+from tokenmesh.gateway.core.tenancy.auth import AuthInterceptor, KeysFileError, KeyStore
+from tokenmesh.gateway.core.tenancy.http import HttpTenancy
+from tokenmesh.gateway.core.tenancy.limits import LimitsInterceptor, TenantLimiter
+from tokenmesh.gateway.core.tenancy.metrics import TenantMetrics
+from tokenmesh.gateway.core.tenancy.quota import QuotaMeter
+from tokenmesh.gateway.core.workers import WorkerClient
+from tokenmesh.gateway.frontends.calls import CallMetrics
+from tokenmesh.gateway.frontends.direct_log import DirectStreamLog
+from tokenmesh.gateway.frontends.extproc import PROCESS_METHOD, DirectMetrics, ExternalProcessor
+from tokenmesh.gateway.frontends.grpc import LLMServicer
+from tokenmesh.gateway.frontends.openai.api import OpenAIApi
+from tokenmesh.gateway.frontends.openai.http import HttpMetrics, HttpServer
+from tokenmesh.gateway.frontends.openai.prepare import OpenAIPreparer
 from tokenmesh.v1 import llm_pb2, llm_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -82,7 +84,7 @@ async def serve(settings: GatewaySettings) -> int:
     except KeysFileError as exc:
         log.error("gateway not started: %s", exc)
         return 1
-    metrics = GatewayMetrics(host.registry)
+    metrics = DocumentMetrics(host.registry)
     calls = standard_client_interceptors(host.registry, host.tracing)
     ca = settings.dependency_tls_ca_file
     # Read again when the CA file changes: each dependency then opens a new channel.
@@ -114,8 +116,12 @@ async def serve(settings: GatewaySettings) -> int:
             ).run(),
             "worker-feed",
         )
-    pipeline = Pipeline(
+    preparer = Preparer(
         DocumentSelector(reranker, breaker, metrics, settings, host.tracing.tracer),
+        settings,
+        picker,
+    )
+    pipeline = Pipeline(
         WorkerClient(
             worker,
             settings.connect_timeout_seconds,
@@ -124,31 +130,34 @@ async def serve(settings: GatewaySettings) -> int:
         ),
         settings,
         tenancy.meter,
-        picker,
     )
-    server = host.server(tenancy.interceptors)
+    call_metrics = CallMetrics(host.registry)
+    server = host.server(tenancy.interceptors, call_metrics.ends)
     stream_metrics = StreamMetrics(host.registry, log_tokens=settings.log_tokens)
     http_metrics = HttpMetrics(host.registry)
     llm_pb2_grpc.add_LLMServiceServicer_to_server(
-        LLMServicer(pipeline, settings, stream_metrics), server
+        LLMServicer(preparer, pipeline, settings, stream_metrics), server
     )
     direct_metrics = DirectMetrics(host.registry)
     als_pb2_grpc.add_AccessLogServiceServicer_to_server(
         DirectStreamLog(
-            stream_metrics, host.rpc_metrics, host.tracer, http_metrics, direct_metrics.logged
+            stream_metrics, call_metrics, host.tracer, http_metrics, direct_metrics.logged
         ),
         server,
     )
     if tenancy.store is not None:
         host.keep_running(tenancy.store.watch(settings.keys_reload_seconds), "keys-watch")
     start = None
-    api = None
+    openai = None
     if settings.openai_port >= 0:
+        catalog = ModelCatalog(worker, settings.connect_timeout_seconds)
+        openai = OpenAIPreparer(preparer, catalog, settings)
         api = OpenAIApi(
+            openai,
             pipeline,
             settings,
             stream_metrics,
-            ModelCatalog(worker, settings.connect_timeout_seconds),
+            catalog,
             tenancy.http,
             host.tracing.tracer,
             http_metrics,
@@ -174,7 +183,9 @@ async def serve(settings: GatewaySettings) -> int:
     # Used when Envoy's edge sends Generate's and OpenAI completions' tokens straight from
     # workers (the mesh's direct_token_path); idle otherwise.
     ext_proc_grpc.add_ExternalProcessorServicer_to_server(
-        ExternalProcessor(pipeline, settings, direct_metrics, host.tracer, api),
+        ExternalProcessor(
+            preparer, settings, direct_metrics, host.tracer, openai, pipeline.metered
+        ),
         server,
     )
     return await host.run(

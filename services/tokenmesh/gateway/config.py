@@ -7,6 +7,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
+from tokenmesh.common.sampling import SamplingLimits
 from tokenmesh.common.settings import MIB, ServiceSettings
 
 
@@ -91,10 +92,11 @@ class PickerSettings(BaseModel):
         default=0,
         ge=0,
         description=(
-            "A worker that computed more than this percentage of the mean serving worker's "
-            "prompt tokens over work_window_seconds gets no slack: it takes a request only "
-            "while its queue is as short as the least-loaded worker's. 0: off (the default: it "
-            "also moves a hot prefix off the worker that just computed it; 125 was measured)."
+            "Percent of the mean serving worker's prompt tokens, computed over "
+            "work_window_seconds, above which a worker gets no slack: it takes a request only "
+            "while its queue is as short as the least-loaded worker's. 0: off (the default: "
+            "the bound also moves a burst of a hot prefix off the worker that just computed "
+            "it; docs/decisions/0008-endpoint-picker.md)."
         ),
     )
     work_window_seconds: float = Field(
@@ -129,7 +131,7 @@ class PickerSettings(BaseModel):
         return value
 
 
-class GatewaySettings(ServiceSettings):
+class GatewaySettings(ServiceSettings, SamplingLimits):
     model_config = SettingsConfigDict(
         env_prefix="TOKENMESH_GATEWAY_", env_nested_delimiter="__", frozen=True, extra="ignore"
     )
@@ -185,13 +187,11 @@ class GatewaySettings(ServiceSettings):
         default=0.15,
         ge=0,
         description=(
-            "Subtracted from the caller's remaining deadline for calls to dependencies, so "
-            "the gateway ends a stream with DEADLINE_EXCEEDED itself before the edge Envoy's "
-            "timer for the same deadline fires: Envoy can only reset a stream whose response "
-            "has started, which a client slow to see its own deadline reports as INTERNAL. "
-            "Measured in a deadline storm on two busy cores: 50 ms left 7% of streams to "
-            "Envoy's timer (some after their first token), 150 ms left 3% (all before it, "
-            "answered DEADLINE_EXCEEDED)."
+            "Seconds subtracted from the caller's remaining deadline for calls to "
+            "dependencies, so the gateway ends a stream with DEADLINE_EXCEEDED before the edge "
+            "Envoy's timer for the same deadline fires (Envoy can only reset a stream whose "
+            "response has started, which a client reports as INTERNAL; "
+            "docs/decisions/0012-deadline-margin-150-ms.md)."
         ),
     )
     reranker_timeout_seconds: float = Field(
@@ -255,9 +255,6 @@ class GatewaySettings(ServiceSettings):
             "GetAnswer) 1..this many bytes; Summarize's `instruction` 0..this many."
         ),
     )
-    max_tokens_cap: int = Field(
-        default=4096, ge=1, description="Request limit: `max_tokens` (every call shape) 1..this."
-    )
     max_documents: int = Field(
         default=32, ge=0, description="Request limit: `documents` at most this many."
     )
@@ -271,28 +268,6 @@ class GatewaySettings(ServiceSettings):
     )
     default_top_k_documents: int = Field(
         default=3, ge=1, description="Documents used as context when a request does not say."
-    )
-    max_stop_sequences: int = Field(
-        default=8, ge=0, description="Request limit: `stop` at most this many strings."
-    )
-    max_stop_sequence_bytes: int = Field(
-        default=256,
-        ge=1,
-        description="Each stop string: 1 byte .. this (UTF-8); the workers' own limit is the same.",
-    )
-    max_top_logprobs: int = Field(
-        default=20,
-        ge=0,
-        description=(
-            "Alternatives per token a request may ask for (top_logprobs); at most the workers' cap."
-        ),
-    )
-    max_stream_interval: int = Field(
-        default=64,
-        ge=1,
-        description=(
-            "Tokens per message a request may ask for (stream_interval); at most the workers' cap."
-        ),
     )
     max_message_tokens: int = Field(
         default=64,

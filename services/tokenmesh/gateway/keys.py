@@ -1,4 +1,5 @@
-"""`python -m tokenmesh.gateway.keys add --tenant acme --file keys.json`: a new API key."""
+"""`python -m tokenmesh.gateway.keys add --tenant acme --file keys.json`: a new API key (the
+operators' command-line front end of the keys file)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from tokenmesh.gateway.auth import KeysFile, hash_key, new_key
+from tokenmesh.gateway.core.tenancy.auth import KeysFile, hash_key, new_key
 
 
 def add_key(path: Path, tenant: str) -> str:

@@ -1,11 +1,15 @@
-"""What the local mesh, its tests and benchmarks ask of running services: ports, health, metrics."""
+"""What the local mesh, its tests and benchmarks ask of running services: ports, health, metrics,
+Envoy's view of its hosts."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import time
+import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -108,3 +112,42 @@ async def engine_empty_at(
         f"engine not empty {within}s after; (running, waiting, report age) first/last: "
         f"{reports[:3]} ... {reports[-3:]}"
     )
+
+
+def http_ok(url: str) -> bool:
+    """url answers 200 (Prometheus' /-/ready does once its storage is open)."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as reply:
+            return int(reply.status) == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def envoy_host_statuses(admin_port: int) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """(cluster, address, host status from /clusters?format=json) of every host the Envoy whose
+    admin listens on admin_port knows; nothing when Envoy does not answer."""
+    url = f"http://127.0.0.1:{admin_port}/clusters?format=json"
+    try:
+        with urllib.request.urlopen(url, timeout=2) as reply:
+            statuses = json.load(reply).get("cluster_statuses", [])
+    except (urllib.error.URLError, OSError, ValueError):
+        return
+    for cluster in statuses:
+        for host in cluster.get("host_statuses", []):
+            address = host["address"]["socket_address"]
+            yield cluster["name"], f"{address['address']}:{address['port_value']}", host
+
+
+def envoy_hosts(admin_port: int) -> dict[str, list[tuple[str, bool]]]:
+    """The view of the Envoy whose admin listens on admin_port: (address, healthy) of each
+    host, by cluster; empty when Envoy does not answer."""
+    hosts: dict[str, list[tuple[str, bool]]] = {}
+    for cluster, address, host in envoy_host_statuses(admin_port):
+        flags = host.get("health_status", {})
+        # Any true flag (failed_active_health_check, pending_active_hc, ...) keeps
+        # Envoy from routing to the host.
+        healthy = flags.get("eds_health_status") == "HEALTHY" and not any(
+            value is True for value in flags.values()
+        )
+        hosts.setdefault(cluster, []).append((address, healthy))
+    return hosts

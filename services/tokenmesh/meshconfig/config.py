@@ -163,11 +163,10 @@ class MeshSettings(BaseSettings):
         default=64 * MIB,
         ge=65535,
         description=(
-            "The connection window Envoy grants a gateway or worker: their streams share a "
-            "few connections, so it holds a stream window for each of 1,024 stalled streams "
-            "(with 1 MiB, 16 unread streams stopped every other stream on the connection: "
-            "measured by the slow-consumer test's bystander). What a stream buffers is still "
-            "its own window."
+            "HTTP/2 connection window, in bytes, that Envoy grants a gateway or worker: their "
+            "streams share a few connections, so it holds a stream window for each of 1,024 "
+            "stalled streams (docs/decisions/0004-small-http2-windows-for-backpressure.md). "
+            "What a stream buffers is still its own window."
         ),
     )
     buffer_limit_bytes: int = Field(
@@ -183,11 +182,10 @@ class MeshSettings(BaseSettings):
         default=128 * 1024,
         ge=10_000,
         description=(
-            "Frames Envoy may queue towards one client before it cuts the connection as a "
-            "flood (its default, 10,000, is ~400 KB of one-token messages: a client a little "
-            "behind on 8 streams lost all of them). Flow control bounds what a slow client "
-            "costs (buffer_limit_bytes, each stream's window); this lets it act first for ~64"
-            " stalled streams of one-token frames."
+            "HTTP/2 frames Envoy may queue towards one client before it cuts the connection "
+            "as a flood. Above what flow control lets Envoy queue (buffer_limit_bytes, each "
+            "stream's window), so flow control acts first for ~64 stalled streams of "
+            "one-token frames (docs/decisions/0013-envoy-outbound-frames-limit.md)."
         ),
     )
     max_concurrent_streams: int = Field(
@@ -218,11 +216,10 @@ class MeshSettings(BaseSettings):
         gt=0,
         le=100,
         description=(
-            "Retries may add at most this share of active requests (a retry budget, not a "
-            "count), and always at least retry_min_concurrency. When a replica dies, every "
-            "stream it had not yet answered needs a retry at once: with 20 % and 3, most of "
-            "them failed instead (measured by the worker_kill chaos scenario with 2 workers),"
-            " so the budget covers losing half the fleet."
+            "Percent of active requests that retries may add (a retry budget, not a count), "
+            "and always at least retry_min_concurrency; sized so that losing half the workers "
+            "at once, whose unanswered streams all need a retry, stays within it "
+            "(docs/decisions/0018-retry-budget-covers-half-the-fleet.md)."
         ),
     )
     retry_min_concurrency: int = Field(

@@ -71,8 +71,7 @@ class CrossEncoderScorer:
     """Score = a single-label cross-encoder's relevance for each (query, document) pair.
 
     Not covered by the tests: no cross-encoder model is available offline here, so only the
-    bi-encoder path is exercised. Pairs are padded together, so unlike the bi-encoder's, a
-    score's last bits may depend on which requests share its batch."""
+    bi-encoder path is exercised. Pairs are padded together."""
 
     def __init__(self, predict: Callable[[list[tuple[str, str]]], NDArray[Any]]) -> None:
         self._predict = predict
@@ -90,9 +89,9 @@ class CrossEncoderScorer:
 
 def encode_unpadded(model: SentenceTransformer, texts: list[str]) -> Embeddings:
     """Unit-length embeddings of texts, computed without padding: texts are grouped by token
-    count and each group is one forward pass. Padding changes the last bits of a text's
-    embedding with whatever else shares its pass, so this keeps scores identical however
-    requests happen to be batched."""
+    count and each group is one forward pass, so no pad tokens are computed. A text's last
+    bits may still depend on its pass's shape (the kernels' blocking): scores are promised
+    within 1e-5 whatever the batch (docs/architecture.md, "The reranker")."""
     token_ids = model.tokenizer(texts, truncation=True, max_length=model.max_seq_length)
     groups: dict[int, list[int]] = defaultdict(list)
     for position, ids in enumerate(token_ids["input_ids"]):

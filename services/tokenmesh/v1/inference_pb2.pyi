@@ -35,30 +35,31 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., stream_interval: _Optional[int] = ..., max_tokens_within_context: _Optional[bool] = ...) -> None: ...
 
 class InferenceRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "sampling", "warnings", "messages", "openai")
+    __slots__ = ("request_id", "prompt", "sampling", "warnings", "messages", "openai", "degraded")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     WARNINGS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     OPENAI_FIELD_NUMBER: _ClassVar[int]
+    DEGRADED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     sampling: SamplingParams
     warnings: _containers.RepeatedScalarFieldContainer[str]
     messages: _containers.RepeatedCompositeFieldContainer[ConversationMessage]
     openai: OpenAIAnswer
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., warnings: _Optional[_Iterable[str]] = ..., messages: _Optional[_Iterable[_Union[ConversationMessage, _Mapping]]] = ..., openai: _Optional[_Union[OpenAIAnswer, _Mapping]] = ...) -> None: ...
+    degraded: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., warnings: _Optional[_Iterable[str]] = ..., messages: _Optional[_Iterable[_Union[ConversationMessage, _Mapping]]] = ..., openai: _Optional[_Union[OpenAIAnswer, _Mapping]] = ..., degraded: _Optional[str] = ...) -> None: ...
 
 class OpenAIAnswer(_message.Message):
-    __slots__ = ("chat", "id", "created", "model", "stream", "include_usage", "extra_json", "time_limit_seconds")
+    __slots__ = ("chat", "id", "created", "model", "stream", "include_usage", "time_limit_seconds")
     CHAT_FIELD_NUMBER: _ClassVar[int]
     ID_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_USAGE_FIELD_NUMBER: _ClassVar[int]
-    EXTRA_JSON_FIELD_NUMBER: _ClassVar[int]
     TIME_LIMIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     chat: bool
     id: str
@@ -66,9 +67,8 @@ class OpenAIAnswer(_message.Message):
     model: str
     stream: bool
     include_usage: bool
-    extra_json: str
     time_limit_seconds: float
-    def __init__(self, chat: _Optional[bool] = ..., id: _Optional[str] = ..., created: _Optional[int] = ..., model: _Optional[str] = ..., stream: _Optional[bool] = ..., include_usage: _Optional[bool] = ..., extra_json: _Optional[str] = ..., time_limit_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, chat: _Optional[bool] = ..., id: _Optional[str] = ..., created: _Optional[int] = ..., model: _Optional[str] = ..., stream: _Optional[bool] = ..., include_usage: _Optional[bool] = ..., time_limit_seconds: _Optional[float] = ...) -> None: ...
 
 class ConversationMessage(_message.Message):
     __slots__ = ("role", "content")

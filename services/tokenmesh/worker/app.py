@@ -8,7 +8,7 @@ import logging
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 from prometheus_client.registry import Collector
 
-from tokenmesh.common.affinity import pin_threads
+from tokenmesh.common.cpu_pinning import pin_threads
 from tokenmesh.common.host import ServiceHost
 from tokenmesh.common.metrics import StreamMetrics
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc

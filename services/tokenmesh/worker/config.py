@@ -7,11 +7,12 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from tokenmesh.common.affinity import known_cores
+from tokenmesh.common.cpu_pinning import known_cores
+from tokenmesh.common.sampling import SamplingLimits
 from tokenmesh.common.settings import ServiceSettings
 
 
-class WorkerSettings(ServiceSettings):
+class WorkerSettings(ServiceSettings, SamplingLimits):
     model_config = SettingsConfigDict(env_prefix="TOKENMESH_WORKER_", frozen=True, extra="ignore")
 
     port: int = Field(default=50061, ge=0, le=65535)
@@ -91,14 +92,6 @@ class WorkerSettings(ServiceSettings):
         ),
     )
 
-    max_tokens_cap: int = Field(
-        default=4096,
-        ge=1,
-        description=(
-            "Request limit (past it: INVALID_ARGUMENT naming the limit): "
-            "`sampling.max_tokens` 1..this."
-        ),
-    )
     max_prompt_bytes: int = Field(
         default=256 * 1024, ge=1, description="Request limit: `prompt` 1..this many bytes."
     )
@@ -111,12 +104,6 @@ class WorkerSettings(ServiceSettings):
             "at most `max_prompt_bytes`."
         ),
     )
-    max_stop_sequences: int = Field(
-        default=8, ge=0, description="Request limit: `sampling.stop` at most this many."
-    )
-    max_stop_sequence_bytes: int = Field(
-        default=256, ge=1, description="Request limit: each of `sampling.stop` 1..this many bytes."
-    )
     max_request_id_chars: int = Field(
         default=128, ge=1, description="Request limit: `request_id` at most this many characters."
     )
@@ -126,13 +113,6 @@ class WorkerSettings(ServiceSettings):
     max_warning_bytes: int = Field(
         default=1024, ge=1, description="The size of each of those warnings, in bytes."
     )
-    max_top_logprobs: int = Field(
-        default=20,
-        ge=0,
-        description=(
-            "Alternatives per token a request may ask for (top_logprobs); also vLLM's max_logprobs."
-        ),
-    )
     stream_interval: int = Field(
         default=1,
         ge=1,
@@ -140,11 +120,6 @@ class WorkerSettings(ServiceSettings):
             "Tokens per message: every stream's messages hold at least this many (vLLM's "
             "--stream-interval; 1: each token the moment it exists)."
         ),
-    )
-    max_stream_interval: int = Field(
-        default=64,
-        ge=1,
-        description="The most tokens per message a request may ask for (sampling.stream_interval).",
     )
     max_message_tokens: int = Field(
         default=64,

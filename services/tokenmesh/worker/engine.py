@@ -31,7 +31,7 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 from tokenmesh.common.errors import Internal, InvalidArgument, Unavailable
 from tokenmesh.v1 import token_pb2
 from tokenmesh.worker.config import WorkerSettings
-from tokenmesh.worker.requests import GenerationSpec
+from tokenmesh.worker.requests import EngineRequest
 from tokenmesh.worker.watchdog import EngineActivity
 
 log = logging.getLogger(__name__)
@@ -375,7 +375,7 @@ class VllmEngine:
 
     async def warm_up(self) -> None:
         """Generate one token through the whole path."""
-        spec = GenerationSpec(
+        spec = EngineRequest(
             request_id="warm-up",
             prompt="warm up",
             max_tokens=1,
@@ -393,7 +393,7 @@ class VllmEngine:
     def errored(self) -> bool:
         return bool(self._llm.errored)
 
-    async def _tokenize(self, spec: GenerationSpec) -> tuple[Any, int]:
+    async def _tokenize(self, spec: EngineRequest) -> tuple[Any, int]:
         """The engine input of a prompt, or of messages rendered with the chat template (the
         prompt, when the model has none and the request carries one); and the tokens it may
         generate."""
@@ -429,7 +429,7 @@ class VllmEngine:
             )
         return engine_input, spec.max_tokens
 
-    async def _render_chat(self, spec: GenerationSpec) -> Any:
+    async def _render_chat(self, spec: EngineRequest) -> Any:
         conversation: list[Any] = [
             {"role": message.role, "content": message.content} for message in spec.messages
         ]
@@ -438,7 +438,7 @@ class VllmEngine:
         )
         return engine_input
 
-    def _sampling_params(self, spec: GenerationSpec, max_tokens: int) -> SamplingParams:
+    def _sampling_params(self, spec: EngineRequest, max_tokens: int) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=spec.temperature,
@@ -456,7 +456,7 @@ class VllmEngine:
             stream_interval=spec.stream_interval if spec.stream_interval > 1 else None,
         )
 
-    async def _produce(self, spec: GenerationSpec, post: Callable[[Item], None]) -> None:
+    async def _produce(self, spec: EngineRequest, post: Callable[[Item], None]) -> None:
         """On the engine's loop: post each output's tokens, then None at the end, or the error
         that ended the request. Cancelling this aborts the engine request (vLLM's generate()
         does so when cancelled). The engine holds the request from here to its end."""
@@ -480,7 +480,7 @@ class VllmEngine:
             self.activity.request_ended()
 
     async def stream(
-        self, spec: GenerationSpec, on_abort: Callable[[], None] | None = None
+        self, spec: EngineRequest, on_abort: Callable[[], None] | None = None
     ) -> AsyncGenerator[Tokens, None]:
         """Yield the engine's tokens the moment they exist: each output alone while the caller
         keeps up, and the outputs that arrived while it was busy (writing the last message)

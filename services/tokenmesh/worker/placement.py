@@ -6,7 +6,7 @@ import logging
 import os
 from pathlib import Path
 
-from tokenmesh.common.affinity import parse_cores, pin_threads
+from tokenmesh.common.cpu_pinning import parse_cores, pin_threads
 
 log = logging.getLogger(__name__)
 

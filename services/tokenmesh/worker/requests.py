@@ -1,4 +1,4 @@
-"""Validation of InferenceRequest into an engine-ready GenerationSpec (transport-agnostic)."""
+"""Validation of an InferenceRequest into the EngineRequest the engine runs (transport-agnostic)."""
 
 from __future__ import annotations
 
@@ -7,17 +7,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tokenmesh.common.errors import InvalidArgument
-from tokenmesh.common.validation import (
-    check_count,
-    check_logprobs,
-    check_range,
-    check_stop,
-    check_text,
-)
+from tokenmesh.common.sampling import check_sampling
+from tokenmesh.common.validation import check_count, check_text
 from tokenmesh.v1 import inference_pb2
 from tokenmesh.worker.config import WorkerSettings
 
-MAX_TEMPERATURE = 2.0
 # The roles a conversation's messages may have (those every chat template knows).
 ROLES = ("system", "user", "assistant")
 
@@ -31,7 +25,7 @@ class Message:
 
 
 @dataclass(frozen=True)
-class GenerationSpec:
+class EngineRequest:
     """A validated generation request."""
 
     request_id: str
@@ -56,7 +50,7 @@ class GenerationSpec:
     max_tokens_within_context: bool = False
 
 
-def validate(request: inference_pb2.InferenceRequest, settings: WorkerSettings) -> GenerationSpec:
+def validate(request: inference_pb2.InferenceRequest, settings: WorkerSettings) -> EngineRequest:
     """Check every field against the worker's limits; raise InvalidArgument naming it."""
     messages = check_messages(request.messages, settings) if request.messages else ()
     if request.prompt:
@@ -64,36 +58,7 @@ def validate(request: inference_pb2.InferenceRequest, settings: WorkerSettings) 
     elif not messages:
         raise InvalidArgument("prompt", "must not be empty (or send messages instead)")
     sampling = request.sampling
-    if not 1 <= sampling.max_tokens <= settings.max_tokens_cap:
-        raise InvalidArgument(
-            "sampling.max_tokens",
-            f"must be in [1, {settings.max_tokens_cap}], got {sampling.max_tokens}",
-        )
-    temperature = settings.default_temperature
-    if sampling.HasField("temperature"):
-        temperature = sampling.temperature
-        check_range("sampling.temperature", temperature, 0.0, MAX_TEMPERATURE)
-    top_p = 1.0
-    if sampling.HasField("top_p"):
-        top_p = sampling.top_p
-        check_range("sampling.top_p", top_p, 0.0, 1.0, low_open=True)
-    top_k = -1
-    if sampling.HasField("top_k"):
-        top_k = sampling.top_k
-        if top_k == 0 or top_k < -1:
-            raise InvalidArgument("sampling.top_k", f"must be -1 (off) or >= 1, got {top_k}")
-    check_stop(
-        "sampling.stop",
-        sampling.stop,
-        settings.max_stop_sequences,
-        settings.max_stop_sequence_bytes,
-    )
-    check_logprobs("sampling.", sampling.logprobs, sampling.top_logprobs, settings.max_top_logprobs)
-    if not 0 <= sampling.stream_interval <= settings.max_stream_interval:
-        raise InvalidArgument(
-            "sampling.stream_interval",
-            f"must be in [0, {settings.max_stream_interval}], got {sampling.stream_interval}",
-        )
+    check_sampling(sampling, settings, "sampling.")
     if len(request.request_id) > settings.max_request_id_chars:
         raise InvalidArgument(
             "request_id",
@@ -103,17 +68,20 @@ def validate(request: inference_pb2.InferenceRequest, settings: WorkerSettings) 
     check_count("warnings", len(request.warnings), settings.max_warnings, "warnings")
     for warning in request.warnings:
         check_text("warnings", warning, settings.max_warning_bytes)
+    check_text("degraded", request.degraded, settings.max_warning_bytes, required=False)
     # The engine needs ids unique among in-flight requests; a caller's id may repeat, so it
     # gets a random suffix.
     suffix = uuid.uuid4().hex[:12]
     request_id = f"{request.request_id}-{suffix}" if request.request_id else suffix
-    return GenerationSpec(
+    return EngineRequest(
         request_id=request_id,
         prompt=request.prompt,
         max_tokens=sampling.max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
+        temperature=sampling.temperature
+        if sampling.HasField("temperature")
+        else settings.default_temperature,
+        top_p=sampling.top_p if sampling.HasField("top_p") else 1.0,
+        top_k=sampling.top_k if sampling.HasField("top_k") else -1,
         seed=sampling.seed if sampling.HasField("seed") else None,
         stop=tuple(sampling.stop),
         ignore_eos=sampling.ignore_eos,

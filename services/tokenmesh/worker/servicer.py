@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
@@ -15,27 +14,18 @@ from prometheus_client import Counter
 
 from tokenmesh.common.errors import DeadlineExceeded
 from tokenmesh.common.metrics import StreamMetrics
-from tokenmesh.common.openai_answers import EventStream, Shape, WholeAnswer, error_response
 from tokenmesh.common.outcome import Deadline
-from tokenmesh.common.tokens import DEGRADED_HEADER, USAGE_TRAILER, usage_trailer
+from tokenmesh.common.presentation import OpenAIPresenter, degraded_marker
+from tokenmesh.common.tokens import USAGE_TRAILER, usage_trailer
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
 from tokenmesh.worker.admission import Admission
 from tokenmesh.worker.config import WorkerSettings
 from tokenmesh.worker.engine import Candidate, EngineSlot, Tokens, VllmEngine
-from tokenmesh.worker.requests import GenerationSpec, validate
-
-EVENT_STREAM = "text/event-stream"
+from tokenmesh.worker.requests import EngineRequest, validate
 
 
 def late(limit: float) -> DeadlineExceeded:
     return DeadlineExceeded(f"deadline exceeded: the answer's time limit of {limit:g} s passed")
-
-
-def degraded_marker(context: aio.ServicerContext[Any, Any]) -> tuple[tuple[str, str], ...]:
-    """The degraded marker the gateway set on a request it prepared, to return to the caller."""
-    return tuple(
-        (k, str(v)) for k, v in context.invocation_metadata() or () if k == DEGRADED_HEADER
-    )[:1]
 
 
 def token_message(tokens: Tokens) -> token_pb2.Token:
@@ -94,8 +84,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         context: aio.ServicerContext[Any, Any],
     ) -> AsyncGenerator[token_pb2.Token, None]:
         spec = validate(request, self._settings)
-        # A degraded answer the gateway prepared for Envoy to stream from here: its trailer.
-        trailers = degraded_marker(context)
+        trailers = degraded_marker(request)
         if trailers:
             context.set_trailing_metadata(trailers)
         engine = self._engines.get()
@@ -121,47 +110,22 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         request: inference_pb2.InferenceRequest,
         context: aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[httpbody_pb2.HttpBody]:
-        answer = request.openai
-        shape = Shape.of(answer)
-        logprobs = request.sampling.logprobs
-        # Sent with the first event (the transcoder makes them the caller's HTTP headers):
-        # before it, an error is still the call's status, which the edge answers with its
-        # HTTP status.
-        headers = degraded_marker(context)
-        async with contextlib.aclosing(self.Generate(request, context)) as tokens:
-            if not answer.stream:
-                whole = WholeAnswer(shape, logprobs)
-                async for token in tokens:
-                    whole.add(token)
-                await context.send_initial_metadata(headers)
-                data = json.dumps(whole.body(), separators=(",", ":")).encode()
-                yield httpbody_pb2.HttpBody(content_type="application/json", data=data)
-                return
-            events = EventStream(shape, logprobs, answer.include_usage)
-            started = False
-            try:
-                async for token in tokens:
-                    data = events.token(token)
-                    if not started:
-                        started = True
-                        await context.send_initial_metadata(
-                            (*headers, ("cache-control", "no-cache"))
-                        )
-                        data = events.start() + data
-                    yield httpbody_pb2.HttpBody(content_type=EVENT_STREAM, data=data)
-            except Exception as exc:
-                if not started:
-                    raise
-                # The answer has begun (HTTP 200 sent): the error goes in the stream, as
-                # OpenAI's servers send it, and the call still ends with its status.
-                _, body, _ = error_response(exc)
-                yield httpbody_pb2.HttpBody(content_type=EVENT_STREAM, data=events.failed(body))
-                raise
+        presenter = OpenAIPresenter(request)
+        sent = False
+        generated = presenter.parts(self.Generate(request, context))
+        async with contextlib.aclosing(generated) as parts:
+            async for data in parts:
+                if not sent:
+                    # The first part's metadata becomes the caller's HTTP headers (the edge's
+                    # transcoder): before it, an error is still the call's status.
+                    sent = True
+                    await context.send_initial_metadata(presenter.headers())
+                yield httpbody_pb2.HttpBody(content_type=presenter.content_type, data=data)
 
     async def _generate(
         self,
         engine: VllmEngine,
-        spec: GenerationSpec,
+        spec: EngineRequest,
         context: aio.ServicerContext[Any, Any],
         time_limit: float,
     ) -> AsyncGenerator[token_pb2.Token, None]:

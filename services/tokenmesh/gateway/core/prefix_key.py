@@ -1,0 +1,38 @@
+"""The prefix-affinity key: prompts that start alike get one key, and so one worker."""
+
+from __future__ import annotations
+
+import hashlib
+
+from tokenmesh.gateway.core.prompts import Conversation
+
+# Between a message's role and its content, and after its content: characters no role holds, so
+# no two conversations serialise alike.
+_ROLE_END = "\x1f"
+_MESSAGE_END = "\x1e"
+
+
+def affinity_text(prompt: str | Conversation, prefix_chars: int) -> str:
+    """The start of what the engine will see first: a plain prompt's first prefix_chars; for a
+    conversation, its messages up to and including the first user message (system prompts,
+    documents as context, the opening question), so every later turn of one conversation keeps
+    the key of its first and follows it to the worker that holds its cache."""
+    if isinstance(prompt, str):
+        return prompt[:prefix_chars]
+    return _opening(prompt)[:prefix_chars]
+
+
+def _opening(conversation: Conversation) -> str:
+    parts: list[str] = []
+    for message in conversation.messages:
+        parts.append(f"{message.role}{_ROLE_END}{message.content}{_MESSAGE_END}")
+        if message.role == "user":
+            break
+    return "".join(parts)
+
+
+def affinity_key(prompt: str | Conversation, prefix_chars: int) -> str:
+    """A short digest of affinity_text (a header value; Envoy hashes it again onto its ring).
+    BLAKE2b from the standard library: one call of a few microseconds per request."""
+    text = affinity_text(prompt, prefix_chars)
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()

@@ -1,0 +1,142 @@
+"""Calls to the workers: a token stream read ahead of its caller, merged while the caller is
+busy, cancelled (and the engine request aborted) when the caller goes away."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterator
+
+import grpc
+from grpc import aio
+from opentelemetry import trace
+
+from tokenmesh.common.channels import Dependency
+from tokenmesh.common.errors import DependencyError
+from tokenmesh.common.outcome import Deadline
+from tokenmesh.common.tokens import UPSTREAM_HEADER, merge, token_count
+from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
+
+
+class ReadAhead:
+    """Reads a worker call's messages while the gateway is still writing the last one to its
+    caller, and merges those that arrive meanwhile (`next` takes them): each token goes on the
+    moment it can, alone while the caller keeps up, and no timer holds any back. A merged
+    message holds at most `per_message` tokens (one worker message is never split), and past
+    `limit` tokens waiting it stops reading, so a stalled caller holds the worker back through
+    HTTP/2 flow control instead of the gateway buffering its stream."""
+
+    def __init__(self, call: AsyncIterator[token_pb2.Token], limit: int, per_message: int) -> None:
+        self._limit = limit
+        self._per_message = per_message
+        self._waiting: deque[token_pb2.Token] = deque()
+        self._waiting_tokens = 0
+        self._error: Exception | None = None
+        self._ended = False
+        self._arrived = asyncio.Event()
+        self._room = asyncio.Event()
+        self._room.set()
+        self._reader = asyncio.create_task(self._read(call))
+
+    async def _read(self, call: AsyncIterator[token_pb2.Token]) -> None:
+        try:
+            async for token in call:
+                count = token_count(token)
+                last = self._waiting[-1] if self._waiting else None
+                if last is not None and token_count(last) + count <= self._per_message:
+                    merge(last, token)
+                else:
+                    self._waiting.append(token)
+                self._waiting_tokens += count
+                self._arrived.set()
+                if self._waiting_tokens >= self._limit:
+                    self._room.clear()
+                    await self._room.wait()
+        except Exception as error:  # the call's failure is the stream's, raised by next()
+            self._error = error
+        finally:
+            self._ended = True
+            self._arrived.set()
+
+    async def next(self) -> token_pb2.Token | None:
+        """What arrived since the last call (merged, up to per_message tokens); None at the
+        end."""
+        while not self._waiting:
+            if self._ended:
+                if self._error is not None:
+                    raise self._error
+                return None
+            self._arrived.clear()
+            await self._arrived.wait()
+        token = self._waiting.popleft()
+        self._waiting_tokens -= token_count(token)
+        self._room.set()
+        return token
+
+    def close(self) -> None:
+        self._reader.cancel()
+
+
+async def record_upstream(call: aio.UnaryStreamCall) -> None:
+    """The worker Envoy chose for the call (its answer's x-tokenmesh-upstream), on the current
+    span: with the affinity key, the routing decision."""
+    for name, value in await call.initial_metadata() or ():
+        if name == UPSTREAM_HEADER:
+            trace.get_current_span().set_attribute("tokenmesh.worker", str(value))
+
+
+class WorkerClient:
+    """Streams tokens from a worker; cancelling the stream cancels the worker call, which
+    aborts the engine request."""
+
+    def __init__(
+        self,
+        worker: Dependency,
+        connect_timeout: float,
+        max_coalesced: int = 256,
+        max_message_tokens: int = 64,
+    ) -> None:
+        self._worker = worker
+        self._stub = inference_pb2_grpc.InferenceServiceStub(worker.channel)
+        self._connect_timeout = connect_timeout
+        self._max_coalesced = max_coalesced
+        self._max_message_tokens = max_message_tokens
+
+    async def stream(
+        self,
+        request: inference_pb2.InferenceRequest,
+        time_limit: float | None,
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> AsyncGenerator[token_pb2.Token, None]:
+        connect_within = self._connect_timeout
+        if time_limit is not None:
+            connect_within = min(connect_within, time_limit)
+        await self._worker.ensure_connected(connect_within)
+        # A call that fails (all but) at its deadline failed because of it: Envoy enforces the
+        # same deadline (grpc-timeout) and resets the stream when it passes.
+        deadline = Deadline(time_limit)
+        call = self._stub.Generate(request, timeout=time_limit, metadata=metadata or None)
+        ahead = ReadAhead(call, self._max_coalesced, self._max_message_tokens)
+        received = 0
+        try:
+            while (token := await ahead.next()) is not None:
+                if not received:
+                    await record_upstream(call)
+                received += token_count(token)
+                yield token
+        except aio.AioRpcError as err:
+            # Failed before its first token, it was retried by Envoy already; after, it cannot
+            # be (the caller has tokens), and the message says how far it got.
+            during = f"after {received} tokens" if received else ""
+            if deadline.passed():
+                raise DependencyError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"worker: deadline exceeded {during or 'before the first token'}",
+                ) from err
+            raise self._worker.error(err, during) from err
+        finally:
+            ahead.close()
+            # The caller went away (or stopped reading) before the worker's end: cancel the
+            # call, which aborts the engine request. A finished call is left as it is.
+            if not call.done():
+                call.cancel()

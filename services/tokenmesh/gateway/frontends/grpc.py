@@ -1,0 +1,134 @@
+"""LLMService on the gateway token path: prepare each call, relay the worker's tokens (the
+first carries the preparation's warnings: the worker adds them), and mark a degraded answer
+as the worker marks it on the direct path (common/presentation.py)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any, TypeAlias
+
+from grpc import aio
+
+from tokenmesh.common.errors import InvalidArgument
+from tokenmesh.common.metrics import StreamMetrics
+from tokenmesh.common.presentation import degraded_marker
+from tokenmesh.common.validation import check_text
+from tokenmesh.gateway.config import GatewaySettings
+from tokenmesh.gateway.core.documents import Prompt
+from tokenmesh.gateway.core.pipeline import Pipeline
+from tokenmesh.gateway.core.prepare import PreparedCall, Preparer
+from tokenmesh.gateway.core.prompts import summary_request
+from tokenmesh.gateway.core.requests import question, sampling_params
+from tokenmesh.gateway.frontends.chat import ChatSession
+from tokenmesh.v1 import inference_pb2, llm_pb2, llm_pb2_grpc, token_pb2
+
+Context: TypeAlias = aio.ServicerContext[Any, Any]
+
+
+def mark(context: Context, call: PreparedCall) -> None:
+    marker = degraded_marker(call.request)
+    if marker:
+        context.set_trailing_metadata(marker)
+
+
+async def collect(tokens: AsyncIterator[token_pb2.Token]) -> llm_pb2.Answer:
+    """A whole answer from a token stream (its warnings are the first token's)."""
+    parts: list[str] = []
+    answer = llm_pb2.Answer()
+    async for token in tokens:
+        if not parts:
+            answer.warnings.extend(token.warnings)
+        parts.append(token.text)
+        if token.finish_reason:
+            answer.finish_reason = token.finish_reason
+            answer.usage.CopyFrom(token.usage)
+    answer.text = "".join(parts)
+    return answer
+
+
+class PreparedStreams:
+    """Prompts of the gateway's own making (a Chat turn's conversation), prepared and
+    streamed."""
+
+    def __init__(self, preparer: Preparer, pipeline: Pipeline) -> None:
+        self._preparer = preparer
+        self._pipeline = pipeline
+
+    def stream(
+        self, prompt: Prompt, sampling: inference_pb2.SamplingParams, remaining: float | None
+    ) -> AsyncGenerator[token_pb2.Token, None]:
+        return self._pipeline.stream(self._preparer.call(prompt, sampling), remaining)
+
+
+class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
+    def __init__(
+        self,
+        preparer: Preparer,
+        pipeline: Pipeline,
+        settings: GatewaySettings,
+        stream_metrics: StreamMetrics,
+    ) -> None:
+        self._preparer = preparer
+        self._pipeline = pipeline
+        self._settings = settings
+        self._stream_metrics = stream_metrics
+
+    async def Generate(
+        self, request: llm_pb2.GenerateRequest, context: Context
+    ) -> AsyncIterator[token_pb2.Token]:
+        timer = self._stream_metrics.timer(context)
+        asked = question(request, self._settings)
+        call = await self._preparer.question(asked, context.time_remaining())
+        mark(context, call)
+        async for token in self._pipeline.stream(call, context.time_remaining()):
+            timer.sent(token)
+            yield token
+
+    async def GetAnswer(self, request: llm_pb2.Query, context: Context) -> llm_pb2.Answer:
+        asked = question(request, self._settings)
+        call = await self._preparer.question(asked, context.time_remaining())
+        mark(context, call)
+        answer = await collect(self._pipeline.stream(call, context.time_remaining()))
+        answer.used_document_indices.extend(call.used_document_indices)
+        return answer
+
+    async def Summarize(
+        self, request_iterator: AsyncIterator[llm_pb2.DocumentChunk], context: Context
+    ) -> llm_pb2.Answer:
+        settings = self._settings
+        first: llm_pb2.DocumentChunk | None = None
+        sampling: inference_pb2.SamplingParams | None = None
+        parts: list[str] = []
+        size = 0
+        async for chunk in request_iterator:
+            if first is None:
+                # The options are checked as they arrive, not after the whole text.
+                first = chunk
+                sampling = sampling_params(first, settings)
+                check_text("instruction", first.instruction, settings.max_prompt_bytes, False)
+            if len(parts) >= settings.max_summarize_chunks:
+                raise InvalidArgument(
+                    "chunks", f"more than the limit of {settings.max_summarize_chunks} chunks"
+                )
+            size += len(chunk.text.encode())
+            if size > settings.max_summarize_bytes:
+                raise InvalidArgument(
+                    "text",
+                    f"the chunks add up to more than the limit of {settings.max_summarize_bytes} "
+                    "bytes",
+                )
+            parts.append(chunk.text)
+        if first is None or sampling is None or not size:
+            raise InvalidArgument("text", "no text received before the stream was closed")
+        instruction = first.instruction or settings.summarize_instruction
+        check_text("instruction", instruction, settings.max_prompt_bytes)
+        call = self._preparer.call(summary_request(instruction, "".join(parts)), sampling)
+        return await collect(self._pipeline.stream(call, context.time_remaining()))
+
+    async def Chat(
+        self, request_iterator: AsyncIterator[llm_pb2.ChatMessage], context: Context
+    ) -> AsyncIterator[llm_pb2.ChatEvent]:
+        streams = PreparedStreams(self._preparer, self._pipeline)
+        session = ChatSession(streams, self._settings, context)
+        async for event in session.run(request_iterator):
+            yield event

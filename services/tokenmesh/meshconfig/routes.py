@@ -1,0 +1,63 @@
+"""Routes: to a service as its policy says (retries, hashing, the caller's deadline), and the
+edge's routes to the control plane's ops feed and page."""
+
+from __future__ import annotations
+
+from tokenmesh.meshconfig.config import MeshSettings
+from tokenmesh.meshconfig.constants import OPS_CLUSTER, OPS_PAGE_CLUSTER, Config
+from tokenmesh.meshconfig.policy import ServicePolicy
+from tokenmesh.meshconfig.retries import RETRY_ON, retry_policy
+from tokenmesh.v1 import ops_pb2
+
+# Where the edge serves the ops page (from the control plane's page port).
+OPS_PAGE = "/ops/"
+
+
+def route_to(
+    cluster: str,
+    mesh: MeshSettings,
+    prefix: str = "/",
+    *,
+    retry_on: str = RETRY_ON,
+    hash_header: str | None = None,
+    grpc: bool = True,
+) -> Config:
+    """A route to cluster (by default catch-all), safe for long streams; a gRPC one honours the
+    caller's grpc-timeout, a hashing one hashes hash_header."""
+    route: Config = {
+        "cluster": cluster,
+        # The 15 s default route timeout would cut long generations: no overall timeout,
+        # the caller's grpc-timeout is honoured instead (0s: no cap on it).
+        "timeout": "0s",
+    }
+    if grpc:
+        route["max_stream_duration"] = {"grpc_timeout_header_max": "0s"}
+    route["retry_policy"] = retry_policy(retry_on, mesh)
+    if hash_header is not None:
+        route["hash_policy"] = [{"header": {"header_name": hash_header}}]
+    return {"match": {"prefix": prefix}, "route": route}
+
+
+def service_route(service: ServicePolicy, mesh: MeshSettings, prefix: str = "/") -> Config:
+    """A route to a service's cluster, retried and hashed as its policy says."""
+    return route_to(
+        service.name,
+        mesh,
+        prefix,
+        retry_on=service.retry_on,
+        hash_header=service.hash_header,
+        grpc=service.protocol == "grpc",
+    )
+
+
+def ops_routes(mesh: MeshSettings) -> list[Config]:
+    """The ops feed (gRPC and gRPC-Web) and page to the control plane."""
+    return [
+        route_to(
+            OPS_CLUSTER,
+            mesh,
+            prefix="/" + ops_pb2.DESCRIPTOR.services_by_name["OpsService"].full_name + "/",
+        ),
+        {"match": {"path": OPS_PAGE.rstrip("/")}, "redirect": {"path_redirect": OPS_PAGE}},
+        {"match": {"prefix": OPS_PAGE}, "route": {"cluster": OPS_PAGE_CLUSTER, "timeout": "10s"}},
+    ]

@@ -1,0 +1,79 @@
+"""Listeners: safe for long streams, bounded headers, connection limits, draining."""
+
+from __future__ import annotations
+
+from tests.unit.test_meshconfig import listeners
+from tokenmesh.common.tokens import UPSTREAM_HEADER
+from tokenmesh.meshconfig.bootstrap import render
+from tokenmesh.meshconfig.config import MeshSettings, kubernetes_profile
+
+
+def test_listeners_are_safe_for_long_streams_and_push_back() -> None:
+    found = listeners(render(MeshSettings(stream_idle_timeout_seconds=30, direct_token_path=False)))
+    assert set(found) == {"edge", "worker", "reranker"}
+    for manager in found.values():
+        assert manager["stream_idle_timeout"] == "30s"
+        assert manager["http2_protocol_options"]["initial_stream_window_size"] == 64 * 1024
+        route = manager["route_config"]["virtual_hosts"][0]["routes"][0]["route"]
+        assert route["timeout"] == "0s"
+        assert route["max_stream_duration"]["grpc_timeout_header_max"] == "0s"
+        assert "refused-stream" in route["retry_policy"]["retry_on"]
+        assert manager["access_log"]
+    edge_filters = [f["name"] for f in found["edge"]["http_filters"]]
+    assert edge_filters == [
+        "envoy.filters.http.grpc_web",
+        "envoy.filters.http.cors",
+        "envoy.filters.http.local_ratelimit",
+        "envoy.filters.http.grpc_json_transcoder",
+        "envoy.filters.http.router",
+    ]
+
+
+def test_only_the_internal_worker_listener_says_which_worker_answered() -> None:
+    found = listeners(render(MeshSettings()))
+    hosts = {name: manager["route_config"]["virtual_hosts"][0] for name, manager in found.items()
+             if "route_config" in manager}  # fmt: skip
+    (added,) = hosts["worker"]["response_headers_to_add"]
+    assert added["header"] == {"key": UPSTREAM_HEADER, "value": "%UPSTREAM_REMOTE_ADDRESS%"}
+    # Callers at the edge never learn the workers' addresses.
+    assert "response_headers_to_add" not in hosts["edge"]
+    assert "response_headers_to_add" not in hosts["reranker"]
+
+
+def test_every_listener_bounds_request_headers() -> None:
+    found = listeners(render(MeshSettings(max_request_headers_kib=16, max_headers_count=50)))
+    for manager in found.values():
+        assert manager["max_request_headers_kb"] == 16
+        assert manager["common_http_protocol_options"]["max_headers_count"] == 50
+        assert manager["request_headers_timeout"] == "10s"
+        # The edge's per-connection stream bound (one client channel multiplexes streams).
+        assert manager["http2_protocol_options"]["max_concurrent_streams"] == 2048
+
+
+def test_edge_connections_are_limited_but_internal_listeners_and_admin_are_not() -> None:
+    config = render(MeshSettings(max_edge_connections=500))
+    monitor = config["overload_manager"]["resource_monitors"][0]
+    assert monitor["name"] == "envoy.resource_monitors.global_downstream_max_connections"
+    assert monitor["typed_config"]["max_active_downstream_connections"] == 500
+    ignored = {
+        listener["name"]: listener["ignore_global_conn_limit"]
+        for listener in config["static_resources"]["listeners"]
+    }
+    assert ignored == {"edge": False, "worker": True, "reranker": True}
+    assert config["admin"]["ignore_global_conn_limit"] is True
+
+
+def test_only_the_traffic_listeners_drain_on_an_inbound_only_drain() -> None:
+    """The chart's preStop drains with /drain_listeners?inboundonly: the edge and internal
+    listeners are INBOUND, the stats listener is not (probes and scrapes go on meanwhile)."""
+    config = render(kubernetes_profile())
+    directions = {
+        item["name"]: item.get("traffic_direction")
+        for item in config["static_resources"]["listeners"]
+    }
+    assert directions == {
+        "edge": "INBOUND",
+        "worker": "INBOUND",
+        "reranker": "INBOUND",
+        "stats": None,
+    }
