@@ -74,7 +74,7 @@ def source(port: int, messages: int, pace: float, ready: Any) -> None:
 
 def proxy(port: int, upstream: str, shape: str, ready: Any) -> None:
     """Forwards each upstream message (parsed, as the gateway reads them) to its caller."""
-    from tokenmesh.gateway.core.pipeline import ReadAhead
+    from tokenmesh.gateway.core.workers import ReadAhead
 
     async def main() -> None:
         channel = aio.insecure_channel(upstream)

@@ -240,3 +240,23 @@ def test_a_whole_answer_gathers_its_text_logprobs_and_usage() -> None:
     assert choice.logprobs.text_offset == [0, 1, 2]
     assert choice.logprobs.token_logprobs == [-1.0, -1.5, -2.0]
     assert whole.usage is not None and whole.usage.total_tokens == 5
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_tokens", 10**12),
+        ("max_completion_tokens", 2**31),
+        ("top_logprobs", -(2**31) - 1),
+        ("top_k_documents", 2**40),
+        ("seed", 2**63),
+    ],
+)
+def test_a_number_past_what_its_field_holds_is_refused_naming_the_field(
+    field: str, value: int
+) -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], field: value}
+    with pytest.raises(InvalidArgument) as refused:
+        parse(ChatCompletionRequest, json.dumps(body).encode())
+    assert refused.value.field == field
+    assert "less than or equal" in refused.value.message or "greater than" in refused.value.message

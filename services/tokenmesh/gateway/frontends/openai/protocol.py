@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -13,6 +13,10 @@ from tokenmesh.v1 import inference_pb2, llm_pb2
 # OpenAI's default for /v1/completions when max_tokens is left out.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 ROLES = ("system", "user", "assistant")
+# What the protobuf fields these numbers go into hold: past it, a request is refused naming the
+# field (400), never failed as an internal error.
+Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 
 
 class StreamOptions(BaseModel):
@@ -44,10 +48,10 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str
-    max_tokens: int | None = None
+    max_tokens: Int32 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -59,7 +63,7 @@ class _Request(BaseModel):
     # tokenmesh's extras: context documents (reranked, best top_k_documents kept) and
     # generating to max_tokens whatever the model would end with.
     documents: list[str] = Field(default_factory=list)
-    top_k_documents: int = 0
+    top_k_documents: Int32 = 0
     ignore_eos: bool = False
 
     def unsupported(self) -> None:
@@ -99,7 +103,7 @@ class _Request(BaseModel):
 class CompletionRequest(_Request):
     prompt: str
     # OpenAI's completions take the number of alternatives to return (0..5).
-    logprobs: int | None = None
+    logprobs: Int32 | None = None
 
     def generate_request(self, max_tokens_cap: int) -> llm_pb2.GenerateRequest:
         self.unsupported()
@@ -115,9 +119,9 @@ class CompletionRequest(_Request):
 
 class ChatCompletionRequest(_Request):
     messages: list[Message]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int32 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int32 | None = None
 
     def generate_request(self, max_tokens_cap: int) -> llm_pb2.GenerateRequest:
         """The request as a Generate of its last user message (what documents are ranked
