@@ -257,6 +257,10 @@ async def cancel_until_empty(calls: list[Any], engines: list[Any], within: float
         for reader in readers:
             reader.cancel()
         await asyncio.gather(*readers, return_exceptions=True)
+        # A round that measured nothing leaves its calls open, their tokens held in flow
+        # control on the worker and Envoy: they would slow the next round's cancel.
+        for call in calls:
+            call.cancel()
 
 
 async def _cancel_once_generating(calls: list[Any], engines: list[Any], within: float) -> float:

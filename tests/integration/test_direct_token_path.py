@@ -27,14 +27,12 @@ from tests.support import (
     INFERENCE_METHOD,
     PREPARE_METHOD,
     ROOT,
-    cancel_generations,
     engine_empty_at,
     grpc_web_generate,
     metric_value,
     positions,
     scrape_metrics,
 )
-from tests.timing import within_budget
 from tokenmesh.localmesh.mesh import LocalMesh, Program, envoy_hosts
 from tokenmesh.meshconfig.config import MeshSettings
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, llm_pb2, llm_pb2_grpc, token_pb2
@@ -157,16 +155,6 @@ async def test_the_workers_method_is_not_served_at_the_edge(
             [token async for token in stub.Generate(request, timeout=30)]
     assert refused.value.code() is grpc.StatusCode.UNIMPLEMENTED
     assert started(mesh, "worker", INFERENCE_METHOD) == before
-
-
-async def test_a_cancel_frees_the_engine_at_once(
-    mesh: LocalMesh, edge: llm_pb2_grpc.LLMServiceStub
-) -> None:
-    workers = [worker.address for worker in mesh.replicas("worker")]
-    await within_budget(
-        "every engine empty after the cancel (direct path)",
-        lambda: cancel_generations(edge, workers),
-    )
 
 
 # A client in a process of its own (so the test can stop it): STREAMS streams of one-token
