@@ -81,7 +81,8 @@ async def async_client(base_url: str) -> AsyncIterator[openai.AsyncOpenAI]:
 
 def test_the_served_model_is_listed(client: openai.OpenAI) -> None:
     models = client.models.list()
-    assert [model.id for model in models.data] == [MODEL]
+    # Then the reranker's embedding model (/v1/embeddings, test_openai_embeddings.py).
+    assert [model.id for model in models.data] == [MODEL, "all-MiniLM-L6-v2"]
 
 
 def test_a_chat_is_prompted_with_the_models_own_template(client: openai.OpenAI) -> None:
@@ -304,7 +305,7 @@ def test_each_request_is_counted_by_route_and_status(
         ({"max_tokens": 10**6}, "max_tokens"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_completion_tokens": 0, "max_tokens": 5}, "max_tokens"),
-        ({"n": 2}, "n"),
+        ({"n": 17}, "n"),
         ({"temperature": 9.0}, "temperature"),
         ({"messages": [{"role": "user", "content": "x" * 10**5}]}, "messages[0].content"),
     ],

@@ -11,9 +11,11 @@ import pytest
 from vllm.renderers.chat_utils import ChatTemplateResolutionError
 
 from tokenmesh.common.errors import InvalidArgument
+from tokenmesh.v1 import inference_pb2
 from tokenmesh.worker.config import WorkerSettings
 from tokenmesh.worker.engine import EngineLoad, VllmEngine
 from tokenmesh.worker.requests import EngineRequest, Message
+from tokenmesh.worker.sampling import engine_options
 
 CONTEXT = 64
 
@@ -47,7 +49,11 @@ class Renderer:
 
 def engine(template: bool) -> VllmEngine:
     """An engine around the renderer alone (it must be made on a running loop)."""
-    llm = SimpleNamespace(renderer=Renderer(template))
+    llm = SimpleNamespace(
+        renderer=Renderer(template),
+        model_config=None,
+        vllm_config=SimpleNamespace(structured_outputs_config=None),
+    )
     settings = WorkerSettings(max_model_len=CONTEXT)
     return VllmEngine(llm, EngineLoad(), settings, thread=None)  # type: ignore[arg-type]
 
@@ -57,12 +63,7 @@ def spec(prompt: str = "", *messages: tuple[str, str], **fields: Any) -> EngineR
         request_id="r",
         prompt=prompt,
         max_tokens=8,
-        temperature=0.0,
-        top_p=1.0,
-        top_k=-1,
-        seed=None,
-        stop=(),
-        ignore_eos=False,
+        options=engine_options(inference_pb2.SamplingParams(max_tokens=8), "p"),
         messages=tuple(Message(role, content) for role, content in messages),
     )
     return EngineRequest(**(values | fields))

@@ -14,7 +14,7 @@ from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
 
 from tokenmesh.common.metrics import StreamMetrics
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
-from tokenmesh.worker.app import aborted_counter
+from tokenmesh.worker.app import aborted_counter, features_counter
 from tokenmesh.worker.config import WorkerSettings
 from tokenmesh.worker.engine import EngineLoad, EngineSlot, _LoadStatLogger
 from tokenmesh.worker.servicer import InferenceServicer
@@ -52,7 +52,11 @@ async def inference() -> AsyncIterator[inference_pb2_grpc.InferenceServiceStub]:
     slot.set(SimpleNamespace(load=load, model_name="tiny", max_model_len=2048))  # type: ignore[arg-type]
     registry = CollectorRegistry()
     servicer = InferenceServicer(
-        slot, WorkerSettings(), StreamMetrics(registry), aborted_counter(registry)
+        slot,
+        WorkerSettings(),
+        StreamMetrics(registry),
+        aborted_counter(registry),
+        features_counter(registry),
     )
     server = aio.server()
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, server)

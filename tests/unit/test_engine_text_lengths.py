@@ -13,7 +13,7 @@ from vllm.outputs import CompletionOutput
 from tests.support import TINY_MODEL
 from tokenmesh.common.openai_answers import per_token
 from tokenmesh.v1 import token_pb2
-from tokenmesh.worker.engine import Tokens, output_tokens, split_text
+from tokenmesh.worker.outputs import Tokens, output_tokens, split_text
 from tokenmesh.worker.servicer import token_message
 
 ALTERNATIVE = 9999
@@ -59,7 +59,7 @@ def texts(message: token_pb2.Token) -> list[str]:
 @pytest.mark.parametrize("flat", [False, True], ids=["dict-logprobs", "flat-logprobs"])
 def test_an_output_of_several_tokens_gives_each_token_its_decoded_text(flat: bool) -> None:
     output = engine_output([1, 2, 3], "Hé llo wörld", ["Hé", " llo", " wörld"], flat=flat)
-    tokens = output_tokens(output, 0, prompt_tokens=4, top_logprobs=1)
+    tokens = output_tokens(output.outputs[0], 0, prompt_tokens=4, top_logprobs=1)
     assert tokens.lengths() == [3, 4, 7]
     message = token_message(tokens)
     assert list(message.text_lengths) == [3, 4, 7]
@@ -70,7 +70,7 @@ def test_an_output_of_several_tokens_gives_each_token_its_decoded_text(flat: boo
 def test_a_character_split_across_tokens_counts_with_the_token_that_completes_it() -> None:
     # vLLM decodes a token that holds only the first bytes of a character as "".
     output = engine_output([1, 2, 3], "aé!", ["a", "", "é!"])
-    tokens = output_tokens(output, 0, prompt_tokens=4, top_logprobs=1)
+    tokens = output_tokens(output.outputs[0], 0, prompt_tokens=4, top_logprobs=1)
     assert tokens.lengths() == [1, 0, 3]
     assert texts(token_message(tokens)) == ["a", "", "é!"]
 
@@ -97,14 +97,16 @@ def test_decoded_tokens_that_do_not_spell_the_text_fall_back_to_the_last_token(
     text: str, decoded: list[str | None], lengths: list[int]
 ) -> None:
     output = engine_output(list(range(1, len(decoded) + 1)), text, decoded)
-    tokens = output_tokens(output, 0, prompt_tokens=4, top_logprobs=1)
+    tokens = output_tokens(output.outputs[0], 0, prompt_tokens=4, top_logprobs=1)
     assert tokens.lengths() == lengths
     assert sum(tokens.lengths()) == len(text.encode())
     assert "".join(texts(token_message(tokens))) == text  # no character cut in two
 
 
 def test_without_logprobs_an_outputs_text_counts_with_its_last_token() -> None:
-    tokens = output_tokens(engine_output([1, 2, 3], "abç"), 0, prompt_tokens=4, top_logprobs=0)
+    tokens = output_tokens(
+        engine_output([1, 2, 3], "abç").outputs[0], 0, prompt_tokens=4, top_logprobs=0
+    )
     assert tokens.text_lengths is None
     assert tokens.lengths() == [0, 0, 4]
 
@@ -119,7 +121,7 @@ def test_merged_outputs_keep_each_outputs_split() -> None:
     merged: Tokens | None = None
     index = 0
     for output in outputs:
-        tokens = output_tokens(output, index, prompt_tokens=4, top_logprobs=1)
+        tokens = output_tokens(output.outputs[0], index, prompt_tokens=4, top_logprobs=1)
         index += len(tokens.token_ids)
         if merged is None:
             merged = tokens
@@ -177,7 +179,7 @@ def test_vllms_own_decoded_tokens_split_byte_level_characters() -> None:
         )
     completion = CompletionOutput(0, text, token_ids, None, processor.logprobs)
     output = SimpleNamespace(outputs=[completion], finished=False)
-    tokens = output_tokens(output, 0, prompt_tokens=4, top_logprobs=1)
+    tokens = output_tokens(output.outputs[0], 0, prompt_tokens=4, top_logprobs=1)
     assert len(token_ids) > len(text.split())  # several tokens a word
     assert sum(tokens.lengths()) == len(text.encode())
     pieces = texts(token_message(tokens))

@@ -137,7 +137,7 @@ async def test_requests_the_gateway_must_see_or_refuses_are_handed_back_as_sent(
     cases = [
         (Prepared(metered=True), CHAT),
         (Prepared(), {**CHAT, "model": "other"}),
-        (Prepared(), {**CHAT, "n": 2}),
+        (Prepared(), {**CHAT, "echo": True}),
     ]
     for pipeline, request in cases:
         found, metrics = await replies(pipeline, headers(OPENAI_CHAT_COMPLETIONS), body(request))

@@ -138,11 +138,14 @@ async def worker_tokens(count: int, closed: list[bool]) -> AsyncGenerator[token_
     try:
         for index in range(count):
             last = index == count - 1
-            yield token_pb2.Token(
+            token = token_pb2.Token(
                 index=index,
                 text=f"t{index}",
                 finish_reason=token_pb2.FINISH_REASON_LENGTH if last else 0,
             )
+            if last:
+                token.usage.completion_tokens = count
+            yield token
     except GeneratorExit:
         closed.append(True)
         raise
@@ -216,6 +219,23 @@ async def test_a_stream_whose_quota_another_used_up_ends_with_a_message_that_is_
     assert (end.index, end.token_id, end.text, end.usage.completion_tokens) == (2, -1, "", 2)
     with pytest.raises(StopAsyncIteration):
         await anext(first)
+
+
+async def two_choices(count: int) -> AsyncGenerator[token_pb2.Token, None]:
+    """A worker's stream of two choices, interleaved one token at a time."""
+    for index in range(count):
+        for choice in (0, 1):
+            yield token_pb2.Token(index=index, token_ids=[index], text="x", choice=choice)
+
+
+async def test_every_choice_is_charged_and_the_quota_ends_the_stream_with_all_counted() -> None:
+    limiter = TenantLimiter(1000, FakeClock())
+    quota = tenant(tokens_per_window=5)
+    tokens = [t async for t in meter(limiter).metered(quota, two_choices(100))]
+    assert [(t.choice, t.index) for t in tokens] == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2)]
+    assert tokens[-1].finish_reason == token_pb2.FINISH_REASON_QUOTA_EXHAUSTED
+    assert tokens[-1].usage.completion_tokens == 5
+    assert limiter.quota_left(quota) == 0
 
 
 # ---- refusals through the interceptor chain, on an in-process server

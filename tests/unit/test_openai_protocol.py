@@ -43,14 +43,27 @@ def test_a_body_that_is_not_json_is_refused() -> None:
 @pytest.mark.parametrize(
     ("fields", "named"),
     [
-        ({"n": 2}, "n"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
-        ({"logit_bias": {"1": 2.0}}, "logit_bias"),
+        ({"n": 0}, "n"),
+        ({"n": 2**31}, "n"),
         ({"tools": [{"type": "function"}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"guided_json": {"type": "object"}}, "guided_json"),
+        ({"echo": True}, "echo"),
+        ({"use_beam_search": True}, "use_beam_search"),
         ({"top_logprobs": 2}, "top_logprobs"),
+        ({"min_tokens": "two"}, "min_tokens"),
+        ({"logit_bias": {"x": 1.0}}, "logit_bias"),
+        ({"stop_token_ids": [1.5]}, "stop_token_ids"),
+        ({"presence_penalty": "high"}, "presence_penalty"),
+        ({"structured_outputs": {"regex": 5}}, "structured_outputs"),
+        ({"structured_outputs": {"jsn": "{}"}}, "structured_outputs"),
+        (
+            {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+            "response_format",
+        ),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
         ({"messages": []}, "messages"),
+        ({"messages": [{"role": "user", "content": "x", "name": "a"}]}, "messages.0.name"),
     ],
 )
 def test_what_would_change_the_answer_but_is_not_supported_is_refused_by_name(
@@ -59,6 +72,84 @@ def test_what_would_change_the_answer_but_is_not_supported_is_refused_by_name(
     with pytest.raises(InvalidArgument) as error:
         chat(**fields).generate_request(4096)
     assert error.value.field == named
+
+
+def test_sampling_options_reach_the_generate_request_by_their_names() -> None:
+    generate = chat(
+        presence_penalty=0.5,
+        frequency_penalty=-1,
+        repetition_penalty=1.1,
+        top_k=5,
+        min_p=0.05,
+        min_tokens=2,
+        stop_token_ids=[7],
+        bad_words=["bad"],
+        allowed_token_ids=[1, 2],
+        logit_bias={"2": 100},
+        include_stop_str_in_output=True,
+        seed=3,
+        ignore_eos=True,
+        stream_interval=4,
+    ).generate_request(4096)
+    assert (generate.presence_penalty, generate.frequency_penalty) == (0.5, -1.0)
+    assert generate.repetition_penalty == pytest.approx(1.1)
+    assert (generate.top_k, generate.min_tokens, list(generate.stop_token_ids)) == (5, 2, [7])
+    assert generate.min_p == pytest.approx(0.05)
+    assert list(generate.bad_words) == ["bad"] and list(generate.allowed_token_ids) == [1, 2]
+    assert dict(generate.logit_bias) == {2: 100.0} and generate.include_stop_str_in_output
+    assert (generate.seed, generate.ignore_eos, generate.stream_interval) == (3, True, 4)
+    assert not generate.HasField("structured_outputs")
+
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 3}}}
+
+
+@pytest.mark.parametrize(
+    ("fields", "constraint"),
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": SCHEMA, "strict": True},
+                }
+            },
+            {"json": SCHEMA},
+        ),
+        ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+        ({"response_format": {"type": "text"}}, None),
+        ({"structured_outputs": {"json": SCHEMA}}, {"json": SCHEMA}),
+        ({"structured_outputs": {"json": json.dumps(SCHEMA)}}, {"json": SCHEMA}),
+        ({"structured_outputs": {"regex": "[0-9]+"}}, {"regex": "[0-9]+"}),
+        ({"structured_outputs": {"choice": ["yes", "no"]}}, {"choice": ["yes", "no"]}),
+        ({"structured_outputs": {"grammar": 'root ::= "a"'}}, {"grammar": 'root ::= "a"'}),
+    ],
+)
+def test_response_format_and_structured_outputs_become_one_constraint(
+    fields: dict[str, object], constraint: dict[str, object] | None
+) -> None:
+    """As vLLM's server makes them: a schema keeps its integers (JSON text, not a Struct)."""
+    for model in (ChatCompletionRequest, CompletionRequest):
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "prompt": "p"}
+        if model is CompletionRequest:
+            body.pop("messages")
+        else:
+            body.pop("prompt")
+        generate = parse(model, json.dumps(body | fields).encode()).generate_request(4096)
+        if constraint is None:
+            assert not generate.HasField("structured_outputs")
+            continue
+        made = generate.structured_outputs
+        if "json" in constraint:
+            assert json.loads(made.json) == constraint["json"]
+            assert '"maximum": 3' in made.json or '"maximum":3' in made.json
+        else:
+            assert {
+                "regex": made.regex,
+                "choice": list(made.choice),
+                "grammar": made.grammar,
+                "json_object": made.json_object,
+            }[next(iter(constraint))] == next(iter(constraint.values()))
 
 
 def test_a_chat_becomes_a_generate_of_its_last_user_message_and_its_messages() -> None:
@@ -257,6 +348,56 @@ def test_a_number_past_what_its_field_holds_is_refused_naming_the_field(
 ) -> None:
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], field: value}
     with pytest.raises(InvalidArgument) as refused:
-        parse(ChatCompletionRequest, json.dumps(body).encode())
+        parse(ChatCompletionRequest, json.dumps(body).encode()).generate_request(4096)
     assert refused.value.field == field
-    assert "less than or equal" in refused.value.message or "greater than" in refused.value.message
+    message = refused.value.message
+    assert any(words in message for words in ("less than or equal", "greater than", "out of range"))
+
+
+def interleaved_choices() -> list[token_pb2.Token]:
+    """Two choices' messages as a worker streams them: interleaved, each ending with its
+    finish reason, the stream's last with the usage of both."""
+    stop, length = token_pb2.FINISH_REASON_STOP, token_pb2.FINISH_REASON_LENGTH
+    last = token_pb2.Token(text="d", index=1, token_ids=[4], choice=1, finish_reason=length)
+    last.usage.prompt_tokens, last.usage.completion_tokens = 3, 4
+    return [
+        token_pb2.Token(text="a", index=0, token_ids=[1], choice=0),
+        token_pb2.Token(text="c", index=0, token_ids=[3], choice=1),
+        token_pb2.Token(text="b", index=1, token_ids=[2], choice=0, finish_reason=stop),
+        last,
+    ]
+
+
+def test_several_choices_stream_interleaved_with_their_indexes_and_one_usage() -> None:
+    shape = Shape.of(Shape.new_answer(True, "m", True, True), {})
+    events = EventStream(shape, logprobs=False, include_usage=True, choices=2)
+    data = events.start() + b"".join(events.token(token) for token in interleaved_choices())
+    chunks = [
+        json.loads(line[len(b"data: ") :])
+        for line in data.split(b"\n\n")
+        if line.startswith(b"data: {")
+    ]
+    assert data.endswith(b"data: [DONE]\n\n") and data.count(b"[DONE]") == 1
+    roles = [c["choices"][0] for c in chunks[:2]]
+    assert [(r["index"], r["delta"]["role"]) for r in roles] == [(0, "assistant"), (1, "assistant")]
+    pieces = [c["choices"][0] for c in chunks[2:6]]
+    assert [(p["index"], p["delta"]["content"], p["finish_reason"]) for p in pieces] == [
+        (0, "a", None),
+        (1, "c", None),
+        (0, "b", "stop"),
+        (1, "d", "length"),
+    ]
+    assert chunks[6]["choices"] == [] and chunks[6]["usage"]["completion_tokens"] == 4
+    assert len(chunks) == 7
+
+
+def test_a_whole_answer_has_every_choice_in_index_order() -> None:
+    whole = WholeAnswer(Shape.of(Shape.new_answer(False, "m", False, False), {}), logprobs=False)
+    for token in interleaved_choices():
+        whole.add(token)
+    body = whole.body()
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [
+        (0, "ab", "stop"),
+        (1, "cd", "length"),
+    ]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}

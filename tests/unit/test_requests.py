@@ -2,12 +2,28 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
+from vllm.sampling_params import RequestOutputKind
 
 from tokenmesh.common.errors import InvalidArgument
-from tokenmesh.v1 import inference_pb2
+from tokenmesh.v1 import inference_pb2, token_pb2
 from tokenmesh.worker.config import WorkerSettings
-from tokenmesh.worker.requests import Message, validate
+from tokenmesh.worker.requests import EngineRequest, Message, validate
+from tokenmesh.worker.sampling import EngineSampling
+
+
+def FakeLLM() -> Any:
+    """What EngineSampling reads of an AsyncLLM, for checks that need no model: no
+    structured-output backend (vLLM then checks no constraint against a model)."""
+    return SimpleNamespace(
+        model_config=None,
+        vllm_config=SimpleNamespace(structured_outputs_config=None),
+        renderer=SimpleNamespace(tokenizer=None),
+    )
+
 
 LIMITS = WorkerSettings(max_tokens_cap=100, default_temperature=0.7)
 
@@ -18,14 +34,88 @@ def request(**sampling: object) -> inference_pb2.InferenceRequest:
     )
 
 
-def test_unset_optionals_take_defaults() -> None:
-    spec = validate(request(), LIMITS)
-    assert spec.temperature == 0.7 and spec.top_p == 1.0 and spec.top_k == -1
-    assert spec.seed is None and spec.stop == ()
+def engine_params(spec: EngineRequest, defaults: dict[str, object] | None = None) -> Any:
+    """The vLLM SamplingParams the engine makes of a spec (vLLM's own to_sampling_params)."""
+    return spec.options.to_sampling_params(spec.max_tokens, defaults or {"temperature": 0.7})
+
+
+def test_unset_optionals_take_the_worker_defaults_and_vllms() -> None:
+    params = engine_params(validate(request(), LIMITS))
+    assert params.temperature == pytest.approx(0.7) and params.top_p == 1.0
+    assert params.top_k == 0 and params.seed is None and params.stop == []
+    assert params.presence_penalty == 0.0 and params.repetition_penalty == 1.0
+    assert params.structured_outputs is None and params.logit_bias is None
 
 
 def test_explicit_zero_temperature_means_greedy_not_default() -> None:
-    assert validate(request(temperature=0.0), LIMITS).temperature == 0.0
+    assert engine_params(validate(request(temperature=0.0), LIMITS)).temperature == 0.0
+
+
+def test_every_sampling_field_reaches_vllm_by_its_name() -> None:
+    message = request(
+        temperature=0.5,
+        top_p=0.9,
+        top_k=7,
+        seed=2**40,
+        stop=["x"],
+        ignore_eos=True,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.2,
+        min_p=0.1,
+        min_tokens=2,
+        stop_token_ids=[3],
+        bad_words=["no"],
+        allowed_token_ids=[4, 5],
+        logit_bias={4: 10.0},
+        include_stop_str_in_output=True,
+        logprobs=True,
+        top_logprobs=2,
+        stream_interval=4,
+        structured_outputs=token_pb2.StructuredOutputs(regex="[ab]+"),
+    )
+    params = engine_params(validate(message, LIMITS))
+    assert (params.top_k, params.seed, params.stop, params.ignore_eos) == (7, 2**40, ["x"], True)
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -0.5)
+    assert params.repetition_penalty == pytest.approx(1.2)
+    assert params.min_p == pytest.approx(0.1) and params.min_tokens == 2
+    assert (params.stop_token_ids, params.bad_words) == ([3], ["no"])
+    assert params.allowed_token_ids == [4, 5] and params.logit_bias == {4: 10.0}
+    assert params.include_stop_str_in_output and params.logprobs == 2
+    assert params.stream_interval == 4 and params.max_tokens == 5
+    assert params.structured_outputs is not None and params.structured_outputs.regex == "[ab]+"
+    # Deltas: the token stream.
+    assert params.output_kind == RequestOutputKind.DELTA
+
+
+def test_a_conversation_becomes_vllms_chat_request_with_its_logprobs_shape() -> None:
+    message = chat_request(("user", "hi"))
+    message.sampling.logprobs, message.sampling.top_logprobs = True, 3
+    spec = validate(message, LIMITS)
+    assert spec.options.messages == [{"role": "user", "content": "hi"}]
+    assert engine_params(spec).logprobs == 3
+
+
+@pytest.mark.parametrize(
+    ("sampling", "field"),
+    [
+        ({"presence_penalty": 3.0}, "presence_penalty"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        (
+            {"structured_outputs": token_pb2.StructuredOutputs(regex="a", choice=["b"])},
+            "structured_outputs",
+        ),
+    ],
+)
+def test_what_vllm_refuses_is_refused_naming_the_field(
+    sampling: dict[str, object], field: str
+) -> None:
+    """vLLM's own checks (its request model, its SamplingParams) with the field named."""
+    with pytest.raises(InvalidArgument) as error:
+        spec = validate(request(**sampling), LIMITS)
+        EngineSampling(FakeLLM(), {}).params(spec.options, spec.max_tokens)
+    assert error.value.field == field
 
 
 def test_request_ids_are_unique_and_keep_the_callers_prefix() -> None:
@@ -43,6 +133,19 @@ def test_request_ids_are_unique_and_keep_the_callers_prefix() -> None:
         ({"temperature": float("inf")}, "sampling.temperature"),
         ({"top_p": 1.5}, "sampling.top_p"),
         ({"top_k": -2}, "sampling.top_k"),
+        ({"min_tokens": 6}, "sampling.min_tokens"),
+        ({"repetition_penalty": float("nan")}, "sampling.repetition_penalty"),
+        ({"logit_bias": {3: 101.0}}, "sampling.logit_bias[3]"),
+        ({"stop_token_ids": [-1]}, "sampling.stop_token_ids"),
+        ({"allowed_token_ids": list(range(1025))}, "sampling.allowed_token_ids"),
+        ({"bad_words": [""]}, "sampling.bad_words[0]"),
+        (
+            {"structured_outputs": token_pb2.StructuredOutputs(json="x" * 65537)},
+            "sampling.structured_outputs",
+        ),
+        ({"structured_outputs": token_pb2.StructuredOutputs()}, "sampling.structured_outputs"),
+        ({"n": 17}, "sampling.n"),
+        ({"n": -1}, "sampling.n"),
         ({"logprobs": True, "top_logprobs": 21}, "sampling.top_logprobs"),
         ({"logprobs": True, "top_logprobs": -1}, "sampling.top_logprobs"),
         ({"top_logprobs": 3}, "sampling.top_logprobs"),

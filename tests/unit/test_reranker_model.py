@@ -14,8 +14,8 @@ from numpy.typing import NDArray
 
 from tokenmesh.common.errors import InvalidArgument
 from tokenmesh.reranker.config import RerankerSettings
-from tokenmesh.reranker.model import BiEncoderScorer, CrossEncoderScorer
-from tokenmesh.reranker.requests import RerankJob, validate
+from tokenmesh.reranker.model import BiEncoderScorer, CrossEncoderScorer, Scored
+from tokenmesh.reranker.requests import ModelInfo, RerankJob, validate
 from tokenmesh.v1 import rerank_pb2
 
 # Unit vectors for the fake encoder: "paris" is close to the query, "banana" orthogonal.
@@ -28,13 +28,27 @@ VECTORS = {
 }
 
 
+INFO = ModelInfo("fake", dimensions=3, max_input_tokens=256)
+
+
 class FakeEncoder:
     def __init__(self) -> None:
         self.calls: list[list[str]] = []
 
-    def __call__(self, texts: list[str]) -> NDArray[np.float32]:
+    def __call__(self, texts: list[str], lengths: list[int]) -> NDArray[np.float32]:
         self.calls.append(texts)
         return np.array([VECTORS[text] for text in texts], dtype=np.float32)
+
+
+def count_words(texts: list[str]) -> list[int]:
+    """A token per word, and two for the special tokens around them."""
+    return [len(text.split()) + 2 for text in texts]
+
+
+def scores_of(scorer: BiEncoderScorer | CrossEncoderScorer, jobs: list[RerankJob]) -> list:
+    results = scorer.run(jobs)
+    assert all(isinstance(result, Scored) for result in results)
+    return [result.scores for result in results if isinstance(result, Scored)]
 
 
 def test_bi_encoder_embeds_each_distinct_text_of_a_batch_once_in_one_call() -> None:
@@ -43,7 +57,7 @@ def test_bi_encoder_embeds_each_distinct_text_of_a_batch_once_in_one_call() -> N
         RerankJob("capital of france?", ("banana", "paris", "lyon", "paris"), 4),
         RerankJob("fruit?", ("paris", "banana"), 2),
     ]
-    scores = BiEncoderScorer(encoder).score(jobs)
+    scores = scores_of(BiEncoderScorer(encoder, count_words, INFO), jobs)
     assert len(encoder.calls) == 1
     assert sorted(encoder.calls[0]) == sorted(VECTORS)
     assert scores[0] == pytest.approx([0.0, 0.8, 0.6, 0.8])
@@ -52,7 +66,9 @@ def test_bi_encoder_embeds_each_distinct_text_of_a_batch_once_in_one_call() -> N
     assert scores[0][1] == scores[0][3]
 
 
-def stack_rows(table: dict[str, NDArray[np.float32]], texts: list[str]) -> NDArray[np.float32]:
+def stack_rows(
+    table: dict[str, NDArray[np.float32]], texts: list[str], lengths: list[int]
+) -> NDArray[np.float32]:
     return np.stack([table[text] for text in texts])
 
 
@@ -65,9 +81,9 @@ def test_duplicate_documents_tie_exactly_wherever_they_sit() -> None:
         vectors = rng.standard_normal((len(texts), 384)).astype(np.float32)
         vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
         table = dict(zip(texts, vectors, strict=True))
-        scorer = BiEncoderScorer(partial(stack_rows, table))
+        scorer = BiEncoderScorer(partial(stack_rows, table), count_words, INFO)
         documents = ("other", *["duplicate"] * count, "other")
-        (scores,) = scorer.score([RerankJob("query", documents, len(documents))])
+        (scores,) = scores_of(scorer, [RerankJob("query", documents, len(documents))])
         assert len(set(scores[1:-1])) == 1, (count, scores)
         assert scores[0] == scores[-1]
         assert scores[1] == pytest.approx(float(table["duplicate"] @ table["query"]), abs=1e-6)
@@ -80,8 +96,12 @@ def test_cross_encoder_scores_every_pair_in_one_call_and_splits_per_request() ->
         calls.append(pairs)
         return np.array([len(query) + len(document) for query, document in pairs], np.float32)
 
+    def count(pairs: list[tuple[str, str]]) -> list[int]:
+        return [3] * len(pairs)
+
     jobs = [RerankJob("q", ("a", "bb"), 2), RerankJob("qq", ("ccc",), 1)]
-    assert CrossEncoderScorer(predict).score(jobs) == [[2.0, 3.0], [5.0]]
+    scorer = CrossEncoderScorer(predict, count, ModelInfo("fake", 0, 512))
+    assert scorer.run(jobs) == [Scored([2.0, 3.0], 6), Scored([5.0], 3)]
     assert calls == [[("q", "a"), ("q", "bb"), ("qq", "ccc")]]
 
 

@@ -12,7 +12,8 @@ from tests.support import generated, positions
 from tokenmesh.common.tokens import cut, merge, text_lengths, token_count
 from tokenmesh.gateway.core.workers import ReadAhead
 from tokenmesh.v1 import token_pb2
-from tokenmesh.worker.engine import Candidate, Handoff, Inbox, Tokens
+from tokenmesh.worker.engine import Handoff, Inbox
+from tokenmesh.worker.outputs import Candidate, Tokens
 from tokenmesh.worker.servicer import token_message
 
 
@@ -70,7 +71,11 @@ def test_worker_outputs_merge_with_per_output_text_lengths() -> None:
     first = Tokens(0, [1], "a", logprobs=[(-0.1, (Candidate(1, "a", -0.1),))])
     # One engine output of two tokens (vLLM merged them): their text cannot be split.
     first.extend(Tokens(1, [2, 3], "bç", logprobs=[(-0.2, ()), (-0.3, ())]))
-    first.extend(Tokens(3, [], "", finish_reason=token_pb2.FINISH_REASON_STOP))
+    first.extend(
+        Tokens(
+            3, [], "", finish_reason=token_pb2.FINISH_REASON_STOP, last=True, completion_tokens=3
+        )
+    )
     message = token_message(first)
     assert list(message.token_ids) == [1, 2, 3] and message.text == "abç"
     assert list(message.text_lengths) == [1, 0, 3]

@@ -148,14 +148,14 @@ class Shape:
         name = "chat.completion.chunk" if self.chat else "text_completion"
         return sse({**self.base(name), "choices": [choice]})
 
-    def text_chunk_parts(self) -> tuple[bytes, bytes]:
+    def text_chunk_parts(self, index: int = 0) -> tuple[bytes, bytes]:
         """The bytes before and after the JSON string of a chunk's text (no logprobs, not
-        the last)."""
+        a choice's last), for the choice of that index."""
         marker = "\x00"
         if self.chat:
-            choice = {"index": 0, "delta": {"content": marker}, "logprobs": None}
+            choice = {"index": index, "delta": {"content": marker}, "logprobs": None}
         else:
-            choice = {"index": 0, "text": marker, "logprobs": None}
+            choice = {"index": index, "text": marker, "logprobs": None}
         choice["finish_reason"] = None
         head, tail = self.chunk(choice).split(json.dumps(marker).encode())
         return head, tail
@@ -172,47 +172,70 @@ def sse(data: Any) -> bytes:
 DONE = b"data: [DONE]\n\n"
 
 
-def choice(shape: Shape, piece: Any, reason: str | None, logprobs: dict[str, Any] | None) -> Any:
+def choice(
+    shape: Shape,
+    piece: Any,
+    reason: str | None,
+    logprobs: dict[str, Any] | None,
+    index: int = 0,
+) -> Any:
     key = "delta" if shape.chat else "text"
-    return {"index": 0, key: piece, "logprobs": logprobs, "finish_reason": reason}
+    return {"index": index, key: piece, "logprobs": logprobs, "finish_reason": reason}
+
+
+def ends_stream(token: token_pb2.Token) -> bool:
+    """The stream's last message: it carries the usage of every choice."""
+    return bool(token.HasField("usage"))
 
 
 class EventStream:
-    """A streamed answer's Server-Sent Events, one Token message at a time. A message that
-    neither ends the stream nor carries logprobs costs one json.dumps of its text (Shape's
-    fixed head and tail around it)."""
+    """A streamed answer's Server-Sent Events, one Token message at a time (a request's choices
+    interleaved, each chunk naming its choice's index). A message that neither ends its choice
+    nor carries logprobs costs one json.dumps of its text (Shape's fixed head and tail around
+    it)."""
 
-    def __init__(self, shape: Shape, logprobs: bool, include_usage: bool) -> None:
+    def __init__(self, shape: Shape, logprobs: bool, include_usage: bool, choices: int = 1) -> None:
         self._shape = shape
         self._logprobs = logprobs
         self._include_usage = include_usage
-        self._head, self._tail = shape.text_chunk_parts()
-        self._offset = 0
+        self._choices = choices
+        # Each choice's fixed chunk parts, and its text so far (completions' text_offset).
+        self._parts: dict[int, tuple[bytes, bytes]] = {0: shape.text_chunk_parts()}
+        self._offsets: dict[int, int] = {}
 
     def start(self) -> bytes:
-        """What goes before the first token: a chat's assistant role."""
+        """What goes before the first token: a chat's assistant role, for every choice."""
         if not self._shape.chat:
             return b""
-        return self._shape.chunk(
-            choice(self._shape, {"role": "assistant", "content": ""}, None, None)
+        return b"".join(
+            self._shape.chunk(
+                choice(self._shape, {"role": "assistant", "content": ""}, None, None, index)
+            )
+            for index in range(self._choices)
         )
 
     def token(self, token: token_pb2.Token) -> bytes:
-        """The message's chunk; after the last one, the usage chunk (when asked) and [DONE]."""
+        """The message's chunk; after the stream's last one, the usage chunk (when asked) and
+        [DONE]."""
         shape = self._shape
+        index = token.choice
         reason = finish_reason(token)
+        offset = self._offsets.get(index, 0)
         if reason is None and not self._logprobs:
-            data = self._head + json.dumps(token.text).encode() + self._tail
+            parts = self._parts.get(index)
+            if parts is None:
+                parts = self._parts[index] = shape.text_chunk_parts(index)
+            data = parts[0] + json.dumps(token.text).encode() + parts[1]
         else:
             logprobs = None
             if self._logprobs:
                 logprobs = (
-                    chat_logprobs(token) if shape.chat else completion_logprobs(token, self._offset)
+                    chat_logprobs(token) if shape.chat else completion_logprobs(token, offset)
                 )
             piece = {"content": token.text} if shape.chat else token.text
-            data = shape.chunk(choice(shape, piece, reason, logprobs))
-        self._offset += len(token.text)
-        if reason is None:
+            data = shape.chunk(choice(shape, piece, reason, logprobs, index))
+        self._offsets[index] = offset + len(token.text)
+        if not ends_stream(token):
             return data
         if self._include_usage:
             data += shape.usage_chunk(token)
@@ -229,50 +252,65 @@ class EventStream:
 
 
 @dataclass
-class WholeAnswer:
-    """A whole (not streamed) answer, gathered from a stream's Token messages."""
+class _Choice:
+    """One choice of a whole answer, as its messages arrive."""
 
-    shape: Shape
-    logprobs: bool
     parts: list[str] = field(default_factory=list)
     content: list[Any] = field(default_factory=list)
     merged: dict[str, list[Any]] = field(default_factory=dict)
     offset: int = 0
+    reason: str | None = None
+
+
+@dataclass
+class WholeAnswer:
+    """A whole (not streamed) answer, gathered from a stream's Token messages: its choices in
+    index order, and the usage of all of them."""
+
+    shape: Shape
+    logprobs: bool
+    choices: dict[int, _Choice] = field(default_factory=dict)
     last: token_pb2.Token | None = None
 
     def add(self, token: token_pb2.Token) -> None:
+        made = self.choices.get(token.choice)
+        if made is None:
+            made = self.choices[token.choice] = _Choice()
         if self.logprobs:
             if self.shape.chat:
-                self.content.extend(chat_logprobs(token)["content"])
+                made.content.extend(chat_logprobs(token)["content"])
             else:
-                for key, values in completion_logprobs(token, self.offset).items():
-                    self.merged.setdefault(key, []).extend(values)
-        self.parts.append(token.text)
-        self.offset += len(token.text)
+                for key, values in completion_logprobs(token, made.offset).items():
+                    made.merged.setdefault(key, []).extend(values)
+        made.parts.append(token.text)
+        made.offset += len(token.text)
         if token.finish_reason:
+            made.reason = finish_reason(token)
+        if ends_stream(token):
             self.last = token
 
     def body(self) -> dict[str, Any]:
-        text = "".join(self.parts)
-        reason = None if self.last is None else finish_reason(self.last)
-        if self.shape.chat:
-            answer: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": {"content": self.content} if self.logprobs else None,
-                "finish_reason": reason,
-            }
-        else:
-            answer = {
-                "index": 0,
-                "text": text,
-                "logprobs": self.merged if self.logprobs else None,
-                "finish_reason": reason,
-            }
+        choices = [self._choice(index, made) for index, made in sorted(self.choices.items())]
         return {
             **self.shape.base(),
-            "choices": [answer],
+            "choices": choices or [self._choice(0, _Choice())],
             "usage": usage(self.last) if self.last is not None else None,
+        }
+
+    def _choice(self, index: int, made: _Choice) -> dict[str, Any]:
+        text = "".join(made.parts)
+        if self.shape.chat:
+            return {
+                "index": index,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": {"content": made.content} if self.logprobs else None,
+                "finish_reason": made.reason,
+            }
+        return {
+            "index": index,
+            "text": text,
+            "logprobs": made.merged if self.logprobs else None,
+            "finish_reason": made.reason,
         }
 
 

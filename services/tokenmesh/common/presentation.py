@@ -9,7 +9,13 @@ import json
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
-from tokenmesh.common.openai_answers import EventStream, Shape, WholeAnswer, error_response
+from tokenmesh.common.openai_answers import (
+    EventStream,
+    Shape,
+    WholeAnswer,
+    ends_stream,
+    error_response,
+)
 from tokenmesh.common.tokens import DEGRADED_HEADER
 from tokenmesh.v1 import inference_pb2, token_pb2
 
@@ -44,6 +50,7 @@ class OpenAIPresenter:
         self._shape = Shape.of(answer, answer_extra(request))
         self._logprobs = request.sampling.logprobs
         self._include_usage = answer.include_usage
+        self._choices = max(request.sampling.n, 1)
         self._marker = degraded_marker(request)
         # The HTTP status and message of an error sent in a begun stream (for the transport's
         # accounting: the error is raised after its event).
@@ -64,7 +71,7 @@ class OpenAIPresenter:
                 whole.add(token)
             yield json.dumps(whole.body(), separators=(",", ":")).encode()
             return
-        events = EventStream(self._shape, self._logprobs, self._include_usage)
+        events = EventStream(self._shape, self._logprobs, self._include_usage, self._choices)
         started = ended = False
         try:
             async for token in tokens:
@@ -72,7 +79,7 @@ class OpenAIPresenter:
                 if not started:
                     started = True
                     data = events.start() + data
-                ended = bool(token.finish_reason)
+                ended = ends_stream(token)
                 yield data
         except Exception as exc:
             if not started:

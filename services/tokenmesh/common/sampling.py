@@ -1,16 +1,25 @@
 """Sampling limits, declared once for the gateway and the worker, and the one check of a
 SamplingParams against them (the gateway checks what a caller asked for before any work is
-done; the worker checks what it is given, whoever sent it)."""
+done; the worker checks what it is given, whoever sent it).
+
+These are the mesh's own bounds (sizes and counts that keep a request's cost bounded). What a
+value means to the engine (penalty ranges, token ids inside the vocabulary, a grammar that
+compiles) is checked by vLLM's own validation on the worker (worker/engine_request.py)."""
 
 from __future__ import annotations
 
+import math
+
+from google.protobuf.message import Message
 from pydantic import BaseModel, Field
 
 from tokenmesh.common.errors import InvalidArgument
-from tokenmesh.common.validation import check_logprobs, check_range, check_stop
-from tokenmesh.v1 import inference_pb2
+from tokenmesh.common.validation import check_count, check_logprobs, check_range, check_stop
+from tokenmesh.v1 import inference_pb2, token_pb2
 
 MAX_TEMPERATURE = 2.0
+# The float options whose ranges vLLM checks; NaN and infinities pass some of its checks.
+FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
 
 
 class SamplingLimits(BaseModel):
@@ -36,6 +45,30 @@ class SamplingLimits(BaseModel):
     max_stream_interval: int = Field(
         default=64, ge=1, description="`stream_interval` (tokens per message): 0..this."
     )
+    max_choices: int = Field(
+        default=16,
+        ge=1,
+        description="`n` (choices generated for one prompt): 1..this (0 means 1).",
+    )
+    max_token_ids: int = Field(
+        default=1024,
+        ge=0,
+        description=(
+            "`stop_token_ids`, `allowed_token_ids`, `logit_bias`: at most this many vocabulary "
+            "ids each."
+        ),
+    )
+    max_bad_words: int = Field(
+        default=64, ge=0, description="`bad_words`: at most this many, each 1..256 bytes."
+    )
+    max_structured_output_bytes: int = Field(
+        default=65536,
+        ge=1,
+        description=(
+            "`structured_outputs` (a JSON schema, regular expression, grammar or choices): at "
+            "most this many bytes (UTF-8) in all."
+        ),
+    )
 
 
 def check_sampling(
@@ -52,8 +85,15 @@ def check_sampling(
         check_range(f"{prefix}temperature", sampling.temperature, 0.0, MAX_TEMPERATURE)
     if sampling.HasField("top_p"):
         check_range(f"{prefix}top_p", sampling.top_p, 0.0, 1.0, low_open=True)
-    if sampling.HasField("top_k") and (sampling.top_k == 0 or sampling.top_k < -1):
-        raise InvalidArgument(f"{prefix}top_k", f"must be -1 (off) or >= 1, got {sampling.top_k}")
+    if sampling.HasField("top_k") and sampling.top_k < -1:
+        raise InvalidArgument(
+            f"{prefix}top_k", f"must be -1 or 0 (off) or >= 1, got {sampling.top_k}"
+        )
+    for name in FLOAT_FIELDS:
+        if sampling.HasField(name) and not math.isfinite(getattr(sampling, name)):
+            raise InvalidArgument(
+                f"{prefix}{name}", f"must be a finite number, got {getattr(sampling, name)}"
+            )
     check_stop(
         f"{prefix}stop", sampling.stop, limits.max_stop_sequences, limits.max_stop_sequence_bytes
     )
@@ -63,3 +103,65 @@ def check_sampling(
             f"{prefix}stream_interval",
             f"must be in [0, {limits.max_stream_interval}], got {sampling.stream_interval}",
         )
+    if not 0 <= sampling.n <= limits.max_choices:
+        raise InvalidArgument(
+            f"{prefix}n", f"must be in [1, {limits.max_choices}] (0 means 1), got {sampling.n}"
+        )
+    if not 0 <= sampling.min_tokens <= sampling.max_tokens:
+        raise InvalidArgument(
+            f"{prefix}min_tokens",
+            f"must be in [0, max_tokens={sampling.max_tokens}], got {sampling.min_tokens}",
+        )
+    for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
+        check_count(f"{prefix}{name}", len(getattr(sampling, name)), limits.max_token_ids, "ids")
+    for token_id, bias in sampling.logit_bias.items():
+        check_range(f"{prefix}logit_bias[{token_id}]", bias, -100.0, 100.0)
+    for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
+        for token_id in getattr(sampling, name):
+            if token_id < 0:
+                raise InvalidArgument(f"{prefix}{name}", f"vocabulary ids are >= 0, got {token_id}")
+    check_stop(f"{prefix}bad_words", sampling.bad_words, limits.max_bad_words, 256)
+    if sampling.HasField("structured_outputs"):
+        check_structured_outputs(
+            f"{prefix}structured_outputs",
+            sampling.structured_outputs,
+            limits.max_structured_output_bytes,
+        )
+
+
+def check_structured_outputs(
+    field: str, outputs: token_pb2.StructuredOutputs, max_bytes: int
+) -> None:
+    """A constraint, and at most max_bytes of its text in all (its meaning is vLLM's to
+    check)."""
+    if not (
+        outputs.HasField("json")
+        or outputs.HasField("regex")
+        or outputs.choice
+        or outputs.HasField("grammar")
+        or outputs.json_object
+    ):
+        raise InvalidArgument(field, "needs one of json, regex, choice, grammar, json_object")
+    texts = (outputs.json, outputs.regex, outputs.grammar)
+    size = sum(len(text.encode()) for text in (*texts, *outputs.choice))
+    if size > max_bytes:
+        raise InvalidArgument(field, f"is {size} bytes, over the limit of {max_bytes}")
+
+
+def copy_sampling(source: Message, target: inference_pb2.SamplingParams) -> None:
+    """Copy every field of source (a public request) that SamplingParams has by the same name:
+    the public API's sampling fields are named as the worker's, which are named as vLLM's."""
+    names = source.DESCRIPTOR.fields_by_name
+    for field in target.DESCRIPTOR.fields:
+        if field.name not in names:
+            continue
+        value = getattr(source, field.name)
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            getattr(target, field.name).update(value)
+        elif field.is_repeated:
+            getattr(target, field.name).extend(value)
+        elif field.message_type is not None:
+            if source.HasField(field.name):
+                getattr(target, field.name).CopyFrom(value)
+        elif not field.has_presence or source.HasField(field.name):
+            setattr(target, field.name, value)

@@ -35,6 +35,7 @@ from tokenmesh.gateway.frontends.extproc import PROCESS_METHOD, DirectMetrics, E
 from tokenmesh.gateway.frontends.grpc import LLMServicer
 from tokenmesh.gateway.frontends.openai.api import OpenAIApi
 from tokenmesh.gateway.frontends.openai.http import HttpMetrics, HttpServer
+from tokenmesh.gateway.frontends.openai.pooling import EmbeddingClient, PoolingApi
 from tokenmesh.gateway.frontends.openai.prepare import OpenAIPreparer
 from tokenmesh.v1 import llm_pb2, llm_pb2_grpc
 
@@ -152,6 +153,16 @@ async def serve(settings: GatewaySettings) -> int:
     if settings.openai_port >= 0:
         catalog = ModelCatalog(worker, settings.connect_timeout_seconds)
         openai = OpenAIPreparer(preparer, catalog, settings)
+        # /v1/embeddings and /v1/rerank: the reranker's model, called as HTTP requests are
+        # timed (no caller deadline); its description for /v1/models within a rerank's time.
+        pooling = PoolingApi(
+            EmbeddingClient(
+                reranker,
+                settings.http_request_timeout_seconds,
+                settings.reranker_timeout_seconds,
+            ),
+            tenancy.http,
+        )
         api = OpenAIApi(
             openai,
             pipeline,
@@ -162,6 +173,7 @@ async def serve(settings: GatewaySettings) -> int:
             host.tracing.tracer,
             http_metrics,
             lambda: host.health.serving,
+            pooling,
         )
         http = HttpServer(
             api.app(),

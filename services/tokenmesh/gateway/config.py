@@ -329,8 +329,9 @@ class GatewaySettings(ServiceSettings, SamplingLimits):
         ge=-1,
         le=65535,
         description=(
-            "The OpenAI-compatible HTTP API (/v1/models, /v1/completions, /v1/chat/completions; "
-            "Envoy's edge routes /v1/ here); 0 picks a free port, -1 turns it off."
+            "The OpenAI-compatible HTTP API (/v1/models, /v1/completions, /v1/chat/completions, "
+            "/v1/embeddings, /v1/rerank; Envoy's edge routes /v1/ here); 0 picks a free port, "
+            "-1 turns it off."
         ),
     )
     http_request_timeout_seconds: float = Field(
@@ -338,7 +339,8 @@ class GatewaySettings(ServiceSettings, SamplingLimits):
         gt=0,
         description=(
             "OpenAI API: how long a request may take (HTTP has no grpc-timeout; the OpenAI "
-            "SDKs' own default), the deadline the worker call gets."
+            "SDKs' own default), the deadline the worker call (the reranker call for "
+            "/v1/embeddings and /v1/rerank) gets."
         ),
     )
     max_chat_pending_turns: int = Field(

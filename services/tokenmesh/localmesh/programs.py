@@ -173,6 +173,10 @@ class ProcessTable:
             # vLLM pins its OpenMP threads: engines on one machine get their own cores, or they
             # fight over the same ones.
             cpu_threads_bind=str(i % cores) if self.workers <= cores else "auto",
+            # Compact JSON: the random tiny model would fill a structured answer's whitespace
+            # until max_tokens.
+            structured_outputs_backend="xgrammar",
+            structured_outputs_disable_any_whitespace=True,
             **self._shared("worker"),
         )
         return service_program(self.tools.python, "worker", settings, i)

@@ -44,7 +44,8 @@ class MicroBatcher(Generic[T, R]):
     the queued items' sizes add up to max_size (an item is never split: one bigger than
     max_size is sent alone). While a batch is being processed, new items queue up and form
     the next batch, so batches grow with load. process must return one result per item, in
-    order. If it raises, every caller in that batch gets Internal. A caller that cancels
+    order; a result that is a ServiceError (one item's bad input) is raised to its caller
+    alone. If process raises, every caller in that batch gets Internal. A caller that cancels
     while queued is dropped from the queue; one that cancels during processing has its
     result discarded."""
 
@@ -156,7 +157,9 @@ class MicroBatcher(Generic[T, R]):
                 _fail(pending, error)
         else:
             for pending, result in zip(batch, results, strict=True):
-                if not pending.future.done():
+                if isinstance(result, ServiceError):
+                    _fail(pending, result)
+                elif not pending.future.done():
                     pending.future.set_result(result)
         self._in_flight = []
 

@@ -24,6 +24,14 @@ class RerankerSettings(ServiceSettings):
             "run time."
         ),
     )
+    served_model_name: str = Field(
+        default="",
+        description=(
+            "The model's name on the OpenAI API: what /v1/embeddings and /v1/rerank requests "
+            "must give as `model` and what /v1/models lists. Empty: the model directory's name "
+            "(all-MiniLM-L6-v2 for the default model)."
+        ),
+    )
     model_kind: Literal["bi_encoder", "cross_encoder"] = Field(
         default="bi_encoder",
         description=(
@@ -77,5 +85,24 @@ class RerankerSettings(ServiceSettings):
             "Request limit: each of `documents` 1..this many bytes. The default model reads "
             "the first 256 tokens (~1 KB of English) of each text; longer documents are "
             "accepted and truncated."
+        ),
+    )
+    max_embedding_inputs: int = Field(
+        default=64,
+        ge=1,
+        description=(
+            "Request limit (/v1/embeddings, EmbeddingService.Embed): `input` 1..this many "
+            "texts. Times max_input_bytes it bounds the request (512 KiB by default), which "
+            "must stay under the gateway's max_message_bytes (1 MiB); 64 embeddings of 384 "
+            "float32 values are about 100 KB of protobuf and 500 KB of JSON."
+        ),
+    )
+    max_input_bytes: int = Field(
+        default=8192,
+        ge=1,
+        description=(
+            "Request limit (/v1/embeddings): each of `input` 1..this many bytes, and at most "
+            "the model's own token limit (256 tokens for the default model): a longer input "
+            "is refused, not truncated."
         ),
     )

@@ -1,4 +1,4 @@
-"""The reranker's own metrics: per-request latency and requests per model call."""
+"""The reranker's own metrics: rerank latency and requests per model call."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ class RerankMetrics:
         )
         self.batch_size = Histogram(
             "tokenmesh_rerank_batch_size",
-            "Requests scored together in one model call (the count is the number of calls).",
+            "Requests (reranks and embeddings) served together by one model call (the count "
+            "is the number of calls).",
             buckets=BATCH_SIZE_BUCKETS,
             registry=registry,
         )

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tokenmesh.v1 import token_pb2 as tokenmesh_dot_v1_dot_token__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tokenmesh/v1/llm.proto\x12\x0ctokenmesh.v1\x1a\x18tokenmesh/v1/token.proto\"\xa8\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\nmax_tokens\x18\x02 \x01(\x05\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x11\n\tdocuments\x18\x04 \x03(\t\x12\x17\n\x0ftop_k_documents\x18\x05 \x01(\x05\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x10\n\x08logprobs\x18\n \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0b \x01(\x05\x12\x17\n\x0fstream_interval\x18\x0c \x01(\x05\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\xdd\x01\n\x05Query\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\nmax_tokens\x18\x02 \x01(\x05\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x11\n\tdocuments\x18\x04 \x03(\t\x12\x17\n\x0ftop_k_documents\x18\x05 \x01(\x05\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\x9e\x01\n\x06\x41nswer\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x31\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1a.tokenmesh.v1.FinishReason\x12\"\n\x05usage\x18\x03 \x01(\x0b\x32\x13.tokenmesh.v1.Usage\x12\x10\n\x08warnings\x18\x04 \x03(\t\x12\x1d\n\x15used_document_indices\x18\x05 \x03(\x05\"p\n\rDocumentChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x13\n\x0binstruction\x18\x02 \x01(\t\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x00\x88\x01\x01\x42\x0e\n\x0c_temperature\"o\n\x0b\x43hatMessage\x12&\n\x04user\x18\x01 \x01(\x0b\x32\x16.tokenmesh.v1.UserTurnH\x00\x12\x30\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x1e.tokenmesh.v1.CancelGenerationH\x00\x42\x06\n\x04kind\"m\n\x08UserTurn\x12\x0f\n\x07\x63ontent\x18\x01 \x01(\t\x12\x12\n\nmax_tokens\x18\x02 \x01(\x05\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x42\x0e\n\x0c_temperature\"\x12\n\x10\x43\x61ncelGeneration\"s\n\tChatEvent\x12\x0c\n\x04turn\x18\x01 \x01(\x05\x12$\n\x05token\x18\x02 \x01(\x0b\x32\x13.tokenmesh.v1.TokenH\x00\x12)\n\x08turn_end\x18\x03 \x01(\x0b\x32\x15.tokenmesh.v1.TurnEndH\x00\x42\x07\n\x05\x65vent\"w\n\x07TurnEnd\x12\x31\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1a.tokenmesh.v1.FinishReason\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.tokenmesh.v1.Usage\x12\x15\n\rdropped_turns\x18\x03 \x01(\x05\x32\x88\x02\n\nLLMService\x12\x36\n\tGetAnswer\x12\x13.tokenmesh.v1.Query\x1a\x14.tokenmesh.v1.Answer\x12@\n\x08Generate\x12\x1d.tokenmesh.v1.GenerateRequest\x1a\x13.tokenmesh.v1.Token0\x01\x12@\n\tSummarize\x12\x1b.tokenmesh.v1.DocumentChunk\x1a\x14.tokenmesh.v1.Answer(\x01\x12>\n\x04\x43hat\x12\x19.tokenmesh.v1.ChatMessage\x1a\x17.tokenmesh.v1.ChatEvent(\x01\x30\x01\x42@Z>github.com/tokenmesh/tokenmesh/gen/go/tokenmesh/v1;tokenmeshv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tokenmesh/v1/llm.proto\x12\x0ctokenmesh.v1\x1a\x18tokenmesh/v1/token.proto\"\xc0\x06\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\nmax_tokens\x18\x02 \x01(\x05\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x11\n\tdocuments\x18\x04 \x03(\t\x12\x17\n\x0ftop_k_documents\x18\x05 \x01(\x05\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x10\n\x08logprobs\x18\n \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0b \x01(\x05\x12\x17\n\x0fstream_interval\x18\x0c \x01(\x05\x12\x12\n\x05top_k\x18\r \x01(\x05H\x03\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0e \x01(\x02H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0f \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x10 \x01(\x02H\x06\x88\x01\x01\x12\x12\n\x05min_p\x18\x11 \x01(\x02H\x07\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x12 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x13 \x03(\x05\x12\x11\n\tbad_words\x18\x14 \x03(\t\x12\x19\n\x11\x61llowed_token_ids\x18\x15 \x03(\x05\x12@\n\nlogit_bias\x18\x16 \x03(\x0b\x32,.tokenmesh.v1.GenerateRequest.LogitBiasEntry\x12\"\n\x1ainclude_stop_str_in_output\x18\x17 \x01(\x08\x12;\n\x12structured_outputs\x18\x18 \x01(\x0b\x32\x1f.tokenmesh.v1.StructuredOutputs\x12\t\n\x01n\x18\x19 \x01(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x08\n\x06_top_kB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_p\"\xe0\x05\n\x05Query\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\nmax_tokens\x18\x02 \x01(\x05\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x11\n\tdocuments\x18\x04 \x03(\t\x12\x17\n\x0ftop_k_documents\x18\x05 \x01(\x05\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x12\n\x05top_k\x18\n \x01(\x05H\x03\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\x06\x88\x01\x01\x12\x12\n\x05min_p\x18\x0e \x01(\x02H\x07\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0f \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x10 \x03(\x05\x12\x11\n\tbad_words\x18\x11 \x03(\t\x12\x19\n\x11\x61llowed_token_ids\x18\x12 \x03(\x05\x12\x36\n\nlogit_bias\x18\x13 \x03(\x0b\x32\".tokenmesh.v1.Query.LogitBiasEntry\x12\"\n\x1ainclude_stop_str_in_output\x18\x14 \x01(\x08\x12;\n\x12structured_outputs\x18\x15 \x01(\x0b\x32\x1f.tokenmesh.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x08\n\x06_top_kB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_p\"\x9e\x01\n\x06\x41nswer\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x31\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1a.tokenmesh.v1.FinishReason\x12\"\n\x05usage\x18\x03 \x01(\x0b\x32\x13.tokenmesh.v1.Usage\x12\x10\n\x08warnings\x18\x04 \x03(\t\x12\x1d\n\x15used_document_indices\x18\x05 \x03(\x05\"p\n\rDocumentChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x13\n\x0binstruction\x18\x02 \x01(\t\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x00\x88\x01\x01\x42\x0e\n\x0c_temperature\"o\n\x0b\x43hatMessage\x12&\n\x04user\x18\x01 \x01(\x0b\x32\x16.tokenmesh.v1.UserTurnH\x00\x12\x30\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x1e.tokenmesh.v1.CancelGenerationH\x00\x42\x06\n\x04kind\"m\n\x08UserTurn\x12\x0f\n\x07\x63ontent\x18\x01 \x01(\t\x12\x12\n\nmax_tokens\x18\x02 \x01(\x05\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x42\x0e\n\x0c_temperature\"\x12\n\x10\x43\x61ncelGeneration\"s\n\tChatEvent\x12\x0c\n\x04turn\x18\x01 \x01(\x05\x12$\n\x05token\x18\x02 \x01(\x0b\x32\x13.tokenmesh.v1.TokenH\x00\x12)\n\x08turn_end\x18\x03 \x01(\x0b\x32\x15.tokenmesh.v1.TurnEndH\x00\x42\x07\n\x05\x65vent\"w\n\x07TurnEnd\x12\x31\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1a.tokenmesh.v1.FinishReason\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.tokenmesh.v1.Usage\x12\x15\n\rdropped_turns\x18\x03 \x01(\x05\x32\x88\x02\n\nLLMService\x12\x36\n\tGetAnswer\x12\x13.tokenmesh.v1.Query\x1a\x14.tokenmesh.v1.Answer\x12@\n\x08Generate\x12\x1d.tokenmesh.v1.GenerateRequest\x1a\x13.tokenmesh.v1.Token0\x01\x12@\n\tSummarize\x12\x1b.tokenmesh.v1.DocumentChunk\x1a\x14.tokenmesh.v1.Answer(\x01\x12>\n\x04\x43hat\x12\x19.tokenmesh.v1.ChatMessage\x1a\x17.tokenmesh.v1.ChatEvent(\x01\x30\x01\x42@Z>github.com/tokenmesh/tokenmesh/gen/go/tokenmesh/v1;tokenmeshv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,24 +33,32 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tokenmesh.v1.llm_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'Z>github.com/tokenmesh/tokenmesh/gen/go/tokenmesh/v1;tokenmeshv1'
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_QUERY_LOGITBIASENTRY']._loaded_options = None
+  _globals['_QUERY_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_GENERATEREQUEST']._serialized_start=67
-  _globals['_GENERATEREQUEST']._serialized_end=363
-  _globals['_QUERY']._serialized_start=366
-  _globals['_QUERY']._serialized_end=587
-  _globals['_ANSWER']._serialized_start=590
-  _globals['_ANSWER']._serialized_end=748
-  _globals['_DOCUMENTCHUNK']._serialized_start=750
-  _globals['_DOCUMENTCHUNK']._serialized_end=862
-  _globals['_CHATMESSAGE']._serialized_start=864
-  _globals['_CHATMESSAGE']._serialized_end=975
-  _globals['_USERTURN']._serialized_start=977
-  _globals['_USERTURN']._serialized_end=1086
-  _globals['_CANCELGENERATION']._serialized_start=1088
-  _globals['_CANCELGENERATION']._serialized_end=1106
-  _globals['_CHATEVENT']._serialized_start=1108
-  _globals['_CHATEVENT']._serialized_end=1223
-  _globals['_TURNEND']._serialized_start=1225
-  _globals['_TURNEND']._serialized_end=1344
-  _globals['_LLMSERVICE']._serialized_start=1347
-  _globals['_LLMSERVICE']._serialized_end=1611
+  _globals['_GENERATEREQUEST']._serialized_end=899
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=730
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=778
+  _globals['_QUERY']._serialized_start=902
+  _globals['_QUERY']._serialized_end=1638
+  _globals['_QUERY_LOGITBIASENTRY']._serialized_start=730
+  _globals['_QUERY_LOGITBIASENTRY']._serialized_end=778
+  _globals['_ANSWER']._serialized_start=1641
+  _globals['_ANSWER']._serialized_end=1799
+  _globals['_DOCUMENTCHUNK']._serialized_start=1801
+  _globals['_DOCUMENTCHUNK']._serialized_end=1913
+  _globals['_CHATMESSAGE']._serialized_start=1915
+  _globals['_CHATMESSAGE']._serialized_end=2026
+  _globals['_USERTURN']._serialized_start=2028
+  _globals['_USERTURN']._serialized_end=2137
+  _globals['_CANCELGENERATION']._serialized_start=2139
+  _globals['_CANCELGENERATION']._serialized_end=2157
+  _globals['_CHATEVENT']._serialized_start=2159
+  _globals['_CHATEVENT']._serialized_end=2274
+  _globals['_TURNEND']._serialized_start=2276
+  _globals['_TURNEND']._serialized_end=2395
+  _globals['_LLMSERVICE']._serialized_start=2398
+  _globals['_LLMSERVICE']._serialized_end=2662
 # @@protoc_insertion_point(module_scope)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tokenmesh/v1/rerank.proto\x12\x0ctokenmesh.v1\"@\n\rRerankRequest\x12\r\n\x05query\x18\x01 \x01(\t\x12\x11\n\tdocuments\x18\x02 \x03(\t\x12\r\n\x05top_k\x18\x03 \x01(\x05\".\n\x0eRankedDocument\x12\r\n\x05index\x18\x01 \x01(\x05\x12\r\n\x05score\x18\x02 \x01(\x02\"?\n\x0eRerankResponse\x12-\n\x07results\x18\x01 \x03(\x0b\x32\x1c.tokenmesh.v1.RankedDocument2T\n\rRerankService\x12\x43\n\x06Rerank\x12\x1b.tokenmesh.v1.RerankRequest\x1a\x1c.tokenmesh.v1.RerankResponseB@Z>github.com/tokenmesh/tokenmesh/gen/go/tokenmesh/v1;tokenmeshv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tokenmesh/v1/rerank.proto\x12\x0ctokenmesh.v1\"@\n\rRerankRequest\x12\r\n\x05query\x18\x01 \x01(\t\x12\x11\n\tdocuments\x18\x02 \x03(\t\x12\r\n\x05top_k\x18\x03 \x01(\x05\".\n\x0eRankedDocument\x12\r\n\x05index\x18\x01 \x01(\x05\x12\r\n\x05score\x18\x02 \x01(\x02\"?\n\x0eRerankResponse\x12-\n\x07results\x18\x01 \x03(\x0b\x32\x1c.tokenmesh.v1.RankedDocument\"\x11\n\x0f\x44\x65scribeRequest\"O\n\x10ModelDescription\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\ndimensions\x18\x02 \x01(\x05\x12\x18\n\x10max_input_tokens\x18\x03 \x01(\x05\"@\n\x0c\x45mbedRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05input\x18\x02 \x03(\t\x12\x12\n\ndimensions\x18\x03 \x01(\x05\"\x1b\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\"\\\n\rEmbedResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12%\n\x04\x64\x61ta\x18\x02 \x03(\x0b\x32\x17.tokenmesh.v1.Embedding\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x05\"M\n\x0bRankRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05query\x18\x02 \x01(\t\x12\x11\n\tdocuments\x18\x03 \x03(\t\x12\r\n\x05top_n\x18\x04 \x01(\x05\"b\n\x0cRankResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12-\n\x07results\x18\x02 \x03(\x0b\x32\x1c.tokenmesh.v1.RankedDocument\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\x32T\n\rRerankService\x12\x43\n\x06Rerank\x12\x1b.tokenmesh.v1.RerankRequest\x1a\x1c.tokenmesh.v1.RerankResponse2\xde\x01\n\x10\x45mbeddingService\x12I\n\x08\x44\x65scribe\x12\x1d.tokenmesh.v1.DescribeRequest\x1a\x1e.tokenmesh.v1.ModelDescription\x12@\n\x05\x45mbed\x12\x1a.tokenmesh.v1.EmbedRequest\x1a\x1b.tokenmesh.v1.EmbedResponse\x12=\n\x04Rank\x12\x19.tokenmesh.v1.RankRequest\x1a\x1a.tokenmesh.v1.RankResponseB@Z>github.com/tokenmesh/tokenmesh/gen/go/tokenmesh/v1;tokenmeshv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,6 +38,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RANKEDDOCUMENT']._serialized_end=155
   _globals['_RERANKRESPONSE']._serialized_start=157
   _globals['_RERANKRESPONSE']._serialized_end=220
-  _globals['_RERANKSERVICE']._serialized_start=222
-  _globals['_RERANKSERVICE']._serialized_end=306
+  _globals['_DESCRIBEREQUEST']._serialized_start=222
+  _globals['_DESCRIBEREQUEST']._serialized_end=239
+  _globals['_MODELDESCRIPTION']._serialized_start=241
+  _globals['_MODELDESCRIPTION']._serialized_end=320
+  _globals['_EMBEDREQUEST']._serialized_start=322
+  _globals['_EMBEDREQUEST']._serialized_end=386
+  _globals['_EMBEDDING']._serialized_start=388
+  _globals['_EMBEDDING']._serialized_end=415
+  _globals['_EMBEDRESPONSE']._serialized_start=417
+  _globals['_EMBEDRESPONSE']._serialized_end=509
+  _globals['_RANKREQUEST']._serialized_start=511
+  _globals['_RANKREQUEST']._serialized_end=588
+  _globals['_RANKRESPONSE']._serialized_start=590
+  _globals['_RANKRESPONSE']._serialized_end=688
+  _globals['_RERANKSERVICE']._serialized_start=690
+  _globals['_RERANKSERVICE']._serialized_end=774
+  _globals['_EMBEDDINGSERVICE']._serialized_start=777
+  _globals['_EMBEDDINGSERVICE']._serialized_end=999
 # @@protoc_insertion_point(module_scope)

@@ -95,3 +95,177 @@ class RerankService:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class EmbeddingServiceStub:
+    """The reranker's model on OpenAI's HTTP API: the gateways' HTTP API answers POST /v1/embeddings
+    and /v1/rerank at the edge with these calls, after its keys and tenant limits
+    (docs/openai.md; why not a transcoded HttpBody method: docs/decisions/0022-*). RerankService
+    above stays the gateways' own ranking of context documents.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Describe = channel.unary_unary(
+                '/tokenmesh.v1.EmbeddingService/Describe',
+                request_serializer=tokenmesh_dot_v1_dot_rerank__pb2.DescribeRequest.SerializeToString,
+                response_deserializer=tokenmesh_dot_v1_dot_rerank__pb2.ModelDescription.FromString,
+                _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/tokenmesh.v1.EmbeddingService/Embed',
+                request_serializer=tokenmesh_dot_v1_dot_rerank__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=tokenmesh_dot_v1_dot_rerank__pb2.EmbedResponse.FromString,
+                _registered_method=True)
+        self.Rank = channel.unary_unary(
+                '/tokenmesh.v1.EmbeddingService/Rank',
+                request_serializer=tokenmesh_dot_v1_dot_rerank__pb2.RankRequest.SerializeToString,
+                response_deserializer=tokenmesh_dot_v1_dot_rerank__pb2.RankResponse.FromString,
+                _registered_method=True)
+
+
+class EmbeddingServiceServicer:
+    """The reranker's model on OpenAI's HTTP API: the gateways' HTTP API answers POST /v1/embeddings
+    and /v1/rerank at the edge with these calls, after its keys and tenant limits
+    (docs/openai.md; why not a transcoded HttpBody method: docs/decisions/0022-*). RerankService
+    above stays the gateways' own ranking of context documents.
+    """
+
+    def Describe(self, request, context):
+        """The served model's name and shape: what GET /v1/models lists.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Embed(self, request, context):
+        """The model's unit-length sentence embeddings of each input, in order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Rank(self, request, context):
+        """The documents ranked as RerankService.Rerank ranks them (the same scores and order),
+        with the tokens the model read.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_EmbeddingServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Describe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Describe,
+                    request_deserializer=tokenmesh_dot_v1_dot_rerank__pb2.DescribeRequest.FromString,
+                    response_serializer=tokenmesh_dot_v1_dot_rerank__pb2.ModelDescription.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=tokenmesh_dot_v1_dot_rerank__pb2.EmbedRequest.FromString,
+                    response_serializer=tokenmesh_dot_v1_dot_rerank__pb2.EmbedResponse.SerializeToString,
+            ),
+            'Rank': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rank,
+                    request_deserializer=tokenmesh_dot_v1_dot_rerank__pb2.RankRequest.FromString,
+                    response_serializer=tokenmesh_dot_v1_dot_rerank__pb2.RankResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'tokenmesh.v1.EmbeddingService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('tokenmesh.v1.EmbeddingService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class EmbeddingService:
+    """The reranker's model on OpenAI's HTTP API: the gateways' HTTP API answers POST /v1/embeddings
+    and /v1/rerank at the edge with these calls, after its keys and tenant limits
+    (docs/openai.md; why not a transcoded HttpBody method: docs/decisions/0022-*). RerankService
+    above stays the gateways' own ranking of context documents.
+    """
+
+    @staticmethod
+    def Describe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokenmesh.v1.EmbeddingService/Describe',
+            tokenmesh_dot_v1_dot_rerank__pb2.DescribeRequest.SerializeToString,
+            tokenmesh_dot_v1_dot_rerank__pb2.ModelDescription.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokenmesh.v1.EmbeddingService/Embed',
+            tokenmesh_dot_v1_dot_rerank__pb2.EmbedRequest.SerializeToString,
+            tokenmesh_dot_v1_dot_rerank__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rank(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokenmesh.v1.EmbeddingService/Rank',
+            tokenmesh_dot_v1_dot_rerank__pb2.RankRequest.SerializeToString,
+            tokenmesh_dot_v1_dot_rerank__pb2.RankResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -79,6 +79,16 @@ def aborted_counter(registry: CollectorRegistry) -> Counter:
     )
 
 
+def features_counter(registry: CollectorRegistry) -> Counter:
+    return Counter(
+        "tokenmesh_worker_request_features",
+        "Requests the worker took that use an engine feature beyond plain sampling, by feature "
+        "(structured_outputs_json, _json_object, _regex, _choice, _grammar).",
+        ["feature"],
+        registry=registry,
+    )
+
+
 async def watch_engine(engine: VllmEngine, watchdog: StallWatchdog, interval: float) -> None:
     """Every interval, check the engine moves (the watchdog turns the worker NOT_SERVING while
     it is hung); return when the engine process dies: the worker stops (exit 1) and its
@@ -105,7 +115,14 @@ async def serve(settings: WorkerSettings) -> int:
     # The tenant the gateway named (x-tenant-id) goes on each RPC's log line and span.
     server = host.server((TenantMetadataInterceptor(),))
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(
-        InferenceServicer(slot, settings, stream_metrics, aborted_counter(host.registry)), server
+        InferenceServicer(
+            slot,
+            settings,
+            stream_metrics,
+            aborted_counter(host.registry),
+            features_counter(host.registry),
+        ),
+        server,
     )
 
     async def start() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from tokenmesh.common.cpu_pinning import known_cores
@@ -121,6 +121,42 @@ class WorkerSettings(ServiceSettings, SamplingLimits):
             "--stream-interval; 1: each token the moment it exists)."
         ),
     )
+    structured_outputs_backend: Literal[
+        "auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer"
+    ] = Field(
+        default="auto",
+        description=(
+            "The structured-output backend (vLLM's --structured-outputs-config backend): auto "
+            "lets vLLM choose per request."
+        ),
+    )
+    structured_outputs_disable_any_whitespace: bool = Field(
+        default=False,
+        description=(
+            "JSON answers (json schemas, json_object) without whitespace between tokens "
+            "(vLLM's --structured-outputs-config disable_any_whitespace; xgrammar and guidance "
+            "only). The local mesh turns it on: its random tiny model otherwise fills answers "
+            "with whitespace until max_tokens."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _whitespace_needs_a_backend_that_has_it(self) -> WorkerSettings:
+        # vLLM refuses the combination when the engine starts; here it is named at once.
+        if (
+            self.structured_outputs_disable_any_whitespace
+            and self.structured_outputs_backend
+            not in (
+                "xgrammar",
+                "guidance",
+            )
+        ):
+            raise ValueError(
+                "structured_outputs_disable_any_whitespace needs structured_outputs_backend "
+                f"xgrammar or guidance, not {self.structured_outputs_backend}"
+            )
+        return self
+
     max_message_tokens: int = Field(
         default=64,
         ge=1,

@@ -10,18 +10,17 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, Callable, Coroutine
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
 import uvloop
-from vllm import SamplingParams
+from vllm.config import StructuredOutputsConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMValidationError
 from vllm.renderers import ChatParams
 from vllm.renderers.chat_utils import ChatTemplateResolutionError
-from vllm.sampling_params import RequestOutputKind
 from vllm.utils.gc_utils import freeze_gc_heap
 from vllm.utils.mistral import is_mistral_tokenizer
 from vllm.v1.engine.async_llm import AsyncLLM
@@ -29,20 +28,16 @@ from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from tokenmesh.common.errors import Internal, InvalidArgument, Unavailable
-from tokenmesh.v1 import token_pb2
+from tokenmesh.v1 import inference_pb2, token_pb2
 from tokenmesh.worker.config import WorkerSettings
+from tokenmesh.worker.outputs import Tokens, output_tokens
 from tokenmesh.worker.requests import EngineRequest
+from tokenmesh.worker.sampling import EngineSampling, engine_options
 from tokenmesh.worker.watchdog import EngineActivity
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-FINISH_REASONS = {
-    "stop": token_pb2.FINISH_REASON_STOP,
-    "length": token_pb2.FINISH_REASON_LENGTH,
-    "abort": token_pb2.FINISH_REASON_ABORTED,
-}
 
 
 @dataclass
@@ -98,73 +93,6 @@ class _LoadStatLogger(StatLoggerBase):
         pass
 
 
-@dataclass(frozen=True)
-class Candidate:
-    """A token the model considered at one position, with its log probability."""
-
-    token_id: int
-    text: str
-    logprob: float
-
-
-@dataclass(slots=True)
-class Tokens:
-    """Consecutive generated tokens of one request: one engine output, or several merged."""
-
-    index: int
-    token_ids: list[int]
-    text: str
-    # Set on the last tokens of a stream only.
-    finish_reason: int = token_pb2.FINISH_REASON_UNSPECIFIED
-    prompt_tokens: int = 0
-    # When the request asked for logprobs: each token's, and its most likely alternatives.
-    logprobs: list[tuple[float | None, tuple[Candidate, ...]]] = field(default_factory=list)
-    # UTF-8 bytes of text each token adds (None: all the text counts with the last token, as
-    # for an engine output of several tokens without logprobs to split its text by).
-    text_lengths: list[int] | None = None
-
-    def lengths(self) -> list[int]:
-        if self.text_lengths is not None:
-            return self.text_lengths
-        if not self.token_ids:
-            return []
-        return [0] * (len(self.token_ids) - 1) + [len(self.text.encode())]
-
-    def extend(self, later: Tokens) -> None:
-        """Append the stream's next output."""
-        lengths = self.lengths()
-        if later.token_ids:
-            lengths = lengths + later.lengths()
-        elif lengths:
-            # An end with no token of its own: its text, if any, counts with the last token.
-            lengths = [*lengths[:-1], lengths[-1] + len(later.text.encode())]
-        self.text_lengths = lengths
-        self.token_ids.extend(later.token_ids)
-        self.text += later.text
-        self.logprobs.extend(later.logprobs)
-        if later.finish_reason:
-            self.finish_reason = later.finish_reason
-
-
-def token_logprobs(
-    position_logprobs: Any, token_id: int, top: int
-) -> tuple[float | None, tuple[Candidate, ...]]:
-    """This token's logprob and the `top` best candidates from vLLM's {token_id: Logprob} of
-    one position (which holds the sampled token, ranked, plus the top alternatives)."""
-    if not position_logprobs:
-        return None, ()
-    sampled = position_logprobs.get(token_id)
-    ranked = sorted(
-        (entry.rank or 0, candidate, entry) for candidate, entry in position_logprobs.items()
-    )
-    candidates = tuple(
-        Candidate(candidate, entry.decoded_token or "", entry.logprob)
-        for rank, candidate, entry in ranked
-        if 0 < rank <= top
-    )
-    return (sampled.logprob if sampled is not None else None), candidates
-
-
 def engine_args(settings: WorkerSettings) -> AsyncEngineArgs:
     return AsyncEngineArgs(
         model=settings.model,
@@ -177,6 +105,10 @@ def engine_args(settings: WorkerSettings) -> AsyncEngineArgs:
         trust_remote_code=settings.trust_remote_code,
         max_logprobs=settings.max_top_logprobs,
         stream_interval=settings.stream_interval,
+        structured_outputs_config=StructuredOutputsConfig(
+            backend=settings.structured_outputs_backend,
+            disable_any_whitespace=settings.structured_outputs_disable_any_whitespace,
+        ),
         # vLLM's per-request log lines stay off (its default, stated here because prompts
         # must never reach the logs; docs/security.md, "No prompt text in logs").
         enable_log_requests=False,
@@ -329,6 +261,9 @@ class VllmEngine:
         self._chat_tokenize_params = dataclasses.replace(
             llm.renderer.default_chat_tok_params, max_total_tokens=None
         )
+        # Engine parameters by vLLM's own rules; the worker's default temperature where a
+        # request names none.
+        self._sampling = EngineSampling(llm, {"temperature": settings.default_temperature})
         # False once vLLM found no chat template for the model (it looks on every render).
         self._has_chat_template = True
         # What vLLM's chat completions render with by default: the model's own template, the
@@ -379,12 +314,10 @@ class VllmEngine:
             request_id="warm-up",
             prompt="warm up",
             max_tokens=1,
-            temperature=0.0,
-            top_p=1.0,
-            top_k=-1,
-            seed=None,
-            stop=(),
-            ignore_eos=True,
+            options=engine_options(
+                inference_pb2.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+                "warm up",
+            ),
         )
         async for _ in self.stream(spec):
             pass
@@ -438,24 +371,6 @@ class VllmEngine:
         )
         return engine_input
 
-    def _sampling_params(self, spec: EngineRequest, max_tokens: int) -> SamplingParams:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=spec.temperature,
-            top_p=spec.top_p,
-            top_k=spec.top_k,
-            seed=spec.seed,
-            stop=list(spec.stop) or None,
-            ignore_eos=spec.ignore_eos,
-            # vLLM returns the sampled token's logprob plus this many alternatives.
-            logprobs=spec.top_logprobs if spec.logprobs else None,
-            # Each output carries only what is new since the last one: the token stream.
-            output_kind=RequestOutputKind.DELTA,
-            # vLLM holds a request's outputs until this many tokens (the first and last
-            # excepted); the engine's own stream_interval is the least.
-            stream_interval=spec.stream_interval if spec.stream_interval > 1 else None,
-        )
-
     async def _produce(self, spec: EngineRequest, post: Callable[[Item], None]) -> None:
         """On the engine's loop: post each output's tokens, then None at the end, or the error
         that ended the request. Cancelling this aborts the engine request (vLLM's generate()
@@ -464,13 +379,28 @@ class VllmEngine:
         try:
             engine_input, max_tokens = await self._tokenize(spec)
             prompt_tokens = len(engine_input["prompt_token_ids"])
-            index = 0
+            # Each choice's next position, and the tokens of all choices.
+            positions: dict[int, int] = {}
+            generated = 0
             async for output in self._llm.generate(
-                engine_input, self._sampling_params(spec, max_tokens), spec.request_id
+                engine_input, self._sampling.params(spec.options, max_tokens), spec.request_id
             ):
-                tokens = output_tokens(output, index, prompt_tokens, spec.top_logprobs)
-                index += len(tokens.token_ids)
-                post(tokens)
+                # Each choice's new tokens (vLLM's deltas; several choices interleave, and one
+                # step may end more than one of them).
+                final = len(output.outputs) - 1 if output.finished else -1
+                for position, completion in enumerate(output.outputs):
+                    choice = completion.index
+                    tokens = output_tokens(
+                        completion, positions.get(choice, 0), prompt_tokens, spec.top_logprobs
+                    )
+                    positions[choice] = tokens.index + len(tokens.token_ids)
+                    generated += len(tokens.token_ids)
+                    if position == final:
+                        tokens.last, tokens.completion_tokens = True, generated
+                        tokens.finish_reason = (
+                            tokens.finish_reason or token_pb2.FINISH_REASON_ABORTED
+                        )
+                    post(tokens)
             post(None)
         except asyncio.CancelledError:
             raise
@@ -497,7 +427,11 @@ class VllmEngine:
                 while pending and isinstance(pending[0], Tokens):
                     tokens = pending[0]
                     if merged is not None:
-                        if len(merged.token_ids) + len(tokens.token_ids) > self._per_message:
+                        # One choice's consecutive outputs only (several choices interleave).
+                        if (
+                            tokens.choice != merged.choice
+                            or len(merged.token_ids) + len(tokens.token_ids) > self._per_message
+                        ):
                             break
                         merged.extend(tokens)
                     else:
@@ -529,45 +463,6 @@ class VllmEngine:
 
         self._thread.submit(shutdown()).result()
         self._thread.stop()
-
-
-def output_tokens(output: Any, first_index: int, prompt_tokens: int, top_logprobs: int) -> Tokens:
-    """The tokens of one vLLM RequestOutput (DELTA kind), numbered from first_index."""
-    completion = output.outputs[0]
-    token_ids = list(completion.token_ids)
-    finish = FINISH_REASONS.get(completion.finish_reason or "", 0) if output.finished else 0
-    if output.finished and not token_ids:
-        # Nothing new but the end (e.g. the engine aborted the request): a message that holds
-        # no token reports it.
-        finish = finish or token_pb2.FINISH_REASON_ABORTED
-    logprobs: list[tuple[float | None, tuple[Candidate, ...]]] = []
-    pieces: list[str | None] = []
-    if completion.logprobs:
-        for position, token_id in enumerate(token_ids):
-            position_logprobs = completion.logprobs[position]
-            logprobs.append(token_logprobs(position_logprobs, token_id, top_logprobs))
-            sampled = position_logprobs.get(token_id) if position_logprobs else None
-            pieces.append(sampled.decoded_token if sampled is not None else None)
-    # Several tokens in one output: their decoded texts (logprobs only) split the text.
-    lengths = split_text(completion.text, pieces) if len(pieces) > 1 else None
-    return Tokens(first_index, token_ids, completion.text, finish, prompt_tokens, logprobs, lengths)
-
-
-def split_text(text: str, pieces: Sequence[str | None]) -> list[int]:
-    """The UTF-8 bytes of `text` each token adds, from the tokens' decoded texts (None where
-    unknown): each its own while they spell the start of the text, the rest on the last token.
-    The text is authoritative: stop strings, text held back for them, or a character split
-    across tokens can make it differ from the pieces."""
-    lengths = []
-    offset = 0
-    for piece in pieces[:-1]:
-        if piece is None or not text.startswith(piece, offset):
-            break
-        lengths.append(len(piece.encode()))
-        offset += len(piece)
-    lengths.extend([0] * (len(pieces) - 1 - len(lengths)))
-    lengths.append(len(text[offset:].encode()))
-    return lengths
 
 
 class EngineSlot:

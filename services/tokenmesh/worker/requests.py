@@ -11,6 +11,7 @@ from tokenmesh.common.sampling import check_sampling
 from tokenmesh.common.validation import check_count, check_text
 from tokenmesh.v1 import inference_pb2
 from tokenmesh.worker.config import WorkerSettings
+from tokenmesh.worker.sampling import VllmRequest, engine_options
 
 # The roles a conversation's messages may have (those every chat template knows).
 ROLES = ("system", "user", "assistant")
@@ -31,12 +32,8 @@ class EngineRequest:
     request_id: str
     prompt: str
     max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    stop: tuple[str, ...]
-    ignore_eos: bool
+    # Every other sampling option, as vLLM's own request model holds it (worker/sampling.py).
+    options: VllmRequest
     logprobs: bool = False
     top_logprobs: int = 0
     # At least this many tokens per message (vLLM's stream_interval); 1: each at once.
@@ -77,14 +74,11 @@ def validate(request: inference_pb2.InferenceRequest, settings: WorkerSettings) 
         request_id=request_id,
         prompt=request.prompt,
         max_tokens=sampling.max_tokens,
-        temperature=sampling.temperature
-        if sampling.HasField("temperature")
-        else settings.default_temperature,
-        top_p=sampling.top_p if sampling.HasField("top_p") else 1.0,
-        top_k=sampling.top_k if sampling.HasField("top_k") else -1,
-        seed=sampling.seed if sampling.HasField("seed") else None,
-        stop=tuple(sampling.stop),
-        ignore_eos=sampling.ignore_eos,
+        options=engine_options(
+            sampling,
+            request.prompt,
+            [{"role": message.role, "content": message.content} for message in messages],
+        ),
         logprobs=sampling.logprobs,
         top_logprobs=sampling.top_logprobs,
         stream_interval=max(sampling.stream_interval, 1),

@@ -20,8 +20,10 @@ from tokenmesh.common.tokens import USAGE_TRAILER, usage_trailer
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
 from tokenmesh.worker.admission import Admission
 from tokenmesh.worker.config import WorkerSettings
-from tokenmesh.worker.engine import Candidate, EngineSlot, Tokens, VllmEngine
+from tokenmesh.worker.engine import EngineSlot, VllmEngine
+from tokenmesh.worker.outputs import Candidate, Tokens
 from tokenmesh.worker.requests import EngineRequest, validate
+from tokenmesh.worker.sampling import features
 
 
 def late(limit: float) -> DeadlineExceeded:
@@ -51,9 +53,11 @@ def token_message(tokens: Tokens) -> token_pb2.Token:
             if logprob is not None:
                 position.logprob = logprob
             add_candidates(position.top_logprobs, top)
-    if tokens.finish_reason:
+    if tokens.choice:
+        token.choice = tokens.choice
+    if tokens.last:
         token.usage.prompt_tokens = tokens.prompt_tokens
-        token.usage.completion_tokens = tokens.index + len(ids)
+        token.usage.completion_tokens = tokens.completion_tokens
     return token
 
 
@@ -70,12 +74,15 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         settings: WorkerSettings,
         stream_metrics: StreamMetrics,
         aborted: Counter,
+        features: Counter,
     ) -> None:
         self._engines = engines
         self._settings = settings
         self._stream_metrics = stream_metrics
         # Engine requests aborted because their caller went away, by reason.
         self._aborted = aborted
+        # Requests by the engine feature they use (structured outputs' kinds).
+        self._features = features
         self._admission = Admission(settings.max_num_seqs, settings.max_waiting_requests)
 
     async def Generate(
@@ -84,6 +91,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         context: aio.ServicerContext[Any, Any],
     ) -> AsyncGenerator[token_pb2.Token, None]:
         spec = validate(request, self._settings)
+        for feature in features(spec.options):
+            self._features.labels(feature=feature).inc()
         trailers = degraded_marker(request)
         if trailers:
             context.set_trailing_metadata(trailers)
@@ -97,7 +106,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             async with contextlib.aclosing(generated) as tokens:
                 async for token in tokens:
                     messages += 1
-                    if token.finish_reason:
+                    if token.HasField("usage"):
                         usage = token.usage
                         value = usage_trailer(
                             usage.prompt_tokens, usage.completion_tokens, messages

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tokenmesh.common.errors import InvalidArgument
-from tokenmesh.common.sampling import check_sampling
+from tokenmesh.common.sampling import check_sampling, copy_sampling
 from tokenmesh.common.validation import check_count, check_text
 from tokenmesh.gateway.config import GatewaySettings
 from tokenmesh.v1 import inference_pb2, llm_pb2
@@ -25,23 +25,11 @@ def sampling_params(
     request: llm_pb2.GenerateRequest | llm_pb2.Query | llm_pb2.UserTurn | llm_pb2.DocumentChunk,
     settings: GatewaySettings,
 ) -> inference_pb2.SamplingParams:
-    """The worker's sampling params from the fields a public request has, checked against the
-    gateway's limits (common/sampling.py, as the worker checks them)."""
-    sampling = inference_pb2.SamplingParams(max_tokens=request.max_tokens)
-    if request.HasField("temperature"):
-        sampling.temperature = request.temperature
-    if isinstance(request, llm_pb2.GenerateRequest | llm_pb2.Query):
-        if request.HasField("top_p"):
-            sampling.top_p = request.top_p
-        if request.HasField("seed"):
-            sampling.seed = request.seed
-        sampling.stop.extend(request.stop)
-    if isinstance(request, llm_pb2.GenerateRequest):
-        sampling.logprobs = request.logprobs
-        sampling.top_logprobs = request.top_logprobs
-        sampling.stream_interval = request.stream_interval
-    if isinstance(request, llm_pb2.GenerateRequest | llm_pb2.Query | llm_pb2.UserTurn):
-        sampling.ignore_eos = request.ignore_eos
+    """The worker's sampling params from the fields a public request has (named as the
+    worker's), checked against the gateway's limits (common/sampling.py, as the worker checks
+    them)."""
+    sampling = inference_pb2.SamplingParams()
+    copy_sampling(request, sampling)
     check_sampling(sampling, settings)
     return sampling
 

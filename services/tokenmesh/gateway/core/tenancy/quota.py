@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 
+from tokenmesh.common.openai_answers import ends_stream
 from tokenmesh.common.tenants import Tenant
 from tokenmesh.common.tokens import cut, token_count
 from tokenmesh.gateway.core.tenancy.limits import TenantLimiter
@@ -29,6 +30,8 @@ class QuotaMeter:
         # Before the worker is called (it is called on the first read of `tokens`): a tenant
         # with nothing left gets RESOURCE_EXHAUSTED and retry-after-ms, e.g. a Chat turn.
         self._limiter.check_quota(tenant)
+        # Tokens of every choice charged so far: the usage of a stream the quota ends.
+        charged = 0
         try:
             async for token in tokens:
                 count = token_count(token)
@@ -43,16 +46,20 @@ class QuotaMeter:
                         self._metrics.tokens(tenant, left)
                         last = cut(token, left)
                         last.finish_reason = token_pb2.FINISH_REASON_QUOTA_EXHAUSTED
-                        last.usage.completion_tokens = last.index + left
+                        last.usage.completion_tokens = charged + left
                         yield last
                     else:
-                        yield self._end(token.index, token.emitted_unix_nanos)
+                        yield self._end(token, charged)
                     return
                 self._metrics.tokens(tenant, count)
-                if not token.finish_reason and charge.left == 0:
+                charged += count
+                if not ends_stream(token) and charge.left == 0:
+                    # The last of the quota: this message ends the stream (and its choice, unless
+                    # that ended here anyway).
                     self._metrics.quota_cutoff(tenant)
-                    token.finish_reason = token_pb2.FINISH_REASON_QUOTA_EXHAUSTED
-                    token.usage.completion_tokens = token.index + count
+                    if not token.finish_reason:
+                        token.finish_reason = token_pb2.FINISH_REASON_QUOTA_EXHAUSTED
+                    token.usage.completion_tokens = charged
                     yield token
                     return
                 yield token
@@ -60,12 +67,15 @@ class QuotaMeter:
             await tokens.aclose()
 
     @staticmethod
-    def _end(index: int, emitted_unix_nanos: int) -> token_pb2.Token:
+    def _end(token: token_pb2.Token, charged: int) -> token_pb2.Token:
+        """A message that holds no token and ends the stream (of token's choice, where it would
+        have gone)."""
         end = token_pb2.Token(
-            index=index,
+            index=token.index,
             token_id=-1,
+            choice=token.choice,
             finish_reason=token_pb2.FINISH_REASON_QUOTA_EXHAUSTED,
-            emitted_unix_nanos=emitted_unix_nanos,
+            emitted_unix_nanos=token.emitted_unix_nanos,
         )
-        end.usage.completion_tokens = index
+        end.usage.completion_tokens = charged
         return end

@@ -1,7 +1,7 @@
-"""OpenAI's HTTP API (models, completions, chat completions) on the gateway token path: each
-request admitted as gRPC calls are, prepared as every request is (OpenAIPreparer), and its
-answer presented from the worker's tokens by the same code the worker presents it with on
-the direct path (common/presentation.py)."""
+"""OpenAI's HTTP API (models, completions, chat completions; embeddings and rerank in
+pooling.py) on the gateway token path: each request admitted as gRPC calls are, prepared as
+every request is (OpenAIPreparer), and its answer presented from the worker's tokens by the
+same code the worker presents it with on the direct path (common/presentation.py)."""
 
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ from tokenmesh.gateway.frontends.openai.http import (
     send_chunk,
     send_json,
 )
+from tokenmesh.gateway.frontends.openai.pooling import PoolingApi
 from tokenmesh.gateway.frontends.openai.prepare import OpenAIPreparer
 from tokenmesh.gateway.frontends.openai.protocol import (
     ChatCompletionRequest,
@@ -64,8 +65,11 @@ class OpenAIApi:
         tracer: Tracer,
         metrics: HttpMetrics,
         serving: Callable[[], bool],
+        pooling: PoolingApi | None = None,
     ) -> None:
         self._serving = serving
+        # /v1/embeddings and /v1/rerank, answered by the reranker's model (pooling.py).
+        self._pooling = pooling
         self._preparer = preparer
         self._pipeline = pipeline
         self._settings = settings
@@ -76,6 +80,7 @@ class OpenAIApi:
         self._metrics = metrics
 
     def app(self) -> Starlette:
+        pooling = self._pooling
         return Starlette(
             routes=[
                 Route("/v1/models", self._observed("/v1/models", self.models), methods=["GET"]),
@@ -88,6 +93,10 @@ class OpenAIApi:
                     "/v1/chat/completions",
                     self._observed("/v1/chat/completions", self.chat_completions),
                     methods=["POST"],
+                ),
+                *(
+                    Route(route, self._observed(route, handler), methods=["POST"])
+                    for route, handler in (pooling.routes() if pooling is not None else ())
                 ),
                 Route("/health", self.health, methods=["GET"]),
             ]
@@ -163,7 +172,10 @@ class OpenAIApi:
         card = {"id": name, "object": "model", "created": 0, "owned_by": "tokenmesh"}
         if self._catalog.max_model_len:
             card["max_model_len"] = self._catalog.max_model_len
-        return JSONResponse({"object": "list", "data": [card]})
+        cards = [card]
+        if self._pooling is not None and (embedding := await self._pooling.model_card()):
+            cards.append(embedding)
+        return JSONResponse({"object": "list", "data": cards})
 
     async def completions(self, request: Request, outcome: Outcome) -> Response:
         body = parse(CompletionRequest, await request.body())

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.json_format import ParseDict, ParseError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tokenmesh.common.errors import InvalidArgument
@@ -23,13 +26,28 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchema(BaseModel):
+    """OpenAI's response_format.json_schema; strict is accepted (the schema always binds)."""
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+
 class TextPart(BaseModel):
     type: Literal["text"]
     text: str
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # A field of a message this API does not take (name, tool_calls, ...) is refused by name.
+    model_config = ConfigDict(extra="forbid")
 
     role: str
     content: str | list[TextPart] | None = None
@@ -40,42 +58,58 @@ class Message(BaseModel):
         return self.content or ""
 
 
+# The request fields that are sampling options, taken as they are: named as GenerateRequest's
+# fields (which are named as vLLM's). The others the models below name.
+SAMPLING_FIELDS = frozenset(
+    {
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "ignore_eos",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "min_p",
+        "min_tokens",
+        "stop_token_ids",
+        "bad_words",
+        "allowed_token_ids",
+        "logit_bias",
+        "include_stop_str_in_output",
+        "stream_interval",
+    }
+)
+
+
 class _Request(BaseModel):
-    """The fields both endpoints share. Fields OpenAI or vLLM accept that change nothing here
-    (user, frequency_penalty 0, ...) are ignored, as vLLM's server ignores unknown ones; those
-    that would change the answer and are not supported are refused by name (unsupported())."""
+    """The fields both endpoints share. Every sampling option of vLLM's OpenAI server that the
+    engine honours is taken by its name (SAMPLING_FIELDS, structured_outputs); response_format
+    becomes structured outputs as vLLM's server makes it. A field this API does not take is
+    refused by name (400), never ignored; `user` is OpenAI's end-user id, which changes
+    nothing."""
 
     model_config = ConfigDict(extra="allow")
 
     model: str
     max_tokens: Int32 | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: Int64 | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: Int32 = 1
     user: str | None = None
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM's own extension: json (a schema object or its text), regex, choice, grammar,
+    # json_object.
+    structured_outputs: dict[str, Any] | None = None
     # tokenmesh's extras: context documents (reranked, best top_k_documents kept) and
     # generating to max_tokens whatever the model would end with.
     documents: list[str] = Field(default_factory=list)
     top_k_documents: Int32 = 0
-    ignore_eos: bool = False
 
     def unsupported(self) -> None:
-        if self.n != 1:
-            raise InvalidArgument("n", f"only 1 choice per request is supported, got {self.n}")
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name):
-                raise InvalidArgument(name, "not supported (only 0)")
-        if self.logit_bias:
-            raise InvalidArgument("logit_bias", "not supported")
-        for name in ("tools", "functions", "suffix", "echo", "best_of"):
-            if (self.model_extra or {}).get(name) not in (None, [], False, 1):
+        for name in self.model_extra or {}:
+            if name not in SAMPLING_FIELDS:
                 raise InvalidArgument(name, "not supported")
 
     @property
@@ -88,16 +122,78 @@ class _Request(BaseModel):
             max_tokens=max_tokens,
             documents=self.documents,
             top_k_documents=self.top_k_documents,
-            ignore_eos=self.ignore_eos,
             stop=[self.stop] if isinstance(self.stop, str) else (self.stop or []),
+            n=self.n,
         )
-        if self.temperature is not None:
-            request.temperature = self.temperature
-        if self.top_p is not None:
-            request.top_p = self.top_p
-        if self.seed is not None:
-            request.seed = self.seed
+        if self.n < 1:
+            raise InvalidArgument("n", f"must be at least 1, got {self.n}")
+        for name, value in (self.model_extra or {}).items():
+            if value is not None:
+                _parse_field(name, value, request)
+        constraint = self._structured_outputs()
+        if constraint is not None:
+            _parse_field("structured_outputs", constraint, request)
         return request
+
+    def _structured_outputs(self) -> dict[str, Any] | None:
+        """structured_outputs as GenerateRequest holds it; response_format as vLLM's server
+        turns it into structured outputs (json_object, or json_schema's schema as json)."""
+        constraint = self.structured_outputs
+        if constraint is not None and isinstance(constraint.get("json"), dict | list):
+            constraint = {**constraint, "json": json.dumps(constraint["json"])}
+        response = self.response_format
+        if response is None or response.type == "text":
+            return constraint
+        if constraint is not None:
+            raise InvalidArgument(
+                "response_format", "set either response_format or structured_outputs, not both"
+            )
+        if response.type == "json_object":
+            return {"json_object": True}
+        if response.json_schema is None:
+            raise InvalidArgument(
+                "response_format.json_schema", 'required when "type" is "json_schema"'
+            )
+        return {"json": json.dumps(response.json_schema.schema_)}
+
+
+def _parse_field(name: str, value: Any, request: llm_pb2.GenerateRequest) -> None:
+    """One JSON field into the request's field of that name; a value of the wrong type or out
+    of its range is refused naming the field, what it takes and the parser's word on it."""
+    try:
+        ParseDict({name: value}, request)
+    except ParseError as exc:
+        detail = str(exc).removeprefix(f"Failed to parse {name} field: ").rstrip(".")
+        if "out of range" in detail:
+            raise InvalidArgument(name, detail) from exc
+        expected = _expected(request.DESCRIPTOR.fields_by_name[name])
+        raise InvalidArgument(name, f"must be {expected} ({detail})") from exc
+
+
+_KINDS = {
+    FieldDescriptor.TYPE_INT32: "integer",
+    FieldDescriptor.TYPE_INT64: "integer",
+    FieldDescriptor.TYPE_FLOAT: "number",
+    FieldDescriptor.TYPE_DOUBLE: "number",
+    FieldDescriptor.TYPE_BOOL: "boolean",
+    FieldDescriptor.TYPE_STRING: "string",
+}
+
+
+def _expected(field: FieldDescriptor) -> str:
+    """What a field takes, in JSON's words."""
+    if field.message_type is not None and field.message_type.GetOptions().map_entry:
+        key, value = (
+            field.message_type.fields_by_name["key"],
+            field.message_type.fields_by_name["value"],
+        )
+        return (
+            f"an object of {_KINDS.get(key.type, 'key')} keys to {_KINDS.get(value.type, 'value')}s"
+        )
+    kind = "object" if field.message_type is not None else _KINDS.get(field.type, "value")
+    if field.is_repeated:
+        return f"a list of {kind}s"
+    return f"an {kind}" if kind[0] in "aeiou" else f"a {kind}"
 
 
 class CompletionRequest(_Request):
@@ -127,9 +223,6 @@ class ChatCompletionRequest(_Request):
         """The request as a Generate of its last user message (what documents are ranked
         against); the conversation itself goes to the worker as messages()."""
         self.unsupported()
-        response_format = (self.model_extra or {}).get("response_format")
-        if response_format not in (None, {"type": "text"}):
-            raise InvalidArgument("response_format", 'only {"type": "text"} is supported')
         if not self.messages:
             raise InvalidArgument("messages", "at least one message is required")
         for position, message in enumerate(self.messages):

@@ -1,0 +1,140 @@
+"""vLLM's outputs as the worker's Tokens: one choice's consecutive generated tokens, their text
+split between them, their log probabilities and how the choice ended."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenmesh.v1 import token_pb2
+
+FINISH_REASONS = {
+    "stop": token_pb2.FINISH_REASON_STOP,
+    "length": token_pb2.FINISH_REASON_LENGTH,
+    "abort": token_pb2.FINISH_REASON_ABORTED,
+}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A token the model considered at one position, with its log probability."""
+
+    token_id: int
+    text: str
+    logprob: float
+
+
+@dataclass(slots=True)
+class Tokens:
+    """Consecutive generated tokens of one choice of a request: one engine output, or several
+    merged."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    # Set on the last tokens of a choice only.
+    finish_reason: int = token_pb2.FINISH_REASON_UNSPECIFIED
+    prompt_tokens: int = 0
+    # When the request asked for logprobs: each token's, and its most likely alternatives.
+    logprobs: list[tuple[float | None, tuple[Candidate, ...]]] = field(default_factory=list)
+    # UTF-8 bytes of text each token adds (None: all the text counts with the last token, as
+    # for an engine output of several tokens without logprobs to split its text by).
+    text_lengths: list[int] | None = None
+    # Which of the request's choices (0..n-1) the tokens continue.
+    choice: int = 0
+    # The stream's last tokens (every choice has ended): the completion tokens of all choices.
+    last: bool = False
+    completion_tokens: int = 0
+
+    def lengths(self) -> list[int]:
+        if self.text_lengths is not None:
+            return self.text_lengths
+        if not self.token_ids:
+            return []
+        return [0] * (len(self.token_ids) - 1) + [len(self.text.encode())]
+
+    def extend(self, later: Tokens) -> None:
+        """Append the choice's next output."""
+        lengths = self.lengths()
+        if later.token_ids:
+            lengths = lengths + later.lengths()
+        elif lengths:
+            # An end with no token of its own: its text, if any, counts with the last token.
+            lengths = [*lengths[:-1], lengths[-1] + len(later.text.encode())]
+        self.text_lengths = lengths
+        self.token_ids.extend(later.token_ids)
+        self.text += later.text
+        self.logprobs.extend(later.logprobs)
+        if later.finish_reason:
+            self.finish_reason = later.finish_reason
+        if later.last:
+            self.last, self.completion_tokens = True, later.completion_tokens
+
+
+def token_logprobs(
+    position_logprobs: Any, token_id: int, top: int
+) -> tuple[float | None, tuple[Candidate, ...]]:
+    """This token's logprob and the `top` best candidates from vLLM's {token_id: Logprob} of
+    one position (which holds the sampled token, ranked, plus the top alternatives)."""
+    if not position_logprobs:
+        return None, ()
+    sampled = position_logprobs.get(token_id)
+    ranked = sorted(
+        (entry.rank or 0, candidate, entry) for candidate, entry in position_logprobs.items()
+    )
+    candidates = tuple(
+        Candidate(candidate, entry.decoded_token or "", entry.logprob)
+        for rank, candidate, entry in ranked
+        if 0 < rank <= top
+    )
+    return (sampled.logprob if sampled is not None else None), candidates
+
+
+def output_tokens(
+    completion: Any, first_index: int, prompt_tokens: int, top_logprobs: int
+) -> Tokens:
+    """The tokens of one choice's output (vLLM's CompletionOutput of a DELTA request output),
+    numbered from first_index; its finish reason once the choice has ended (a choice that ends
+    with nothing new, e.g. aborted by the engine, is a message that holds no token)."""
+    token_ids = list(completion.token_ids)
+    finish = 0
+    if completion.finish_reason is not None:
+        finish = FINISH_REASONS.get(completion.finish_reason, token_pb2.FINISH_REASON_ABORTED)
+    logprobs: list[tuple[float | None, tuple[Candidate, ...]]] = []
+    pieces: list[str | None] = []
+    if completion.logprobs:
+        for position, token_id in enumerate(token_ids):
+            position_logprobs = completion.logprobs[position]
+            logprobs.append(token_logprobs(position_logprobs, token_id, top_logprobs))
+            sampled = position_logprobs.get(token_id) if position_logprobs else None
+            pieces.append(sampled.decoded_token if sampled is not None else None)
+    # Several tokens in one output: their decoded texts (logprobs only) split the text.
+    lengths = split_text(completion.text, pieces) if len(pieces) > 1 else None
+    return Tokens(
+        first_index,
+        token_ids,
+        completion.text,
+        finish,
+        prompt_tokens,
+        logprobs,
+        lengths,
+        choice=completion.index,
+    )
+
+
+def split_text(text: str, pieces: Sequence[str | None]) -> list[int]:
+    """The UTF-8 bytes of `text` each token adds, from the tokens' decoded texts (None where
+    unknown): each its own while they spell the start of the text, the rest on the last token.
+    The text is authoritative: stop strings, text held back for them, or a character split
+    across tokens can make it differ from the pieces."""
+    lengths = []
+    offset = 0
+    for piece in pieces[:-1]:
+        if piece is None or not text.startswith(piece, offset):
+            break
+        lengths.append(len(piece.encode()))
+        offset += len(piece)
+    lengths.extend([0] * (len(pieces) - 1 - len(lengths)))
+    lengths.append(len(text[offset:].encode()))
+    return lengths
