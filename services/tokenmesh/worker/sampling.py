@@ -95,8 +95,8 @@ class EngineSampling:
     def params(self, options: VllmRequest, max_tokens: int) -> SamplingParams:
         try:
             params = options.to_sampling_params(max_tokens, self._defaults)
-            # vLLM checks these again as it adds the request; here its errors are the
-            # caller's, naming the field (the second check finds the constraint compiled).
+            # vLLM checks these again as it adds the request; checked here first, its errors
+            # are the caller's, naming the field.
             params.verify(
                 self._model_config, None, self._structured_outputs_config, self._tokenizer
             )
