@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 
 from tokenmesh.common.errors import HTTP_STATUS, DependencyError, ServiceError, error_body
+from tokenmesh.common.tokens import ends_stream
 from tokenmesh.v1 import inference_pb2, token_pb2
 
 log = logging.getLogger(__name__)
@@ -181,11 +182,6 @@ def choice(
 ) -> Any:
     key = "delta" if shape.chat else "text"
     return {"index": index, key: piece, "logprobs": logprobs, "finish_reason": reason}
-
-
-def ends_stream(token: token_pb2.Token) -> bool:
-    """The stream's last message: it carries the usage of every choice."""
-    return bool(token.HasField("usage"))
 
 
 class EventStream:

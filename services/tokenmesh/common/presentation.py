@@ -13,10 +13,9 @@ from tokenmesh.common.openai_answers import (
     EventStream,
     Shape,
     WholeAnswer,
-    ends_stream,
     error_response,
 )
-from tokenmesh.common.tokens import DEGRADED_HEADER
+from tokenmesh.common.tokens import DEGRADED_HEADER, ends_stream
 from tokenmesh.v1 import inference_pb2, token_pb2
 
 EVENT_STREAM = "text/event-stream"

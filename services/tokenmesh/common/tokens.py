@@ -70,6 +70,11 @@ def parse_usage_trailer(value: str) -> tuple[int, int, int] | None:
     return prompt_tokens, completion_tokens, messages
 
 
+def ends_stream(token: token_pb2.Token) -> bool:
+    """The stream's last message: it carries the usage of every choice."""
+    return bool(token.HasField("usage"))
+
+
 def token_count(token: token_pb2.Token) -> int:
     """How many generated tokens a message holds (0 for a message that only ends the stream;
     a sender that predates token_ids sends one per message)."""

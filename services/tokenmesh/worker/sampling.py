@@ -95,8 +95,9 @@ class EngineSampling:
     def params(self, options: VllmRequest, max_tokens: int) -> SamplingParams:
         try:
             params = options.to_sampling_params(max_tokens, self._defaults)
-            # vLLM checks these again as it adds the request; checked here first, its errors
-            # are the caller's, naming the field.
+            # vLLM checks these again as it adds the request, but there a constraint that does
+            # not compile (a plain ValueError) becomes an EngineGenerateError, an internal
+            # error; checked here first, every refusal is the caller's, naming the field.
             params.verify(
                 self._model_config, None, self._structured_outputs_config, self._tokenizer
             )

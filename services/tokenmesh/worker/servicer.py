@@ -16,7 +16,7 @@ from tokenmesh.common.errors import DeadlineExceeded
 from tokenmesh.common.metrics import StreamMetrics
 from tokenmesh.common.outcome import Deadline
 from tokenmesh.common.presentation import OpenAIPresenter, degraded_marker
-from tokenmesh.common.tokens import USAGE_TRAILER, usage_trailer
+from tokenmesh.common.tokens import USAGE_TRAILER, ends_stream, usage_trailer
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
 from tokenmesh.worker.admission import Admission
 from tokenmesh.worker.config import WorkerSettings
@@ -106,7 +106,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             async with contextlib.aclosing(generated) as tokens:
                 async for token in tokens:
                     messages += 1
-                    if token.HasField("usage"):
+                    if ends_stream(token):
                         usage = token.usage
                         value = usage_trailer(
                             usage.prompt_tokens, usage.completion_tokens, messages

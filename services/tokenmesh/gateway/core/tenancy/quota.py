@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 
-from tokenmesh.common.openai_answers import ends_stream
 from tokenmesh.common.tenants import Tenant
-from tokenmesh.common.tokens import cut, token_count
+from tokenmesh.common.tokens import cut, ends_stream, token_count
 from tokenmesh.gateway.core.tenancy.limits import TenantLimiter
 from tokenmesh.gateway.core.tenancy.metrics import TenantMetrics
 from tokenmesh.v1 import token_pb2

@@ -58,28 +58,13 @@ class Message(BaseModel):
         return self.content or ""
 
 
-# The request fields that are sampling options, taken as they are: named as GenerateRequest's
-# fields (which are named as vLLM's). The others the models below name.
+# The request fields that are sampling options, taken as they are: GenerateRequest's fields that
+# the worker's SamplingParams has by the same name (named as vLLM's), but those the models below
+# read themselves. A sampling field added to both protos is taken with no change here.
 SAMPLING_FIELDS = frozenset(
-    {
-        "temperature",
-        "top_p",
-        "top_k",
-        "seed",
-        "ignore_eos",
-        "presence_penalty",
-        "frequency_penalty",
-        "repetition_penalty",
-        "min_p",
-        "min_tokens",
-        "stop_token_ids",
-        "bad_words",
-        "allowed_token_ids",
-        "logit_bias",
-        "include_stop_str_in_output",
-        "stream_interval",
-    }
-)
+    set(llm_pb2.GenerateRequest.DESCRIPTOR.fields_by_name)
+    & set(inference_pb2.SamplingParams.DESCRIPTOR.fields_by_name)
+) - {"max_tokens", "stop", "logprobs", "top_logprobs", "structured_outputs", "n"}
 
 
 class _Request(BaseModel):
