@@ -29,10 +29,33 @@ SEED = 1234
 
 # A minimal ChatML-like chat template (the model's own, as vLLM renders chat): each message is
 # <s>role\ncontent</s>\n, and the generation prompt opens the assistant's message, which ends
-# when the model emits </s> (its end-of-sequence token).
+# when the model emits </s> (its end-of-sequence token). Tools render as Hermes' templates
+# render them (vLLM's `hermes` tool-call parser reads the calls back): a system message listing
+# them in <tools>, each call of an assistant message in <tool_call> tags, each tool result in
+# <tool_response> tags. Without tools a conversation renders as it did before they existed.
 CHAT_TEMPLATE = (
+    "{% if tools %}"
+    "{{ bos_token + 'system\\nYou may call one or more functions. The functions: <tools>' }}"
+    "{% for tool in tools %}{{ tool | tojson }}{% endfor %}"
+    "{{ '</tools> For each call, return a JSON object with the function name and arguments "
+    "within <tool_call></tool_call> tags:\\n<tool_call>\\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}'
+    "\\n</tool_call>' + eos_token + '\\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{ bos_token + 'assistant\\n' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] %}"
+    "{{ '<tool_call>\\n{\"name\": ' + call['function']['name'] | tojson"
+    " + ', \"arguments\": ' + call['function']['arguments'] | tojson + '}\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ eos_token + '\\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ bos_token + 'tool\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>'"
+    " + eos_token + '\\n' }}"
+    "{% else %}"
     "{{ bos_token + message['role'] + '\\n' + message['content'] + eos_token + '\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ bos_token + 'assistant\\n' }}{% endif %}"
 )

@@ -81,10 +81,30 @@ def conversation(*messages: tuple[str, str]) -> list[inference_pb2.ConversationM
 # Each: request fields, sampling fields, the field the error names, and what it says.
 MESSAGE_CASES = {
     "unknown role": (
-        dict(messages=conversation(("system", "s"), ("tool", "t"))),
+        dict(messages=conversation(("system", "s"), ("developer", "t"))),
         {},
         "messages[1].role",
-        "must be one of system, user, assistant, got 'tool'",
+        "must be one of system, user, assistant, tool, got 'developer'",
+    ),
+    "tool result without its call": (
+        dict(messages=conversation(("user", "u"), ("tool", "42"))),
+        {},
+        "messages[1].tool_call_id",
+        "a tool message needs the call's id",
+    ),
+    "tools without messages": (
+        dict(prompt="p", tools=inference_pb2.ToolCalling(tools_json="[]")),
+        {},
+        "tools",
+        "need messages (tools are for conversations)",
+    ),
+    "tools not a list": (
+        dict(
+            messages=conversation(("user", "u")), tools=inference_pb2.ToolCalling(tools_json="{}")
+        ),
+        {},
+        "tools.tools_json",
+        "must be a JSON array of tools",
     ),
     "empty content": (
         dict(messages=conversation(("user", ""))),

@@ -45,7 +45,6 @@ def test_a_body_that_is_not_json_is_refused() -> None:
     [
         ({"n": 0}, "n"),
         ({"n": 2**31}, "n"),
-        ({"tools": [{"type": "function"}]}, "tools"),
         ({"guided_json": {"type": "object"}}, "guided_json"),
         ({"echo": True}, "echo"),
         ({"use_beam_search": True}, "use_beam_search"),
@@ -61,9 +60,11 @@ def test_a_body_that_is_not_json_is_refused() -> None:
             "response_format",
         ),
         ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "developer", "content": "x"}]}, "messages[0].role"),
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": "user", "content": "x", "name": "a"}]}, "messages.0.name"),
+        ({"messages": [{"role": "user", "content": "x", "audio": {}}]}, "messages.0.audio"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": {"type": "function"}}, "tools"),
     ],
 )
 def test_what_would_change_the_answer_but_is_not_supported_is_refused_by_name(
@@ -401,3 +402,28 @@ def test_a_whole_answer_has_every_choice_in_index_order() -> None:
         (1, "cd", "length"),
     ]
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+
+
+def test_tool_calls_and_results_reach_the_worker_with_the_tools() -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    body = chat(
+        messages=[
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "name": "f", "content": "42"},
+        ],
+        tools=tools,
+        tool_choice="required",
+        parallel_tool_calls=False,
+    )
+    body.generate_request(4096)
+    _, assistant, tool = body.conversation(None)
+    [made] = assistant.tool_calls
+    assert (made.index, made.id, made.name, made.arguments) == (0, "c1", "f", '{"a": 1}')
+    assert (tool.role, tool.tool_call_id, tool.name, tool.content) == ("tool", "c1", "f", "42")
+    calling = body.tool_calling()
+    assert calling is not None and json.loads(calling.tools_json) == tools
+    assert json.loads(calling.tool_choice_json) == "required"
+    assert calling.HasField("parallel_tool_calls") and not calling.parallel_tool_calls
+    assert chat().tool_calling() is None

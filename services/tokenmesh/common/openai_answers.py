@@ -28,6 +28,7 @@ FINISH_REASONS = {
     token_pb2.FINISH_REASON_QUOTA_EXHAUSTED: "length",
     token_pb2.FINISH_REASON_ABORTED: "abort",
     token_pb2.FINISH_REASON_CANCELLED: "abort",
+    token_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls",
 }
 
 
@@ -173,6 +174,35 @@ def sse(data: Any) -> bytes:
 DONE = b"data: [DONE]\n\n"
 
 
+def reasoning_fields(reasoning: str) -> dict[str, str]:
+    """Reasoning as OpenAI-compatible servers name it: "reasoning_content" (DeepSeek's name,
+    which most clients read) and "reasoning" (vLLM's since 0.10), both."""
+    return {"reasoning_content": reasoning, "reasoning": reasoning} if reasoning else {}
+
+
+def tool_call_delta(piece: token_pb2.ToolCall) -> dict[str, Any]:
+    """A tool-call piece as OpenAI streams it: id, type and name on a call's first piece."""
+    delta: dict[str, Any] = {"index": piece.index}
+    function: dict[str, str] = {"arguments": piece.arguments}
+    if piece.id or piece.name:
+        delta["id"], delta["type"] = piece.id, "function"
+        function = {"name": piece.name, "arguments": piece.arguments}
+    delta["function"] = function
+    return delta
+
+
+def chat_delta(token: token_pb2.Token) -> dict[str, Any]:
+    """A message's delta of a chat: its content, reasoning and tool-call pieces."""
+    delta: dict[str, Any] = {"content": token.text}
+    if token.reasoning or token.tool_calls:
+        if not token.text:
+            delta["content"] = None
+        delta.update(reasoning_fields(token.reasoning))
+        if token.tool_calls:
+            delta["tool_calls"] = [tool_call_delta(piece) for piece in token.tool_calls]
+    return delta
+
+
 def choice(
     shape: Shape,
     piece: Any,
@@ -217,7 +247,7 @@ class EventStream:
         index = token.choice
         reason = finish_reason(token)
         offset = self._offsets.get(index, 0)
-        if reason is None and not self._logprobs:
+        if reason is None and not self._logprobs and not (token.reasoning or token.tool_calls):
             parts = self._parts.get(index)
             if parts is None:
                 parts = self._parts[index] = shape.text_chunk_parts(index)
@@ -228,7 +258,7 @@ class EventStream:
                 logprobs = (
                     chat_logprobs(token) if shape.chat else completion_logprobs(token, offset)
                 )
-            piece = {"content": token.text} if shape.chat else token.text
+            piece = chat_delta(token) if shape.chat else token.text
             data = shape.chunk(choice(shape, piece, reason, logprobs, index))
         self._offsets[index] = offset + len(token.text)
         if not ends_stream(token):
@@ -252,6 +282,9 @@ class _Choice:
     """One choice of a whole answer, as its messages arrive."""
 
     parts: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    # Tool calls by index: id, name and the arguments' pieces.
+    calls: dict[int, tuple[str, str, list[str]]] = field(default_factory=dict)
     content: list[Any] = field(default_factory=list)
     merged: dict[str, list[Any]] = field(default_factory=dict)
     offset: int = 0
@@ -280,6 +313,13 @@ class WholeAnswer:
                     made.merged.setdefault(key, []).extend(values)
         made.parts.append(token.text)
         made.offset += len(token.text)
+        if token.reasoning:
+            made.reasoning.append(token.reasoning)
+        for piece in token.tool_calls:
+            call = made.calls.get(piece.index)
+            if call is None:
+                call = made.calls[piece.index] = (piece.id, piece.name, [])
+            call[2].append(piece.arguments)
         if token.finish_reason:
             made.reason = finish_reason(token)
         if ends_stream(token):
@@ -296,9 +336,21 @@ class WholeAnswer:
     def _choice(self, index: int, made: _Choice) -> dict[str, Any]:
         text = "".join(made.parts)
         if self.shape.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            message.update(reasoning_fields("".join(made.reasoning)))
+            if made.calls:
+                message["content"] = text or None
+                message["tool_calls"] = [
+                    {
+                        "id": id_,
+                        "type": "function",
+                        "function": {"name": name, "arguments": "".join(arguments)},
+                    }
+                    for _, (id_, name, arguments) in sorted(made.calls.items())
+                ]
             return {
                 "index": index,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": {"content": made.content} if self.logprobs else None,
                 "finish_reason": made.reason,
             }

@@ -8,6 +8,7 @@ compiles) is checked by vLLM's own validation on the worker (worker/engine_reque
 
 from __future__ import annotations
 
+import json
 import math
 
 from google.protobuf.message import Message
@@ -69,6 +70,32 @@ class SamplingLimits(BaseModel):
             "most this many bytes (UTF-8) in all."
         ),
     )
+
+
+class ToolLimits(BaseModel):
+    """The limits of a conversation's tools (OpenAI's tools and tool_choice)."""
+
+    max_tools: int = Field(default=128, ge=0, description="`tools`: at most this many functions.")
+    max_tools_bytes: int = Field(
+        default=262144,
+        ge=1,
+        description="`tools` and `tool_choice` as JSON: at most this many bytes together.",
+    )
+
+
+def check_tools(field: str, tools: inference_pb2.ToolCalling, limits: ToolLimits) -> None:
+    """At most max_tools functions in at most max_tools_bytes of JSON (what each means is vLLM's
+    request model's to check)."""
+    size = len(tools.tools_json.encode()) + len(tools.tool_choice_json.encode())
+    if size > limits.max_tools_bytes:
+        raise InvalidArgument(field, f"is {size} bytes, over the limit of {limits.max_tools_bytes}")
+    try:
+        listed = json.loads(tools.tools_json) if tools.tools_json else []
+    except ValueError as exc:
+        raise InvalidArgument(f"{field}.tools_json", f"not valid JSON ({exc})") from exc
+    if not isinstance(listed, list):
+        raise InvalidArgument(f"{field}.tools_json", "must be a JSON array of tools")
+    check_count(field, len(listed), limits.max_tools, "tools")
 
 
 def check_sampling(

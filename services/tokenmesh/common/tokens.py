@@ -113,6 +113,13 @@ def merge(into: token_pb2.Token, later: token_pb2.Token) -> None:
         into.text += later.text
         if len(into.token_ids) > 1:
             into.text_lengths[-1] += len(later.text.encode())
+    into.reasoning += later.reasoning
+    for piece in later.tool_calls:
+        last = into.tool_calls[-1] if into.tool_calls else None
+        if last is not None and last.index == piece.index and not (piece.id or piece.name):
+            last.arguments += piece.arguments  # the same call's arguments continue
+        else:
+            into.tool_calls.append(piece)
     if later.finish_reason:
         into.finish_reason = later.finish_reason
         into.usage.CopyFrom(later.usage)

@@ -7,7 +7,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from tokenmesh.common.sampling import SamplingLimits
+from tokenmesh.common.sampling import SamplingLimits, ToolLimits
 from tokenmesh.common.settings import MIB, ServiceSettings
 
 
@@ -131,7 +131,7 @@ class PickerSettings(BaseModel):
         return value
 
 
-class GatewaySettings(ServiceSettings, SamplingLimits):
+class GatewaySettings(ServiceSettings, SamplingLimits, ToolLimits):
     model_config = SettingsConfigDict(
         env_prefix="TOKENMESH_GATEWAY_", env_nested_delimiter="__", frozen=True, extra="ignore"
     )

@@ -177,9 +177,23 @@ class ProcessTable:
             # until max_tokens.
             structured_outputs_backend="xgrammar",
             structured_outputs_disable_any_whitespace=True,
+            **self._tool_calling(),
             **self._shared("worker"),
         )
         return service_program(self.tools.python, "worker", settings, i)
+
+    def _tool_calling(self) -> dict[str, Any]:
+        """The mesh's own models (scripts/make_tiny_model.py marks them) have a chat template
+        that writes tool calls as Hermes' do; another model's parser is the user's to name
+        (TOKENMESH_WORKER_TOOL_CALL_PARSER)."""
+        if not (Path(self.settings.model) / "tokenmesh-tiny.json").exists():
+            return {}
+        return {
+            "tool_call_parser": "hermes",
+            "enable_auto_tool_choice": True,
+            # Forced calls by their JSON schema, compact as structured outputs are here.
+            "enforce_strict_tool_calling": False,
+        }
 
     def _reranker(self) -> Program:
         s = self.settings

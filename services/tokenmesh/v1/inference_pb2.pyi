@@ -66,7 +66,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., stream_interval: _Optional[int] = ..., max_tokens_within_context: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., bad_words: _Optional[_Iterable[str]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., include_stop_str_in_output: _Optional[bool] = ..., structured_outputs: _Optional[_Union[_token_pb2.StructuredOutputs, _Mapping]] = ..., n: _Optional[int] = ...) -> None: ...
 
 class InferenceRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "sampling", "warnings", "messages", "openai", "degraded")
+    __slots__ = ("request_id", "prompt", "sampling", "warnings", "messages", "openai", "degraded", "tools")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,7 @@ class InferenceRequest(_message.Message):
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     OPENAI_FIELD_NUMBER: _ClassVar[int]
     DEGRADED_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     sampling: SamplingParams
@@ -81,7 +82,18 @@ class InferenceRequest(_message.Message):
     messages: _containers.RepeatedCompositeFieldContainer[ConversationMessage]
     openai: OpenAIAnswer
     degraded: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., warnings: _Optional[_Iterable[str]] = ..., messages: _Optional[_Iterable[_Union[ConversationMessage, _Mapping]]] = ..., openai: _Optional[_Union[OpenAIAnswer, _Mapping]] = ..., degraded: _Optional[str] = ...) -> None: ...
+    tools: ToolCalling
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., warnings: _Optional[_Iterable[str]] = ..., messages: _Optional[_Iterable[_Union[ConversationMessage, _Mapping]]] = ..., openai: _Optional[_Union[OpenAIAnswer, _Mapping]] = ..., degraded: _Optional[str] = ..., tools: _Optional[_Union[ToolCalling, _Mapping]] = ...) -> None: ...
+
+class ToolCalling(_message.Message):
+    __slots__ = ("tools_json", "tool_choice_json", "parallel_tool_calls")
+    TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_JSON_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    tools_json: str
+    tool_choice_json: str
+    parallel_tool_calls: bool
+    def __init__(self, tools_json: _Optional[str] = ..., tool_choice_json: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ...) -> None: ...
 
 class OpenAIAnswer(_message.Message):
     __slots__ = ("chat", "id", "created", "model", "stream", "include_usage", "time_limit_seconds")
@@ -102,12 +114,18 @@ class OpenAIAnswer(_message.Message):
     def __init__(self, chat: _Optional[bool] = ..., id: _Optional[str] = ..., created: _Optional[int] = ..., model: _Optional[str] = ..., stream: _Optional[bool] = ..., include_usage: _Optional[bool] = ..., time_limit_seconds: _Optional[float] = ...) -> None: ...
 
 class ConversationMessage(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "tool_calls", "tool_call_id", "name")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[_token_pb2.ToolCall]
+    tool_call_id: str
+    name: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[_token_pb2.ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
 class EngineStatsRequest(_message.Message):
     __slots__ = ()

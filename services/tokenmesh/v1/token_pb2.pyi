@@ -15,12 +15,26 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_CANCELLED: _ClassVar[FinishReason]
     FINISH_REASON_ABORTED: _ClassVar[FinishReason]
     FINISH_REASON_QUOTA_EXHAUSTED: _ClassVar[FinishReason]
+    FINISH_REASON_TOOL_CALLS: _ClassVar[FinishReason]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_CANCELLED: FinishReason
 FINISH_REASON_ABORTED: FinishReason
 FINISH_REASON_QUOTA_EXHAUSTED: FinishReason
+FINISH_REASON_TOOL_CALLS: FinishReason
+
+class ToolCall(_message.Message):
+    __slots__ = ("index", "id", "name", "arguments")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    id: str
+    name: str
+    arguments: str
+    def __init__(self, index: _Optional[int] = ..., id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")
@@ -49,7 +63,7 @@ class PositionLogprobs(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class Token(_message.Message):
-    __slots__ = ("text", "index", "token_id", "finish_reason", "warnings", "emitted_unix_nanos", "usage", "logprob", "top_logprobs", "token_ids", "following_logprobs", "text_lengths", "choice")
+    __slots__ = ("text", "index", "token_id", "finish_reason", "warnings", "emitted_unix_nanos", "usage", "logprob", "top_logprobs", "token_ids", "following_logprobs", "text_lengths", "choice", "reasoning", "tool_calls")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +77,8 @@ class Token(_message.Message):
     FOLLOWING_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TEXT_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     CHOICE_FIELD_NUMBER: _ClassVar[int]
+    REASONING_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     text: str
     index: int
     token_id: int
@@ -76,7 +92,9 @@ class Token(_message.Message):
     following_logprobs: _containers.RepeatedCompositeFieldContainer[PositionLogprobs]
     text_lengths: _containers.RepeatedScalarFieldContainer[int]
     choice: int
-    def __init__(self, text: _Optional[str] = ..., index: _Optional[int] = ..., token_id: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., warnings: _Optional[_Iterable[str]] = ..., emitted_unix_nanos: _Optional[int] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., following_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., text_lengths: _Optional[_Iterable[int]] = ..., choice: _Optional[int] = ...) -> None: ...
+    reasoning: str
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    def __init__(self, text: _Optional[str] = ..., index: _Optional[int] = ..., token_id: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., warnings: _Optional[_Iterable[str]] = ..., emitted_unix_nanos: _Optional[int] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., following_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., text_lengths: _Optional[_Iterable[int]] = ..., choice: _Optional[int] = ..., reasoning: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
 
 class StructuredOutputs(_message.Message):
     __slots__ = ("json", "regex", "choice", "grammar", "json_object")

@@ -83,7 +83,8 @@ def features_counter(registry: CollectorRegistry) -> Counter:
     return Counter(
         "tokenmesh_worker_request_features",
         "Requests the worker took that use an engine feature beyond plain sampling, by feature "
-        "(structured_outputs_json, _json_object, _regex, _choice, _grammar).",
+        "(structured_outputs_json, _json_object, _regex, _choice, _grammar; tools_auto, "
+        "_required, _named, _none).",
         ["feature"],
         registry=registry,
     )

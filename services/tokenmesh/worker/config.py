@@ -8,11 +8,11 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from tokenmesh.common.cpu_pinning import known_cores
-from tokenmesh.common.sampling import SamplingLimits
+from tokenmesh.common.sampling import SamplingLimits, ToolLimits
 from tokenmesh.common.settings import ServiceSettings
 
 
-class WorkerSettings(ServiceSettings, SamplingLimits):
+class WorkerSettings(ServiceSettings, SamplingLimits, ToolLimits):
     model_config = SettingsConfigDict(env_prefix="TOKENMESH_WORKER_", frozen=True, extra="ignore")
 
     port: int = Field(default=50061, ge=0, le=65535)
@@ -140,6 +140,50 @@ class WorkerSettings(ServiceSettings, SamplingLimits):
         ),
     )
 
+    tool_call_parser: str | None = Field(
+        default=None,
+        description=(
+            "How the model writes tool calls (vLLM's --tool-call-parser: hermes, llama3_json, "
+            "mistral, ...). Unset: requests whose tool_choice is not none are refused. The "
+            "local mesh's tiny model writes Hermes' <tool_call> tags."
+        ),
+    )
+    enable_auto_tool_choice: bool = Field(
+        default=False,
+        description=(
+            'tool_choice "auto": the model decides whether to call, its calls found in its '
+            "text by tool_call_parser (vLLM's --enable-auto-tool-choice). Off: only "
+            '"required" and named functions, which structured output enforces.'
+        ),
+    )
+    tool_strict_level: Literal["auto", "function", "parameter"] = Field(
+        default="auto",
+        description=(
+            "How far structured output binds tool calls (vLLM's --tool-strict-level): auto, "
+            'the calls "required" or a named function force, and the arguments of functions '
+            "marked \"strict\"; function, every call's envelope; parameter, every call's "
+            "arguments to its function's parameters as well."
+        ),
+    )
+    enforce_strict_tool_calling: bool = Field(
+        default=True,
+        description=(
+            'Forced calls ("required", a named function) in the model\'s own call format, '
+            "bound by an xgrammar structural tag where the parser has one (vLLM's "
+            "VLLM_ENFORCE_STRICT_TOOL_CALLING). Off: bound by the calls' JSON schema, which "
+            "structured_outputs_disable_any_whitespace makes compact (structural tags ignore "
+            "it); the local mesh's random tiny model needs that."
+        ),
+    )
+    reasoning_parser: str = Field(
+        default="",
+        description=(
+            "How the model marks its reasoning (vLLM's --reasoning-parser: deepseek_r1, "
+            "qwen3, ...): conversations' answers then carry it apart from the content "
+            '(OpenAI\'s "reasoning_content", Token.reasoning). Empty: none.'
+        ),
+    )
+
     @model_validator(mode="after")
     def _whitespace_needs_a_backend_that_has_it(self) -> WorkerSettings:
         # vLLM refuses the combination when the engine starts; here it is named at once.
@@ -155,6 +199,13 @@ class WorkerSettings(ServiceSettings, SamplingLimits):
                 "structured_outputs_disable_any_whitespace needs structured_outputs_backend "
                 f"xgrammar or guidance, not {self.structured_outputs_backend}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _auto_tool_choice_needs_a_parser(self) -> WorkerSettings:
+        # vLLM's server refuses the flag without a parser; named here as the worker starts.
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser")
         return self
 
     max_message_tokens: int = Field(

@@ -31,6 +31,7 @@ from tokenmesh.common.errors import Internal, InvalidArgument, Unavailable
 from tokenmesh.v1 import inference_pb2, token_pb2
 from tokenmesh.worker.config import WorkerSettings
 from tokenmesh.worker.outputs import Tokens, output_tokens
+from tokenmesh.worker.parsing import OutputParsers
 from tokenmesh.worker.requests import EngineRequest
 from tokenmesh.worker.sampling import EngineSampling, engine_options
 from tokenmesh.worker.watchdog import EngineActivity
@@ -115,9 +116,13 @@ def engine_args(settings: WorkerSettings) -> AsyncEngineArgs:
     )
 
 
-def configure_cpu_backend(settings: WorkerSettings) -> None:
-    """vLLM's CPU backend reads its KV-cache size and core binding from the environment only."""
+def configure_vllm_environment(settings: WorkerSettings) -> None:
+    """What vLLM reads from the environment only: whether forced tool calls use structural tags
+    (read as its tool parsers are imported), and its CPU backend's KV-cache size and core
+    binding."""
     from vllm.platforms import current_platform
+
+    os.environ["VLLM_ENFORCE_STRICT_TOOL_CALLING"] = str(int(settings.enforce_strict_tool_calling))
 
     if current_platform.is_cpu():
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_space_gib)
@@ -264,6 +269,8 @@ class VllmEngine:
         # Engine parameters by vLLM's own rules; the worker's default temperature where a
         # request names none.
         self._sampling = EngineSampling(llm, {"temperature": settings.default_temperature})
+        # Tool calls and reasoning in conversations' outputs, by vLLM's parsers.
+        self._parsers = OutputParsers(settings, llm.renderer.tokenizer, llm.model_config)
         # False once vLLM found no chat template for the model (it looks on every render).
         self._has_chat_template = True
         # What vLLM's chat completions render with by default: the model's own template, the
@@ -281,7 +288,7 @@ class VllmEngine:
     async def start(cls, settings: WorkerSettings) -> VllmEngine:
         """Load the model on the engine's thread (the server keeps answering health checks
         meanwhile) and warm up."""
-        configure_cpu_backend(settings)
+        configure_vllm_environment(settings)
         load = EngineLoad()
         activity = EngineActivity()
         thread = EngineThread()
@@ -363,11 +370,14 @@ class VllmEngine:
         return engine_input, spec.max_tokens
 
     async def _render_chat(self, spec: EngineRequest) -> Any:
-        conversation: list[Any] = [
-            {"role": message.role, "content": message.content} for message in spec.messages
-        ]
+        conversation: list[Any] = [message.as_openai() for message in spec.messages]
+        params = self._chat_params
+        tools = getattr(spec.options, "tools", None)
+        if tools:
+            # The tools for the template to describe to the model, as vLLM's server gives them.
+            params = params.with_defaults({"tools": [tool.model_dump() for tool in tools]})
         _, (engine_input,) = await self._llm.renderer.render_chat_async(
-            [conversation], self._chat_params, self._chat_tokenize_params
+            [conversation], params, self._chat_tokenize_params
         )
         return engine_input
 
@@ -377,8 +387,11 @@ class VllmEngine:
         does so when cancelled). The engine holds the request from here to its end."""
         self.activity.request_started()
         try:
+            # Adjusts the options first (forced tool calls become structured outputs).
+            parsing = self._parsers.for_request(spec.options)
             engine_input, max_tokens = await self._tokenize(spec)
-            prompt_tokens = len(engine_input["prompt_token_ids"])
+            prompt_ids = engine_input["prompt_token_ids"]
+            prompt_tokens = len(prompt_ids)
             # Each choice's next position, and the tokens of all choices.
             positions: dict[int, int] = {}
             generated = 0
@@ -395,6 +408,8 @@ class VllmEngine:
                     )
                     positions[choice] = tokens.index + len(tokens.token_ids)
                     generated += len(tokens.token_ids)
+                    if parsing is not None:
+                        parsing.parse(tokens, prompt_ids)
                     if position == final:
                         tokens.last, tokens.completion_tokens = True, generated
                         tokens.finish_reason = (

@@ -25,6 +25,17 @@ class Candidate:
     logprob: float
 
 
+@dataclass(frozen=True)
+class ToolCallPiece:
+    """A piece of one tool call as a stream adds it (token.proto's ToolCall): its first piece
+    has the id and the function's name, later ones of the same index continue the arguments."""
+
+    index: int
+    id: str = ""
+    name: str = ""
+    arguments: str = ""
+
+
 @dataclass(slots=True)
 class Tokens:
     """Consecutive generated tokens of one choice of a request: one engine output, or several
@@ -46,6 +57,9 @@ class Tokens:
     # The stream's last tokens (every choice has ended): the completion tokens of all choices.
     last: bool = False
     completion_tokens: int = 0
+    # A conversation's reasoning and tool-call pieces, apart from text (worker/parsing.py).
+    reasoning: str = ""
+    tool_calls: list[ToolCallPiece] = field(default_factory=list)
 
     def lengths(self) -> list[int]:
         if self.text_lengths is not None:
@@ -65,11 +79,29 @@ class Tokens:
         self.text_lengths = lengths
         self.token_ids.extend(later.token_ids)
         self.text += later.text
+        self.reasoning += later.reasoning
+        self.tool_calls = join_pieces(self.tool_calls, later.tool_calls)
         self.logprobs.extend(later.logprobs)
         if later.finish_reason:
             self.finish_reason = later.finish_reason
         if later.last:
             self.last, self.completion_tokens = True, later.completion_tokens
+
+
+def join_pieces(earlier: list[ToolCallPiece], later: list[ToolCallPiece]) -> list[ToolCallPiece]:
+    """Tool-call pieces of two consecutive outputs as one message's: a later piece of the call
+    the earlier ones ended with continues it (its arguments appended), others follow."""
+    if not later:
+        return earlier
+    joined = list(earlier)
+    for piece in later:
+        last = joined[-1] if joined else None
+        if last is not None and last.index == piece.index and not piece.id and not piece.name:
+            arguments = last.arguments + piece.arguments
+            joined[-1] = ToolCallPiece(last.index, last.id, last.name, arguments)
+        else:
+            joined.append(piece)
+    return joined
 
 
 def token_logprobs(

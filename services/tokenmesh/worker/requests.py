@@ -5,16 +5,17 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from tokenmesh.common.errors import InvalidArgument
-from tokenmesh.common.sampling import check_sampling
+from tokenmesh.common.sampling import check_sampling, check_tools
 from tokenmesh.common.validation import check_count, check_text
 from tokenmesh.v1 import inference_pb2
 from tokenmesh.worker.config import WorkerSettings
 from tokenmesh.worker.sampling import VllmRequest, engine_options
 
-# The roles a conversation's messages may have (those every chat template knows).
-ROLES = ("system", "user", "assistant")
+# The roles a conversation's messages may have (OpenAI's, as vLLM's chat request takes them).
+ROLES = ("system", "user", "assistant", "tool")
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,26 @@ class Message:
 
     role: str
     content: str
+    # An assistant message's calls: (id, function name, arguments as JSON text).
+    tool_calls: tuple[tuple[str, str, str], ...] = ()
+    # A tool message's call id; the author's (or function's) name.
+    tool_call_id: str = ""
+    name: str = ""
+
+    def as_openai(self) -> dict[str, Any]:
+        """The message as OpenAI's chat API (and vLLM's request model) has it."""
+        said: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            said["tool_calls"] = [
+                {"id": id_, "type": "function", "function": {"name": name, "arguments": args}}
+                for id_, name, args in self.tool_calls
+            ]
+            said["content"] = self.content or None
+        if self.tool_call_id:
+            said["tool_call_id"] = self.tool_call_id
+        if self.name:
+            said["name"] = self.name
+        return said
 
 
 @dataclass(frozen=True)
@@ -66,6 +87,10 @@ def validate(request: inference_pb2.InferenceRequest, settings: WorkerSettings) 
     for warning in request.warnings:
         check_text("warnings", warning, settings.max_warning_bytes)
     check_text("degraded", request.degraded, settings.max_warning_bytes, required=False)
+    if request.HasField("tools"):
+        if not messages:
+            raise InvalidArgument("tools", "need messages (tools are for conversations)")
+        check_tools("tools", request.tools, settings)
     # The engine needs ids unique among in-flight requests; a caller's id may repeat, so it
     # gets a random suffix.
     suffix = uuid.uuid4().hex[:12]
@@ -77,7 +102,8 @@ def validate(request: inference_pb2.InferenceRequest, settings: WorkerSettings) 
         options=engine_options(
             sampling,
             request.prompt,
-            [{"role": message.role, "content": message.content} for message in messages],
+            [message.as_openai() for message in messages],
+            request.tools if request.HasField("tools") else None,
         ),
         logprobs=sampling.logprobs,
         top_logprobs=sampling.top_logprobs,
@@ -102,12 +128,37 @@ def check_messages(
                 f"messages[{position}].role",
                 f"must be one of {', '.join(ROLES)}, got {message.role[:32]!r}",
             )
-        check_text(f"messages[{position}].content", message.content, settings.max_prompt_bytes)
-        total += len(message.content.encode())
+        # An assistant's message may be its tool calls alone.
+        check_text(
+            f"messages[{position}].content",
+            message.content,
+            settings.max_prompt_bytes,
+            required=not message.tool_calls,
+        )
+        total += len(message.content.encode()) + sum(
+            len(call.arguments.encode()) for call in message.tool_calls
+        )
+        if message.tool_calls and message.role != "assistant":
+            raise InvalidArgument(
+                f"messages[{position}].tool_calls", "only an assistant message has tool calls"
+            )
+        if message.role == "tool" and not message.tool_call_id:
+            raise InvalidArgument(
+                f"messages[{position}].tool_call_id", "a tool message needs the call's id"
+            )
     if total > settings.max_prompt_bytes:
         raise InvalidArgument(
             "messages",
             f"hold {total} bytes of content together, over the limit of "
             f"{settings.max_prompt_bytes}",
         )
-    return tuple(Message(message.role, message.content) for message in messages)
+    return tuple(
+        Message(
+            message.role,
+            message.content,
+            tuple((call.id, call.name, call.arguments) for call in message.tool_calls),
+            message.tool_call_id,
+            message.name,
+        )
+        for message in messages
+    )

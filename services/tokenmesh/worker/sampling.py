@@ -10,6 +10,7 @@ to `vllm serve`; errors name the field as the public APIs name it.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from google.protobuf.json_format import MessageToDict
@@ -37,11 +38,15 @@ def engine_options(
     sampling: inference_pb2.SamplingParams,
     prompt: str = "",
     messages: list[dict[str, Any]] | None = None,
+    tools: inference_pb2.ToolCalling | None = None,
 ) -> VllmRequest:
-    """vLLM's request model of this request, validated by vLLM: a chat completion of messages,
-    or a completion of the prompt (the worker renders and tokenizes either itself; the model
-    holds every sampling option as `vllm serve` takes it)."""
+    """vLLM's request model of this request, validated by vLLM: a chat completion of messages
+    (and the tools they may call), or a completion of the prompt (the worker renders and
+    tokenizes either itself; the model holds every sampling option as `vllm serve` takes
+    it)."""
     fields: dict[str, Any] = MessageToDict(sampling, preserving_proto_field_name=True)
+    if messages and tools is not None:
+        fields.update(tool_fields(tools))
     for name in MESH_FIELDS:
         fields.pop(name, None)
     if sampling.stream_interval > 1:
@@ -70,15 +75,36 @@ def engine_options(
         raise InvalidArgument(exc.parameter or "sampling", str(exc)) from exc
 
 
+def tool_fields(tools: inference_pb2.ToolCalling) -> dict[str, Any]:
+    """tools, tool_choice and parallel_tool_calls as OpenAI's JSON has them (the sizes were
+    checked before; JSON that does not parse is the field's error)."""
+    fields: dict[str, Any] = {}
+    for name, text in (("tools", tools.tools_json), ("tool_choice", tools.tool_choice_json)):
+        if text:
+            try:
+                fields[name] = json.loads(text)
+            except ValueError as exc:
+                raise InvalidArgument(name, f"not valid JSON ({exc})") from exc
+    if tools.HasField("parallel_tool_calls"):
+        fields["parallel_tool_calls"] = tools.parallel_tool_calls
+    return fields
+
+
 CONSTRAINTS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 def features(options: VllmRequest) -> list[str]:
     """The engine features a request uses, as the worker counts them."""
+    used = []
+    if isinstance(options, ChatCompletionRequest) and options.tools:
+        choice = options.tool_choice
+        used.append(f"tools_{choice if isinstance(choice, str) else 'named'}")
     constraint = options.structured_outputs
     if constraint is None:
-        return []
-    return [f"structured_outputs_{name}" for name in CONSTRAINTS if getattr(constraint, name)]
+        return used
+    return used + [
+        f"structured_outputs_{name}" for name in CONSTRAINTS if getattr(constraint, name)
+    ]
 
 
 class EngineSampling:

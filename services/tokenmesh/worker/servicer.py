@@ -55,6 +55,12 @@ def token_message(tokens: Tokens) -> token_pb2.Token:
             add_candidates(position.top_logprobs, top)
     if tokens.choice:
         token.choice = tokens.choice
+    if tokens.reasoning:
+        token.reasoning = tokens.reasoning
+    for piece in tokens.tool_calls:
+        token.tool_calls.add(
+            index=piece.index, id=piece.id, name=piece.name, arguments=piece.arguments
+        )
     if tokens.last:
         token.usage.prompt_tokens = tokens.prompt_tokens
         token.usage.completion_tokens = tokens.completion_tokens

@@ -101,6 +101,8 @@ class Preparer:
         else:
             request.messages.extend(prompt.messages)
             request.prompt = prompt.fallback
+            if prompt.tools is not None:
+                request.tools.CopyFrom(prompt.tools)
         used: tuple[int, ...] = ()
         if context is not None:
             request.warnings.extend(context.warnings)

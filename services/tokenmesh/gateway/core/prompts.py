@@ -16,6 +16,8 @@ class Conversation:
 
     messages: tuple[inference_pb2.ConversationMessage, ...]
     fallback: str = ""
+    # The functions the model may call (an OpenAI chat's tools and tool_choice).
+    tools: inference_pb2.ToolCalling | None = None
 
 
 def message(role: str, content: str) -> inference_pb2.ConversationMessage:

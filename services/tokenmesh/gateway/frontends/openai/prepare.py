@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from tokenmesh.common.errors import InvalidArgument
 from tokenmesh.common.openai_answers import Shape
+from tokenmesh.common.sampling import check_tools
 from tokenmesh.gateway.config import GatewaySettings
 from tokenmesh.gateway.core.catalog import ModelCatalog
 from tokenmesh.gateway.core.documents import Prompt
@@ -38,12 +39,15 @@ class OpenAIPreparer:
                     f"more than the limit of {settings.max_chat_messages} messages",
                 )
             for position, message in enumerate(body.messages):
-                size = len(message.text().encode())
+                size = message.size()
                 if size > settings.max_chat_message_bytes:
                     raise InvalidArgument(
                         f"messages[{position}].content",
                         f"{size} bytes, more than the limit of {settings.max_chat_message_bytes}",
                     )
+        tools = body.tool_calling() if isinstance(body, ChatCompletionRequest) else None
+        if tools is not None:
+            check_tools("tools", tools, settings)
         asked = question(generate, settings)
         limit = settings.http_request_timeout_seconds
         context = await self._preparer.context(asked, limit)
@@ -51,7 +55,8 @@ class OpenAIPreparer:
         if isinstance(body, ChatCompletionRequest):
             # No plain fallback: a model without a chat template refuses a chat, as vLLM does.
             prompt = Conversation(
-                body.conversation(context.context_question if context.documents else None)
+                body.conversation(context.context_question if context.documents else None),
+                tools=tools,
             )
             # Without a limit, as vLLM's server: up to what the context leaves.
             asked.sampling.max_tokens_within_context = body.max_tokens_named is None

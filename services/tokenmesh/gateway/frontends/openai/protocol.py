@@ -15,7 +15,7 @@ from tokenmesh.v1 import inference_pb2, llm_pb2
 
 # OpenAI's default for /v1/completions when max_tokens is left out.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 # What the protobuf fields these numbers go into hold: past it, a request is refused naming the
 # field (400), never failed as an internal error.
 Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
@@ -45,17 +45,45 @@ class TextPart(BaseModel):
     text: str
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    # JSON text, as OpenAI's API has it.
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """A call an assistant message made (a conversation sent back with the calls' results)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class Message(BaseModel):
-    # A field of a message this API does not take (name, tool_calls, ...) is refused by name.
+    # A field of a message this API does not take is refused by name.
     model_config = ConfigDict(extra="forbid")
 
     role: str
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    # An assistant's calls; a tool message's answer to one of them.
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+    def size(self) -> int:
+        """Bytes of content and call arguments."""
+        return len(self.text().encode()) + sum(
+            len(call.function.arguments.encode()) for call in self.tool_calls or ()
+        )
 
 
 # The request fields that are sampling options, taken as they are: GenerateRequest's fields that
@@ -203,6 +231,22 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: Int32 | None = None
     logprobs: bool = False
     top_logprobs: Int32 | None = None
+    # OpenAI's function calling: what each tool is and whether (and which) to call is vLLM's
+    # request model's to check on the worker, as `vllm serve` checks it.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_calling(self) -> inference_pb2.ToolCalling | None:
+        """tools, tool_choice and parallel_tool_calls for the worker (None: no tools)."""
+        if not self.tools:
+            return None
+        calling = inference_pb2.ToolCalling(tools_json=json.dumps(self.tools))
+        if self.tool_choice is not None:
+            calling.tool_choice_json = json.dumps(self.tool_choice)
+        if self.parallel_tool_calls is not None:
+            calling.parallel_tool_calls = self.parallel_tool_calls
+        return calling
 
     def generate_request(self, max_tokens_cap: int) -> llm_pb2.GenerateRequest:
         """The request as a Generate of its last user message (what documents are ranked
@@ -210,6 +254,8 @@ class ChatCompletionRequest(_Request):
         self.unsupported()
         if not self.messages:
             raise InvalidArgument("messages", "at least one message is required")
+        if not self.tools and self.tool_choice not in (None, "none"):
+            raise InvalidArgument("tool_choice", "needs tools: there is nothing to call")
         for position, message in enumerate(self.messages):
             if message.role not in ROLES:
                 raise InvalidArgument(
@@ -245,15 +291,23 @@ class ChatCompletionRequest(_Request):
         last_user = max(
             (i for i, said in enumerate(self.messages) if said.role == "user"), default=-1
         )
-        return tuple(
-            conversation_message(
-                said.role,
-                context_question
-                if i == last_user and context_question is not None
-                else said.text(),
+        messages = []
+        for i, said in enumerate(self.messages):
+            replaced = i == last_user and context_question is not None
+            message = conversation_message(
+                said.role, context_question if replaced and context_question else said.text()
             )
-            for i, said in enumerate(self.messages)
-        )
+            for index, call in enumerate(said.tool_calls or ()):
+                message.tool_calls.add(
+                    index=index,
+                    id=call.id,
+                    name=call.function.name,
+                    arguments=call.function.arguments,
+                )
+            message.tool_call_id = said.tool_call_id or ""
+            message.name = said.name or ""
+            messages.append(message)
+        return tuple(messages)
 
 
 def parse(model: type[_Request], body: bytes) -> Any:
