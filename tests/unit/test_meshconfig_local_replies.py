@@ -92,6 +92,7 @@ def test_envoys_own_replies_on_openai_paths_are_the_gateways_openai_error_object
     # As the caller sent it, as the transcoder made it a call, as prepared for a worker.
     paths = (
         "/v1/chat/completions",
+        "/tokenize",
         "/tokenmesh.v1.OpenAIService/ChatCompletions",
         "/tokenmesh.v1.InferenceService/GenerateOpenAI",
     )
@@ -110,6 +111,7 @@ def test_envoys_own_replies_on_openai_paths_are_the_gateways_openai_error_object
         "/tokenmesh.v1.InferenceService/Generate",
         "/v1",
         "/ops/",
+        "/tokenizer",
     ):
         for status in (404, 429, 503, 504):
             assert first_mapper(mappers, path, status) is None, (path, status)

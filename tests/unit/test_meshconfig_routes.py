@@ -41,7 +41,7 @@ def test_edge_routes_the_ops_feed_and_page_to_the_control_plane() -> None:
     mesh = MeshSettings(controlplane_port=18111, ops_page_port=19222, direct_token_path=False)
     config = render(mesh)
     routes = listeners(config)["edge"]["route_config"]["virtual_hosts"][0]["routes"]
-    ops_feed, redirect, page, envoys_own, openai, rest = routes
+    ops_feed, redirect, page, envoys_own, openai, tokenize, detokenize, rest = routes
     # Envoy's interfaces on the gateways (external processor, access log) are not the callers'.
     assert envoys_own["match"] == {"prefix": "/envoy.service."}
     assert envoys_own["direct_response"]["status"] == 404
@@ -53,6 +53,10 @@ def test_edge_routes_the_ops_feed_and_page_to_the_control_plane() -> None:
     assert rest["match"] == {"prefix": "/"} and rest["route"]["cluster"] == "gateway"
     assert openai["match"] == {"prefix": "/v1/"} and openai["route"]["cluster"] == "openai"
     assert openai["route"]["timeout"] == "0s"  # a stream lasts as long as it generates
+    # vLLM's tokenizer routes, outside /v1/ as its server has them, to the same gateways.
+    for route, path in ((tokenize, "/tokenize"), (detokenize, "/detokenize")):
+        assert route["match"] == {"path": path}
+        assert route["route"] == {**openai["route"]}
     # A POST is retried only when it never reached a gateway.
     assert openai["route"]["retry_policy"]["retry_on"] == "connect-failure,reset-before-request"
     found = clusters(config)

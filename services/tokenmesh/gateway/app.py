@@ -37,6 +37,7 @@ from tokenmesh.gateway.frontends.openai.api import OpenAIApi
 from tokenmesh.gateway.frontends.openai.http import HttpMetrics, HttpServer
 from tokenmesh.gateway.frontends.openai.pooling import EmbeddingClient, PoolingApi
 from tokenmesh.gateway.frontends.openai.prepare import OpenAIPreparer
+from tokenmesh.gateway.frontends.openai.tokenize import TokenizeApi
 from tokenmesh.v1 import llm_pb2, llm_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -174,6 +175,10 @@ async def serve(settings: GatewaySettings) -> int:
             http_metrics,
             lambda: host.health.serving,
             pooling,
+            # /tokenize and /detokenize: a worker's tokenizer, timed as HTTP requests are.
+            TokenizeApi(
+                worker, catalog, tenancy.http, settings, settings.http_request_timeout_seconds
+            ),
         )
         http = HttpServer(
             api.app(),

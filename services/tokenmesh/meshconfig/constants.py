@@ -18,6 +18,8 @@ RERANKER = "reranker"
 # to it.
 OPENAI_CLUSTER = "openai"
 OPENAI_PREFIX = "/v1/"
+# vLLM's tokenizer routes, outside /v1/ as its server has them; served by the same gateways.
+TOKENIZER_PATHS = ("/tokenize", "/detokenize")
 XDS_CLUSTER = "xds_cluster"
 OPS_CLUSTER = "ops"
 OPS_PAGE_CLUSTER = "ops_page"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from tokenmesh.meshconfig.access_logs import access_log, direct_stream_log
 from tokenmesh.meshconfig.config import MeshSettings
-from tokenmesh.meshconfig.constants import OPENAI_PREFIX, Config
+from tokenmesh.meshconfig.constants import OPENAI_PREFIX, TOKENIZER_PATHS, Config
 from tokenmesh.meshconfig.direct_path import direct_routes, processor_off
 from tokenmesh.meshconfig.filters import cors_policy, edge_filters
 from tokenmesh.meshconfig.listeners import connection_manager, traffic_listener
@@ -29,9 +29,20 @@ def edge_routes(mesh: MeshSettings, services: Services) -> list[Config]:
             "direct_response": {"status": 404, "body": {"inline_string": "not served here"}},
         },
         *direct_routes(mesh, services),
-        *([service_route(services.openai, mesh, OPENAI_PREFIX)] if services.openai else []),
+        *(openai_routes(mesh, services) if services.openai else []),
         service_route(services.gateway, mesh),
     ]
+
+
+def openai_routes(mesh: MeshSettings, services: Services) -> list[Config]:
+    """OpenAI's API (/v1/...) and vLLM's tokenizer routes to the gateways' HTTP port."""
+    assert services.openai is not None
+    routes = [service_route(services.openai, mesh, OPENAI_PREFIX)]
+    for path in TOKENIZER_PATHS:
+        route = service_route(services.openai, mesh)
+        route["match"] = {"path": path}
+        routes.append(route)
+    return routes
 
 
 def edge_listener(mesh: MeshSettings, services: Services) -> Config:

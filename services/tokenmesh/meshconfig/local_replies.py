@@ -6,7 +6,7 @@ from __future__ import annotations
 from tokenmesh.common.errors import error_body
 from tokenmesh.common.tokens import OPENAI_SERVICE, WORKER_GENERATE_OPENAI, WORKER_REFUSED
 from tokenmesh.meshconfig.config import MeshSettings
-from tokenmesh.meshconfig.constants import OPENAI_PREFIX, TYPE, Config
+from tokenmesh.meshconfig.constants import OPENAI_PREFIX, TOKENIZER_PATHS, TYPE, Config
 
 # Envoy's own replies on OpenAI's paths, by status range (low, high), each answered as the
 # gateway answers the status named (error_body(): OpenAI's error type for it); a client error
@@ -67,7 +67,7 @@ def openai_local_replies(mesh: MeshSettings) -> list[Config]:
     a gateway's own errors pass as they are."""
     if not mesh.openai_api:
         return []
-    paths = [{"prefix": OPENAI_PREFIX}]
+    paths = [{"prefix": OPENAI_PREFIX}, *({"exact": path} for path in TOKENIZER_PATHS)]
     if mesh.direct_token_path:
         # The paths OpenAI's requests have once transcoded, and once prepared for a worker.
         paths += [{"prefix": f"/{OPENAI_SERVICE}/"}, {"exact": WORKER_GENERATE_OPENAI}]

@@ -26,7 +26,7 @@ from google.api import httpbody_pb2 as google_dot_api_dot_httpbody__pb2
 from tokenmesh.v1 import token_pb2 as tokenmesh_dot_v1_dot_token__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctokenmesh/v1/inference.proto\x12\x0ctokenmesh.v1\x1a\x19google/api/httpbody.proto\x1a\x18tokenmesh/v1/token.proto\"\xa5\x06\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\t \x01(\x05\x12\x17\n\x0fstream_interval\x18\n \x01(\x05\x12!\n\x19max_tokens_within_context\x18\x0b \x01(\x08\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\x06\x88\x01\x01\x12\x12\n\x05min_p\x18\x0f \x01(\x02H\x07\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x10 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x11 \x03(\x05\x12\x11\n\tbad_words\x18\x12 \x03(\t\x12\x19\n\x11\x61llowed_token_ids\x18\x13 \x03(\x05\x12?\n\nlogit_bias\x18\x14 \x03(\x0b\x32+.tokenmesh.v1.SamplingParams.LogitBiasEntry\x12\"\n\x1ainclude_stop_str_in_output\x18\x15 \x01(\x08\x12;\n\x12structured_outputs\x18\x16 \x01(\x0b\x32\x1f.tokenmesh.v1.StructuredOutputs\x12\t\n\x01n\x18\x17 \x01(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_p\"\x95\x02\n\x10InferenceRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.tokenmesh.v1.SamplingParams\x12\x10\n\x08warnings\x18\x04 \x03(\t\x12\x33\n\x08messages\x18\x05 \x03(\x0b\x32!.tokenmesh.v1.ConversationMessage\x12*\n\x06openai\x18\x06 \x01(\x0b\x32\x1a.tokenmesh.v1.OpenAIAnswer\x12\x10\n\x08\x64\x65graded\x18\x07 \x01(\t\x12(\n\x05tools\x18\x08 \x01(\x0b\x32\x19.tokenmesh.v1.ToolCalling\"u\n\x0bToolCalling\x12\x12\n\ntools_json\x18\x01 \x01(\t\x12\x18\n\x10tool_choice_json\x18\x02 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x03 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_parallel_tool_calls\"\x9d\x01\n\x0cOpenAIAnswer\x12\x0c\n\x04\x63hat\x18\x01 \x01(\x08\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x03\x12\r\n\x05model\x18\x04 \x01(\t\x12\x0e\n\x06stream\x18\x05 \x01(\x08\x12\x15\n\rinclude_usage\x18\x06 \x01(\x08\x12\x1a\n\x12time_limit_seconds\x18\x08 \x01(\x01J\x04\x08\x07\x10\x08R\nextra_json\"\x84\x01\n\x13\x43onversationMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12*\n\ntool_calls\x18\x03 \x03(\x0b\x32\x16.tokenmesh.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"\x14\n\x12\x45ngineStatsRequest\"\xd5\x01\n\x0b\x45ngineStats\x12\x18\n\x10running_requests\x18\x01 \x01(\x05\x12\x18\n\x10waiting_requests\x18\x02 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x01\x12\x1b\n\x13reported_unix_nanos\x18\x04 \x01(\x03\x12\r\n\x05model\x18\x05 \x01(\t\x12\x15\n\rmax_model_len\x18\x06 \x01(\x05\x12\x1c\n\x14prefix_cache_queries\x18\x07 \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\x08 \x01(\x03\x32\xee\x01\n\x10InferenceService\x12\x41\n\x08Generate\x12\x1e.tokenmesh.v1.InferenceRequest\x1a\x13.tokenmesh.v1.Token0\x01\x12H\n\x0eGenerateOpenAI\x12\x1e.tokenmesh.v1.InferenceRequest\x1a\x14.google.api.HttpBody0\x01\x12M\n\x0eGetEngineStats\x12 .tokenmesh.v1.EngineStatsRequest\x1a\x19.tokenmesh.v1.EngineStatsB@Z>github.com/tokenmesh/tokenmesh/gen/go/tokenmesh/v1;tokenmeshv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctokenmesh/v1/inference.proto\x12\x0ctokenmesh.v1\x1a\x19google/api/httpbody.proto\x1a\x18tokenmesh/v1/token.proto\"\x91\x02\n\x0fTokenizeRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x33\n\x08messages\x18\x02 \x03(\x0b\x32!.tokenmesh.v1.ConversationMessage\x12(\n\x05tools\x18\x03 \x01(\x0b\x32\x19.tokenmesh.v1.ToolCalling\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x05 \x01(\x08H\x01\x88\x01\x01\x12\x19\n\x11return_token_strs\x18\x06 \x01(\x08\x42\x15\n\x13_add_special_tokensB\x18\n\x16_add_generation_prompt\"M\n\x10TokenizeResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\ntoken_strs\x18\x03 \x03(\t\"#\n\x11\x44\x65tokenizeRequest\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\"$\n\x12\x44\x65tokenizeResponse\x12\x0e\n\x06prompt\x18\x01 \x01(\t\"\xa5\x06\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\t \x01(\x05\x12\x17\n\x0fstream_interval\x18\n \x01(\x05\x12!\n\x19max_tokens_within_context\x18\x0b \x01(\x08\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\x06\x88\x01\x01\x12\x12\n\x05min_p\x18\x0f \x01(\x02H\x07\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x10 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x11 \x03(\x05\x12\x11\n\tbad_words\x18\x12 \x03(\t\x12\x19\n\x11\x61llowed_token_ids\x18\x13 \x03(\x05\x12?\n\nlogit_bias\x18\x14 \x03(\x0b\x32+.tokenmesh.v1.SamplingParams.LogitBiasEntry\x12\"\n\x1ainclude_stop_str_in_output\x18\x15 \x01(\x08\x12;\n\x12structured_outputs\x18\x16 \x01(\x0b\x32\x1f.tokenmesh.v1.StructuredOutputs\x12\t\n\x01n\x18\x17 \x01(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_p\"\x95\x02\n\x10InferenceRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.tokenmesh.v1.SamplingParams\x12\x10\n\x08warnings\x18\x04 \x03(\t\x12\x33\n\x08messages\x18\x05 \x03(\x0b\x32!.tokenmesh.v1.ConversationMessage\x12*\n\x06openai\x18\x06 \x01(\x0b\x32\x1a.tokenmesh.v1.OpenAIAnswer\x12\x10\n\x08\x64\x65graded\x18\x07 \x01(\t\x12(\n\x05tools\x18\x08 \x01(\x0b\x32\x19.tokenmesh.v1.ToolCalling\"u\n\x0bToolCalling\x12\x12\n\ntools_json\x18\x01 \x01(\t\x12\x18\n\x10tool_choice_json\x18\x02 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x03 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_parallel_tool_calls\"\x9d\x01\n\x0cOpenAIAnswer\x12\x0c\n\x04\x63hat\x18\x01 \x01(\x08\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x03\x12\r\n\x05model\x18\x04 \x01(\t\x12\x0e\n\x06stream\x18\x05 \x01(\x08\x12\x15\n\rinclude_usage\x18\x06 \x01(\x08\x12\x1a\n\x12time_limit_seconds\x18\x08 \x01(\x01J\x04\x08\x07\x10\x08R\nextra_json\"\x84\x01\n\x13\x43onversationMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12*\n\ntool_calls\x18\x03 \x03(\x0b\x32\x16.tokenmesh.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"\x14\n\x12\x45ngineStatsRequest\"\xd5\x01\n\x0b\x45ngineStats\x12\x18\n\x10running_requests\x18\x01 \x01(\x05\x12\x18\n\x10waiting_requests\x18\x02 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x01\x12\x1b\n\x13reported_unix_nanos\x18\x04 \x01(\x03\x12\r\n\x05model\x18\x05 \x01(\t\x12\x15\n\rmax_model_len\x18\x06 \x01(\x05\x12\x1c\n\x14prefix_cache_queries\x18\x07 \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\x08 \x01(\x03\x32\x8a\x03\n\x10InferenceService\x12\x41\n\x08Generate\x12\x1e.tokenmesh.v1.InferenceRequest\x1a\x13.tokenmesh.v1.Token0\x01\x12H\n\x0eGenerateOpenAI\x12\x1e.tokenmesh.v1.InferenceRequest\x1a\x14.google.api.HttpBody0\x01\x12M\n\x0eGetEngineStats\x12 .tokenmesh.v1.EngineStatsRequest\x1a\x19.tokenmesh.v1.EngineStats\x12I\n\x08Tokenize\x12\x1d.tokenmesh.v1.TokenizeRequest\x1a\x1e.tokenmesh.v1.TokenizeResponse\x12O\n\nDetokenize\x12\x1f.tokenmesh.v1.DetokenizeRequest\x1a .tokenmesh.v1.DetokenizeResponseB@Z>github.com/tokenmesh/tokenmesh/gen/go/tokenmesh/v1;tokenmeshv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,22 +36,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._serialized_options = b'Z>github.com/tokenmesh/tokenmesh/gen/go/tokenmesh/v1;tokenmeshv1'
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_SAMPLINGPARAMS']._serialized_start=100
-  _globals['_SAMPLINGPARAMS']._serialized_end=905
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=736
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=784
-  _globals['_INFERENCEREQUEST']._serialized_start=908
-  _globals['_INFERENCEREQUEST']._serialized_end=1185
-  _globals['_TOOLCALLING']._serialized_start=1187
-  _globals['_TOOLCALLING']._serialized_end=1304
-  _globals['_OPENAIANSWER']._serialized_start=1307
-  _globals['_OPENAIANSWER']._serialized_end=1464
-  _globals['_CONVERSATIONMESSAGE']._serialized_start=1467
-  _globals['_CONVERSATIONMESSAGE']._serialized_end=1599
-  _globals['_ENGINESTATSREQUEST']._serialized_start=1601
-  _globals['_ENGINESTATSREQUEST']._serialized_end=1621
-  _globals['_ENGINESTATS']._serialized_start=1624
-  _globals['_ENGINESTATS']._serialized_end=1837
-  _globals['_INFERENCESERVICE']._serialized_start=1840
-  _globals['_INFERENCESERVICE']._serialized_end=2078
+  _globals['_TOKENIZEREQUEST']._serialized_start=100
+  _globals['_TOKENIZEREQUEST']._serialized_end=373
+  _globals['_TOKENIZERESPONSE']._serialized_start=375
+  _globals['_TOKENIZERESPONSE']._serialized_end=452
+  _globals['_DETOKENIZEREQUEST']._serialized_start=454
+  _globals['_DETOKENIZEREQUEST']._serialized_end=489
+  _globals['_DETOKENIZERESPONSE']._serialized_start=491
+  _globals['_DETOKENIZERESPONSE']._serialized_end=527
+  _globals['_SAMPLINGPARAMS']._serialized_start=530
+  _globals['_SAMPLINGPARAMS']._serialized_end=1335
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1166
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1214
+  _globals['_INFERENCEREQUEST']._serialized_start=1338
+  _globals['_INFERENCEREQUEST']._serialized_end=1615
+  _globals['_TOOLCALLING']._serialized_start=1617
+  _globals['_TOOLCALLING']._serialized_end=1734
+  _globals['_OPENAIANSWER']._serialized_start=1737
+  _globals['_OPENAIANSWER']._serialized_end=1894
+  _globals['_CONVERSATIONMESSAGE']._serialized_start=1897
+  _globals['_CONVERSATIONMESSAGE']._serialized_end=2029
+  _globals['_ENGINESTATSREQUEST']._serialized_start=2031
+  _globals['_ENGINESTATSREQUEST']._serialized_end=2051
+  _globals['_ENGINESTATS']._serialized_start=2054
+  _globals['_ENGINESTATS']._serialized_end=2267
+  _globals['_INFERENCESERVICE']._serialized_start=2270
+  _globals['_INFERENCESERVICE']._serialized_end=2664
 # @@protoc_insertion_point(module_scope)

@@ -51,6 +51,16 @@ class InferenceServiceStub:
                 request_serializer=tokenmesh_dot_v1_dot_inference__pb2.EngineStatsRequest.SerializeToString,
                 response_deserializer=tokenmesh_dot_v1_dot_inference__pb2.EngineStats.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/tokenmesh.v1.InferenceService/Tokenize',
+                request_serializer=tokenmesh_dot_v1_dot_inference__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=tokenmesh_dot_v1_dot_inference__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/tokenmesh.v1.InferenceService/Detokenize',
+                request_serializer=tokenmesh_dot_v1_dot_inference__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=tokenmesh_dot_v1_dot_inference__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServiceServicer:
@@ -81,6 +91,20 @@ class InferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """The tokens the model sees for a prompt, or for messages rendered with its chat template
+        (vLLM's /tokenize), and the text of tokens (its /detokenize). The engine is not used.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -98,6 +122,16 @@ def add_InferenceServiceServicer_to_server(servicer, server):
                     servicer.GetEngineStats,
                     request_deserializer=tokenmesh_dot_v1_dot_inference__pb2.EngineStatsRequest.FromString,
                     response_serializer=tokenmesh_dot_v1_dot_inference__pb2.EngineStats.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=tokenmesh_dot_v1_dot_inference__pb2.TokenizeRequest.FromString,
+                    response_serializer=tokenmesh_dot_v1_dot_inference__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=tokenmesh_dot_v1_dot_inference__pb2.DetokenizeRequest.FromString,
+                    response_serializer=tokenmesh_dot_v1_dot_inference__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -181,6 +215,60 @@ class InferenceService:
             '/tokenmesh.v1.InferenceService/GetEngineStats',
             tokenmesh_dot_v1_dot_inference__pb2.EngineStatsRequest.SerializeToString,
             tokenmesh_dot_v1_dot_inference__pb2.EngineStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokenmesh.v1.InferenceService/Tokenize',
+            tokenmesh_dot_v1_dot_inference__pb2.TokenizeRequest.SerializeToString,
+            tokenmesh_dot_v1_dot_inference__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokenmesh.v1.InferenceService/Detokenize',
+            tokenmesh_dot_v1_dot_inference__pb2.DetokenizeRequest.SerializeToString,
+            tokenmesh_dot_v1_dot_inference__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

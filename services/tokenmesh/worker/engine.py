@@ -10,7 +10,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Callable, Coroutine
+from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
@@ -32,7 +32,7 @@ from tokenmesh.v1 import inference_pb2, token_pb2
 from tokenmesh.worker.config import WorkerSettings
 from tokenmesh.worker.outputs import Tokens, output_tokens
 from tokenmesh.worker.parsing import OutputParsers
-from tokenmesh.worker.requests import EngineRequest
+from tokenmesh.worker.requests import EngineRequest, Message, TokenizeSpec
 from tokenmesh.worker.sampling import EngineSampling, engine_options
 from tokenmesh.worker.watchdog import EngineActivity
 
@@ -269,6 +269,8 @@ class VllmEngine:
         # Engine parameters by vLLM's own rules; the worker's default temperature where a
         # request names none.
         self._sampling = EngineSampling(llm, {"temperature": settings.default_temperature})
+        # The model's tokenizer (vLLM's: a model always has one here).
+        self._tokenizer: Any = llm.renderer.tokenizer
         # Tool calls and reasoning in conversations' outputs, by vLLM's parsers.
         self._parsers = OutputParsers(settings, llm.renderer.tokenizer, llm.model_config)
         # False once vLLM found no chat template for the model (it looks on every render).
@@ -341,7 +343,7 @@ class VllmEngine:
         subject, whose, size = "messages", "messages'", "are {} tokens with the chat template"
         if spec.messages and (self._has_chat_template or not spec.prompt):
             try:
-                engine_input = await self._render_chat(spec)
+                engine_input = await self._render_chat(spec.messages, spec.options)
             except ChatTemplateResolutionError:
                 # Learnt once: later requests with a fallback go straight to it.
                 self._has_chat_template = False
@@ -369,17 +371,66 @@ class VllmEngine:
             )
         return engine_input, spec.max_tokens
 
-    async def _render_chat(self, spec: EngineRequest) -> Any:
-        conversation: list[Any] = [message.as_openai() for message in spec.messages]
-        params = self._chat_params
-        tools = getattr(spec.options, "tools", None)
+    async def _render_chat(
+        self,
+        messages: Sequence[Message],
+        options: Any,
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool | None = None,
+    ) -> Any:
+        conversation: list[Any] = [message.as_openai() for message in messages]
+        params, tok_params = self._chat_params, self._chat_tokenize_params
+        if not add_generation_prompt:
+            params = dataclasses.replace(
+                params,
+                chat_template_kwargs={
+                    **params.chat_template_kwargs,
+                    "add_generation_prompt": False,
+                },
+            )
+        if add_special_tokens is not None:
+            tok_params = dataclasses.replace(tok_params, add_special_tokens=add_special_tokens)
+        tools = getattr(options, "tools", None)
         if tools:
             # The tools for the template to describe to the model, as vLLM's server gives them.
             params = params.with_defaults({"tools": [tool.model_dump() for tool in tools]})
         _, (engine_input,) = await self._llm.renderer.render_chat_async(
-            [conversation], params, self._chat_tokenize_params
+            [conversation], params, tok_params
         )
         return engine_input
+
+    async def tokenize(self, spec: TokenizeSpec) -> list[int]:
+        """The tokens a generation of this prompt, or of these messages rendered with the
+        model's chat template, would start from (vLLM's /tokenize), rendered on the engine's
+        loop as a generation's are."""
+
+        async def render() -> Any:
+            if spec.messages:
+                return await self._render_chat(
+                    spec.messages, spec.options, spec.add_generation_prompt, spec.add_special_tokens
+                )
+            params = self._tokenize_params
+            if spec.add_special_tokens is not None:
+                params = dataclasses.replace(params, add_special_tokens=spec.add_special_tokens)
+            (made,) = await self._llm.renderer.render_cmpl_async([{"prompt": spec.prompt}], params)
+            return made
+
+        try:
+            engine_input = await self._thread.call(render())
+        except Exception as error:
+            raise _mapped(error, "messages" if spec.messages else "prompt") from error
+        return list(engine_input["prompt_token_ids"])
+
+    @property
+    def vocabulary_size(self) -> int:
+        return len(self._tokenizer)
+
+    def token_strs(self, ids: Sequence[int]) -> list[str]:
+        return list(self._tokenizer.convert_ids_to_tokens(list(ids)))
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """The text of these vocabulary ids (vLLM's /detokenize)."""
+        return str(self._tokenizer.decode(list(ids)))
 
     async def _produce(self, spec: EngineRequest, post: Callable[[Item], None]) -> None:
         """On the engine's loop: post each output's tokens, then None at the end, or the error

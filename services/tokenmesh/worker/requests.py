@@ -162,3 +162,61 @@ def check_messages(
         )
         for message in messages
     )
+
+
+@dataclass(frozen=True)
+class TokenizeSpec:
+    """A validated tokenize request: a prompt, or messages and the tools they may call."""
+
+    prompt: str
+    messages: tuple[Message, ...]
+    # vLLM's chat request model of the messages and tools (None for a prompt).
+    options: VllmRequest | None
+    add_special_tokens: bool | None
+    add_generation_prompt: bool
+
+
+def validate_tokenize(
+    request: inference_pb2.TokenizeRequest, settings: WorkerSettings
+) -> TokenizeSpec:
+    """The same limits as a generation's prompt, messages and tools."""
+    messages = check_messages(request.messages, settings) if request.messages else ()
+    if request.prompt and messages:
+        raise InvalidArgument("prompt", "send a prompt or messages, not both")
+    if not messages:
+        check_text("prompt", request.prompt, settings.max_prompt_bytes)
+    options = None
+    if messages:
+        tools = request.tools if request.HasField("tools") else None
+        if tools is not None:
+            check_tools("tools", tools, settings)
+        options = engine_options(
+            inference_pb2.SamplingParams(max_tokens=1),
+            "",
+            [message.as_openai() for message in messages],
+            tools,
+        )
+    elif request.HasField("tools"):
+        raise InvalidArgument("tools", "need messages (tools are for conversations)")
+    return TokenizeSpec(
+        prompt=request.prompt,
+        messages=messages,
+        options=options,
+        add_special_tokens=(
+            request.add_special_tokens if request.HasField("add_special_tokens") else None
+        ),
+        add_generation_prompt=(
+            request.add_generation_prompt if request.HasField("add_generation_prompt") else True
+        ),
+    )
+
+
+def check_token_ids(field: str, ids: Sequence[int], vocabulary: int, max_count: int) -> None:
+    """At most max_count ids, each inside the vocabulary."""
+    check_count(field, len(ids), max_count, "tokens")
+    for position, token_id in enumerate(ids):
+        if not 0 <= token_id < vocabulary:
+            raise InvalidArgument(
+                f"{field}[{position}]",
+                f"must be a vocabulary id in [0, {vocabulary}), got {token_id}",
+            )

@@ -22,7 +22,12 @@ from tokenmesh.worker.admission import Admission
 from tokenmesh.worker.config import WorkerSettings
 from tokenmesh.worker.engine import EngineSlot, VllmEngine
 from tokenmesh.worker.outputs import Candidate, Tokens
-from tokenmesh.worker.requests import EngineRequest, validate
+from tokenmesh.worker.requests import (
+    EngineRequest,
+    check_token_ids,
+    validate,
+    validate_tokenize,
+)
 from tokenmesh.worker.sampling import features
 
 
@@ -214,3 +219,25 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             model=engine.model_name,
             max_model_len=engine.max_model_len,
         )
+
+    async def Tokenize(
+        self,
+        request: inference_pb2.TokenizeRequest,
+        context: aio.ServicerContext[Any, Any],
+    ) -> inference_pb2.TokenizeResponse:
+        engine = self._engines.get()
+        ids = await engine.tokenize(validate_tokenize(request, self._settings))
+        return inference_pb2.TokenizeResponse(
+            tokens=ids,
+            max_model_len=engine.max_model_len,
+            token_strs=engine.token_strs(ids) if request.return_token_strs else (),
+        )
+
+    async def Detokenize(
+        self,
+        request: inference_pb2.DetokenizeRequest,
+        context: aio.ServicerContext[Any, Any],
+    ) -> inference_pb2.DetokenizeResponse:
+        engine = self._engines.get()
+        check_token_ids("tokens", request.tokens, engine.vocabulary_size, engine.max_model_len)
+        return inference_pb2.DetokenizeResponse(prompt=engine.detokenize(request.tokens))

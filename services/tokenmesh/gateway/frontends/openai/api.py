@@ -1,7 +1,8 @@
 """OpenAI's HTTP API (models, completions, chat completions; embeddings and rerank in
-pooling.py) on the gateway token path: each request admitted as gRPC calls are, prepared as
-every request is (OpenAIPreparer), and its answer presented from the worker's tokens by the
-same code the worker presents it with on the direct path (common/presentation.py)."""
+pooling.py; vLLM's tokenize and detokenize in tokenize.py) on the gateway token path: each
+request admitted as gRPC calls are, prepared as every request is (OpenAIPreparer), and its
+answer presented from the worker's tokens by the same code the worker presents it with on the
+direct path (common/presentation.py)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ from tokenmesh.gateway.frontends.openai.protocol import (
     CompletionRequest,
     parse,
 )
+from tokenmesh.gateway.frontends.openai.tokenize import TokenizeApi
 from tokenmesh.v1 import token_pb2
 
 log = logging.getLogger(__name__)
@@ -66,10 +68,13 @@ class OpenAIApi:
         metrics: HttpMetrics,
         serving: Callable[[], bool],
         pooling: PoolingApi | None = None,
+        tokenize: TokenizeApi | None = None,
     ) -> None:
         self._serving = serving
         # /v1/embeddings and /v1/rerank, answered by the reranker's model (pooling.py).
         self._pooling = pooling
+        # /tokenize and /detokenize, answered by a worker's tokenizer (tokenize.py).
+        self._tokenize = tokenize
         self._preparer = preparer
         self._pipeline = pipeline
         self._settings = settings
@@ -96,7 +101,9 @@ class OpenAIApi:
                 ),
                 *(
                     Route(route, self._observed(route, handler), methods=["POST"])
-                    for route, handler in (pooling.routes() if pooling is not None else ())
+                    for extra in (pooling, self._tokenize)
+                    if extra is not None
+                    for route, handler in extra.routes()
                 ),
                 Route("/health", self.health, methods=["GET"]),
             ]

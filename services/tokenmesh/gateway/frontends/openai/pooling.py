@@ -78,7 +78,7 @@ class RerankRequest(BaseModel):
     user: str | None = None
 
 
-Body = TypeVar("Body", EmbeddingRequest, RerankRequest)
+Body = TypeVar("Body", bound=BaseModel)
 
 
 def field_name(location: tuple[int | str, ...]) -> str:
@@ -189,16 +189,25 @@ class EmbeddingClient:
         return self._description
 
     async def _call(self, method: Callable[..., Awaitable[Any]], request: Any) -> Any:
-        try:
-            return await method(request, timeout=self._timeout)
-        except aio.AioRpcError as err:
-            details = err.details() or ""
-            if err.code() is grpc.StatusCode.INVALID_ARGUMENT and ": " in details:
-                field, reason = details.split(": ", 1)
-                raise InvalidArgument(field, reason) from err
-            if err.code() is grpc.StatusCode.NOT_FOUND:
-                raise ModelNotFound(details) from err
-            raise self._reranker.error(err) from err
+        return await unary_call(self._reranker, method, request, self._timeout)
+
+
+async def unary_call(
+    dependency: Dependency, method: Callable[..., Awaitable[Any]], request: Any, seconds: float
+) -> Any:
+    """One call to a service of the mesh: its refusals as the caller's errors naming the field
+    (INVALID_ARGUMENT "field: reason") or the model (NOT_FOUND), anything else as the
+    dependency's failure."""
+    try:
+        return await method(request, timeout=seconds)
+    except aio.AioRpcError as err:
+        details = err.details() or ""
+        if err.code() is grpc.StatusCode.INVALID_ARGUMENT and ": " in details:
+            field, reason = details.split(": ", 1)
+            raise InvalidArgument(field, reason) from err
+        if err.code() is grpc.StatusCode.NOT_FOUND:
+            raise ModelNotFound(details) from err
+        raise dependency.error(err) from err
 
 
 class PoolingApi:
@@ -245,25 +254,38 @@ class PoolingApi:
         model: type[Body],
         answer: Callable[[Body], Awaitable[dict[str, Any]]],
     ) -> Answer:
-        release = await self._tenancy.admit(request_headers(request))
+        return await unary_answer(request, outcome, self._tenancy, model, answer)
+
+
+async def unary_answer(
+    request: Request,
+    outcome: Outcome,
+    tenancy: HttpTenancy,
+    model: type[Body],
+    answer: Callable[[Body], Awaitable[dict[str, Any]]],
+) -> Answer:
+    """One JSON answer to one JSON request, admitted as every OpenAI route admits (its key and
+    tenant limits), the body parsed as `model` (parse), errors as OpenAI's error object; a
+    client that goes away cancels the work."""
+    release = await tenancy.admit(request_headers(request))
+    try:
+        body = parse(model, await request.body())
+    except BaseException:
+        if release is not None:
+            release()
+        raise
+
+    async def work(send: Send) -> None:
         try:
-            body = parse(model, await request.body())
-        except BaseException:
+            answered = await answer(body)
+        except Exception as exc:
+            status, error, headers = error_response(exc)
+            outcome.status, outcome.error = status, error["error"]["message"]
+            await send_json(send, status, error, headers)
+        else:
+            await send_json(send, 200, answered)
+        finally:
             if release is not None:
                 release()
-            raise
 
-        async def work(send: Send) -> None:
-            try:
-                answered = await answer(body)
-            except Exception as exc:
-                status, error, headers = error_response(exc)
-                outcome.status, outcome.error = status, error["error"]["message"]
-                await send_json(send, status, error, headers)
-            else:
-                await send_json(send, 200, answered)
-            finally:
-                if release is not None:
-                    release()
-
-        return Answer(work, outcome)
+    return Answer(work, outcome)
