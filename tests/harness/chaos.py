@@ -282,9 +282,10 @@ class ScenarioMesh:
 
         Then every worker must also have sent token messages since messages_before (taken by
         sent_by_workers() before the scenario's streams began, while the workers answer at
-        once), by its own count: Envoy's bytes are the cluster's, and a worker whose engine
-        has not started yet has streams open but none answered, which Envoy retries elsewhere
-        when it dies, so its kill would test nothing (docs/failure-behaviour.md). A busy worker
+        once), and more since the last look (it is still sending), by its own count: Envoy's
+        bytes are the cluster's, and a worker whose engine has not started yet has streams
+        open but none answered, which Envoy retries elsewhere when it dies, so its kill would
+        test nothing (docs/failure-behaviour.md). A busy worker
         that does not answer within WATCH_CALL_TIMEOUT_SECONDS is asked again on the next
         look, so the kill never lands long after the streams were seen.
 
@@ -297,6 +298,8 @@ class ScenarioMesh:
         cause not yet found (Envoy's admin answered a separate process within 0.5 s meanwhile)."""
         workers = self.local_mesh.replicas("worker")
         seen: dict[str, Any] = {"looks": 0, "slowest_worker_metrics_s": 0.0}
+        # Each worker's messages at the last look at the workers.
+        last: dict[str, float] = {}
         begun = time.monotonic()
         before = self.received_from("worker")
         sent_before = self.sent_to_clients() if to_clients else 0
@@ -333,8 +336,18 @@ class ScenarioMesh:
                     for w in workers
                     if w.name in now and w.name in messages_before
                 }
-                seen["worker_messages"] = streamed
-                if len(streamed) < len(workers) or not all(streamed.values()):
+                # Still sending: more than at the last look. A worker that has written all its
+                # streams' tokens may still have them open at Envoy (the clients read slowly),
+                # and a kill then ends none of them (seen: one worker done, the other's
+                # engine not yet started, after a restart).
+                sending = {name: now[name] > last.get(name, now[name]) for name in now}
+                last.update(now)
+                seen["worker_messages"], seen["workers_sending"] = streamed, sending
+                if (
+                    len(streamed) < len(workers)
+                    or not all(streamed.values())
+                    or not all(sending.get(w.name) for w in workers)
+                ):
                     time.sleep(0.02)
                     continue
                 kill(streams)
