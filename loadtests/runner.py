@@ -65,6 +65,9 @@ class RunConfig:
     prefix_share: float = 0.0
     # The prompts' words' seed (0: seed): same arrivals and lengths, different text.
     text_seed: int = 0
+    # The openai target's: a JSON schema (as text) every answer must follow (vLLM's
+    # structured_outputs.json, which the mesh and vLLM's server both take); "": plain text.
+    structured_json: str = ""
 
     def __post_init__(self) -> None:
         if self.mode not in ("closed", "open"):
@@ -277,7 +280,12 @@ async def run_shard(
         recorder.all_messages += messages
 
     target = make_target(
-        config.target, address, config.documents, config.model, config.stream_interval
+        config.target,
+        address,
+        config.documents,
+        config.model,
+        config.stream_interval,
+        config.structured_json,
     )
     async with target:
         slow = [asyncio.create_task(slow_reader(i)) for i in range(config.slow_streams)]

@@ -331,7 +331,10 @@ def openai_server(placed: bool = False) -> Iterator[tuple[str, int]]:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", MODEL,
                "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
-               "--max-model-len", "2048", "--max-num-seqs", "256"]  # fmt: skip
+               "--max-model-len", "2048", "--max-num-seqs", "256",
+               # A worker's structured outputs (the local mesh's: xgrammar, compact JSON).
+               "--structured-outputs-config",
+               '{"backend": "xgrammar", "disable_any_whitespace": true}']  # fmt: skip
     log = ROOT / ".run" / "vllm-openai.log"
     log.parent.mkdir(exist_ok=True)
     print(f"[sse] vLLM's OpenAI server on port {port} (log: {log})", file=sys.stderr, flush=True)

@@ -196,8 +196,15 @@ class OpenAITarget(_Http):
     several when the server fell behind the engine), the usage in a last event
     (stream_options.include_usage), which makes the token count exact."""
 
+    def __init__(
+        self, address: str, documents: int = 0, model: str = "", structured_json: str = ""
+    ) -> None:
+        super().__init__(address, documents, model)
+        # Every answer follows this JSON schema (vLLM's structured_outputs), when given.
+        self.schema = json.loads(structured_json) if structured_json else None
+
     async def stream(self, spec: RequestSpec, limit: float) -> AsyncIterator[Message]:
-        body = {
+        body: dict[str, Any] = {
             "model": self.model,
             "prompt": spec.prompt,
             "max_tokens": spec.max_tokens,
@@ -205,6 +212,8 @@ class OpenAITarget(_Http):
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if self.schema is not None:
+            body["structured_outputs"] = {"json": self.schema}
         events = 0
         async for line in self._lines("/v1/completions", body, limit):
             if not line.startswith(b"data:"):
@@ -223,7 +232,12 @@ class OpenAITarget(_Http):
 
 
 def make_target(
-    kind: str, address: str, documents: int = 0, model: str = "", stream_interval: int = 0
+    kind: str,
+    address: str,
+    documents: int = 0,
+    model: str = "",
+    stream_interval: int = 0,
+    structured_json: str = "",
 ) -> Target:
     if kind == "worker":
         return WorkerTarget(address)
@@ -232,5 +246,5 @@ def make_target(
     if kind == "rest":
         return RestTarget(address, documents)
     if kind == "openai":
-        return OpenAITarget(address, documents, model)
+        return OpenAITarget(address, documents, model, structured_json)
     raise ValueError(f"unknown target kind {kind!r}: one of {', '.join(KINDS)}")

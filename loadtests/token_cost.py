@@ -59,6 +59,15 @@ OUTPUT_TOKENS = "128"
 PLACED_SSE = "vLLM OpenAI SSE, placed as the mesh"
 # The stream_interval of the extra throughput-mode runs.
 INTERVAL = 8
+# --structured: one schema for every request (each engine compiles it once, then caches it),
+# whose string the random model fills to max_tokens: every token sampled under the grammar.
+STRUCTURED_SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"type": "string"}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
+STRUCTURED_CONCURRENCY = (8, 32)
 TICKS = os.sysconf("SC_CLK_TCK")
 # Only frames of these packages are listed as where a service's time goes (the rest is the
 # interpreter, asyncio and the standard library, shown by their callers).
@@ -104,6 +113,8 @@ class Route:
     metrics: dict[str, int] = field(default_factory=dict)
     # The requests' stream_interval (tokenmesh only; 0: every token at once).
     interval: int = 0
+    # The JSON schema every answer follows (openai targets; "": plain text).
+    structured_json: str = ""
 
 
 # The mesh's own edge (its token path as configured) and a second Envoy on the other path.
@@ -153,6 +164,13 @@ def other_path(mesh: Route, envoy: MeshSettings, envoy_pid: int) -> Route:
         address=f"127.0.0.1:{envoy.edge_port}",
         processes={**mesh.processes, "envoy": [envoy_pid]},
         hops={"envoy": 1 if envoy.direct_token_path else 2},
+    )
+
+
+def structured(path: Route) -> Route:
+    """The same OpenAI route, every answer bound to STRUCTURED_SCHEMA."""
+    return replace(
+        path, label=f"{path.label}, JSON schema", structured_json=json.dumps(STRUCTURED_SCHEMA)
     )
 
 
@@ -304,14 +322,18 @@ def cost(
     concurrency: tuple[int, ...] | None = None,
     openai: bool = False,
     placed_baseline: bool = True,
+    structured_outputs: bool = False,
 ) -> dict[str, Any]:
     """Both servers up; each concurrency's runs interleaved, mesh then SSE, `rounds` times.
     With openai: the edge's OpenAI SSE first, then vLLM's, then the edge's gRPC, at 8, 32 and
-    64 streams (results under openai/)."""
+    64 streams (results under openai/). With structured_outputs: the edge's OpenAI SSE and
+    vLLM's, each plain and with STRUCTURED_SCHEMA, at 8 and 32 streams (under structured/)."""
+    openai = openai or structured_outputs
     if concurrency is None:
         concurrency = OPENAI_CONCURRENCY if openai else CONCURRENCY
+        concurrency = STRUCTURED_CONCURRENCY if structured_outputs else concurrency
         concurrency = QUICK_CONCURRENCY if bench.quick else concurrency
-    name = "openai" if openai else "cost"
+    name = "structured" if structured_outputs else "openai" if openai else "cost"
     rows: list[dict[str, Any]] = []
     comparisons: dict[str, Any] = {}
     with (
@@ -337,12 +359,16 @@ def cost(
         generator_cores = local_mesh.mesh_cores(
             local_mesh.settings.worker_count(), os.cpu_count() or 1
         )
-        if openai:
+        if structured_outputs:
+            edge = openai_path(mesh, local_mesh)
+            # First the pair compared (the mesh and vLLM, both with the schema), then plain.
+            paths = [structured(edge), structured(sse), edge, sse]
+        elif openai:
             paths = [openai_path(mesh, local_mesh), sse, mesh]
         else:
             assert other is not None
             paths = [mesh, sse, other_path(mesh, other, other_pid)]
-        if placed_baseline:
+        if placed_baseline and not structured_outputs:
             paths.append(sse_path(placed_address, placed_server, placed=True))
         for c in concurrency:
             # Fewer, larger messages (a client that prefers throughput), beside the default.
@@ -357,6 +383,7 @@ def cost(
                     duration=bench.round_seconds,
                     output_tokens=OUTPUT_TOKENS,
                     stream_interval=path.interval,
+                    structured_json=path.structured_json,
                     cpus=generator_cores,
                     label=f"{path.label} c={c}",
                 )
@@ -513,6 +540,11 @@ def main() -> None:
         "--openai", action="store_true", help="the edge's OpenAI API against vLLM's (8,32,64)"
     )
     parser.add_argument(
+        "--structured",
+        action="store_true",
+        help="structured output's cost: OpenAI SSE plain and with a JSON schema, edge and vLLM",
+    )
+    parser.add_argument(
         "--no-placed-baseline",
         action="store_true",
         help="skip the second vLLM server placed as the mesh (engine core pinned)",
@@ -523,9 +555,15 @@ def main() -> None:
     bench = Bench(args.out or RESULTS / (stamp + ("-quick" if args.quick else "")), args.quick)
     started = time.strftime("%F %T")
     result = cost(
-        bench, args.rounds, args.profile, streams, args.openai, not args.no_placed_baseline
+        bench,
+        args.rounds,
+        args.profile,
+        streams,
+        args.openai,
+        not args.no_placed_baseline,
+        args.structured,
     )
-    name = "openai" if args.openai else "cost"
+    name = "structured" if args.structured else "openai" if args.openai else "cost"
     result["machine"] = {
         "cpus": os.cpu_count(),
         **report.processor(),
