@@ -168,7 +168,8 @@ async def test_the_workers_headers_are_seen_and_a_refusal_answered_in_openais_sh
         "error": {
             "message": "prompt: too long!",
             "type": "invalid_request_error",
-            "param": None,
+            # The field the worker named.
+            "param": "prompt",
             "code": None,
         }
     }

@@ -22,6 +22,24 @@ def test_a_bad_field_is_400_naming_it() -> None:
     assert body["error"]["message"] == "max_tokens: must be in [1, 8]"
 
 
+@pytest.mark.parametrize(
+    ("message", "param"),
+    [
+        (
+            "messages[1].tool_call_id: a tool message needs the call's id",
+            "messages[1].tool_call_id",
+        ),
+        ("tools.0.function.name: Field required", "tools.0.function.name"),
+        ("the request is bad", None),
+    ],
+)
+def test_a_refusal_passed_on_names_its_field_as_the_param(message: str, param: str | None) -> None:
+    """A worker's refusal reaches the OpenAI answer as its status and message only."""
+    status, body, _ = error_response(DependencyError(grpc.StatusCode.INVALID_ARGUMENT, message))
+    assert status == 400 and body["error"]["param"] == param
+    assert body["error"]["message"] == message
+
+
 def test_a_tenant_over_its_limit_is_429_with_its_back_off() -> None:
     status, body, headers = error_response(ResourceExhausted("over 2 streams", 1500))
     assert status == 429 and body["error"]["type"] == "rate_limit_error"

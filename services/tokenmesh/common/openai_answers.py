@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import Sequence
@@ -17,6 +18,9 @@ from tokenmesh.common.tokens import ends_stream
 from tokenmesh.v1 import inference_pb2, token_pb2
 
 log = logging.getLogger(__name__)
+
+# A refusal's message that begins with the field it is about: "messages[1].tool_call_id: ...".
+FIELD_FIRST = re.compile(r"([A-Za-z_][\w.\[\]]*): ")
 
 # The back-off a client is told when every worker was full (a batch turns over in about this).
 OVERLOADED_RETRY_AFTER_MS = 1000
@@ -368,6 +372,11 @@ def error_response(exc: Exception) -> tuple[int, dict[str, Any], list[tuple[byte
     if isinstance(exc, ServiceError):
         status = HTTP_STATUS.get(exc.code, 500)
         param = getattr(exc, "field", None)
+        if param is None and exc.code == grpc.StatusCode.INVALID_ARGUMENT:
+            # A refusal passed on from another service ("field: reason", a worker's on either
+            # token path): its field is the param.
+            named = FIELD_FIRST.match(exc.message)
+            param = named.group(1) if named else None
         headers = []
         retry_after_ms = getattr(exc, "retry_after_ms", None)
         if isinstance(exc, DependencyError) and exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
