@@ -270,6 +270,7 @@ class ScenarioMesh:
         kill: Callable[[dict[str, int]], None],
         messages_before: dict[str, float],
         to_clients: bool = False,
+        still_sending: bool = False,
     ) -> tuple[dict[str, int] | None, dict[str, Any]]:
         """Once every worker has streams open at Envoy and tokens are coming from the workers
         (Envoy has received more than a token's bytes per open stream since this began), call
@@ -282,10 +283,11 @@ class ScenarioMesh:
 
         Then every worker must also have sent token messages since messages_before (taken by
         sent_by_workers() before the scenario's streams began, while the workers answer at
-        once), and more since the last look (it is still sending), by its own count: Envoy's
-        bytes are the cluster's, and a worker whose engine has not started yet has streams
-        open but none answered, which Envoy retries elsewhere when it dies, so its kill would
-        test nothing (docs/failure-behaviour.md). A busy worker
+        once) by its own count (with still_sending, more since the last look as well: a worker
+        about to be killed must still be writing its streams' tokens): Envoy's bytes are the
+        cluster's, and a worker whose engine has not started yet has streams open but none
+        answered, which Envoy retries elsewhere when it dies, so its kill would test nothing
+        (docs/failure-behaviour.md). A busy worker
         that does not answer within WATCH_CALL_TIMEOUT_SECONDS is asked again on the next
         look, so the kill never lands long after the streams were seen.
 
@@ -338,15 +340,16 @@ class ScenarioMesh:
                 }
                 # Still sending: more than at the last look. A worker that has written all its
                 # streams' tokens may still have them open at Envoy (the clients read slowly),
-                # and a kill then ends none of them (seen: one worker done, the other's
-                # engine not yet started, after a restart).
+                # and its kill then ends none of them (seen: one worker done, the other's
+                # engine not yet started, after a restart). Envoy's own kill cuts whatever it
+                # holds open, so its scenario does not ask for this.
                 sending = {name: now[name] > last.get(name, now[name]) for name in now}
                 last.update(now)
                 seen["worker_messages"], seen["workers_sending"] = streamed, sending
                 if (
                     len(streamed) < len(workers)
                     or not all(streamed.values())
-                    or not all(sending.get(w.name) for w in workers)
+                    or (still_sending and not all(sending.get(w.name) for w in workers))
                 ):
                     time.sleep(0.02)
                     continue
@@ -429,7 +432,7 @@ async def worker_kill(mesh: ScenarioMesh, short: bool) -> Row:
             killed["ended"] = end_times(engine[1:], 15)
 
         running_now, seen = await asyncio.to_thread(
-            mesh.kill_when_generating, 180, kill, messages_before
+            mesh.kill_when_generating, 180, kill, messages_before, False, True
         )
         row.notes["generating_after_s"] = seen.get("after_s")
         row.notes["watch"] = seen
