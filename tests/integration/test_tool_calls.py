@@ -17,13 +17,13 @@ import jsonschema
 import openai
 import pytest
 
+from tests.integration.test_engine_options import PATHS, openai_port
 from tests.support import TINY_MODEL, metric_value, scrape_metrics
 from tokenmesh.localmesh.mesh import LocalMesh
 
 pytestmark = pytest.mark.integration
 
 MODEL = TINY_MODEL.name
-PATHS = ("direct", "gateway")
 # Bounded values: the random model ends each soon (the grammar then leaves only the closing).
 WEATHER: dict[str, Any] = {
     "type": "object",
@@ -61,10 +61,7 @@ CALLED = {"name": "get_time", "arguments": "{}"}
 
 @pytest.fixture(params=PATHS)
 def client(request: pytest.FixtureRequest, mesh: LocalMesh) -> Iterator[openai.OpenAI]:
-    if request.param == "direct":
-        port = mesh.settings.mesh().edge_port
-    else:
-        port = mesh.replicas("gateway")[0].openai_port or 0
+    port = openai_port(mesh, request.param)
     with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0) as made:
         yield made
 

@@ -37,6 +37,7 @@ from tokenmesh.gateway.frontends.openai.http import (
     Outcome,
     request_headers,
     send_chunk,
+    send_error,
     send_json,
 )
 from tokenmesh.gateway.frontends.openai.pooling import PoolingApi
@@ -231,9 +232,7 @@ class OpenAIApi:
             try:
                 first = await anext(parts)
             except Exception as exc:
-                status, body, headers = error_response(exc)
-                outcome.status, outcome.error = status, body["error"]["message"]
-                await send_json(send, status, body, headers)
+                await send_error(send, outcome, exc)
                 return
             headers = [(k.encode(), v.encode()) for k, v in presenter.headers()]
             if not presenter.stream:

@@ -22,6 +22,7 @@ from starlette.types import Receive, Scope, Send
 
 from tokenmesh.common.credentials import ReloadingSslContext
 from tokenmesh.common.metrics import RPC_BUCKETS
+from tokenmesh.common.openai_answers import error_response
 
 
 class HttpMetrics:
@@ -92,6 +93,13 @@ class Answer(Response):
             self._outcome.error = "client disconnected"
         elif not work.cancelled() and work.exception() is not None:
             raise work.exception()  # type: ignore[misc]
+
+
+async def send_error(send: Send, outcome: Outcome, exc: Exception) -> None:
+    """An error as OpenAI's error object with its status and headers, noted in the outcome."""
+    status, body, headers = error_response(exc)
+    outcome.status, outcome.error = status, body["error"]["message"]
+    await send_json(send, status, body, headers)
 
 
 async def send_json(

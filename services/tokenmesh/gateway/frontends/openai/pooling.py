@@ -24,10 +24,15 @@ from starlette.types import Send
 
 from tokenmesh.common.channels import Dependency
 from tokenmesh.common.errors import InvalidArgument
-from tokenmesh.common.openai_answers import error_response
 from tokenmesh.gateway.core.catalog import ModelNotFound
 from tokenmesh.gateway.core.tenancy.http import HttpTenancy
-from tokenmesh.gateway.frontends.openai.http import Answer, Outcome, request_headers, send_json
+from tokenmesh.gateway.frontends.openai.http import (
+    Answer,
+    Outcome,
+    request_headers,
+    send_error,
+    send_json,
+)
 from tokenmesh.v1 import rerank_pb2, rerank_pb2_grpc
 
 # How long the embedding model's description is trusted before the reranker is asked again.
@@ -279,9 +284,7 @@ async def unary_answer(
         try:
             answered = await answer(body)
         except Exception as exc:
-            status, error, headers = error_response(exc)
-            outcome.status, outcome.error = status, error["error"]["message"]
-            await send_json(send, status, error, headers)
+            await send_error(send, outcome, exc)
         else:
             await send_json(send, 200, answered)
         finally:
