@@ -318,6 +318,9 @@ class ScenarioMesh:
             sent = self.sent_to_clients() - sent_before if to_clients else 0
             seen.update(
                 envoy_open=streams,
+                # The hosts Envoy listed (their addresses), to tell a host it did not list or
+                # listed under another address from one with no streams open.
+                envoy_listed=sorted(open_now),
                 received_bytes=received,
                 sent_bytes=sent,
                 looks=seen["looks"] + 1,

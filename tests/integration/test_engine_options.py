@@ -263,7 +263,7 @@ async def test_grpc_names_the_field_vllm_refuses(llm: llm_pb2_grpc.LLMServiceStu
 # Values of the wrong type, size or range for each new field (a fixed seed: the same cases
 # every run).
 # Every field the API takes by name, and the others it parses itself.
-FUZZED_FIELDS = (*sorted(SAMPLING_FIELDS), "structured_outputs", "response_format", "n")
+FUZZED_FIELDS = (*sorted(SAMPLING_FIELDS), "structured_outputs", "response_format", "n", "prompt")
 BAD_VALUES: tuple[Any, ...] = (
     "text",
     -(10**20),
@@ -371,10 +371,14 @@ async def test_cancelling_several_choices_frees_every_engine_request(
         if len(seen) == 4:
             break
     call.cancel()
+    # The four choices' 8,000 tokens would take minutes.
+    await engines_empty(mesh)
+
+
+async def engines_empty(mesh: LocalMesh) -> None:
+    """Nothing running or waiting on any worker within seconds (after a cancel). Any empty
+    report will do: the busy engine reported its requests running until the abort, an idle
+    one reports no more."""
     for worker in mesh.replicas("worker"):
         async with aio.insecure_channel(worker.address) as channel:
-            # Nothing running or waiting on any worker, within seconds of the cancel (the
-            # four choices' 8,000 tokens would take minutes). Any empty report will do: the
-            # busy engine reported its choices running until the abort, an idle one reports
-            # no more.
             await engine_empty_at(inference_pb2_grpc.InferenceServiceStub(channel), 0, within=10)

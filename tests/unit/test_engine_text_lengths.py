@@ -186,3 +186,32 @@ def test_vllms_own_decoded_tokens_split_byte_level_characters() -> None:
     assert "".join(pieces) == text
     assert "\ufffd" not in "".join(pieces)
     assert [piece for piece in pieces if piece and not piece.isascii()] == ["é", "ö", "日", "本"]
+
+
+def test_a_prompts_logprobs_keep_its_tokens_ranks_and_the_asked_alternatives() -> None:
+    from tokenmesh.worker.outputs import prompt_part
+
+    # vLLM's prompt_logprobs: none for the first token; then the token (rank 4) and the best
+    # two, or the token that is itself the best.
+    positions = [
+        None,
+        {
+            8: Logprob(-3.0, rank=4, decoded_token="lo"),
+            1: Logprob(-0.5, rank=1, decoded_token="a"),
+            2: Logprob(-0.7, rank=2, decoded_token="b"),
+        },
+        {9: Logprob(-0.1, rank=1, decoded_token=" you")},
+    ]
+    made = prompt_part("Hello you", [7, 8, 9], positions, 2, lambda token_id: f"<{token_id}>")
+    assert made.text == "Hello you" and made.token_ids == (7, 8, 9)
+    assert made.token_texts == ("<7>", "lo", " you")
+    assert made.logprobs[0] == (None, None, ())
+    logprob, rank, alternatives = made.logprobs[1]
+    assert (logprob, rank) == (-3.0, 4)
+    assert [(a.token_id, a.text, a.logprob) for a in alternatives] == [
+        (1, "a", -0.5),
+        (2, "b", -0.7),
+    ]
+    assert made.logprobs[2][:2] == (-0.1, 1)
+    # Echo without logprobs: the text and ids only.
+    assert prompt_part("Hi", [7], None, 0, str).token_texts == ()

@@ -427,3 +427,144 @@ def test_tool_calls_and_results_reach_the_worker_with_the_tools() -> None:
     assert json.loads(calling.tool_choice_json) == "required"
     assert calling.HasField("parallel_tool_calls") and not calling.parallel_tool_calls
     assert chat().tool_calling() is None
+
+
+def prompt_tokens(echo: str = "") -> token_pb2.PromptTokens:
+    """A prompt of three tokens ("Hel", "lo", " you") with logprobs, the first none."""
+    return token_pb2.PromptTokens(
+        text=echo,
+        token_ids=[7, 8, 9],
+        token_texts=["Hel", "lo", " you"],
+        logprobs=[
+            token_pb2.PositionLogprobs(),
+            token_pb2.PositionLogprobs(
+                logprob=-2.0,
+                rank=3,
+                top_logprobs=[token_pb2.TokenLogprob(token_id=4, text="p", logprob=-0.5)],
+            ),
+            token_pb2.PositionLogprobs(
+                logprob=-0.25,
+                rank=1,
+                top_logprobs=[token_pb2.TokenLogprob(token_id=9, text=" you", logprob=-0.25)],
+            ),
+        ],
+    )
+
+
+def test_an_echoed_prompt_begins_the_text_and_the_logprobs_whole_and_streamed() -> None:
+    first = token_pb2.Token(
+        text="!", token_ids=[5], logprob=-1.0, prompt=prompt_tokens("Hello you")
+    )
+    last = token_pb2.Token(
+        text="?",
+        token_ids=[6],
+        logprob=-3.0,
+        finish_reason=token_pb2.FINISH_REASON_LENGTH,
+        usage=token_pb2.Usage(prompt_tokens=3, completion_tokens=2),
+    )
+    answer = WholeAnswer(Shape.of(Shape.new_answer(False, "m", False, False), {}), logprobs=True)
+    answer.add(first)
+    answer.add(last)
+    # As JSON: the SDK's model types the first token's null logprob as a number, though
+    # OpenAI's legacy completions and vLLM's server send null (the SDK reads it leniently).
+    choice = answer.body()["choices"][0]
+    assert choice["text"] == "Hello you!?"
+    logprobs = choice["logprobs"]
+    assert logprobs["tokens"] == ["Hel", "lo", " you", "!", "?"]
+    assert logprobs["token_logprobs"] == [None, -2.0, -0.25, -1.0, -3.0]
+    assert logprobs["text_offset"] == [0, 3, 5, 9, 10]
+    assert logprobs["top_logprobs"] == [None, {"p": -0.5}, {" you": -0.25}, {}, {}]
+    # vLLM's prompt_logprobs: each position's token and alternatives, with their ranks.
+    assert answer.body()["choices"][0]["prompt_logprobs"] == [
+        None,
+        {
+            "4": {"logprob": -0.5, "rank": 1, "decoded_token": "p"},
+            "8": {"logprob": -2.0, "rank": 3, "decoded_token": "lo"},
+        },
+        {"9": {"logprob": -0.25, "rank": 1, "decoded_token": " you"}},
+    ]
+    stream = EventStream(
+        Shape.of(Shape.new_answer(False, "m", True, False), {}), logprobs=True, include_usage=False
+    )
+    chunks = [json.loads(event) for event in events(stream.token(first) + stream.token(last))[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "Hello you!?"
+    assert chunks[0]["choices"][0]["logprobs"]["text_offset"] == [0, 3, 5, 9]
+    assert chunks[1]["choices"][0]["logprobs"]["text_offset"] == [10]
+
+
+def test_prompt_logprobs_without_echo_leave_the_text_alone_and_a_chat_has_them_once() -> None:
+    token = token_pb2.Token(
+        text="x",
+        token_ids=[5],
+        prompt=prompt_tokens(),
+        finish_reason=token_pb2.FINISH_REASON_LENGTH,
+        usage=token_pb2.Usage(prompt_tokens=3, completion_tokens=1),
+    )
+    for is_chat in (False, True):
+        answer = WholeAnswer(Shape.of(Shape.new_answer(is_chat, "m", False, False), {}), False)
+        answer.add(token)
+        body = answer.body()
+        listed = body["prompt_logprobs"] if is_chat else body["choices"][0]["prompt_logprobs"]
+        assert listed[0] is None and listed[2] == {
+            "9": {"logprob": -0.25, "rank": 1, "decoded_token": " you"}
+        }
+        said = body["choices"][0]["message"]["content"] if is_chat else body["choices"][0]["text"]
+        assert said == "x"
+        assert ("prompt_logprobs" in body["choices"][0]) is not is_chat
+
+
+@pytest.mark.parametrize(
+    ("prompt", "text", "ids", "batch"),
+    [
+        ("hi", "hi", None, None),
+        (["hi"], "hi", None, None),
+        ([3, 4], "", (3, 4), None),
+        (["a", "b"], "", None, [("a", ()), ("b", ())]),
+        ([[3], [4, 5]], "", None, [("", (3,)), ("", (4, 5))]),
+    ],
+)
+def test_a_prompt_is_a_text_ids_or_a_batch_of_either(
+    prompt: object,
+    text: str,
+    ids: tuple[int, ...] | None,
+    batch: list[tuple[str, tuple[int, ...]]] | None,
+) -> None:
+    request = parse(CompletionRequest, json.dumps({"model": "m", "prompt": prompt}).encode())
+    assert request.generate_request(16).prompt == text
+    made = request.batch()
+    if ids is None and batch is None:
+        assert made is None
+        return
+    assert made is not None
+    assert made.token_ids == (ids or ())
+    assert [(p.text, tuple(p.token_ids)) for p in made.prompts] == (batch or [])
+
+
+@pytest.mark.parametrize(
+    ("prompt", "field"),
+    [
+        ([1, "a"], "prompt"),
+        ([[1], ["a"]], "prompt"),
+        ([True], "prompt"),
+        ({"a": 1}, "prompt"),
+        ([], "prompt"),
+        (["a", ""], "prompt[1]"),
+        ([[1], []], "prompt[1]"),
+        ([1, -2], "prompt[1]"),
+        ([[1], [2, 2**31]], "prompt[1][1]"),
+    ],
+)
+def test_a_prompt_of_no_known_shape_or_an_empty_one_is_refused_naming_it(
+    prompt: object, field: str
+) -> None:
+    with pytest.raises(InvalidArgument) as error:
+        parse(CompletionRequest, json.dumps({"model": "m", "prompt": prompt}).encode()).batch()
+    assert error.value.field == field
+
+
+def test_echo_is_a_completions_field_and_chats_refuse_it() -> None:
+    request = parse(CompletionRequest, b'{"model": "m", "prompt": "a", "echo": true}')
+    assert request.generate_request(16).echo
+    with pytest.raises(InvalidArgument) as error:
+        chat(echo=True).generate_request(16)
+    assert error.value.field == "echo"

@@ -66,3 +66,21 @@ def test_documents_as_context_lead_the_key() -> None:
     other = ContextPrompt("What runs vLLM?", documents, (0, 1))
     assert affinity_text(asked.prompt, 256).startswith("user\x1fContext:\n[1] Envoy")
     assert affinity_key(asked.prompt, 256) == affinity_key(other.prompt, 256)
+
+
+def test_a_batch_has_its_first_prompts_key_and_ids_never_a_texts() -> None:
+    from tokenmesh.gateway.core.prompts import PromptBatch
+    from tokenmesh.v1 import inference_pb2
+
+    batch = PromptBatch(
+        (inference_pb2.PromptInput(text="same start"), inference_pb2.PromptInput(text="x"))
+    )
+    assert affinity_key(batch, 64) == affinity_key("same start", 64)
+    ids = PromptBatch(token_ids=(1, 2, 3))
+    assert affinity_key(ids, 64) == affinity_key(
+        PromptBatch((inference_pb2.PromptInput(token_ids=[1, 2, 3]),)), 64
+    )
+    assert affinity_key(ids, 64) != affinity_key("1 2 3", 64)
+    assert affinity_text(PromptBatch(token_ids=tuple(range(100))), 16) == affinity_text(
+        PromptBatch(token_ids=tuple(range(50))), 16
+    )

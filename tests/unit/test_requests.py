@@ -258,3 +258,71 @@ def test_messages_over_the_byte_limit_together_are_rejected() -> None:
     error = rejection(chat_request(("user", "uuuu"), ("assistant", "aaaa"), ("user", "éu")))
     assert error.field == "messages"
     assert error.message == ("messages: hold 11 bytes of content together, over the limit of 10")
+
+
+def test_a_batch_and_a_prompt_of_ids_become_prompt_items_named_as_the_caller_names_them() -> None:
+    sampling = inference_pb2.SamplingParams(max_tokens=5, n=2, temperature=1.0)
+    batch = validate(
+        inference_pb2.InferenceRequest(
+            prompts=[
+                inference_pb2.PromptInput(text="a"),
+                inference_pb2.PromptInput(token_ids=[3, 4]),
+            ],
+            sampling=sampling,
+        ),
+        LIMITS,
+    )
+    assert [(item.text, item.token_ids) for item in batch.prompts] == [("a", ()), ("", (3, 4))]
+    assert batch.n == 2 and batch.prompt_field(1) == "prompt[1]"
+    assert len(set(batch.engine_ids)) == 2 and all(batch.request_id in i for i in batch.engine_ids)
+    ids = validate(
+        inference_pb2.InferenceRequest(prompt_token_ids=[3, 4], sampling=sampling), LIMITS
+    )
+    assert ids.prompts[0].token_ids == (3, 4) and ids.prompt_field(0) == "prompt"
+    assert ids.engine_ids == (ids.request_id,)
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"prompt": "a", "prompts": [inference_pb2.PromptInput(text="b")]}, "prompts"),
+        ({"prompt": "a", "prompt_token_ids": [1]}, "prompt_token_ids"),
+        ({"prompts": [inference_pb2.PromptInput(text="b", token_ids=[1])]}, "prompt[0]"),
+        ({"prompts": [inference_pb2.PromptInput(text="b")] * 17}, "prompt"),
+        ({"prompts": [inference_pb2.PromptInput()]}, "prompt[0]"),
+    ],
+)
+def test_a_batch_that_is_not_one_is_refused_naming_the_field(
+    fields: dict[str, Any], field: str
+) -> None:
+    with pytest.raises(InvalidArgument) as error:
+        validate(
+            inference_pb2.InferenceRequest(
+                sampling=inference_pb2.SamplingParams(max_tokens=5), **fields
+            ),
+            LIMITS,
+        )
+    assert error.value.field == field
+
+
+def test_echo_is_a_prompts_and_prompt_logprobs_a_whole_answers() -> None:
+    with pytest.raises(InvalidArgument) as error:
+        validate(
+            inference_pb2.InferenceRequest(
+                messages=[inference_pb2.ConversationMessage(role="user", content="hi")],
+                sampling=inference_pb2.SamplingParams(max_tokens=5, echo=True),
+            ),
+            LIMITS,
+        )
+    assert error.value.field == "sampling.echo"
+    streamed = request(prompt_logprobs=1)
+    streamed.openai.stream = True
+    with pytest.raises(InvalidArgument) as error:
+        validate(streamed, LIMITS)
+    assert error.value.field == "prompt_logprobs"
+    with pytest.raises(InvalidArgument) as error:
+        validate(request(prompt_logprobs=21), LIMITS)
+    assert error.value.field == "sampling.prompt_logprobs"
+    spec = validate(request(prompt_logprobs=0, echo=True), LIMITS)
+    assert spec.echo and spec.prompt_logprobs == 0 and spec.wants_prompt
+    assert not validate(request(), LIMITS).wants_prompt

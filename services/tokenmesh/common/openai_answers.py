@@ -90,11 +90,39 @@ def chat_logprobs(token: token_pb2.Token) -> dict[str, Any]:
 
 
 def completion_logprobs(token: token_pb2.Token, offset: int) -> dict[str, Any]:
-    tokens, token_logprobs, top, offsets = [], [], [], []
+    """A completion message's logprobs, an echoed prompt's first, text_offset counting on from
+    offset."""
+    made: dict[str, list[Any]] = {
+        "tokens": [],
+        "token_logprobs": [],
+        "top_logprobs": [],
+        "text_offset": [],
+    }
+    if token.HasField("prompt") and token.prompt.text:
+        made = prompt_completion_logprobs(token.prompt, offset)
+        # On from the reported tokens' texts, as vLLM's server counts.
+        offset += sum(len(text) for text in made["tokens"])
     for text, logprob, alternatives in per_token(token):
+        made["tokens"].append(text)
+        made["token_logprobs"].append(logprob)
+        made["top_logprobs"].append({alt.text: alt.logprob for alt in alternatives})
+        made["text_offset"].append(offset)
+        offset += len(text)
+    return made
+
+
+def prompt_completion_logprobs(prompt: token_pb2.PromptTokens, offset: int) -> dict[str, list[Any]]:
+    """An echoed prompt's tokens in a completion's logprobs, before the generated ones (as
+    vLLM's server and OpenAI's legacy completions give them): the first token has none."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    for text, position in zip(prompt.token_texts, prompt.logprobs, strict=False):
         tokens.append(text)
-        token_logprobs.append(logprob)
-        top.append({alt.text: alt.logprob for alt in alternatives})
+        has = position.HasField("logprob")
+        token_logprobs.append(position.logprob if has else None)
+        top.append({alt.text: alt.logprob for alt in position.top_logprobs} if has else None)
         offsets.append(offset)
         offset += len(text)
     return {
@@ -103,6 +131,36 @@ def completion_logprobs(token: token_pb2.Token, offset: int) -> dict[str, Any]:
         "top_logprobs": top,
         "text_offset": offsets,
     }
+
+
+def prompt_logprobs(prompt: token_pb2.PromptTokens) -> list[dict[str, Any] | None] | None:
+    """vLLM's prompt_logprobs: None for the first token, then for each token {id: {logprob,
+    rank, decoded_token}} of the token itself and its position's alternatives."""
+    if not prompt.logprobs:
+        return None
+    listed: list[dict[str, Any] | None] = []
+    for token_id, text, position in zip(
+        prompt.token_ids, prompt.token_texts, prompt.logprobs, strict=False
+    ):
+        if not position.HasField("logprob"):
+            listed.append(None)
+            continue
+        entries = {
+            str(alt.token_id): {"logprob": alt.logprob, "rank": rank, "decoded_token": alt.text}
+            for rank, alt in enumerate(position.top_logprobs, 1)
+        }
+        entries[str(token_id)] = {
+            "logprob": position.logprob,
+            "rank": position.rank,
+            "decoded_token": text,
+        }
+        listed.append(entries)
+    return listed
+
+
+def echoed(token: token_pb2.Token) -> str:
+    """The message's text, after the prompt when the message carries it echoed."""
+    return token.prompt.text + token.text if token.HasField("prompt") else token.text
 
 
 @dataclass
@@ -251,20 +309,21 @@ class EventStream:
         index = token.choice
         reason = finish_reason(token)
         offset = self._offsets.get(index, 0)
+        text = echoed(token)
         if reason is None and not self._logprobs and not (token.reasoning or token.tool_calls):
             parts = self._parts.get(index)
             if parts is None:
                 parts = self._parts[index] = shape.text_chunk_parts(index)
-            data = parts[0] + json.dumps(token.text).encode() + parts[1]
+            data = parts[0] + json.dumps(text).encode() + parts[1]
         else:
             logprobs = None
             if self._logprobs:
                 logprobs = (
                     chat_logprobs(token) if shape.chat else completion_logprobs(token, offset)
                 )
-            piece = chat_delta(token) if shape.chat else token.text
+            piece = chat_delta(token) if shape.chat else text
             data = shape.chunk(choice(shape, piece, reason, logprobs, index))
-        self._offsets[index] = offset + len(token.text)
+        self._offsets[index] = offset + len(text)
         if not ends_stream(token):
             return data
         if self._include_usage:
@@ -293,6 +352,8 @@ class _Choice:
     merged: dict[str, list[Any]] = field(default_factory=dict)
     offset: int = 0
     reason: str | None = None
+    # vLLM's prompt_logprobs, when the request asked for them.
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
 
 @dataclass
@@ -315,8 +376,11 @@ class WholeAnswer:
             else:
                 for key, values in completion_logprobs(token, made.offset).items():
                     made.merged.setdefault(key, []).extend(values)
-        made.parts.append(token.text)
-        made.offset += len(token.text)
+        text = echoed(token)
+        made.parts.append(text)
+        made.offset += len(text)
+        if token.HasField("prompt"):
+            made.prompt_logprobs = prompt_logprobs(token.prompt)
         if token.reasoning:
             made.reasoning.append(token.reasoning)
         for piece in token.tool_calls:
@@ -331,11 +395,16 @@ class WholeAnswer:
 
     def body(self) -> dict[str, Any]:
         choices = [self._choice(index, made) for index, made in sorted(self.choices.items())]
-        return {
+        made = {
             **self.shape.base(),
             "choices": choices or [self._choice(0, _Choice())],
             "usage": usage(self.last) if self.last is not None else None,
         }
+        first = self.choices.get(0)
+        if self.shape.chat and first is not None and first.prompt_logprobs is not None:
+            # A chat's prompt is every choice's: vLLM's server gives its logprobs once.
+            made["prompt_logprobs"] = first.prompt_logprobs
+        return made
 
     def _choice(self, index: int, made: _Choice) -> dict[str, Any]:
         text = "".join(made.parts)
@@ -358,12 +427,15 @@ class WholeAnswer:
                 "logprobs": {"content": made.content} if self.logprobs else None,
                 "finish_reason": made.reason,
             }
-        return {
+        answer = {
             "index": index,
             "text": text,
             "logprobs": made.merged if self.logprobs else None,
             "finish_reason": made.reason,
         }
+        if made.prompt_logprobs is not None:
+            answer["prompt_logprobs"] = made.prompt_logprobs
+        return answer
 
 
 def error_response(exc: Exception) -> tuple[int, dict[str, Any], list[tuple[bytes, bytes]]]:

@@ -10,12 +10,19 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 
 from google.protobuf.message import Message
 from pydantic import BaseModel, Field
 
 from tokenmesh.common.errors import InvalidArgument
-from tokenmesh.common.validation import check_count, check_logprobs, check_range, check_stop
+from tokenmesh.common.validation import (
+    check_count,
+    check_logprobs,
+    check_range,
+    check_stop,
+    check_text,
+)
 from tokenmesh.v1 import inference_pb2, token_pb2
 
 MAX_TEMPERATURE = 2.0
@@ -39,8 +46,8 @@ class SamplingLimits(BaseModel):
         default=20,
         ge=0,
         description=(
-            "`top_logprobs` (alternatives per token): 0..this; on a worker also vLLM's "
-            "max_logprobs."
+            "`top_logprobs` (alternatives per token) and `prompt_logprobs`: 0..this; on a "
+            "worker also vLLM's max_logprobs."
         ),
     )
     max_stream_interval: int = Field(
@@ -49,7 +56,10 @@ class SamplingLimits(BaseModel):
     max_choices: int = Field(
         default=16,
         ge=1,
-        description="`n` (choices generated for one prompt): 1..this (0 means 1).",
+        description=(
+            "`n` (choices generated for one prompt): 1..this (0 means 1); a batch of prompts: "
+            "prompts times `n` at most this."
+        ),
     )
     max_token_ids: int = Field(
         default=1024,
@@ -125,6 +135,13 @@ def check_sampling(
         f"{prefix}stop", sampling.stop, limits.max_stop_sequences, limits.max_stop_sequence_bytes
     )
     check_logprobs(prefix, sampling.logprobs, sampling.top_logprobs, limits.max_top_logprobs)
+    if sampling.HasField("prompt_logprobs") and not (
+        0 <= sampling.prompt_logprobs <= limits.max_top_logprobs
+    ):
+        raise InvalidArgument(
+            f"{prefix}prompt_logprobs",
+            f"must be in [0, {limits.max_top_logprobs}], got {sampling.prompt_logprobs}",
+        )
     if not 0 <= sampling.stream_interval <= limits.max_stream_interval:
         raise InvalidArgument(
             f"{prefix}stream_interval",
@@ -192,3 +209,30 @@ def copy_sampling(source: Message, target: inference_pb2.SamplingParams) -> None
                 getattr(target, field.name).CopyFrom(value)
         elif not field.has_presence or source.HasField(field.name):
             setattr(target, field.name, value)
+
+
+def check_batch(
+    prompts: Sequence[inference_pb2.PromptInput],
+    n: int,
+    limits: SamplingLimits,
+    max_prompt_bytes: int,
+    max_prompt_tokens: int | None = None,
+) -> None:
+    """A batch's prompts (OpenAI completions' list prompt): at most max_choices choices in
+    all, each prompt a text of 1..max_prompt_bytes or ids (at most max_prompt_tokens of them,
+    when known). Refusals name the caller's field, prompt[i]."""
+    choices = len(prompts) * max(n, 1)
+    if choices > limits.max_choices:
+        raise InvalidArgument(
+            "prompt",
+            f"{len(prompts)} prompts of n={max(n, 1)} choices each are {choices} choices, "
+            f"over the limit of {limits.max_choices}",
+        )
+    for position, item in enumerate(prompts):
+        field = f"prompt[{position}]"
+        if item.text and item.token_ids:
+            raise InvalidArgument(field, "is a text or token ids, not both")
+        if not item.token_ids:
+            check_text(field, item.text, max_prompt_bytes)
+        elif max_prompt_tokens is not None:
+            check_count(field, len(item.token_ids), max_prompt_tokens, "tokens")

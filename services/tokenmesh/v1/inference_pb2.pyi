@@ -47,7 +47,7 @@ class DetokenizeResponse(_message.Message):
     def __init__(self, prompt: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "logprobs", "top_logprobs", "stream_interval", "max_tokens_within_context", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "stop_token_ids", "bad_words", "allowed_token_ids", "logit_bias", "include_stop_str_in_output", "structured_outputs", "n")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "logprobs", "top_logprobs", "stream_interval", "max_tokens_within_context", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "stop_token_ids", "bad_words", "allowed_token_ids", "logit_bias", "include_stop_str_in_output", "structured_outputs", "n", "echo", "prompt_logprobs")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,8 @@ class SamplingParams(_message.Message):
     INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
+    ECHO_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -101,10 +103,12 @@ class SamplingParams(_message.Message):
     include_stop_str_in_output: bool
     structured_outputs: _token_pb2.StructuredOutputs
     n: int
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., stream_interval: _Optional[int] = ..., max_tokens_within_context: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., bad_words: _Optional[_Iterable[str]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., include_stop_str_in_output: _Optional[bool] = ..., structured_outputs: _Optional[_Union[_token_pb2.StructuredOutputs, _Mapping]] = ..., n: _Optional[int] = ...) -> None: ...
+    echo: bool
+    prompt_logprobs: int
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., stream_interval: _Optional[int] = ..., max_tokens_within_context: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., bad_words: _Optional[_Iterable[str]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., include_stop_str_in_output: _Optional[bool] = ..., structured_outputs: _Optional[_Union[_token_pb2.StructuredOutputs, _Mapping]] = ..., n: _Optional[int] = ..., echo: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class InferenceRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "sampling", "warnings", "messages", "openai", "degraded", "tools")
+    __slots__ = ("request_id", "prompt", "sampling", "warnings", "messages", "openai", "degraded", "tools", "prompts", "prompt_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +117,8 @@ class InferenceRequest(_message.Message):
     OPENAI_FIELD_NUMBER: _ClassVar[int]
     DEGRADED_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     sampling: SamplingParams
@@ -121,7 +127,17 @@ class InferenceRequest(_message.Message):
     openai: OpenAIAnswer
     degraded: str
     tools: ToolCalling
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., warnings: _Optional[_Iterable[str]] = ..., messages: _Optional[_Iterable[_Union[ConversationMessage, _Mapping]]] = ..., openai: _Optional[_Union[OpenAIAnswer, _Mapping]] = ..., degraded: _Optional[str] = ..., tools: _Optional[_Union[ToolCalling, _Mapping]] = ...) -> None: ...
+    prompts: _containers.RepeatedCompositeFieldContainer[PromptInput]
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., warnings: _Optional[_Iterable[str]] = ..., messages: _Optional[_Iterable[_Union[ConversationMessage, _Mapping]]] = ..., openai: _Optional[_Union[OpenAIAnswer, _Mapping]] = ..., degraded: _Optional[str] = ..., tools: _Optional[_Union[ToolCalling, _Mapping]] = ..., prompts: _Optional[_Iterable[_Union[PromptInput, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PromptInput(_message.Message):
+    __slots__ = ("text", "token_ids")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ToolCalling(_message.Message):
     __slots__ = ("tools_json", "tool_choice_json", "parallel_tool_calls")

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "max_tokens", "temperature", "documents", "top_k_documents", "top_p", "seed", "stop", "ignore_eos", "logprobs", "top_logprobs", "stream_interval", "top_k", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "stop_token_ids", "bad_words", "allowed_token_ids", "logit_bias", "include_stop_str_in_output", "structured_outputs", "n")
+    __slots__ = ("prompt", "max_tokens", "temperature", "documents", "top_k_documents", "top_p", "seed", "stop", "ignore_eos", "logprobs", "top_logprobs", "stream_interval", "top_k", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "stop_token_ids", "bad_words", "allowed_token_ids", "logit_bias", "include_stop_str_in_output", "structured_outputs", "n", "echo", "prompt_logprobs")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,8 @@ class GenerateRequest(_message.Message):
     INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
+    ECHO_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     max_tokens: int
     temperature: float
@@ -66,10 +68,12 @@ class GenerateRequest(_message.Message):
     include_stop_str_in_output: bool
     structured_outputs: _token_pb2.StructuredOutputs
     n: int
-    def __init__(self, prompt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., documents: _Optional[_Iterable[str]] = ..., top_k_documents: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., stream_interval: _Optional[int] = ..., top_k: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., bad_words: _Optional[_Iterable[str]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., include_stop_str_in_output: _Optional[bool] = ..., structured_outputs: _Optional[_Union[_token_pb2.StructuredOutputs, _Mapping]] = ..., n: _Optional[int] = ...) -> None: ...
+    echo: bool
+    prompt_logprobs: int
+    def __init__(self, prompt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., documents: _Optional[_Iterable[str]] = ..., top_k_documents: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., stream_interval: _Optional[int] = ..., top_k: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., bad_words: _Optional[_Iterable[str]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., include_stop_str_in_output: _Optional[bool] = ..., structured_outputs: _Optional[_Union[_token_pb2.StructuredOutputs, _Mapping]] = ..., n: _Optional[int] = ..., echo: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class Query(_message.Message):
-    __slots__ = ("prompt", "max_tokens", "temperature", "documents", "top_k_documents", "top_p", "seed", "stop", "ignore_eos", "top_k", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "stop_token_ids", "bad_words", "allowed_token_ids", "logit_bias", "include_stop_str_in_output", "structured_outputs")
+    __slots__ = ("prompt", "max_tokens", "temperature", "documents", "top_k_documents", "top_p", "seed", "stop", "ignore_eos", "top_k", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "stop_token_ids", "bad_words", "allowed_token_ids", "logit_bias", "include_stop_str_in_output", "structured_outputs", "n")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +102,7 @@ class Query(_message.Message):
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     max_tokens: int
     temperature: float
@@ -119,21 +124,34 @@ class Query(_message.Message):
     logit_bias: _containers.ScalarMap[int, float]
     include_stop_str_in_output: bool
     structured_outputs: _token_pb2.StructuredOutputs
-    def __init__(self, prompt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., documents: _Optional[_Iterable[str]] = ..., top_k_documents: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., top_k: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., bad_words: _Optional[_Iterable[str]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., include_stop_str_in_output: _Optional[bool] = ..., structured_outputs: _Optional[_Union[_token_pb2.StructuredOutputs, _Mapping]] = ...) -> None: ...
+    n: int
+    def __init__(self, prompt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., documents: _Optional[_Iterable[str]] = ..., top_k_documents: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., top_k: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., bad_words: _Optional[_Iterable[str]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., include_stop_str_in_output: _Optional[bool] = ..., structured_outputs: _Optional[_Union[_token_pb2.StructuredOutputs, _Mapping]] = ..., n: _Optional[int] = ...) -> None: ...
 
 class Answer(_message.Message):
-    __slots__ = ("text", "finish_reason", "usage", "warnings", "used_document_indices")
+    __slots__ = ("text", "finish_reason", "usage", "warnings", "used_document_indices", "choices")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     WARNINGS_FIELD_NUMBER: _ClassVar[int]
     USED_DOCUMENT_INDICES_FIELD_NUMBER: _ClassVar[int]
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
     text: str
     finish_reason: _token_pb2.FinishReason
     usage: _token_pb2.Usage
     warnings: _containers.RepeatedScalarFieldContainer[str]
     used_document_indices: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, text: _Optional[str] = ..., finish_reason: _Optional[_Union[_token_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_token_pb2.Usage, _Mapping]] = ..., warnings: _Optional[_Iterable[str]] = ..., used_document_indices: _Optional[_Iterable[int]] = ...) -> None: ...
+    choices: _containers.RepeatedCompositeFieldContainer[AnswerChoice]
+    def __init__(self, text: _Optional[str] = ..., finish_reason: _Optional[_Union[_token_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_token_pb2.Usage, _Mapping]] = ..., warnings: _Optional[_Iterable[str]] = ..., used_document_indices: _Optional[_Iterable[int]] = ..., choices: _Optional[_Iterable[_Union[AnswerChoice, _Mapping]]] = ...) -> None: ...
+
+class AnswerChoice(_message.Message):
+    __slots__ = ("index", "text", "finish_reason")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    text: str
+    finish_reason: _token_pb2.FinishReason
+    def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_token_pb2.FinishReason, str]] = ...) -> None: ...
 
 class DocumentChunk(_message.Message):
     __slots__ = ("text", "instruction", "max_tokens", "temperature")

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tokenmesh/v1/token.proto\x12\x0ctokenmesh.v1\"F\n\x08ToolCall\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"?\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"f\n\x10PositionLogprobs\x12\x14\n\x07logprob\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x30\n\x0ctop_logprobs\x18\x02 \x03(\x0b\x32\x1a.tokenmesh.v1.TokenLogprobB\n\n\x08_logprob\"\xc3\x03\n\x05Token\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x10\n\x08token_id\x18\x03 \x01(\x05\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.tokenmesh.v1.FinishReason\x12\x10\n\x08warnings\x18\x05 \x03(\t\x12\x1a\n\x12\x65mitted_unix_nanos\x18\x06 \x01(\x03\x12\"\n\x05usage\x18\x07 \x01(\x0b\x32\x13.tokenmesh.v1.Usage\x12\x14\n\x07logprob\x18\x08 \x01(\x02H\x00\x88\x01\x01\x12\x30\n\x0ctop_logprobs\x18\t \x03(\x0b\x32\x1a.tokenmesh.v1.TokenLogprob\x12\x11\n\ttoken_ids\x18\n \x03(\x05\x12:\n\x12\x66ollowing_logprobs\x18\x0b \x03(\x0b\x32\x1e.tokenmesh.v1.PositionLogprobs\x12\x14\n\x0ctext_lengths\x18\x0c \x03(\x05\x12\x0e\n\x06\x63hoice\x18\r \x01(\x05\x12\x11\n\treasoning\x18\x0e \x01(\t\x12*\n\ntool_calls\x18\x0f \x03(\x0b\x32\x16.tokenmesh.v1.ToolCallB\n\n\x08_logprob\"\x94\x01\n\x11StructuredOutputs\x12\x11\n\x04json\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x12\n\x05regex\x18\x02 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x06\x63hoice\x18\x03 \x03(\t\x12\x14\n\x07grammar\x18\x04 \x01(\tH\x02\x88\x01\x01\x12\x13\n\x0bjson_object\x18\x05 \x01(\x08\x42\x07\n\x05_jsonB\x08\n\x06_regexB\n\n\x08_grammar*\xd8\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x04\x12!\n\x1d\x46INISH_REASON_QUOTA_EXHAUSTED\x10\x05\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x06\x42@Z>github.com/tokenmesh/tokenmesh/gen/go/tokenmesh/v1;tokenmeshv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tokenmesh/v1/token.proto\x12\x0ctokenmesh.v1\"F\n\x08ToolCall\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"?\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"\x82\x01\n\x10PositionLogprobs\x12\x14\n\x07logprob\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x30\n\x0ctop_logprobs\x18\x02 \x03(\x0b\x32\x1a.tokenmesh.v1.TokenLogprob\x12\x11\n\x04rank\x18\x03 \x01(\x05H\x01\x88\x01\x01\x42\n\n\x08_logprobB\x07\n\x05_rank\"v\n\x0cPromptTokens\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x13\n\x0btoken_texts\x18\x03 \x03(\t\x12\x30\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1e.tokenmesh.v1.PositionLogprobs\"\xef\x03\n\x05Token\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x10\n\x08token_id\x18\x03 \x01(\x05\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.tokenmesh.v1.FinishReason\x12\x10\n\x08warnings\x18\x05 \x03(\t\x12\x1a\n\x12\x65mitted_unix_nanos\x18\x06 \x01(\x03\x12\"\n\x05usage\x18\x07 \x01(\x0b\x32\x13.tokenmesh.v1.Usage\x12\x14\n\x07logprob\x18\x08 \x01(\x02H\x00\x88\x01\x01\x12\x30\n\x0ctop_logprobs\x18\t \x03(\x0b\x32\x1a.tokenmesh.v1.TokenLogprob\x12\x11\n\ttoken_ids\x18\n \x03(\x05\x12:\n\x12\x66ollowing_logprobs\x18\x0b \x03(\x0b\x32\x1e.tokenmesh.v1.PositionLogprobs\x12\x14\n\x0ctext_lengths\x18\x0c \x03(\x05\x12\x0e\n\x06\x63hoice\x18\r \x01(\x05\x12\x11\n\treasoning\x18\x0e \x01(\t\x12*\n\ntool_calls\x18\x0f \x03(\x0b\x32\x16.tokenmesh.v1.ToolCall\x12*\n\x06prompt\x18\x10 \x01(\x0b\x32\x1a.tokenmesh.v1.PromptTokensB\n\n\x08_logprob\"\x94\x01\n\x11StructuredOutputs\x12\x11\n\x04json\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x12\n\x05regex\x18\x02 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x06\x63hoice\x18\x03 \x03(\t\x12\x14\n\x07grammar\x18\x04 \x01(\tH\x02\x88\x01\x01\x12\x13\n\x0bjson_object\x18\x05 \x01(\x08\x42\x07\n\x05_jsonB\x08\n\x06_regexB\n\n\x08_grammar*\xd8\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x04\x12!\n\x1d\x46INISH_REASON_QUOTA_EXHAUSTED\x10\x05\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x06\x42@Z>github.com/tokenmesh/tokenmesh/gen/go/tokenmesh/v1;tokenmeshv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,18 +32,20 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tokenmesh.v1.token_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'Z>github.com/tokenmesh/tokenmesh/gen/go/tokenmesh/v1;tokenmeshv1'
-  _globals['_FINISHREASON']._serialized_start=948
-  _globals['_FINISHREASON']._serialized_end=1164
+  _globals['_FINISHREASON']._serialized_start=1141
+  _globals['_FINISHREASON']._serialized_end=1357
   _globals['_TOOLCALL']._serialized_start=42
   _globals['_TOOLCALL']._serialized_end=112
   _globals['_USAGE']._serialized_start=114
   _globals['_USAGE']._serialized_end=171
   _globals['_TOKENLOGPROB']._serialized_start=173
   _globals['_TOKENLOGPROB']._serialized_end=236
-  _globals['_POSITIONLOGPROBS']._serialized_start=238
-  _globals['_POSITIONLOGPROBS']._serialized_end=340
-  _globals['_TOKEN']._serialized_start=343
-  _globals['_TOKEN']._serialized_end=794
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=797
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=945
+  _globals['_POSITIONLOGPROBS']._serialized_start=239
+  _globals['_POSITIONLOGPROBS']._serialized_end=369
+  _globals['_PROMPTTOKENS']._serialized_start=371
+  _globals['_PROMPTTOKENS']._serialized_end=489
+  _globals['_TOKEN']._serialized_start=492
+  _globals['_TOKEN']._serialized_end=987
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=990
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1138
 # @@protoc_insertion_point(module_scope)

@@ -55,15 +55,29 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class PositionLogprobs(_message.Message):
-    __slots__ = ("logprob", "top_logprobs")
+    __slots__ = ("logprob", "top_logprobs", "rank")
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     logprob: float
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    rank: int
+    def __init__(self, logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class PromptTokens(_message.Message):
+    __slots__ = ("text", "token_ids", "token_texts", "logprobs")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_TEXTS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    token_texts: _containers.RepeatedScalarFieldContainer[str]
+    logprobs: _containers.RepeatedCompositeFieldContainer[PositionLogprobs]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., token_texts: _Optional[_Iterable[str]] = ..., logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ...) -> None: ...
 
 class Token(_message.Message):
-    __slots__ = ("text", "index", "token_id", "finish_reason", "warnings", "emitted_unix_nanos", "usage", "logprob", "top_logprobs", "token_ids", "following_logprobs", "text_lengths", "choice", "reasoning", "tool_calls")
+    __slots__ = ("text", "index", "token_id", "finish_reason", "warnings", "emitted_unix_nanos", "usage", "logprob", "top_logprobs", "token_ids", "following_logprobs", "text_lengths", "choice", "reasoning", "tool_calls", "prompt")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +93,7 @@ class Token(_message.Message):
     CHOICE_FIELD_NUMBER: _ClassVar[int]
     REASONING_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
     text: str
     index: int
     token_id: int
@@ -94,7 +109,8 @@ class Token(_message.Message):
     choice: int
     reasoning: str
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
-    def __init__(self, text: _Optional[str] = ..., index: _Optional[int] = ..., token_id: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., warnings: _Optional[_Iterable[str]] = ..., emitted_unix_nanos: _Optional[int] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., following_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., text_lengths: _Optional[_Iterable[int]] = ..., choice: _Optional[int] = ..., reasoning: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
+    prompt: PromptTokens
+    def __init__(self, text: _Optional[str] = ..., index: _Optional[int] = ..., token_id: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., warnings: _Optional[_Iterable[str]] = ..., emitted_unix_nanos: _Optional[int] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., following_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., text_lengths: _Optional[_Iterable[int]] = ..., choice: _Optional[int] = ..., reasoning: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., prompt: _Optional[_Union[PromptTokens, _Mapping]] = ...) -> None: ...
 
 class StructuredOutputs(_message.Message):
     __slots__ = ("json", "regex", "choice", "grammar", "json_object")

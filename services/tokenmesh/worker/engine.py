@@ -30,9 +30,15 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 from tokenmesh.common.errors import Internal, InvalidArgument, Unavailable
 from tokenmesh.v1 import inference_pb2, token_pb2
 from tokenmesh.worker.config import WorkerSettings
-from tokenmesh.worker.outputs import Tokens, output_tokens
+from tokenmesh.worker.outputs import PromptPart, Tokens, output_tokens, prompt_part
 from tokenmesh.worker.parsing import OutputParsers
-from tokenmesh.worker.requests import EngineRequest, Message, TokenizeSpec
+from tokenmesh.worker.requests import (
+    EngineRequest,
+    Message,
+    PromptItem,
+    TokenizeSpec,
+    check_token_ids,
+)
 from tokenmesh.worker.sampling import EngineSampling, engine_options
 from tokenmesh.worker.watchdog import EngineActivity
 
@@ -127,6 +133,17 @@ def configure_vllm_environment(settings: WorkerSettings) -> None:
     if current_platform.is_cpu():
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_space_gib)
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = settings.cpu_threads_bind
+
+
+@dataclass
+class _Run:
+    """A request's engine requests (one per prompt of a batch) as they run: where their tokens
+    go, the prompt tokens of all, the completion tokens so far, and how many still run."""
+
+    post: Callable[[Item], None]
+    prompt_tokens: int
+    running: int
+    generated: int = 0
 
 
 class EngineThread:
@@ -335,13 +352,28 @@ class VllmEngine:
     def errored(self) -> bool:
         return bool(self._llm.errored)
 
-    async def _tokenize(self, spec: EngineRequest) -> tuple[Any, int]:
-        """The engine input of a prompt, or of messages rendered with the chat template (the
-        prompt, when the model has none and the request carries one); and the tokens it may
-        generate."""
+    async def _tokenize(
+        self, spec: EngineRequest, item: PromptItem | None = None, position: int = 0
+    ) -> tuple[Any, int]:
+        """The engine input of a prompt (or of a batch's prompt `item`, at `position`), or of
+        messages rendered with the chat template (the prompt, when the model has none and the
+        request carries one); and the tokens it may generate."""
         engine_input = None
         subject, whose, size = "messages", "messages'", "are {} tokens with the chat template"
-        if spec.messages and (self._has_chat_template or not spec.prompt):
+        if item is not None:
+            subject, size = spec.prompt_field(position), "is {} tokens"
+            whose = f"{subject}'s"
+            if item.token_ids:
+                check_token_ids(subject, item.token_ids, self.vocabulary_size, self.max_model_len)
+            (engine_input,) = await self._llm.renderer.render_cmpl_async(
+                [
+                    {"prompt_token_ids": list(item.token_ids)}
+                    if item.token_ids
+                    else {"prompt": item.text}
+                ],
+                self._tokenize_params,
+            )
+        elif spec.messages and (self._has_chat_template or not spec.prompt):
             try:
                 engine_input = await self._render_chat(spec.messages, spec.options)
             except ChatTemplateResolutionError:
@@ -435,45 +467,111 @@ class VllmEngine:
     async def _produce(self, spec: EngineRequest, post: Callable[[Item], None]) -> None:
         """On the engine's loop: post each output's tokens, then None at the end, or the error
         that ended the request. Cancelling this aborts the engine request (vLLM's generate()
-        does so when cancelled). The engine holds the request from here to its end."""
+        does so when cancelled), every prompt's of a batch. The engine holds the request from
+        here to its end."""
         self.activity.request_started()
         try:
             # Adjusts the options first (forced tool calls become structured outputs).
             parsing = self._parsers.for_request(spec.options)
-            engine_input, max_tokens = await self._tokenize(spec)
-            prompt_ids = engine_input["prompt_token_ids"]
-            prompt_tokens = len(prompt_ids)
-            # Each choice's next position, and the tokens of all choices.
-            positions: dict[int, int] = {}
-            generated = 0
-            async for output in self._llm.generate(
-                engine_input, self._sampling.params(spec.options, max_tokens), spec.request_id
-            ):
-                # Each choice's new tokens (vLLM's deltas; several choices interleave, and one
-                # step may end more than one of them).
-                final = len(output.outputs) - 1 if output.finished else -1
-                for position, completion in enumerate(output.outputs):
-                    choice = completion.index
-                    tokens = output_tokens(
-                        completion, positions.get(choice, 0), prompt_tokens, spec.top_logprobs
+            if spec.prompts:
+                inputs = [
+                    await self._tokenize(spec, item, position)
+                    for position, item in enumerate(spec.prompts)
+                ]
+            else:
+                inputs = [await self._tokenize(spec)]
+            run = _Run(
+                post,
+                prompt_tokens=sum(len(made["prompt_token_ids"]) for made, _ in inputs),
+                running=len(inputs),
+            )
+            # A batch's prompts run side by side; one failing ends the others.
+            async with asyncio.TaskGroup() as group:
+                for position, (engine_input, max_tokens) in enumerate(inputs):
+                    group.create_task(
+                        self._generate(spec, run, position, engine_input, max_tokens, parsing)
                     )
-                    positions[choice] = tokens.index + len(tokens.token_ids)
-                    generated += len(tokens.token_ids)
-                    if parsing is not None:
-                        parsing.parse(tokens, prompt_ids)
-                    if position == final:
-                        tokens.last, tokens.completion_tokens = True, generated
-                        tokens.finish_reason = (
-                            tokens.finish_reason or token_pb2.FINISH_REASON_ABORTED
-                        )
-                    post(tokens)
             post(None)
         except asyncio.CancelledError:
             raise
         except Exception as error:
+            if isinstance(error, ExceptionGroup):
+                error = error.exceptions[0]
             post(_mapped(error, "messages" if spec.messages else "request"))
         finally:
             self.activity.request_ended()
+
+    async def _generate(
+        self,
+        spec: EngineRequest,
+        run: _Run,
+        position: int,
+        engine_input: Any,
+        max_tokens: int,
+        parsing: Any,
+    ) -> None:
+        """One prompt's engine request: its choices' tokens, numbered after the choices of the
+        batch's earlier prompts; the tokens that end the last request still running end the
+        stream (with the completion tokens of all)."""
+        prompt_ids = engine_input["prompt_token_ids"]
+        first_choice = position * spec.n
+        # Each choice's next position; the prompt, for each choice's first tokens.
+        positions: dict[int, int] = {}
+        prompt: PromptPart | None = None
+        params = self._sampling.params(spec.options, max_tokens, spec.prompt_logprobs)
+        async for output in self._llm.generate(engine_input, params, spec.engine_ids[position]):
+            # The prompt's logprobs come with the first output that has any.
+            if (
+                spec.wants_prompt
+                and prompt is None
+                and (params.prompt_logprobs is None or output.prompt_logprobs is not None)
+            ):
+                prompt = self._prompt(spec, position, prompt_ids, output.prompt_logprobs, params)
+            # Each choice's new tokens (vLLM's deltas; several choices interleave, and one
+            # step may end more than one of them).
+            final = len(output.outputs) - 1 if output.finished else -1
+            for index, completion in enumerate(output.outputs):
+                choice = first_choice + completion.index
+                tokens = output_tokens(
+                    completion, positions.get(choice, 0), run.prompt_tokens, spec.top_logprobs
+                )
+                tokens.choice = choice
+                if choice not in positions:
+                    tokens.prompt = prompt
+                positions[choice] = tokens.index + len(tokens.token_ids)
+                run.generated += len(tokens.token_ids)
+                if parsing is not None:
+                    parsing.parse(tokens, prompt_ids)
+                if index == final:
+                    tokens.finish_reason = tokens.finish_reason or token_pb2.FINISH_REASON_ABORTED
+                    run.running -= 1
+                    if not run.running:
+                        tokens.last, tokens.completion_tokens = True, run.generated
+                run.post(tokens)
+
+    def _prompt(
+        self,
+        spec: EngineRequest,
+        position: int,
+        prompt_ids: Sequence[int],
+        prompt_logprobs: Any,
+        params: Any,
+    ) -> PromptPart:
+        """The prompt as a choice's first tokens carry it: its text with echo (a batch's ids
+        decoded), and its tokens' logprobs when the engine computed them."""
+        text = ""
+        if spec.echo:
+            item = spec.prompts[position] if spec.prompts else PromptItem(spec.prompt)
+            text = item.text or self.detokenize(item.token_ids)
+        if params.prompt_logprobs is None:
+            prompt_logprobs = None
+        return prompt_part(
+            text,
+            prompt_ids,
+            prompt_logprobs,
+            params.prompt_logprobs or 0,
+            lambda token_id: self.detokenize([token_id]),
+        )
 
     async def stream(
         self, spec: EngineRequest, on_abort: Callable[[], None] | None = None
@@ -511,15 +609,15 @@ class VllmEngine:
                     raise end
                 return  # None: the engine's end of the stream
         except (asyncio.CancelledError, GeneratorExit):
-            await self.abort(spec.request_id)
+            await self.abort(spec.engine_ids)
             if on_abort is not None:
                 on_abort()
             raise
         finally:
             producer.cancel()
 
-    async def abort(self, request_id: str) -> None:
-        await self._thread.call(self._llm.abort(request_id))
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        await self._thread.call(self._llm.abort(request_ids))
 
     def close(self) -> None:
         """Shut the engine down (its processes end) and stop its thread; blocks."""

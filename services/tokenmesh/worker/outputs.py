@@ -36,6 +36,40 @@ class ToolCallPiece:
     arguments: str = ""
 
 
+@dataclass(frozen=True)
+class PromptPart:
+    """The prompt a choice continues, sent with the choice's first tokens (token.proto's
+    PromptTokens): its text when echoed, its ids, and with prompt logprobs each token's text
+    and (logprob, rank, alternatives), the first token's none."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    token_texts: tuple[str, ...] = ()
+    logprobs: tuple[tuple[float | None, int | None, tuple[Candidate, ...]], ...] = ()
+
+
+def prompt_part(
+    text: str, token_ids: Sequence[int], prompt_logprobs: Any, top: int, decode: Any
+) -> PromptPart:
+    """A PromptPart from vLLM's prompt_logprobs (None first, then {token_id: Logprob} of each
+    position, holding the prompt's token and the `top` alternatives) or None when not asked
+    for; decode(token_id) spells a token whose text vLLM gives none of (the first)."""
+    if prompt_logprobs is None:
+        return PromptPart(text, tuple(token_ids))
+    texts: list[str] = []
+    logprobs: list[tuple[float | None, int | None, tuple[Candidate, ...]]] = []
+    for token_id, position in zip(token_ids, prompt_logprobs, strict=False):
+        entry = position.get(token_id) if position else None
+        if entry is None:
+            texts.append(decode(token_id))
+            logprobs.append((None, None, ()))
+            continue
+        logprob, candidates = token_logprobs(position, token_id, top)
+        texts.append(entry.decoded_token if entry.decoded_token is not None else decode(token_id))
+        logprobs.append((logprob, entry.rank, candidates))
+    return PromptPart(text, tuple(token_ids), tuple(texts), tuple(logprobs))
+
+
 @dataclass(slots=True)
 class Tokens:
     """Consecutive generated tokens of one choice of a request: one engine output, or several
@@ -60,6 +94,8 @@ class Tokens:
     # A conversation's reasoning and tool-call pieces, apart from text (worker/parsing.py).
     reasoning: str = ""
     tool_calls: list[ToolCallPiece] = field(default_factory=list)
+    # On a choice's first tokens, when the request asked for its prompt (echo, prompt_logprobs).
+    prompt: PromptPart | None = None
 
     def lengths(self) -> list[int]:
         if self.text_lengths is not None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmesh.common.errors import InvalidArgument
-from tokenmesh.common.sampling import check_sampling, check_tools
+from tokenmesh.common.sampling import check_batch, check_sampling, check_tools
 from tokenmesh.common.validation import check_count, check_text
 from tokenmesh.v1 import inference_pb2
 from tokenmesh.worker.config import WorkerSettings
@@ -47,6 +47,14 @@ class Message:
 
 
 @dataclass(frozen=True)
+class PromptItem:
+    """One prompt of a batch: its text, or the vocabulary ids the model sees."""
+
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class EngineRequest:
     """A validated generation request."""
 
@@ -66,17 +74,60 @@ class EngineRequest:
     messages: tuple[Message, ...] = ()
     # max_tokens is an upper bound: at most what the context leaves after the prompt.
     max_tokens_within_context: bool = False
+    # A batch of prompts instead of prompt (each its own engine request with n choices), or
+    # one prompt of ids (batch False).
+    prompts: tuple[PromptItem, ...] = ()
+    batch: bool = False
+    # Choices per prompt (1 unless the request asked for several).
+    n: int = 1
+    # Each choice's first tokens carry the prompt (its text too with echo); prompt_logprobs:
+    # the prompt tokens' logprobs and this many alternatives (None: not asked for).
+    echo: bool = False
+    prompt_logprobs: int | None = None
+
+    @property
+    def engine_ids(self) -> tuple[str, ...]:
+        """The engine's request ids: one per prompt of a batch."""
+        if not self.batch:
+            return (self.request_id,)
+        return tuple(f"{self.request_id}-{i}" for i in range(len(self.prompts)))
+
+    def prompt_field(self, position: int) -> str:
+        """The caller's name of a prompt: prompt[i] in a batch, else prompt."""
+        return f"prompt[{position}]" if self.batch else "prompt"
+
+    @property
+    def prompt_features(self) -> list[str]:
+        """The prompt features the request uses, as the worker counts them."""
+        used = []
+        if self.prompts:
+            used.append("prompt_batch" if self.batch else "prompt_token_ids")
+        if self.echo:
+            used.append("echo")
+        if self.prompt_logprobs is not None:
+            used.append("prompt_logprobs")
+        return used
+
+    @property
+    def wants_prompt(self) -> bool:
+        return self.echo or self.prompt_logprobs is not None
 
 
 def validate(request: inference_pb2.InferenceRequest, settings: WorkerSettings) -> EngineRequest:
     """Check every field against the worker's limits; raise InvalidArgument naming it."""
     messages = check_messages(request.messages, settings) if request.messages else ()
+    sampling = request.sampling
+    prompts = check_prompts(request, settings)
     if request.prompt:
         check_text("prompt", request.prompt, settings.max_prompt_bytes)
-    elif not messages:
+    elif not messages and not prompts:
         raise InvalidArgument("prompt", "must not be empty (or send messages instead)")
-    sampling = request.sampling
+    if sampling.HasField("prompt_logprobs") and request.openai.stream:
+        # As vLLM's server: a stream's chunks have no place for them.
+        raise InvalidArgument("prompt_logprobs", "not available when stream is true")
     check_sampling(sampling, settings, "sampling.")
+    if sampling.echo and messages:
+        raise InvalidArgument("sampling.echo", "echoes a prompt, not messages")
     if len(request.request_id) > settings.max_request_id_chars:
         raise InvalidArgument(
             "request_id",
@@ -95,13 +146,15 @@ def validate(request: inference_pb2.InferenceRequest, settings: WorkerSettings) 
     # gets a random suffix.
     suffix = uuid.uuid4().hex[:12]
     request_id = f"{request.request_id}-{suffix}" if request.request_id else suffix
+    first = prompts[0] if prompts else None
     return EngineRequest(
         request_id=request_id,
         prompt=request.prompt,
         max_tokens=sampling.max_tokens,
         options=engine_options(
             sampling,
-            request.prompt,
+            # What vLLM's request model validates (a batch's prompts are tokenized one by one).
+            request.prompt if first is None else (first.text or list(first.token_ids)),
             [message.as_openai() for message in messages],
             request.tools if request.HasField("tools") else None,
         ),
@@ -111,7 +164,41 @@ def validate(request: inference_pb2.InferenceRequest, settings: WorkerSettings) 
         warnings=tuple(request.warnings),
         messages=messages,
         max_tokens_within_context=sampling.max_tokens_within_context,
+        prompts=prompts,
+        batch=bool(request.prompts),
+        n=max(sampling.n, 1),
+        echo=sampling.echo,
+        prompt_logprobs=(
+            sampling.prompt_logprobs if sampling.HasField("prompt_logprobs") else None
+        ),
     )
+
+
+def check_prompts(
+    request: inference_pb2.InferenceRequest, settings: WorkerSettings
+) -> tuple[PromptItem, ...]:
+    """A batch's prompts, instead of prompt and messages (common/sampling.py's limits; each
+    prompt's ids at most the model context, and inside the vocabulary: the engine checks
+    that)."""
+    if request.prompt_token_ids:
+        if request.prompt or request.messages or request.prompts:
+            raise InvalidArgument(
+                "prompt_token_ids", "send prompt_token_ids, prompts, a prompt or messages"
+            )
+        check_count("prompt", len(request.prompt_token_ids), settings.max_model_len, "tokens")
+        return (PromptItem(token_ids=tuple(request.prompt_token_ids)),)
+    if not request.prompts:
+        return ()
+    if request.prompt or request.messages:
+        raise InvalidArgument("prompts", "send prompts, a prompt or messages, one of them")
+    check_batch(
+        request.prompts,
+        request.sampling.n,
+        settings,
+        settings.max_prompt_bytes,
+        settings.max_model_len,
+    )
+    return tuple(PromptItem(item.text, tuple(item.token_ids)) for item in request.prompts)
 
 
 def check_messages(

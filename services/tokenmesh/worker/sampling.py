@@ -26,7 +26,16 @@ from tokenmesh.v1 import inference_pb2
 # The worker's own fields (how many tokens, how they are streamed and reported); every other
 # field of SamplingParams goes to vLLM's request model as it is.
 MESH_FIELDS = frozenset(
-    {"max_tokens", "max_tokens_within_context", "stream_interval", "logprobs", "top_logprobs"}
+    {
+        "max_tokens",
+        "max_tokens_within_context",
+        "stream_interval",
+        "logprobs",
+        "top_logprobs",
+        # Given to the engine's parameters after vLLM's model has made them (params below):
+        # its model refuses prompt_logprobs on a stream, and every request here is one.
+        "prompt_logprobs",
+    }
 )
 
 
@@ -36,7 +45,7 @@ VllmRequest = CompletionRequest | ChatCompletionRequest
 
 def engine_options(
     sampling: inference_pb2.SamplingParams,
-    prompt: str = "",
+    prompt: str | list[int] = "",
     messages: list[dict[str, Any]] | None = None,
     tools: inference_pb2.ToolCalling | None = None,
 ) -> VllmRequest:
@@ -118,9 +127,15 @@ class EngineSampling:
         # Where a request leaves a field unset (vLLM's default_sampling_params).
         self._defaults = defaults
 
-    def params(self, options: VllmRequest, max_tokens: int) -> SamplingParams:
+    def params(
+        self, options: VllmRequest, max_tokens: int, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
+        """prompt_logprobs: the request's own (None: vLLM's rule, with echo and logprobs the
+        completion's logprobs)."""
         try:
             params = options.to_sampling_params(max_tokens, self._defaults)
+            if prompt_logprobs is not None:
+                params.prompt_logprobs = prompt_logprobs
             # vLLM checks these again as it adds the request, but there a constraint that does
             # not compile (a plain ValueError) becomes an EngineGenerateError, an internal
             # error; checked here first, every refusal is the caller's, naming the field.

@@ -21,7 +21,7 @@ from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
 from tokenmesh.worker.admission import Admission
 from tokenmesh.worker.config import WorkerSettings
 from tokenmesh.worker.engine import EngineSlot, VllmEngine
-from tokenmesh.worker.outputs import Candidate, Tokens
+from tokenmesh.worker.outputs import Candidate, PromptPart, Tokens
 from tokenmesh.worker.requests import (
     EngineRequest,
     check_token_ids,
@@ -66,10 +66,25 @@ def token_message(tokens: Tokens) -> token_pb2.Token:
         token.tool_calls.add(
             index=piece.index, id=piece.id, name=piece.name, arguments=piece.arguments
         )
+    if tokens.prompt is not None:
+        add_prompt(token.prompt, tokens.prompt)
     if tokens.last:
         token.usage.prompt_tokens = tokens.prompt_tokens
         token.usage.completion_tokens = tokens.completion_tokens
     return token
+
+
+def add_prompt(field: token_pb2.PromptTokens, prompt: PromptPart) -> None:
+    field.text = prompt.text
+    field.token_ids.extend(prompt.token_ids)
+    field.token_texts.extend(prompt.token_texts)
+    for logprob, rank, top in prompt.logprobs:
+        position = field.logprobs.add()
+        if logprob is not None:
+            position.logprob = logprob
+        if rank is not None:
+            position.rank = rank
+        add_candidates(position.top_logprobs, top)
 
 
 def add_candidates(field: Any, top: tuple[Candidate, ...]) -> None:
@@ -102,7 +117,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         context: aio.ServicerContext[Any, Any],
     ) -> AsyncGenerator[token_pb2.Token, None]:
         spec = validate(request, self._settings)
-        for feature in features(spec.options):
+        for feature in features(spec.options) + spec.prompt_features:
             self._features.labels(feature=feature).inc()
         trailers = degraded_marker(request)
         if trailers:
@@ -170,7 +185,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             # waiting on its caller, not the engine).
             nonlocal expired
             expired = True
-            aborting.append(asyncio.ensure_future(engine.abort(spec.request_id)))
+            aborting.append(asyncio.ensure_future(engine.abort(spec.engine_ids)))
 
         expiry = None
         if time_limit > 0:
@@ -193,7 +208,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         except asyncio.CancelledError:
             # The caller cancelled, went away or ran out of deadline: free the engine now
             # (closing the stream below does too).
-            await engine.abort(spec.request_id)
+            await engine.abort(spec.engine_ids)
             count_abort()
             raise
         finally:

@@ -20,12 +20,19 @@ from tokenmesh.common.metrics import RPC_BUCKETS
 from tokenmesh.common.tokens import DEGRADED_BY_RERANKER
 from tokenmesh.gateway.config import GatewaySettings
 from tokenmesh.gateway.core.breaker import CircuitBreaker, CircuitOpenError, CircuitState
-from tokenmesh.gateway.core.prompts import Conversation, context_question, message, with_context
+from tokenmesh.gateway.core.prompts import (
+    Conversation,
+    PromptBatch,
+    context_question,
+    message,
+    with_context,
+)
 from tokenmesh.v1 import rerank_pb2, rerank_pb2_grpc
 
 log = logging.getLogger(__name__)
-# A prompt's text, or a conversation for the worker to render with the model's chat template.
-Prompt: TypeAlias = str | Conversation
+# A prompt's text, a conversation for the worker to render with the model's chat template, or
+# a batch of prompts.
+Prompt: TypeAlias = str | Conversation | PromptBatch
 
 # Reranker outcomes that count against its circuit: it is down, slow or broken. A rejected
 # request (INVALID_ARGUMENT) or a caller who went away says nothing about its health.

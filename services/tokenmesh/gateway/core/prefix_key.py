@@ -4,21 +4,29 @@ from __future__ import annotations
 
 import hashlib
 
-from tokenmesh.gateway.core.prompts import Conversation
+from tokenmesh.gateway.core.prompts import Conversation, PromptBatch
 
 # Between a message's role and its content, and after its content: characters no role holds, so
 # no two conversations serialise alike.
 _ROLE_END = "\x1f"
 _MESSAGE_END = "\x1e"
+# Before a prompt of token ids: no text prompt's key is the same.
+_IDS = "\x1d"
 
 
-def affinity_text(prompt: str | Conversation, prefix_chars: int) -> str:
+def affinity_text(prompt: str | Conversation | PromptBatch, prefix_chars: int) -> str:
     """The start of what the engine will see first: a plain prompt's first prefix_chars; for a
     conversation, its messages up to and including the first user message (system prompts,
     documents as context, the opening question), so every later turn of one conversation keeps
-    the key of its first and follows it to the worker that holds its cache."""
+    the key of its first and follows it to the worker that holds its cache; for a batch, its
+    first prompt's (ids as their decimal list: prompts of one start share the key)."""
     if isinstance(prompt, str):
         return prompt[:prefix_chars]
+    if isinstance(prompt, PromptBatch):
+        first = prompt.items[0]
+        if first.token_ids:
+            return _IDS + " ".join(map(str, first.token_ids[:prefix_chars]))[:prefix_chars]
+        return first.text[:prefix_chars]
     return _opening(prompt)[:prefix_chars]
 
 
@@ -31,7 +39,7 @@ def _opening(conversation: Conversation) -> str:
     return "".join(parts)
 
 
-def affinity_key(prompt: str | Conversation, prefix_chars: int) -> str:
+def affinity_key(prompt: str | Conversation | PromptBatch, prefix_chars: int) -> str:
     """A short digest of affinity_text (a header value; Envoy hashes it again onto its ring).
     BLAKE2b from the standard library: one call of a few microseconds per request."""
     text = affinity_text(prompt, prefix_chars)

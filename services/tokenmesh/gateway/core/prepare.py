@@ -17,6 +17,7 @@ from tokenmesh.gateway.config import GatewaySettings
 from tokenmesh.gateway.core.documents import ContextPrompt, DocumentSelector, Prompt
 from tokenmesh.gateway.core.picker import EndpointPicker, header_value
 from tokenmesh.gateway.core.prefix_key import affinity_key
+from tokenmesh.gateway.core.prompts import Conversation, PromptBatch
 from tokenmesh.gateway.core.requests import Question
 from tokenmesh.v1 import inference_pb2
 
@@ -98,6 +99,9 @@ class Preparer:
         )
         if isinstance(prompt, str):
             request.prompt = prompt
+        elif isinstance(prompt, PromptBatch):
+            request.prompts.extend(prompt.prompts)
+            request.prompt_token_ids.extend(prompt.token_ids)
         else:
             request.messages.extend(prompt.messages)
             request.prompt = prompt.fallback
@@ -109,11 +113,11 @@ class Preparer:
             request.degraded = context.degraded
             used = context.used_document_indices
         if self._prompt_log is not None:
-            logged = (
-                prompt
-                if isinstance(prompt, str)
-                else [(m.role, m.content) for m in prompt.messages]
-            )
+            logged: object = prompt
+            if isinstance(prompt, Conversation):
+                logged = [(m.role, m.content) for m in prompt.messages]
+            elif isinstance(prompt, PromptBatch):
+                logged = [item.text or list(item.token_ids) for item in prompt.items]
             self._prompt_log.info(
                 "prompt", extra={"request_id": request.request_id, "prompt": logged}
             )

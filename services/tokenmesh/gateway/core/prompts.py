@@ -20,6 +20,20 @@ class Conversation:
     tools: inference_pb2.ToolCalling | None = None
 
 
+@dataclass(frozen=True)
+class PromptBatch:
+    """Several prompts generated together (OpenAI completions' list prompt): texts or the
+    vocabulary ids the model sees; or one prompt of ids (token_ids, prompts empty)."""
+
+    prompts: tuple[inference_pb2.PromptInput, ...] = ()
+    token_ids: tuple[int, ...] = ()
+
+    @property
+    def items(self) -> tuple[inference_pb2.PromptInput, ...]:
+        """Every prompt (one of ids alone as an item)."""
+        return self.prompts or (inference_pb2.PromptInput(token_ids=self.token_ids),)
+
+
 def message(role: str, content: str) -> inference_pb2.ConversationMessage:
     return inference_pb2.ConversationMessage(role=role, content=content)
 

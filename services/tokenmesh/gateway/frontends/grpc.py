@@ -12,6 +12,7 @@ from grpc import aio
 from tokenmesh.common.errors import InvalidArgument
 from tokenmesh.common.metrics import StreamMetrics
 from tokenmesh.common.presentation import degraded_marker
+from tokenmesh.common.tokens import ends_stream
 from tokenmesh.common.validation import check_text
 from tokenmesh.gateway.config import GatewaySettings
 from tokenmesh.gateway.core.documents import Prompt
@@ -32,17 +33,30 @@ def mark(context: Context, call: PreparedCall) -> None:
 
 
 async def collect(tokens: AsyncIterator[token_pb2.Token]) -> llm_pb2.Answer:
-    """A whole answer from a token stream (its warnings are the first token's)."""
-    parts: list[str] = []
+    """A whole answer from a token stream (its warnings are the first token's): the first
+    choice's text and finish as the answer's, and every choice when there are several."""
+    texts: dict[int, list[str]] = {}
+    reasons: dict[int, int] = {}
     answer = llm_pb2.Answer()
+    first = True
     async for token in tokens:
-        if not parts:
+        if first:
             answer.warnings.extend(token.warnings)
-        parts.append(token.text)
+            first = False
+        texts.setdefault(token.choice, []).append(token.text)
         if token.finish_reason:
-            answer.finish_reason = token.finish_reason
+            reasons[token.choice] = token.finish_reason
+        if ends_stream(token):
             answer.usage.CopyFrom(token.usage)
-    answer.text = "".join(parts)
+    answer.text = "".join(texts.get(0, ()))
+    answer.finish_reason = reasons.get(0, token_pb2.FINISH_REASON_UNSPECIFIED)  # type: ignore[assignment]
+    if len(texts) > 1:
+        for index in sorted(texts):
+            answer.choices.add(
+                index=index,
+                text="".join(texts[index]),
+                finish_reason=reasons.get(index, token_pb2.FINISH_REASON_UNSPECIFIED),
+            )
     return answer
 
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from tokenmesh.common.errors import InvalidArgument
 from tokenmesh.common.openai_answers import Shape
-from tokenmesh.common.sampling import check_tools
+from tokenmesh.common.sampling import check_batch, check_tools
 from tokenmesh.gateway.config import GatewaySettings
 from tokenmesh.gateway.core.catalog import ModelCatalog
 from tokenmesh.gateway.core.documents import Prompt
 from tokenmesh.gateway.core.prepare import PreparedCall, Preparer
 from tokenmesh.gateway.core.prompts import Conversation
-from tokenmesh.gateway.core.requests import question
+from tokenmesh.gateway.core.requests import question, sampling_params
 from tokenmesh.gateway.frontends.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 
@@ -48,8 +48,19 @@ class OpenAIPreparer:
         tools = body.tool_calling() if isinstance(body, ChatCompletionRequest) else None
         if tools is not None:
             check_tools("tools", tools, settings)
-        asked = question(generate, settings)
         limit = settings.http_request_timeout_seconds
+        batch = body.batch() if isinstance(body, CompletionRequest) else None
+        if batch is not None:
+            # Several prompts, or token ids: no documents to rank against one question.
+            if body.documents:
+                raise InvalidArgument("documents", "need one text prompt, not a list or ids")
+            sampling = sampling_params(generate, settings)
+            if batch.prompts:
+                check_batch(batch.prompts, sampling.n, settings, settings.max_prompt_bytes)
+            answer = Shape.new_answer(chat, model, body.stream, body.include_usage)
+            answer.time_limit_seconds = limit
+            return self._preparer.call(batch, sampling, None, answer)
+        asked = question(generate, settings)
         context = await self._preparer.context(asked, limit)
         prompt: Prompt = context.prompt
         if isinstance(body, ChatCompletionRequest):

@@ -7,9 +7,11 @@ from typing import Annotated, Any, Literal
 
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import ParseDict, ParseError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
 from tokenmesh.common.errors import InvalidArgument
+from tokenmesh.gateway.core.prompts import PromptBatch
 from tokenmesh.gateway.core.prompts import message as conversation_message
 from tokenmesh.v1 import inference_pb2, llm_pb2
 
@@ -210,20 +212,86 @@ def _expected(field: FieldDescriptor) -> str:
 
 
 class CompletionRequest(_Request):
-    prompt: str
+    # A text, or as OpenAI's and vLLM's servers take it: several texts, one prompt's token ids,
+    # or several prompts' (a batch).
+    prompt: str | list[str] | list[int] | list[list[int]]
     # OpenAI's completions take the number of alternatives to return (0..5).
     logprobs: Int32 | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value: Any) -> Any:
+        """One of the four shapes, or a refusal naming them (not one per shape tried)."""
+        if isinstance(value, str) or (
+            isinstance(value, list)
+            and (
+                all(isinstance(item, str) for item in value)
+                or all(_is_ids(item) for item in value)
+                or all(isinstance(item, list) and all(_is_ids(i) for i in item) for item in value)
+            )
+        ):
+            return value
+        raise PydanticCustomError(
+            "prompt_shape",
+            "must be a text, a list of texts, a list of token ids or a list of lists of them",
+        )
+
+    def batch(self) -> PromptBatch | None:
+        """The prompts of a batch or one of token ids (None: one text prompt, a list of one
+        text included, which is the same request)."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return None
+        if not prompt:
+            raise InvalidArgument("prompt", "must not be empty")
+        if len(prompt) == 1 and isinstance(prompt[0], str):
+            return None
+        if isinstance(prompt[0], int):
+            return PromptBatch(token_ids=tuple(_token_ids("prompt", prompt).token_ids))
+        items = []
+        for position, item in enumerate(prompt):
+            field = f"prompt[{position}]"
+            if not item:
+                raise InvalidArgument(field, "must not be empty")
+            if isinstance(item, str):
+                items.append(inference_pb2.PromptInput(text=item))
+            else:
+                items.append(_token_ids(field, item))  # type: ignore[arg-type]
+        return PromptBatch(tuple(items))
+
+    def text(self) -> str:
+        """The one text prompt ("" for a batch or token ids)."""
+        if isinstance(self.prompt, str):
+            return self.prompt
+        if len(self.prompt) == 1 and isinstance(self.prompt[0], str):
+            return self.prompt[0]
+        return ""
 
     def generate_request(self, max_tokens_cap: int) -> llm_pb2.GenerateRequest:
         self.unsupported()
         request = self._generate_request(
-            self.prompt,
+            self.text(),
             COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens,
         )
         if self.logprobs is not None:
             request.logprobs = True
             request.top_logprobs = self.logprobs
         return request
+
+
+def _is_ids(value: Any) -> bool:
+    return type(value) is int  # a JSON integer (not true or false)
+
+
+def _token_ids(field: str, ids: list[int]) -> inference_pb2.PromptInput:
+    """A prompt of vocabulary ids (whether each is inside the vocabulary is the worker's to
+    check)."""
+    for position, token_id in enumerate(ids):
+        if not 0 <= token_id < 2**31:
+            raise InvalidArgument(
+                f"{field}[{position}]", f"must be a vocabulary id (>= 0), got {token_id}"
+            )
+    return inference_pb2.PromptInput(token_ids=ids)
 
 
 class ChatCompletionRequest(_Request):
@@ -256,6 +324,8 @@ class ChatCompletionRequest(_Request):
             raise InvalidArgument("messages", "at least one message is required")
         if not self.tools and self.tool_choice not in (None, "none"):
             raise InvalidArgument("tool_choice", "needs tools: there is nothing to call")
+        if (self.model_extra or {}).get("echo"):
+            raise InvalidArgument("echo", "echoes a prompt: send it to /v1/completions")
         for position, message in enumerate(self.messages):
             if message.role not in ROLES:
                 raise InvalidArgument(
