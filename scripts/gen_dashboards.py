@@ -334,6 +334,23 @@ SERVING = Dashboard(
             ),
             unit="reqps",
         ),
+        Panel(
+            "Requests by engine feature/s",
+            "Requests that use an engine feature beyond plain sampling: structured outputs by "
+            "kind, tools by tool_choice, prompt batches, token-id prompts, echo and prompt "
+            "logprobs.",
+            (
+                Query(
+                    rate(
+                        "tokenmesh_worker_request_features_total",
+                        "feature",
+                        'replica=~"$worker"',
+                    ),
+                    "{{feature}}",
+                ),
+            ),
+            unit="reqps",
+        ),
     ),
 )
 

@@ -44,6 +44,9 @@ def describe(cls: type[BaseModel], name: str) -> str:
 def default_text(field: FieldInfo) -> str:
     """The default as it would be written in the environment variable."""
     if field.default_factory is not None:
+        made = field.default_factory()  # type: ignore[call-arg]
+        if made in ({}, []):
+            return "unset"
         return "(computed: see description)"
     value: Any = field.default
     if value is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -17,6 +18,9 @@ from tests.support import TINY_MODEL, ServiceProcess, reranker_process, worker_p
 from tokenmesh.v1 import inference_pb2_grpc
 
 LOG_DIR = Path(__file__).resolve().parent.parent / ".run" / "test-logs"
+# vLLM engine arguments of the session's worker (TOKENMESH_WORKER_ENGINE_ARGS): a global seed
+# other than vLLM's default, which changes nothing a test asserts.
+WORKER_ENGINE_ARGS = {"seed": 1205}
 # Loading vLLM takes ~40 s on 2 cores; a loaded CI machine may take several times that.
 WORKER_START_TIMEOUT = 300.0
 # Importing torch and loading MiniLM takes ~5 s on 2 cores; a loaded machine may take far longer.
@@ -100,8 +104,13 @@ def otlp_collector() -> Iterator[OtlpCollector]:
 def worker(otlp_collector: OtlpCollector) -> Iterator[ServiceProcess]:
     if not (TINY_MODEL / "config.json").exists():
         pytest.fail(f"no tiny model at {TINY_MODEL}: run `make setup` first")
-    # Traced, so its spans join the traces of tests/integration/test_tracing.py.
-    process = worker_process(LOG_DIR, otlp_endpoint=otlp_collector.address)
+    # Traced, so its spans join the traces of tests/integration/test_tracing.py; an engine
+    # argument of vLLM's own, which test_worker_lifecycle.py finds in vLLM's configuration.
+    process = worker_process(
+        LOG_DIR,
+        otlp_endpoint=otlp_collector.address,
+        engine_args=json.dumps(WORKER_ENGINE_ARGS),
+    )
     process.env.update(OTLP_ENV)
     process.start()
     try:

@@ -917,7 +917,7 @@ OVERLOAD_TOKENS = 64
 # The small mesh for overload (and the short stalled-client run): 1 gateway, 1 worker whose batch
 # and queue overflow with a few dozen streams, and a short stream idle timeout.
 SMALL_MESH_ENV = {
-    "TOKENMESH_WORKER_MAX_NUM_SEQS": "4",
+    "TOKENMESH_LOCALMESH_WORKER_MAX_NUM_SEQS": "4",
     "TOKENMESH_WORKER_MAX_WAITING_REQUESTS": "8",
     "TOKENMESH_MESH_STREAM_IDLE_TIMEOUT_SECONDS": "5",
 }
@@ -928,10 +928,10 @@ MIB = 1024 * 1024
 
 def worker_limits() -> tuple[int, int]:
     """max_num_seqs and max_waiting_requests the mesh's workers got from this environment."""
+    from tokenmesh.localmesh.settings import LocalMeshSettings
     from tokenmesh.worker.config import WorkerSettings
 
-    settings = WorkerSettings()
-    return settings.max_num_seqs, settings.max_waiting_requests
+    return LocalMeshSettings().worker_max_num_seqs, WorkerSettings().max_waiting_requests
 
 
 async def overload(mesh: ScenarioMesh, short: bool) -> Row:

@@ -21,7 +21,7 @@ from grpc import aio
 from tests.support import ROOT, metric_value, positions, scrape_metrics
 from tokenmesh.localmesh.mesh import LocalMesh
 from tokenmesh.localmesh.probes import serving
-from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, llm_pb2, llm_pb2_grpc
+from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, llm_pb2, llm_pb2_grpc, token_pb2
 
 pytestmark = [
     pytest.mark.integration,
@@ -99,14 +99,25 @@ async def cancelled_stream(edge: llm_pb2_grpc.LLMServiceStub, i: int) -> None:
     call.cancel()
 
 
+async def constrained(edge: llm_pb2_grpc.LLMServiceStub, i: int) -> str:
+    """An answer that uses an engine feature (a structured output's choice)."""
+    query = llm_pb2.Query(
+        prompt=f"yes or no {i}?",
+        max_tokens=4,
+        structured_outputs=token_pb2.StructuredOutputs(choice=["yes", "no"]),
+    )
+    return (await edge.GetAnswer(query, timeout=60)).text
+
+
 async def drive(edge: llm_pb2_grpc.LLMServiceStub, rounds: int) -> None:
-    """Reranked streams and answers, and streams the caller cancels."""
+    """Reranked streams and answers, streams the caller cancels, and constrained answers."""
     for round_ in range(rounds):
         i = round_ * 100
         await asyncio.gather(
             *(generate(edge, i + n) for n in range(6)),
             *(answer(edge, i + n) for n in range(4)),
             *(cancelled_stream(edge, i + n) for n in range(2)),
+            constrained(edge, i),
         )
 
 

@@ -14,6 +14,7 @@ import psutil
 import pytest
 from grpc import aio
 
+from tests.conftest import WORKER_ENGINE_ARGS
 from tests.support import (
     ROOT,
     ServiceProcess,
@@ -187,3 +188,45 @@ async def test_engine_death_fails_streams_with_unavailable_and_exits_1(tmp_path:
         assert await asyncio.to_thread(worker.process.wait, 60) == 1
     finally:
         worker.stop()
+
+
+def test_engine_args_reach_vllms_configuration(worker: ServiceProcess) -> None:
+    """The session's worker has TOKENMESH_WORKER_ENGINE_ARGS (conftest): vLLM logs the
+    configuration its engine was built with."""
+    configured = [
+        line
+        for line in worker.log_path.read_text(errors="replace").splitlines()
+        if "Initializing a V1 LLM engine" in line
+    ]
+    assert configured, "vLLM logged no engine configuration"
+    assert all(
+        f", {name}={value}," in configured[-1] for name, value in WORKER_ENGINE_ARGS.items()
+    ), configured[-1]
+
+
+@pytest.mark.parametrize(
+    ("engine_args", "named"),
+    [
+        ({"no_such_argument": 1}, "no_such_argument"),
+        ({"kv_cache_dtype": "fp9"}, "kv_cache_dtype"),
+    ],
+)
+def test_a_wrong_engine_argument_stops_the_worker_before_anything_starts(
+    engine_args: dict[str, object], named: str
+) -> None:
+    worker = worker_process(
+        ROOT / ".run" / "test-logs",
+        name=f"worker-engine-args-{named}",
+        engine_args=json.dumps(engine_args),
+    )
+    worker.start()
+    try:
+        assert worker.process is not None
+        # Importing vLLM takes seconds; no model loads, no engine process starts.
+        code = worker.process.wait(timeout=120)
+    finally:
+        worker.stop()
+    log = worker.log_tail()
+    assert code == 2, log
+    assert f"engine argument {named}:" in log
+    assert "Initializing a V1 LLM engine" not in log and "SERVING" not in log

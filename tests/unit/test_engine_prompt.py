@@ -49,12 +49,15 @@ class Renderer:
 
 def engine(template: bool) -> VllmEngine:
     """An engine around the renderer alone (it must be made on a running loop)."""
+    # The context and batch vLLM settled on are read from its configuration.
     llm = SimpleNamespace(
         renderer=Renderer(template),
-        model_config=None,
-        vllm_config=SimpleNamespace(structured_outputs_config=None),
+        model_config=SimpleNamespace(max_model_len=CONTEXT),
+        vllm_config=SimpleNamespace(
+            structured_outputs_config=None, scheduler_config=SimpleNamespace(max_num_seqs=8)
+        ),
     )
-    settings = WorkerSettings(max_model_len=CONTEXT)
+    settings = WorkerSettings()
     return VllmEngine(llm, EngineLoad(), settings, thread=None)  # type: ignore[arg-type]
 
 

@@ -154,6 +154,7 @@ VALUE_SETS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
             "worker": {
                 "replicas": 2,
                 "gpu": {"count": 4},
+                "engineArgs": {"kv_cache_dtype": "fp8", "enable_prefix_caching": True},
                 "model": {
                     "name": "Llama-3.1-70B-Instruct",
                     "storage": {"type": "existingClaim", "existingClaim": {"claimName": "models"}},
@@ -591,6 +592,11 @@ def test_multi_gpu_workers_shard_the_model_from_a_volume(releases: dict[str, Rel
     release = releases["multi-gpu"]
     env = release.env("worker")
     assert env["TOKENMESH_WORKER_TENSOR_PARALLEL_SIZE"] == "4"
+    # vLLM's engine arguments as the worker's settings read them.
+    assert json.loads(env["TOKENMESH_WORKER_ENGINE_ARGS"]) == {
+        "kv_cache_dtype": "fp8",
+        "enable_prefix_caching": True,
+    }
     assert env["TOKENMESH_WORKER_MODEL"] == "/models/Llama-3.1-70B-Instruct"
     assert env["HF_TOKEN"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
     pod = release.deployment("worker")["spec"]["template"]["spec"]
@@ -604,6 +610,7 @@ def test_multi_gpu_workers_shard_the_model_from_a_volume(releases: dict[str, Rel
     # One GPU (defaults): no sharding, the model from the hub, no token.
     defaults = releases["defaults"].env("worker")
     assert "TOKENMESH_WORKER_TENSOR_PARALLEL_SIZE" not in defaults
+    assert "TOKENMESH_WORKER_ENGINE_ARGS" not in defaults
     assert "HF_TOKEN" not in defaults
     assert "/" in defaults["TOKENMESH_WORKER_MODEL"] and not defaults[
         "TOKENMESH_WORKER_MODEL"
@@ -1473,7 +1480,8 @@ def test_model_storage_is_an_emptydir_a_chart_claim_or_an_existing_claim(
 
 
 def test_worker_memory_and_shared_memory_come_from_values(releases: dict[str, Release]) -> None:
-    for value_set, shm, memory in (("defaults", "8Gi", "48Gi"), ("cpu", "1Gi", "6Gi")):
+    # The defaults: one GPU's worth (gpu.perGpu); the CPU values set their own.
+    for value_set, shm, memory in (("defaults", "8Gi", "64Gi"), ("cpu", "1Gi", "6Gi")):
         release = releases[value_set]
         dshm = worker_volumes(release)["dshm"]["emptyDir"]
         assert dshm == {"medium": "Memory", "sizeLimit": shm}
@@ -1720,8 +1728,8 @@ IMPOSSIBLE: list[tuple[dict[str, Any], str]] = [
         r"ReadWriteOnce .* but worker.keda.maxReplicaCount allows 4 workers",
     ),
     (
-        {"worker": {"shmSize": "48Gi"}},
-        r"worker.shmSize \(48Gi\) must be below worker.resources.limits.memory \(48Gi\)",
+        {"worker": {"shmSize": "64Gi"}},
+        r"worker.shmSize \(64Gi\) must be below the worker's memory limit \(64Gi\)",
     ),
     ({"gateway": {"metricsPort": 50051}}, r"gateway: metricsPort and port are the same port"),
     (

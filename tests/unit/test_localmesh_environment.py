@@ -148,7 +148,7 @@ def test_localmesh_decides_alone_what_it_writes(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("TOKENMESH_WORKER_MAX_NUM_SEQS", "7")
     monkeypatch.setenv("CONSUL_HTTP_ADDR", "127.0.0.1:1")
     settings = build(WorkerSettings, port=1)
-    assert settings.max_num_seqs == 256
+    assert settings.max_num_seqs is None
     assert environment(settings) == {"TOKENMESH_WORKER_PORT": "1"}
 
 

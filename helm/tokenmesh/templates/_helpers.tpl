@@ -747,11 +747,28 @@ Value combinations that can never work, refused at render time with the reason.
 {{- fail (printf "worker.model.storage.pvc.accessMode=%s mounts the claim %s, but worker.%s allows %d workers: those that cannot mount it would wait in ContainerCreating (Multi-Attach error); use ReadWriteMany, or one worker" $storage.pvc.accessMode $where $source $most) }}
 {{- end }}
 {{- end }}
-{{- $memory := dig "limits" "memory" "" ($worker.resources | default dict) }}
-{{- if and $memory $worker.shmSize }}
-{{- if ge (float64 (include "tokenmesh.bytes" $worker.shmSize)) (float64 (include "tokenmesh.bytes" $memory)) }}
-{{- fail (printf "worker.shmSize (%s) must be below worker.resources.limits.memory (%s): /dev/shm is memory-backed and counts against the limit" $worker.shmSize $memory) }}
+{{- $memory := dig "limits" "memory" "" (include "tokenmesh.workerResources" . | fromJson) }}
+{{- $shm := include "tokenmesh.workerShm" . }}
+{{- if ge (float64 (include "tokenmesh.bytes" $shm)) (float64 (include "tokenmesh.bytes" $memory)) }}
+{{- fail (printf "worker.shmSize (%s) must be below the worker's memory limit (%s): /dev/shm is memory-backed and counts against the limit" $shm $memory) }}
 {{- end }}
+{{- $gpus := int $worker.gpu.count }}
+{{- if gt $gpus (int $worker.gpu.maxPerNode) }}
+{{- fail (printf "worker.gpu.count (%d) is more GPUs than one node offers (worker.gpu.maxPerNode, %d): a worker is one engine in one pod, and multi-node serving is not supported; use fewer GPUs per worker and more replicas" $gpus (int $worker.gpu.maxPerNode)) }}
+{{- end }}
+{{- $args := include "tokenmesh.workerEngineArgs" . | fromJson }}
+{{- range $name := list "data_parallel_size" "nnodes" }}
+{{- if gt (int (get $args $name | default 1)) 1 }}
+{{- fail (printf "worker.engineArgs.%s: a worker is one engine in one pod on one node; scale with worker.replicas (each pod an engine) instead" $name) }}
+{{- end }}
+{{- end }}
+{{- $pipeline := int (get $args "pipeline_parallel_size" | default 1) }}
+{{- if and (gt $pipeline 1) (or (eq $gpus 0) (ne (mod $gpus $pipeline) 0)) }}
+{{- fail (printf "worker.engineArgs.pipeline_parallel_size (%d) must divide worker.gpu.count (%d): the pod's GPUs are split into that many stages" $pipeline $gpus) }}
+{{- end }}
+{{- $parallel := include "tokenmesh.workerParallelism" . | fromJson }}
+{{- if and (hasKey $args "tensor_parallel_size") (ne (int (get $args "tensor_parallel_size")) (int $parallel.tensor)) }}
+{{- fail (printf "worker.engineArgs.tensor_parallel_size (%d) disagrees with worker.gpu.count (%d GPUs, pipeline parallel %d: tensor parallel %d); leave it out, the chart sets it" (int (get $args "tensor_parallel_size")) $gpus $pipeline (int $parallel.tensor)) }}
 {{- end }}
 {{- /* Envoy runs its health checks' timers in whole milliseconds and drops the rest (a 0.4 ms
 timeout would fail every check); the schema bounds the values themselves. */}}
@@ -794,4 +811,47 @@ timeout would fail every check); the schema bounds the values themselves. */}}
 {{- end }}
 {{- end }}
 {{- end }}
+{{- end }}
+
+{{- /* The worker's engine arguments by vLLM's names, dashes read as underscores (as the
+worker reads them). */}}
+{{- define "tokenmesh.workerEngineArgs" -}}
+{{- $args := dict }}
+{{- range $name, $value := (.Values.worker.engineArgs | default dict) }}
+{{- $_ := set $args (replace "-" "_" $name) $value }}
+{{- end }}
+{{- toJson $args }}
+{{- end }}
+
+{{- /* How the worker's GPUs are split (JSON): tensor parallel count/pipeline parallel, and the
+pipeline parallel size (engineArgs.pipeline_parallel_size, 1 unset). */}}
+{{- define "tokenmesh.workerParallelism" -}}
+{{- $args := include "tokenmesh.workerEngineArgs" . | fromJson }}
+{{- $gpus := int .Values.worker.gpu.count }}
+{{- $pipeline := int (get $args "pipeline_parallel_size" | default 1) }}
+{{- $tensor := ternary (div $gpus $pipeline) 1 (gt $gpus 0) }}
+{{- toJson (dict "tensor" $tensor "pipeline" $pipeline) }}
+{{- end }}
+
+{{- /* The worker's container resources: what worker.resources sets, the rest per GPU
+(gpu.perGpu times gpu.count, at least one GPU's worth). */}}
+{{- define "tokenmesh.workerResources" -}}
+{{- $worker := .Values.worker }}
+{{- $per := $worker.gpu.perGpu }}
+{{- $n := max 1 (int $worker.gpu.count) }}
+{{- $resources := deepCopy ($worker.resources | default dict) }}
+{{- $requests := $resources.requests | default dict }}
+{{- $limits := $resources.limits | default dict }}
+{{- if not (hasKey $requests "cpu") }}{{ $_ := set $requests "cpu" (mul $n (int $per.cpu) | toString) }}{{ end }}
+{{- if not (hasKey $requests "memory") }}{{ $_ := set $requests "memory" (printf "%dGi" (mul $n (int $per.memoryGi))) }}{{ end }}
+{{- if not (hasKey $limits "memory") }}{{ $_ := set $limits "memory" (printf "%dGi" (mul $n (int $per.memoryLimitGi))) }}{{ end }}
+{{- $_ := set $resources "requests" $requests }}
+{{- $_ := set $resources "limits" $limits }}
+{{- toJson $resources }}
+{{- end }}
+
+{{- /* The worker's /dev/shm: shmSize, or gpu.perGpu.shmGi per GPU. */}}
+{{- define "tokenmesh.workerShm" -}}
+{{- $worker := .Values.worker }}
+{{- $worker.shmSize | default (printf "%dGi" (mul (max 1 (int $worker.gpu.count)) (int $worker.gpu.perGpu.shmGi))) }}
 {{- end }}

@@ -169,6 +169,8 @@ class ProcessTable:
             # What OpenAI clients name as `model`: the model directory's name.
             served_model_name=Path(s.model).name,
             kv_cache_space_gib=s.worker_kv_cache_space_gib,
+            max_model_len=s.worker_max_model_len,
+            max_num_seqs=s.worker_max_num_seqs,
             dtype=s.worker_dtype,
             # vLLM pins its OpenMP threads: engines on one machine get their own cores, or they
             # fight over the same ones.

@@ -17,18 +17,19 @@ class Admission:
     vLLM's scheduler reports (once per engine step), and vLLM may keep requests waiting when
     its KV cache is full even below max_num_seqs."""
 
-    def __init__(self, max_running: int, max_waiting: int) -> None:
-        self.max_running = max_running
+    def __init__(self, max_waiting: int) -> None:
         self.max_waiting = max_waiting
         self.admitted = 0
 
     @contextmanager
-    def admit(self, engine_waiting: int) -> Iterator[None]:
-        limit = self.max_running + self.max_waiting
+    def admit(self, engine_waiting: int, max_running: int) -> Iterator[None]:
+        """max_running: the engine's max_num_seqs (vLLM's default for the hardware when the
+        settings name none)."""
+        limit = max_running + self.max_waiting
         if self.admitted >= limit or engine_waiting > self.max_waiting:
             raise ResourceExhausted(
                 f"worker overloaded: {self.admitted} streams admitted, {engine_waiting} waiting "
-                f"in the engine; limits max_num_seqs={self.max_running} + "
+                f"in the engine; limits max_num_seqs={max_running} + "
                 f"max_waiting_requests={self.max_waiting}; retry later or elsewhere"
             )
         self.admitted += 1

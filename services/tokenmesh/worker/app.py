@@ -7,6 +7,7 @@ import logging
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 from prometheus_client.registry import Collector
+from vllm.engine.arg_utils import AsyncEngineArgs
 
 from tokenmesh.common.cpu_pinning import pin_threads
 from tokenmesh.common.host import ServiceHost
@@ -101,8 +102,9 @@ async def watch_engine(engine: VllmEngine, watchdog: StallWatchdog, interval: fl
     log.error("inference engine died; shutting the worker down")
 
 
-async def serve(settings: WorkerSettings) -> int:
-    """Run the worker until SIGTERM/SIGINT (exit 0) or until its engine dies (exit 1)."""
+async def serve(settings: WorkerSettings, arguments: AsyncEngineArgs) -> int:
+    """Run the worker until SIGTERM/SIGINT (exit 0) or until its engine dies (exit 1);
+    arguments: the engine's (worker/engine_args.py)."""
     # The engine's processes start with every core (vLLM binds its runner's, cpu_threads_bind);
     # once it has started, its engine core is placed (engine_affinity) and the front end's
     # threads are pinned to the worker's own cores.
@@ -127,7 +129,7 @@ async def serve(settings: WorkerSettings) -> int:
     )
 
     async def start() -> None:
-        engine = await VllmEngine.start(settings)
+        engine = await VllmEngine.start(settings, arguments)
         # Closed once the server has stopped: in-flight streams get the grace period, then are
         # cancelled, which aborts their engine requests.
         host.on_stop(lambda: asyncio.to_thread(engine.close))

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from tokenmesh.common.cpu_pinning import known_cores
@@ -34,16 +34,32 @@ class WorkerSettings(ServiceSettings, SamplingLimits, ToolLimits):
             "Weights/activations dtype: auto (from the model config), bfloat16, float16, float32."
         ),
     )
-    max_model_len: int = Field(
-        default=2048,
+    max_model_len: int | None = Field(
+        default=None,
         ge=16,
-        description="Context length (prompt + generated tokens); caps the model's own maximum.",
+        description=(
+            "Context length (prompt + generated tokens), at most the model's own. Unset: the "
+            "model's own, as `vllm serve` (vLLM's --max-model-len)."
+        ),
     )
-    max_num_seqs: int = Field(
-        default=256,
+    max_num_seqs: int | None = Field(
+        default=None,
         ge=1,
         description=(
-            "Sequences the engine batches at once (continuous batching); more wait in its queue."
+            "Sequences the engine batches at once (continuous batching); more wait in its "
+            "queue. Unset: vLLM's default for the hardware, as `vllm serve` picks it (vLLM's "
+            "--max-num-seqs)."
+        ),
+    )
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description=(
+            "Any of vLLM's engine arguments, by the names `vllm serve --help` gives them "
+            '(underscores or dashes), as a JSON object: e.g. {"kv_cache_dtype": "fp8", '
+            '"max_num_batched_tokens": 8192, "speculative_config": {...}}. The engine\'s own '
+            "parser checks them as the worker starts: an unknown name or a bad value stops "
+            "it at once, naming the argument. One that is also a setting here (model, dtype, "
+            "max_model_len, max_num_seqs, ...) must agree with the setting."
         ),
     )
     max_waiting_requests: int = Field(
@@ -183,6 +199,69 @@ class WorkerSettings(ServiceSettings, SamplingLimits, ToolLimits):
             '(OpenAI\'s "reasoning_content", Token.reasoning). Empty: none.'
         ),
     )
+
+    # Engine arguments the typed settings give (engine argument: setting).
+    ENGINE_SHORTCUTS: ClassVar[dict[str, str]] = {
+        "model": "model",
+        "served_model_name": "served_model_name",
+        "dtype": "dtype",
+        "max_model_len": "max_model_len",
+        "max_num_seqs": "max_num_seqs",
+        "gpu_memory_utilization": "gpu_memory_utilization",
+        "tensor_parallel_size": "tensor_parallel_size",
+        "trust_remote_code": "trust_remote_code",
+        "max_logprobs": "max_top_logprobs",
+        "stream_interval": "stream_interval",
+    }
+    # Engine arguments the worker sets itself, and why.
+    ENGINE_OWN: ClassVar[dict[str, str]] = {
+        "enable_log_requests": "prompts never reach the logs (docs/security.md)",
+        "enable_log_outputs": "answers never reach the logs (docs/security.md)",
+        "disable_log_stats": "the worker's load reports and stall watchdog read the engine's stats",
+        "structured_outputs_config": (
+            "set structured_outputs_backend and structured_outputs_disable_any_whitespace"
+        ),
+    }
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_args_fill_unset_shortcuts(cls, data: Any) -> Any:
+        """A shortcut left unset takes the engine argument's value (its name normalised)."""
+        if not isinstance(data, dict) or not isinstance(data.get("engine_args"), dict):
+            return data
+        args = {name.replace("-", "_"): value for name, value in data["engine_args"].items()}
+        data = {**data, "engine_args": args}
+        for name, setting in cls.ENGINE_SHORTCUTS.items():
+            if name in args and data.get(setting) is None:
+                value = args[name]
+                if name == "served_model_name" and isinstance(value, list) and len(value) == 1:
+                    value = value[0]
+                data[setting] = value
+        return data
+
+    @model_validator(mode="after")
+    def _engine_args_agree_with_the_settings(self) -> WorkerSettings:
+        for name, value in self.engine_args.items():
+            if name in self.ENGINE_OWN:
+                raise ValueError(f"engine_args.{name}: set by the worker: {self.ENGINE_OWN[name]}")
+            setting = self.ENGINE_SHORTCUTS.get(name)
+            if setting is None:
+                continue
+            if name == "served_model_name" and isinstance(value, list) and len(value) == 1:
+                value = value[0]
+            try:
+                value = TypeAdapter(
+                    type(self).model_fields[setting].annotation or Any
+                ).validate_python(value)
+            except ValidationError as error:
+                reason = error.errors()[0]["msg"]
+                raise ValueError(f"engine_args.{name}: {reason}") from None
+            if value != getattr(self, setting):
+                raise ValueError(
+                    f"engine_args.{name} is {value!r} but the setting {setting} is "
+                    f"{getattr(self, setting)!r}: set one of them"
+                )
+        return self
 
     @model_validator(mode="after")
     def _whitespace_needs_a_backend_that_has_it(self) -> WorkerSettings:

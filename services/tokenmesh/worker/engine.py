@@ -16,11 +16,11 @@ from functools import partial
 from typing import Any, TypeVar
 
 import uvloop
-from vllm.config import StructuredOutputsConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMValidationError
 from vllm.renderers import ChatParams
 from vllm.renderers.chat_utils import ChatTemplateResolutionError
+from vllm.usage.usage_lib import UsageContext
 from vllm.utils.gc_utils import freeze_gc_heap
 from vllm.utils.mistral import is_mistral_tokenizer
 from vllm.v1.engine.async_llm import AsyncLLM
@@ -98,28 +98,6 @@ class _LoadStatLogger(StatLoggerBase):
 
     def log_engine_initialized(self) -> None:
         pass
-
-
-def engine_args(settings: WorkerSettings) -> AsyncEngineArgs:
-    return AsyncEngineArgs(
-        model=settings.model,
-        served_model_name=settings.served_model_name,
-        dtype=settings.dtype,
-        max_model_len=settings.max_model_len,
-        max_num_seqs=settings.max_num_seqs,
-        gpu_memory_utilization=settings.gpu_memory_utilization,
-        tensor_parallel_size=settings.tensor_parallel_size,
-        trust_remote_code=settings.trust_remote_code,
-        max_logprobs=settings.max_top_logprobs,
-        stream_interval=settings.stream_interval,
-        structured_outputs_config=StructuredOutputsConfig(
-            backend=settings.structured_outputs_backend,
-            disable_any_whitespace=settings.structured_outputs_disable_any_whitespace,
-        ),
-        # vLLM's per-request log lines stay off (its default, stated here because prompts
-        # must never reach the logs; docs/security.md, "No prompt text in logs").
-        enable_log_requests=False,
-    )
 
 
 def configure_vllm_environment(settings: WorkerSettings) -> None:
@@ -275,7 +253,9 @@ class VllmEngine:
         # same activity), for the stall watchdog.
         self.activity = activity or EngineActivity()
         self.model_name = settings.model_name
-        self.max_model_len = settings.max_model_len
+        # The context and batch vLLM settled on (the settings' or its defaults).
+        self.max_model_len: int = llm.model_config.max_model_len
+        self.max_num_seqs: int = llm.vllm_config.scheduler_config.max_num_seqs
         # Tokenize without vLLM's own length check: ours below names the fields and limits.
         self._tokenize_params = dataclasses.replace(
             llm.renderer.default_cmpl_tok_params, max_total_tokens=None
@@ -304,9 +284,9 @@ class VllmEngine:
         )
 
     @classmethod
-    async def start(cls, settings: WorkerSettings) -> VllmEngine:
+    async def start(cls, settings: WorkerSettings, arguments: AsyncEngineArgs) -> VllmEngine:
         """Load the model on the engine's thread (the server keeps answering health checks
-        meanwhile) and warm up."""
+        meanwhile) and warm up; arguments: the engine's (worker/engine_args.py)."""
         configure_vllm_environment(settings)
         load = EngineLoad()
         activity = EngineActivity()
@@ -317,7 +297,9 @@ class VllmEngine:
             # Blocks the engine's loop for the load, when nothing else runs on it; built inside
             # the running loop, AsyncLLM starts its output tasks there.
             return AsyncLLM.from_engine_args(
-                engine_args(settings),
+                arguments,
+                # vLLM's defaults as `vllm serve` has them (its batch sizes by hardware).
+                usage_context=UsageContext.OPENAI_API_SERVER,
                 stat_loggers=[lambda _config, _index: _LoadStatLogger(load, activity)],
             )
 

@@ -177,27 +177,19 @@ def validate(request: inference_pb2.InferenceRequest, settings: WorkerSettings) 
 def check_prompts(
     request: inference_pb2.InferenceRequest, settings: WorkerSettings
 ) -> tuple[PromptItem, ...]:
-    """A batch's prompts, instead of prompt and messages (common/sampling.py's limits; each
-    prompt's ids at most the model context, and inside the vocabulary: the engine checks
-    that)."""
+    """A batch's prompts, instead of prompt and messages (common/sampling.py's limits; the
+    engine checks each prompt's ids against the model context and the vocabulary)."""
     if request.prompt_token_ids:
         if request.prompt or request.messages or request.prompts:
             raise InvalidArgument(
                 "prompt_token_ids", "send prompt_token_ids, prompts, a prompt or messages"
             )
-        check_count("prompt", len(request.prompt_token_ids), settings.max_model_len, "tokens")
         return (PromptItem(token_ids=tuple(request.prompt_token_ids)),)
     if not request.prompts:
         return ()
     if request.prompt or request.messages:
         raise InvalidArgument("prompts", "send prompts, a prompt or messages, one of them")
-    check_batch(
-        request.prompts,
-        request.sampling.n,
-        settings,
-        settings.max_prompt_bytes,
-        settings.max_model_len,
-    )
+    check_batch(request.prompts, request.sampling.n, settings, settings.max_prompt_bytes)
     return tuple(PromptItem(item.text, tuple(item.token_ids)) for item in request.prompts)
 
 

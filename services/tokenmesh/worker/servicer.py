@@ -109,7 +109,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self._aborted = aborted
         # Requests by the engine feature they use (structured outputs' kinds).
         self._features = features
-        self._admission = Admission(settings.max_num_seqs, settings.max_waiting_requests)
+        self._admission = Admission(settings.max_waiting_requests)
 
     async def Generate(
         self,
@@ -125,7 +125,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         engine = self._engines.get()
         messages = 0
         # Closing the inner stream (the caller went away) aborts the engine request.
-        with self._admission.admit(engine.load.waiting):
+        with self._admission.admit(engine.load.waiting, engine.max_num_seqs):
             # An OpenAI answer's own time limit (GenerateOpenAI's; 0 for others).
             time_limit = request.openai.time_limit_seconds
             generated = self._generate(engine, spec, context, time_limit)
