@@ -160,6 +160,18 @@ def test_echo_with_logprobs_scores_the_prompt_as_the_model_generated_it(
     assert offsets == sorted(offsets) and offsets[0] == 0
 
 
+def test_echo_with_no_tokens_scores_the_prompt_alone(client: openai.OpenAI) -> None:
+    """max_tokens 0 with echo (vLLM's server takes it): the prompt and its logprobs only."""
+    ids = tokenize(client, PROMPTS[1])
+    scored = complete(client, PROMPTS[1], max_tokens=0, echo=True, logprobs=1)
+    choice = scored.choices[0]
+    assert choice.text == PROMPTS[1] and choice.finish_reason == "length"
+    assert len(choice.logprobs.tokens) == len(ids) == scored.usage.prompt_tokens
+    assert choice.logprobs.token_logprobs[0] is None
+    assert all(lp is not None for lp in choice.logprobs.token_logprobs[1:])
+    assert scored.usage.completion_tokens == 0
+
+
 def client_text(client: openai.OpenAI, ids: list[int]) -> str:
     reply = client.post("/../detokenize", body={"model": MODEL, "tokens": ids}, cast_to=object)
     return str(reply["prompt"])  # type: ignore[index]
@@ -209,6 +221,7 @@ def test_prompt_logprobs_list_each_prompt_token_and_its_rank(client: openai.Open
             "stream",
         ),
         ("/v1/completions", {"prompt": "a", "echo": "yes"}, "echo", ""),
+        ("/v1/completions", {"prompt": "a", "max_tokens": 0}, "max_tokens", "(0 with echo)"),
         (
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": "a"}], "echo": True},

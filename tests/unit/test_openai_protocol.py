@@ -465,6 +465,8 @@ def test_an_echoed_prompt_begins_the_text_and_the_logprobs_whole_and_streamed() 
     answer = WholeAnswer(Shape.of(Shape.new_answer(False, "m", False, False), {}), logprobs=True)
     answer.add(first)
     answer.add(last)
+    # A message that only ends its choice adds no token to the logprobs.
+    answer.add(token_pb2.Token(token_id=-1, finish_reason=token_pb2.FINISH_REASON_LENGTH))
     # As JSON: the SDK's model types the first token's null logprob as a number, though
     # OpenAI's legacy completions and vLLM's server send null (the SDK reads it leniently).
     choice = answer.body()["choices"][0]

@@ -12,7 +12,7 @@ from tests.support import generated, positions
 from tokenmesh.common.tokens import cut, merge, text_lengths, token_count
 from tokenmesh.gateway.core.workers import ReadAhead
 from tokenmesh.v1 import token_pb2
-from tokenmesh.worker.engine import Handoff, Inbox
+from tokenmesh.worker.engine_thread import Handoff, Inbox
 from tokenmesh.worker.outputs import Candidate, Tokens
 from tokenmesh.worker.servicer import token_message
 

@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 
 from tokenmesh.common.errors import HTTP_STATUS, DependencyError, ServiceError, error_body
-from tokenmesh.common.tokens import ends_stream
+from tokenmesh.common.tokens import ends_stream, token_count
 from tokenmesh.v1 import inference_pb2, token_pb2
 
 log = logging.getLogger(__name__)
@@ -51,8 +51,11 @@ def finish_reason(token: token_pb2.Token) -> str | None:
 
 def per_token(token: token_pb2.Token) -> list[tuple[str, float | None, Sequence[Any]]]:
     """(text, logprob, alternatives) for each token of a message: its text split by
-    text_lengths (UTF-8 bytes each token adds) when the worker merged outputs."""
-    count = max(len(token.token_ids), 1)
+    text_lengths (UTF-8 bytes each token adds) when the worker merged outputs; none for a
+    message that holds no token (one that only ends its choice)."""
+    count = token_count(token)
+    if not count:
+        return []
     logprobs: list[tuple[float | None, Sequence[Any]]] = [
         (token.logprob if token.HasField("logprob") else None, token.top_logprobs)
     ]

@@ -113,10 +113,12 @@ def check_sampling(
 ) -> None:
     """Every field of sampling within limits; prefix names where it sits in the caller's
     message ("" for the public API's flat fields, "sampling." for a worker's request)."""
-    if not 1 <= sampling.max_tokens <= limits.max_tokens_cap:
+    # 0 with echo: the prompt alone, as vLLM's server answers it (its logprobs, scored).
+    echo_only = sampling.echo and sampling.max_tokens == 0
+    if not (1 <= sampling.max_tokens <= limits.max_tokens_cap or echo_only):
         raise InvalidArgument(
             f"{prefix}max_tokens",
-            f"must be in [1, {limits.max_tokens_cap}], got {sampling.max_tokens}",
+            f"must be in [1, {limits.max_tokens_cap}] (0 with echo), got {sampling.max_tokens}",
         )
     if sampling.HasField("temperature"):
         check_range(f"{prefix}temperature", sampling.temperature, 0.0, MAX_TEMPERATURE)

@@ -84,6 +84,9 @@ class EngineRequest:
     # the prompt tokens' logprobs and this many alternatives (None: not asked for).
     echo: bool = False
     prompt_logprobs: int | None = None
+    # Echo with max_tokens 0: each choice answers its prompt alone (its generated token left
+    # out, and not counted).
+    echo_only: bool = False
 
     @property
     def engine_ids(self) -> tuple[str, ...]:
@@ -150,7 +153,8 @@ def validate(request: inference_pb2.InferenceRequest, settings: WorkerSettings) 
     return EngineRequest(
         request_id=request_id,
         prompt=request.prompt,
-        max_tokens=sampling.max_tokens,
+        # Echo with max_tokens 0: one token generated, the prompt alone answered (vLLM's way).
+        max_tokens=max(sampling.max_tokens, 1),
         options=engine_options(
             sampling,
             # What vLLM's request model validates (a batch's prompts are tokenized one by one).
@@ -168,6 +172,7 @@ def validate(request: inference_pb2.InferenceRequest, settings: WorkerSettings) 
         batch=bool(request.prompts),
         n=max(sampling.n, 1),
         echo=sampling.echo,
+        echo_only=sampling.echo and sampling.max_tokens == 0,
         prompt_logprobs=(
             sampling.prompt_logprobs if sampling.HasField("prompt_logprobs") else None
         ),
