@@ -319,8 +319,12 @@ class ScenarioMesh:
             seen.update(
                 envoy_open=streams,
                 # The hosts Envoy listed (their addresses), to tell a host it did not list or
-                # listed under another address from one with no streams open.
+                # listed under another address from one with no streams open; and the cluster's
+                # own count of active requests, to tell streams Envoy counts on no listed host
+                # (seen: both hosts listed with none open while 24 streams ran to their end)
+                # from streams it does not count at all.
                 envoy_listed=sorted(open_now),
+                cluster_rq_active=self._envoy_counter("cluster.worker.upstream_rq_active"),
                 received_bytes=received,
                 sent_bytes=sent,
                 looks=seen["looks"] + 1,
