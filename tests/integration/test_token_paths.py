@@ -72,7 +72,7 @@ async def test_bad_input_gets_the_same_status_and_message(
     with pytest.raises(aio.AioRpcError) as refused:
         [token async for token in llm.Generate(request, timeout=30)]
     assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-    assert refused.value.details() == "max_tokens: must be in [1, 4096], got 1000000"
+    assert refused.value.details() == "max_tokens: must be in [1, 4096] (0 with echo), got 1000000"
 
 
 async def test_a_degraded_answer_has_its_warning_on_the_first_token_and_its_trailer(
