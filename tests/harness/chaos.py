@@ -9,12 +9,13 @@ a hard bound, every wait and loop is bounded in count and time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
 import signal
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -182,6 +183,29 @@ async def generate(
     return outcome
 
 
+@contextlib.contextmanager
+def ahead_of_the_load(nice: int = -10) -> Iterator[None]:
+    """Every thread of this process at a higher priority (nice) while it watches the mesh
+    under load: on 2 cores, the load starved the watcher of whole looks for 12-16 s, as long as
+    the streams it waited for lived (loadtests/results/2026-12-05/chaos-before-after). Without
+    the privilege to raise it (not root), the priority stays as it was."""
+    before: dict[int, int] = {}
+    for task in os.listdir("/proc/self/task"):
+        thread = int(task)
+        try:
+            previous = os.getpriority(os.PRIO_PROCESS, thread)
+            os.setpriority(os.PRIO_PROCESS, thread, nice)
+        except OSError:
+            continue
+        before[thread] = previous
+    try:
+        yield
+    finally:
+        for thread, previous in before.items():
+            with contextlib.suppress(OSError):  # a thread that has ended since
+                os.setpriority(os.PRIO_PROCESS, thread, previous)
+
+
 class ScenarioMesh:
     """The running mesh as the scenarios see it: the edge, processes, and Envoy's view."""
 
@@ -265,6 +289,19 @@ class ScenarioMesh:
         }
 
     def kill_when_generating(
+        self,
+        within: float,
+        kill: Callable[[dict[str, int]], None],
+        messages_before: dict[str, float],
+        to_clients: bool = False,
+        still_sending: bool = False,
+    ) -> tuple[dict[str, int] | None, dict[str, Any]]:
+        with ahead_of_the_load():
+            return self._kill_when_generating(
+                within, kill, messages_before, to_clients, still_sending
+            )
+
+    def _kill_when_generating(
         self,
         within: float,
         kill: Callable[[dict[str, int]], None],
