@@ -288,20 +288,8 @@ class ScenarioMesh:
             if page
         }
 
+    @ahead_of_the_load()
     def kill_when_generating(
-        self,
-        within: float,
-        kill: Callable[[dict[str, int]], None],
-        messages_before: dict[str, float],
-        to_clients: bool = False,
-        still_sending: bool = False,
-    ) -> tuple[dict[str, int] | None, dict[str, Any]]:
-        with ahead_of_the_load():
-            return self._kill_when_generating(
-                within, kill, messages_before, to_clients, still_sending
-            )
-
-    def _kill_when_generating(
         self,
         within: float,
         kill: Callable[[dict[str, int]], None],

@@ -13,6 +13,7 @@ from tokenmesh.gateway.core.prepare import PreparedCall, Preparer
 from tokenmesh.gateway.core.prompts import Conversation
 from tokenmesh.gateway.core.requests import question, sampling_params
 from tokenmesh.gateway.frontends.openai.protocol import ChatCompletionRequest, CompletionRequest
+from tokenmesh.v1 import inference_pb2
 
 
 class OpenAIPreparer:
@@ -27,7 +28,6 @@ class OpenAIPreparer:
 
     async def prepare(self, body: CompletionRequest | ChatCompletionRequest) -> PreparedCall:
         settings = self._settings
-        chat = isinstance(body, ChatCompletionRequest)
         model = await self._catalog.check(body.model)
         generate = body.generate_request(settings.max_tokens_cap)
         if isinstance(body, ChatCompletionRequest):
@@ -57,9 +57,7 @@ class OpenAIPreparer:
             sampling = sampling_params(generate, settings)
             if batch.prompts:
                 check_batch(batch.prompts, sampling.n, settings, settings.max_prompt_bytes)
-            answer = Shape.new_answer(chat, model, body.stream, body.include_usage)
-            answer.time_limit_seconds = limit
-            return self._preparer.call(batch, sampling, None, answer)
+            return self._preparer.call(batch, sampling, None, answer_of(body, model, limit))
         asked = question(generate, settings)
         context = await self._preparer.context(asked, limit)
         prompt: Prompt = context.prompt
@@ -71,8 +69,17 @@ class OpenAIPreparer:
             )
             # Without a limit, as vLLM's server: up to what the context leaves.
             asked.sampling.max_tokens_within_context = body.max_tokens_named is None
-        answer = Shape.new_answer(chat, model, body.stream, body.include_usage)
-        # The whole answer's time limit, from when the worker takes it: a stream then ends
-        # with the deadline error as its last event, whichever process presents it.
-        answer.time_limit_seconds = limit
-        return self._preparer.call(prompt, asked.sampling, context, answer)
+        return self._preparer.call(prompt, asked.sampling, context, answer_of(body, model, limit))
+
+
+def answer_of(
+    body: CompletionRequest | ChatCompletionRequest, model: str, limit: float
+) -> inference_pb2.OpenAIAnswer:
+    """The answer's identity and options, and its whole time limit from when the worker takes
+    it: a stream then ends with the deadline error as its last event, whichever process
+    presents it."""
+    answer = Shape.new_answer(
+        isinstance(body, ChatCompletionRequest), model, body.stream, body.include_usage
+    )
+    answer.time_limit_seconds = limit
+    return answer
