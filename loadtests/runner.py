@@ -68,6 +68,9 @@ class RunConfig:
     # The openai target's: a JSON schema (as text) every answer must follow (vLLM's
     # structured_outputs.json, which the mesh and vLLM's server both take); "": plain text.
     structured_json: str = ""
+    # gRPC targets: connections each generator process spreads its streams over (a server's
+    # processes that share a port, SO_REUSEPORT, are spread by connection).
+    connections: int = 1
 
     def __post_init__(self) -> None:
         if self.mode not in ("closed", "open"):
@@ -286,6 +289,7 @@ async def run_shard(
         config.model,
         config.stream_interval,
         config.structured_json,
+        config.connections,
     )
     async with target:
         slow = [asyncio.create_task(slow_reader(i)) for i in range(config.slow_streams)]

@@ -323,19 +323,29 @@ def engine(bench: Bench) -> None:
 
 
 @contextmanager
-def openai_server(placed: bool = False) -> Iterator[tuple[str, int]]:
+def openai_server(
+    placed: bool = False, api_servers: int = 1, engine_core: str = "0"
+) -> Iterator[tuple[str, int]]:
     """vLLM's own OpenAI-compatible server on the tiny model, with a worker's settings: its
     address and process id. Placed: once up, its engine's processes keep to the engine's core
-    and the server's own threads to the others, as a mesh worker places itself."""
+    and the server's own threads to the others, as a mesh worker places itself. api_servers:
+    its --api-server-count (API-server processes over the one engine); engine_core: the core
+    its engine's runner binds."""
     port = free_port()
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", MODEL,
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": engine_core}
+    # Several API servers only through `vllm serve` (its older module runs one).
+    server = (
+        ["vllm.entrypoints.cli.main", "serve", MODEL, "--api-server-count", str(api_servers)]
+        if api_servers > 1
+        else ["vllm.entrypoints.openai.api_server", "--model", MODEL]
+    )
+    command = [sys.executable, "-m", *server,
                "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
                "--max-model-len", "2048", "--max-num-seqs", "256",
                # A worker's structured outputs (the local mesh's: xgrammar, compact JSON).
                "--structured-outputs-config",
                '{"backend": "xgrammar", "disable_any_whitespace": true}']  # fmt: skip
-    log = ROOT / ".run" / "vllm-openai.log"
+    log = ROOT / ".run" / f"vllm-openai{'-placed' if placed else ''}-{api_servers}.log"
     log.parent.mkdir(exist_ok=True)
     print(f"[sse] vLLM's OpenAI server on port {port} (log: {log})", file=sys.stderr, flush=True)
     with log.open("w") as output:

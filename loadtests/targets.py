@@ -79,24 +79,34 @@ def status_of(error: BaseException) -> str:
 
 
 class _Grpc:
-    def __init__(self, address: str, documents: int = 0) -> None:
+    def __init__(self, address: str, documents: int = 0, connections: int = 1) -> None:
         check_local(address)
         self.address = address
         self.documents = DOCUMENTS[:documents]
-        self._channel: aio.Channel | None = None
+        self._connections = connections
+        self._channels: list[aio.Channel] = []
+        self._next = 0
 
     async def __aenter__(self) -> Self:
-        self._channel = aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        # A connection of its own per channel (grpc shares one between alike channels).
+        options = CHANNEL_OPTIONS + (
+            [("grpc.use_local_subchannel_pool", 1)] if self._connections > 1 else []
+        )
+        self._channels = [
+            aio.insecure_channel(self.address, options=options) for _ in range(self._connections)
+        ]
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self._channel is not None:
-            await self._channel.close()
+        for channel in self._channels:
+            await channel.close()
 
     @property
     def channel(self) -> aio.Channel:
-        assert self._channel is not None, "use the target as an async context manager"
-        return self._channel
+        """The next connection, in turn."""
+        assert self._channels, "use the target as an async context manager"
+        self._next = (self._next + 1) % len(self._channels)
+        return self._channels[self._next]
 
 
 class WorkerTarget(_Grpc):
@@ -113,8 +123,10 @@ class WorkerTarget(_Grpc):
 
 
 class LLMTarget(_Grpc):
-    def __init__(self, address: str, documents: int = 0, stream_interval: int = 0) -> None:
-        super().__init__(address, documents)
+    def __init__(
+        self, address: str, documents: int = 0, stream_interval: int = 0, connections: int = 1
+    ) -> None:
+        super().__init__(address, documents, connections)
         self.stream_interval = stream_interval
 
     async def stream(self, spec: RequestSpec, limit: float) -> AsyncIterator[Message]:
@@ -238,11 +250,12 @@ def make_target(
     model: str = "",
     stream_interval: int = 0,
     structured_json: str = "",
+    connections: int = 1,
 ) -> Target:
     if kind == "worker":
-        return WorkerTarget(address)
+        return WorkerTarget(address, connections=connections)
     if kind == "llm":
-        return LLMTarget(address, documents, stream_interval)
+        return LLMTarget(address, documents, stream_interval, connections)
     if kind == "rest":
         return RestTarget(address, documents)
     if kind == "openai":

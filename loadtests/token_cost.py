@@ -389,15 +389,10 @@ def cost(
                 )
                 for path in routes
             ]
-            runs: dict[str, list[dict[str, Any]]] = {}
-            for number in range(rounds):
-                for config, path in zip(configs, routes, strict=True):
-                    print(f"[cost] {config.label} ({number + 1}/{rounds})", file=sys.stderr)
-                    result = measured_run(replace(config, seed=number + 1), path)
-                    runs.setdefault(path.label, []).append(result)
+            runs = interleaved(configs, routes, rounds, "cost")
             group = []
             for path in routes:
-                combined = combined_run(runs[path.label])
+                combined = runs[path.label]
                 bench._record(name, combined)
                 group.append(summary_row(combined, path, c))
             rows.extend(group)
@@ -417,6 +412,20 @@ def cost(
             report_["profiles"] = profile_services(bench, local_mesh, mesh)
             report.write_json(report_, bench.out / name / "summary.json")
     return report_
+
+
+def interleaved(
+    configs: list[RunConfig], routes: list[Route], rounds: int, tag: str
+) -> dict[str, dict[str, Any]]:
+    """Each route's run `rounds` times, interleaved (A B C A B C ...) so that every route sees
+    the same machine load; each route's rounds combined, by its label."""
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for number in range(rounds):
+        for config, route in zip(configs, routes, strict=True):
+            print(f"[{tag}] {config.label} ({number + 1}/{rounds})", file=sys.stderr)
+            result = measured_run(replace(config, seed=number + 1), route)
+            runs.setdefault(route.label, []).append(result)
+    return {label: combined_run(results) for label, results in runs.items()}
 
 
 def combined_run(results: list[dict[str, Any]]) -> dict[str, Any]:

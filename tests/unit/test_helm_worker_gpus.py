@@ -49,6 +49,16 @@ def test_what_resources_set_wins_and_the_rest_still_follows_the_gpus() -> None:
     assert shm(release) == "5Gi"
 
 
+def test_each_front_end_beyond_the_first_adds_a_core() -> None:
+    one = worker(2)
+    assert "TOKENMESH_WORKER_FRONTENDS" not in one.env("worker")
+    release = worker(2, frontends=3)
+    assert release.env("worker")["TOKENMESH_WORKER_FRONTENDS"] == "3"
+    assert release.container("worker")["resources"]["requests"]["cpu"] == str(4 * 2 + 2)
+    with pytest.raises(helm_python.HelmError, match="frontends"):
+        worker(1, frontends=0)
+
+
 def test_pipeline_stages_split_the_gpus_and_tensor_parallel_takes_the_rest() -> None:
     release = worker(8, engineArgs={"pipeline-parallel-size": 2})
     env = release.env("worker")

@@ -834,7 +834,8 @@ pipeline parallel size (engineArgs.pipeline_parallel_size, 1 unset). */}}
 {{- end }}
 
 {{- /* The worker's container resources: what worker.resources sets, the rest per GPU
-(gpu.perGpu times gpu.count, at least one GPU's worth). */}}
+(gpu.perGpu times gpu.count, at least one GPU's worth), and a core per front end beyond the
+first. */}}
 {{- define "tokenmesh.workerResources" -}}
 {{- $worker := .Values.worker }}
 {{- $per := $worker.gpu.perGpu }}
@@ -842,7 +843,8 @@ pipeline parallel size (engineArgs.pipeline_parallel_size, 1 unset). */}}
 {{- $resources := deepCopy ($worker.resources | default dict) }}
 {{- $requests := $resources.requests | default dict }}
 {{- $limits := $resources.limits | default dict }}
-{{- if not (hasKey $requests "cpu") }}{{ $_ := set $requests "cpu" (mul $n (int $per.cpu) | toString) }}{{ end }}
+{{- $frontends := sub (max 1 (int ($worker.frontends | default 1))) 1 }}
+{{- if not (hasKey $requests "cpu") }}{{ $_ := set $requests "cpu" (add (mul $n (int $per.cpu)) $frontends | toString) }}{{ end }}
 {{- if not (hasKey $requests "memory") }}{{ $_ := set $requests "memory" (printf "%dGi" (mul $n (int $per.memoryGi))) }}{{ end }}
 {{- if not (hasKey $limits "memory") }}{{ $_ := set $limits "memory" (printf "%dGi" (mul $n (int $per.memoryLimitGi))) }}{{ end }}
 {{- $_ := set $resources "requests" $requests }}

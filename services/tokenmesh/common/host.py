@@ -58,6 +58,7 @@ class ServiceHost:
         pin_now: bool = True,
         register: bool = True,
         consul_meta: Mapping[str, str] | None = None,
+        reuse_port: bool = False,
     ) -> None:
         if pin_now:
             pin_threads(settings.cores)  # before any thread starts: they inherit it
@@ -76,6 +77,8 @@ class ServiceHost:
         self._health_lock = asyncio.Lock()
         self._service_names = tuple(service_names)
         self._register = register
+        # The service and health ports shared with the other processes of one service.
+        self._reuse_port = reuse_port
         self._consul_meta = dict(consul_meta or {})
         self._server: aio.Server | None = None
         self._stop = asyncio.Event()
@@ -107,6 +110,7 @@ class ServiceHost:
                 standard_interceptors(
                     self.registry, self.tracer, interceptors, self.rpc_metrics, ends
                 ),
+                self._reuse_port,
             )
             self.health.register(self._server)
             enable_reflection(self._server, self._service_names)
@@ -157,7 +161,7 @@ class ServiceHost:
         port = bind(server, self.settings)
         await self.health.set_not_serving()
         await server.start()
-        probes = ProbePort(self.health, self.settings)
+        probes = ProbePort(self.health, self.settings, self._reuse_port)
         health_port = await probes.start()  # None without a health port
         metrics = MetricsEndpoint(
             self.registry, self.settings.metrics_host, self.settings.metrics_port

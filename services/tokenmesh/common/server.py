@@ -21,8 +21,9 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-def server_options(settings: ServiceSettings) -> list[tuple[str, Any]]:
-    """Channel arguments from the production playbook; each is explained in ServiceSettings."""
+def server_options(settings: ServiceSettings, reuse_port: bool = False) -> list[tuple[str, Any]]:
+    """Channel arguments from the production playbook; each is explained in ServiceSettings.
+    reuse_port: several processes serve the port together (SO_REUSEPORT)."""
     return [
         ("grpc.max_send_message_length", settings.max_message_bytes),
         ("grpc.max_receive_message_length", settings.max_message_bytes),
@@ -36,15 +37,18 @@ def server_options(settings: ServiceSettings) -> list[tuple[str, Any]]:
         ("grpc.max_connection_idle_ms", settings.max_connection_idle_ms),
         ("grpc.max_connection_age_ms", settings.max_connection_age_ms),
         ("grpc.max_connection_age_grace_ms", settings.max_connection_age_grace_ms),
-        # A server that cannot bind its port must fail, not share it with a stale copy.
-        ("grpc.so_reuseport", 0),
+        # A server that cannot bind its port must fail, not share it with a stale copy; only
+        # the front ends of one worker share theirs (worker/frontends.py checks it is free).
+        ("grpc.so_reuseport", int(reuse_port)),
     ]
 
 
 def build_server(
-    settings: ServiceSettings, interceptors: Sequence[aio.ServerInterceptor]
+    settings: ServiceSettings,
+    interceptors: Sequence[aio.ServerInterceptor],
+    reuse_port: bool = False,
 ) -> aio.Server:
-    return aio.server(interceptors=list(interceptors), options=server_options(settings))
+    return aio.server(interceptors=list(interceptors), options=server_options(settings, reuse_port))
 
 
 def server_credentials(settings: ServiceSettings) -> grpc.ServerCredentials | None:
@@ -100,16 +104,17 @@ class ProbePort:
     """grpc.health.v1 alone on a plaintext port (settings.health_port), for probes that cannot
     do mTLS; it shares the service's Health, so both ports report the same status."""
 
-    def __init__(self, health: Health, settings: ServiceSettings) -> None:
+    def __init__(self, health: Health, settings: ServiceSettings, reuse_port: bool = False) -> None:
         self._health = health
         self._settings = settings
+        self._reuse_port = reuse_port
         self._server: aio.Server | None = None
 
     async def start(self) -> int | None:
         """Listen (if a health port is configured); returns the bound port."""
         if self._settings.health_port < 0:
             return None
-        self._server = aio.server(options=server_options(self._settings))
+        self._server = aio.server(options=server_options(self._settings, self._reuse_port))
         self._health.register(self._server)
         port = self._server.add_insecure_port(f"{self._settings.host}:{self._settings.health_port}")
         await self._server.start()

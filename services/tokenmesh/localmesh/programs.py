@@ -171,6 +171,7 @@ class ProcessTable:
             kv_cache_space_gib=s.worker_kv_cache_space_gib,
             max_model_len=s.worker_max_model_len,
             max_num_seqs=s.worker_max_num_seqs,
+            frontends=s.worker_frontends,
             dtype=s.worker_dtype,
             # vLLM pins its OpenMP threads: engines on one machine get their own cores, or they
             # fight over the same ones.

@@ -107,6 +107,8 @@ class LocalMeshSettings(BaseSettings):
     # vLLM's, sized for the hardware it finds).
     worker_max_model_len: int = Field(default=2048, ge=16)
     worker_max_num_seqs: int = Field(default=256, ge=1)
+    # Front-end processes over each worker's engine (WorkerSettings.frontends).
+    worker_frontends: int = Field(default=1, ge=1, le=64)
     # The workers' weights and activations (WorkerSettings.dtype). auto turns a float32 model
     # into bfloat16, which the CPU backend computes natively only with AVX-512's bf16.
     worker_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"

@@ -10,6 +10,7 @@ from tokenmesh.common.server import run
 from tokenmesh.worker.app import serve
 from tokenmesh.worker.config import WorkerSettings
 from tokenmesh.worker.engine_args import EngineArgsError, engine_args
+from tokenmesh.worker.frontends import serve_frontends
 from tokenmesh.worker.lifetime import adopt_children
 
 log = logging.getLogger(__name__)
@@ -26,6 +27,8 @@ def main() -> int:
         return 2
     # The engine's processes end with this one, however it ends (lifetime.py).
     adopt_children()
+    if settings.frontends > 1:
+        return serve_frontends(settings, arguments)
     return run(serve(settings, arguments))
 
 

@@ -14,7 +14,8 @@ from tokenmesh.common.host import ServiceHost
 from tokenmesh.common.metrics import StreamMetrics
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
 from tokenmesh.worker.config import WorkerSettings
-from tokenmesh.worker.engine import EngineLoad, EngineSlot, VllmEngine
+from tokenmesh.worker.engine import EngineSlot, VllmEngine
+from tokenmesh.worker.engine_state import EngineLoad, EngineShare
 from tokenmesh.worker.placement import place_engine
 from tokenmesh.worker.servicer import InferenceServicer
 from tokenmesh.worker.tenant import TenantMetadataInterceptor
@@ -102,14 +103,33 @@ async def watch_engine(engine: VllmEngine, watchdog: StallWatchdog, interval: fl
     log.error("inference engine died; shutting the worker down")
 
 
-async def serve(settings: WorkerSettings, arguments: AsyncEngineArgs) -> int:
+async def serve(
+    settings: WorkerSettings, arguments: AsyncEngineArgs, share: EngineShare | None = None
+) -> int:
     """Run the worker until SIGTERM/SIGINT (exit 0) or until its engine dies (exit 1);
-    arguments: the engine's (worker/engine_args.py)."""
+    arguments: the engine's (worker/engine_args.py). share: this process is front end
+    share.index of several over one engine (worker/frontends.py): it serves the shared port,
+    its metrics on a port of its own that the supervisor gathers, and leaves the engine's
+    processes, their placement, its gauges and the Consul registration to the supervisor."""
+    if share is not None:
+        settings = settings.model_copy(
+            update={
+                "metrics_host": "127.0.0.1",
+                "metrics_port": 0,
+                "max_concurrent_streams": settings.frontend_streams_per_connection,
+            }
+        )
     # The engine's processes start with every core (vLLM binds its runner's, cpu_threads_bind);
     # once it has started, its engine core is placed (engine_affinity) and the front end's
     # threads are pinned to the worker's own cores.
     host = ServiceHost(
-        "worker", settings, SERVICE_NAMES, pin_now=False, consul_meta={"model": settings.model_name}
+        "worker",
+        settings,
+        SERVICE_NAMES,
+        pin_now=False,
+        register=share is None,
+        consul_meta={"model": settings.model_name},
+        reuse_port=share is not None,
     )
     host.add_collector(VllmMetricsCollector())
     # With tracing on, each stream's queue_prefill and decode spans too.
@@ -129,18 +149,24 @@ async def serve(settings: WorkerSettings, arguments: AsyncEngineArgs) -> int:
     )
 
     async def start() -> None:
-        engine = await VllmEngine.start(settings, arguments)
+        if share is not None:
+            share.metrics_ports[share.index] = host.ports["metrics_port"]
+        engine = await VllmEngine.start(settings, arguments, share)
         # Closed once the server has stopped: in-flight streams get the grace period, then are
         # cancelled, which aborts their engine requests.
         host.on_stop(lambda: asyncio.to_thread(engine.close))
-        place_engine(settings.engine_affinity)
+        if share is None:
+            place_engine(settings.engine_affinity)
+            register_engine_gauges(host.registry, engine.load)
         pin_threads(settings.cores)
         slot.set(engine)
-        register_engine_gauges(host.registry, engine.load)
         watchdog = StallWatchdog(engine.activity, settings.engine_stall_seconds, host.set_healthy)
         register_stall_gauges(host.registry, engine.activity, watchdog)
         host.keep_running(
             watch_engine(engine, watchdog, settings.engine_check_interval_seconds), "engine-watch"
         )
 
-    return await host.run(start, {"model": settings.model})
+    fields = {"model": settings.model}
+    if share is not None:
+        fields["frontend"] = str(share.index)
+    return await host.run(start, fields)

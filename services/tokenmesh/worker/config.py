@@ -240,6 +240,16 @@ class WorkerSettings(ServiceSettings, SamplingLimits, ToolLimits):
         return data
 
     @model_validator(mode="after")
+    def _one_engine_under_several_front_ends(self) -> WorkerSettings:
+        parallel = self.engine_args.get("data_parallel_size", 1)
+        if self.frontends > 1 and parallel not in (None, 1):
+            raise ValueError(
+                f"frontends={self.frontends} with engine_args.data_parallel_size={parallel}: "
+                "several front ends share one engine; run one worker per data-parallel rank"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _engine_args_agree_with_the_settings(self) -> WorkerSettings:
         for name, value in self.engine_args.items():
             if name in self.ENGINE_OWN:
@@ -318,6 +328,31 @@ class WorkerSettings(ServiceSettings, SamplingLimits, ToolLimits):
             "SERVING again once a step completes. A healthy engine, however saturated, "
             "finishes a step (a decode of its batch, or one chunk of a long prefill) in far "
             "less; checked every engine_check_interval_seconds."
+        ),
+    )
+
+    frontends: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description=(
+            "Front-end processes over the one engine, as `vllm serve --api-server-count`: each "
+            "serves the gRPC port (shared, SO_REUSEPORT; the kernel spreads connections over "
+            "them) and turns the engine's outputs into messages, so the engine is not held "
+            "back by one process's core. 1: the engine's client runs in the worker's own "
+            "process. More: a supervisor process starts the engine and the front ends, serves "
+            "the metrics port (every front end's series, labelled frontend), and ends them all "
+            "together (docs/decisions/0026-several-front-ends-over-one-engine.md)."
+        ),
+    )
+    frontend_streams_per_connection: int = Field(
+        default=32,
+        ge=1,
+        description=(
+            "With frontends > 1: the HTTP/2 streams one connection to a front end may carry "
+            "(the SETTINGS_MAX_CONCURRENT_STREAMS it advertises, in place of "
+            "max_concurrent_streams), so that Envoy opens a connection per this many streams "
+            "and the kernel spreads them over the front ends."
         ),
     )
 

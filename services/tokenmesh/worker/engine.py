@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import logging
 import os
-import time
 from collections import deque
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
@@ -27,6 +27,7 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 from tokenmesh.common.errors import Internal, InvalidArgument, Unavailable
 from tokenmesh.v1 import inference_pb2, token_pb2
 from tokenmesh.worker.config import WorkerSettings
+from tokenmesh.worker.engine_state import EngineLoad, EngineShare
 from tokenmesh.worker.engine_thread import EngineThread, Handoff, Inbox, Item
 from tokenmesh.worker.outputs import PromptPart, Tokens, output_tokens, prompt_part
 from tokenmesh.worker.parsing import OutputParsers
@@ -43,20 +44,6 @@ from tokenmesh.worker.watchdog import EngineActivity
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-@dataclass
-class EngineLoad:
-    """The scheduler's latest report: what vLLM itself says is running and waiting."""
-
-    running: int = 0
-    waiting: int = 0
-    kv_cache_usage: float = 0.0
-    reported_unix_nanos: int = 0
-    # Prompt tokens looked up in the prefix cache and found there, since the engine started
-    # (the counts of vLLM's vllm:prefix_cache_queries and vllm:prefix_cache_hits).
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
 
 
 class _LoadStatLogger(StatLoggerBase):
@@ -81,18 +68,16 @@ class _LoadStatLogger(StatLoggerBase):
         self._activity.stepped()
         if scheduler_stats is None:
             return
-        self._load.running = scheduler_stats.num_running_reqs
-        self._load.waiting = (
-            scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs
-        )
-        self._load.kv_cache_usage = scheduler_stats.kv_cache_usage
         # This step's lookups, as vLLM's own counters take them (preempted requests' repeat
-        # lookups left out). Queries first: a reader taking hits, then queries, never sees
-        # more hits than queries.
+        # lookups left out).
         prefix = scheduler_stats.prefix_cache_stats
-        self._load.prefix_cache_queries += prefix.queries
-        self._load.prefix_cache_hits += prefix.hits
-        self._load.reported_unix_nanos = time.time_ns()
+        self._load.report(
+            running=scheduler_stats.num_running_reqs,
+            waiting=scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs,
+            kv_cache_usage=scheduler_stats.kv_cache_usage,
+            queries=prefix.queries,
+            hits=prefix.hits,
+        )
 
     def log_engine_initialized(self) -> None:
         pass
@@ -194,23 +179,39 @@ class VllmEngine:
         )
 
     @classmethod
-    async def start(cls, settings: WorkerSettings, arguments: AsyncEngineArgs) -> VllmEngine:
+    async def start(
+        cls, settings: WorkerSettings, arguments: AsyncEngineArgs, share: EngineShare | None = None
+    ) -> VllmEngine:
         """Load the model on the engine's thread (the server keeps answering health checks
-        meanwhile) and warm up; arguments: the engine's (worker/engine_args.py)."""
+        meanwhile) and warm up; arguments: the engine's (worker/engine_args.py). share: this
+        process is one of several front ends over an engine the worker's supervisor started
+        (worker/frontends.py); without it, the engine's processes are this one's own."""
         configure_vllm_environment(settings)
-        load = EngineLoad()
-        activity = EngineActivity()
+        load = share.load if share is not None else EngineLoad()
+        activity = EngineActivity(steps=share.steps if share is not None else None)
         thread = EngineThread()
         thread.start()
+        # vLLM's defaults as `vllm serve` has them (its batch sizes by hardware).
+        usage = UsageContext.OPENAI_API_SERVER
+        loggers: list[Any] = [lambda _config, _index: _LoadStatLogger(load, activity)]
 
         async def build() -> AsyncLLM:
             # Blocks the engine's loop for the load, when nothing else runs on it; built inside
             # the running loop, AsyncLLM starts its output tasks there.
-            return AsyncLLM.from_engine_args(
-                arguments,
-                # vLLM's defaults as `vllm serve` has them (its batch sizes by hardware).
-                usage_context=UsageContext.OPENAI_API_SERVER,
-                stat_loggers=[lambda _config, _index: _LoadStatLogger(load, activity)],
+            if share is None:
+                return AsyncLLM.from_engine_args(
+                    arguments, usage_context=usage, stat_loggers=loggers
+                )
+            # As each of `vllm serve --api-server-count N`'s API servers builds its client.
+            mine = copy.copy(arguments)
+            mine._api_process_count, mine._api_process_rank = share.count, share.index
+            return AsyncLLM.from_vllm_config(
+                mine.create_engine_config(usage),
+                usage_context=usage,
+                stat_loggers=loggers,
+                client_addresses=share.client,
+                client_count=share.count,
+                client_index=share.index,
             )
 
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Collection
 from pathlib import Path
 
 from tokenmesh.common.cpu_pinning import parse_cores, pin_threads
@@ -49,7 +50,9 @@ def bound_cores(processes: list[int], machine: frozenset[int]) -> frozenset[int]
     return narrowest if narrowest != machine else frozenset()
 
 
-def place_engine(affinity: str = "runner", worker: int | None = None) -> frozenset[int]:
+def place_engine(
+    affinity: str = "runner", worker: int | None = None, exclude: Collection[int] = ()
+) -> frozenset[int]:
     """Move the engine's unbound processes (vLLM's engine core, which schedules each step and
     then busy-waits for the model runner's result, sched_yield in a loop) onto `affinity`'s
     cores, and return them (empty: nothing moved). The runner keeps the binding vLLM gave it.
@@ -58,11 +61,16 @@ def place_engine(affinity: str = "runner", worker: int | None = None) -> frozens
     the mesh runs on and holds their woken threads off for tens of milliseconds
     (docs/performance.md, "Where the first token waits"); on the runner's cores it yields to
     the runner it waits for anyway. A core list: a core of its own, where one can be spared.
-    "any": left where it starts.
+    "any": left where it starts. exclude: processes of the worker that are not the engine's
+    (its front ends, frontends.py).
     """
     if affinity == "any":
         return frozenset()
-    engine = descendants(worker if worker is not None else os.getpid())
+    engine = [
+        pid
+        for pid in descendants(worker if worker is not None else os.getpid())
+        if pid not in exclude
+    ]
     # Called before the worker pins its own threads: its affinity is still what it may use.
     machine = frozenset(os.sched_getaffinity(0))
     runner = bound_cores(engine, machine)

@@ -4,35 +4,48 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, MutableSequence
 
 log = logging.getLogger(__name__)
 
 
 class EngineActivity:
-    """What the engine holds and when it last moved: its requests (each from submission to its
-    end) and the time of its last step, or of work reaching it while idle.
+    """What the engine holds and when it last moved: this front end's requests (each from
+    submission to its end) and the time of the engine's last step, or of work reaching it
+    while idle.
 
     Written on the engine's loop only (a count per request, a clock read per engine step);
-    read from the server's loop, where a momentarily stale value is harmless.
+    read from the server's loop, where a momentarily stale value is harmless. steps: the cell
+    that holds the last step's time; with several front ends over one engine, shared memory
+    that all of them write (engine_state.shared_step_clock), since vLLM reports each step to
+    one front end only.
     """
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        steps: MutableSequence[float] | None = None,
+    ) -> None:
         self._clock = clock
         self.requests = 0
-        self.moved_at = clock()
+        self._busy_since = clock()
+        self._steps = steps if steps is not None else [clock()]
 
     def request_started(self) -> None:
         if not self.requests:
             # An idle engine's wait for its next step starts now, not at its last step.
-            self.moved_at = self._clock()
+            self._busy_since = self._clock()
         self.requests += 1
 
     def request_ended(self) -> None:
         self.requests -= 1
 
     def stepped(self) -> None:
-        self.moved_at = self._clock()
+        self._steps[0] = self._clock()
+
+    @property
+    def moved_at(self) -> float:
+        return max(self._busy_since, self._steps[0])
 
     def stalled_seconds(self) -> float:
         """Seconds the engine has held requests without moving; 0 while it holds none."""
