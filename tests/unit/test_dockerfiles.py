@@ -6,6 +6,7 @@ by lock-gpu.txt, hash-checked), and dependency layers before the code."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import shlex
@@ -367,3 +368,66 @@ def test_the_requirements_script_lists_pyproject_dependencies_and_extras() -> No
             for extra in extras.split():
                 wanted += project["optional-dependencies"][extra]
             assert result.stdout.split() == wanted, path.name
+
+
+def stage_env(stage: Stage) -> dict[str, str]:
+    """The variables the stage's ENV instructions set (KEY=value forms)."""
+    pairs = (word.split("=", 1) for args in stage.all("ENV") for word in shlex.split(args))
+    return {key: value for key, value in pairs}
+
+
+def vllm_variables() -> str:
+    """vLLM's own table of environment variables (vllm/envs.py), read, not imported."""
+    spec = importlib.util.find_spec("vllm")
+    assert spec is not None and spec.origin is not None
+    return (Path(spec.origin).parent / "envs.py").read_text()
+
+
+def test_the_gpu_worker_leaves_cudas_forward_compatibility_to_the_node() -> None:
+    """The compatibility libraries of the base image are kept (the build fails without them)
+    and never registered for every node: not with ldconfig, ld.so.conf.d or LD_LIBRARY_PATH,
+    which would load them on drivers newer than they are (CUDA error 803). vLLM loads them when
+    VLLM_ENABLE_CUDA_COMPATIBILITY=1, from the path the image sets."""
+    _, found = stages(DOCKER / "worker.Dockerfile")
+    by_name = {stage.name: stage for stage in found}
+    gpu = by_name["gpu"]
+    assert "test -e /usr/local/cuda/compat/libcuda.so.1" in gpu.all("RUN")[0]
+    for stage in (by_name["build-gpu"], gpu):
+        for command in stage.all("RUN"):
+            assert "ldconfig" not in command and "ld.so.conf" not in command, command
+        assert "compat" not in stage_env(stage).get("LD_LIBRARY_PATH", "")
+    assert stage_env(gpu)["VLLM_CUDA_COMPATIBILITY_PATH"] == "/usr/local/cuda/compat"
+    assert "VLLM_ENABLE_CUDA_COMPATIBILITY" not in stage_env(gpu), "a node's choice"
+    variables = vllm_variables()
+    assert '"VLLM_ENABLE_CUDA_COMPATIBILITY"' in variables
+    assert '"VLLM_CUDA_COMPATIBILITY_PATH"' in variables
+
+
+def test_the_gpu_worker_turns_flashinfers_jit_sampler_off() -> None:
+    """FlashInfer's sampler compiles with nvcc and CUDA's headers at first use; the runtime
+    image has neither, so vLLM's Triton sampler runs instead."""
+    _, found = stages(DOCKER / "worker.Dockerfile")
+    gpu = {stage.name: stage for stage in found}["gpu"]
+    assert stage_env(gpu)["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+    assert '"VLLM_USE_FLASHINFER_SAMPLER"' in vllm_variables()
+    assert gpu.base.split(":")[1].split("-")[1] == "runtime", gpu.base
+    assert not {word for word in apt_installs(gpu) if "nvcc" in word or "toolkit" in word}
+
+
+@pytest.mark.parametrize("cuda_version", ["lock", "12.9.1"])
+def test_the_gpu_build_refuses_a_base_image_of_another_cuda_major(cuda_version: str) -> None:
+    """The default CUDA_IMAGE is the lock's CUDA major; the build-gpu check passes it and fails
+    a CUDA 12 base (CUDA_IMAGE=nvidia/cuda:12.9.1-...)."""
+    args, _ = stages(DOCKER / "worker.Dockerfile")
+    script = next(run for run in build_gpu().all("RUN") if "nvidia-cuda-runtime" in run)
+    default = args["CUDA_IMAGE"].split(":")[1].split("-")[0]
+    version = default if cuda_version == "lock" else cuda_version
+    result = subprocess.run(
+        ["sh", "-c", script],
+        cwd=ROOT,
+        env={"CUDA_VERSION": version, "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (result.returncode == 0) == (cuda_version == "lock"), result.stderr
