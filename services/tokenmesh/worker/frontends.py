@@ -136,7 +136,12 @@ class Supervisor:
 
     def stop(self, grace: float) -> None:
         """SIGTERM every front end (each drains its streams within `grace`), kill those still
-        running after the margin, then shut the engine down; blocks."""
+        running after the margin, then shut the engine down; blocks. With the engine dead there
+        is nothing to drain: the front ends are killed at once, and their callers' streams end
+        with the connection instead of waiting out the grace for tokens that cannot come."""
+        if self.engine_ended():
+            for process in self.live_frontends():
+                process.kill()
         for process in self.live_frontends():
             os.kill(process.pid, signal.SIGTERM)  # type: ignore[arg-type]
         ends_by = time.monotonic() + grace + STOP_MARGIN_SECONDS
