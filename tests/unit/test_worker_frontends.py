@@ -3,6 +3,7 @@ they share, their metrics gathered on one port, the settings and the port they s
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import socket
 
@@ -10,6 +11,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from pydantic import ValidationError
 
+from tokenmesh.common.errors import ResourceExhausted
+from tokenmesh.worker.admission import Admission
 from tokenmesh.worker.config import WorkerSettings
 from tokenmesh.worker.engine_state import EngineLoad, shared_step_clock
 from tokenmesh.worker.gathered_metrics import FrontendMetrics
@@ -90,3 +93,17 @@ def test_the_shared_port_must_be_free_first() -> None:
         taken.listen()
         with pytest.raises(OSError):
             claim_port("127.0.0.1", taken.getsockname()[1])
+
+
+def test_front_ends_admit_against_one_shared_bound() -> None:
+    shared = multiprocessing.get_context("spawn").Value("q", 0)
+    first, second = Admission(1, shared), Admission(1, shared)
+    with contextlib.ExitStack() as held:
+        held.enter_context(first.admit(engine_waiting=0, max_running=2))
+        held.enter_context(second.admit(engine_waiting=0, max_running=2))
+        held.enter_context(first.admit(engine_waiting=0, max_running=2))
+        # The worker's fourth stream, whichever front end it reaches.
+        with pytest.raises(ResourceExhausted, match="3 streams admitted"):
+            held.enter_context(second.admit(engine_waiting=0, max_running=2))
+        assert first.admitted == second.admitted == 3
+    assert shared.value == 0

@@ -13,6 +13,7 @@ from tokenmesh.common.cpu_pinning import pin_threads
 from tokenmesh.common.host import ServiceHost
 from tokenmesh.common.metrics import StreamMetrics
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
+from tokenmesh.worker.admission import Admission
 from tokenmesh.worker.config import WorkerSettings
 from tokenmesh.worker.engine import EngineSlot, VllmEngine
 from tokenmesh.worker.engine_state import EngineLoad, EngineShare
@@ -144,6 +145,7 @@ async def serve(
             stream_metrics,
             aborted_counter(host.registry),
             features_counter(host.registry),
+            Admission(settings.max_waiting_requests, share.admitted if share is not None else None),
         ),
         server,
     )

@@ -122,3 +122,5 @@ class EngineShare:
     steps: MutableSequence[float]
     # Each front end's own metrics port, which it writes once it listens (0 before).
     metrics_ports: MutableSequence[int]
+    # The streams the front ends have admitted together (a multiprocessing Value, admission.py).
+    admitted: Any

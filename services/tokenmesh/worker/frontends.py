@@ -76,6 +76,7 @@ class Supervisor:
         self.load = EngineLoad.shared(self._context)
         self._steps = shared_step_clock(self._context)
         self._ports = self._context.RawArray("i", settings.frontends)
+        self._admitted = self._context.Value("q", 0)
 
     def start(self) -> None:
         """Launch the engine's processes and the front ends; returns once the engine is up
@@ -100,7 +101,9 @@ class Supervisor:
                     "client_count": count,
                     "client_index": index,
                 }
-                share = EngineShare(index, count, client, self.load, self._steps, self._ports)
+                share = EngineShare(
+                    index, count, client, self.load, self._steps, self._ports, self._admitted
+                )
                 process = self._context.Process(
                     target=run_frontend,
                     args=(settings, self._arguments, share),

@@ -101,6 +101,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         stream_metrics: StreamMetrics,
         aborted: Counter,
         features: Counter,
+        admission: Admission | None = None,
     ) -> None:
         self._engines = engines
         self._settings = settings
@@ -109,7 +110,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self._aborted = aborted
         # Requests by the engine feature they use (structured outputs' kinds).
         self._features = features
-        self._admission = Admission(settings.max_waiting_requests)
+        # admission: one shared by every front end over the engine (frontends.py).
+        self._admission = admission or Admission(settings.max_waiting_requests)
 
     async def Generate(
         self,
