@@ -333,9 +333,9 @@ def openai_server(
     its engine's runner binds."""
     port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": engine_core}
-    # Several API servers only through `vllm serve` (its older module runs one).
+    # Several API servers only through `vllm serve` (its older module runs one; vllm_serve.py).
     server = (
-        ["vllm.entrypoints.cli.main", "serve", MODEL, "--api-server-count", str(api_servers)]
+        ["loadtests.vllm_serve", MODEL, "--api-server-count", str(api_servers)]
         if api_servers > 1
         else ["vllm.entrypoints.openai.api_server", "--model", MODEL]
     )
