@@ -37,8 +37,9 @@ from tokenmesh.worker.placement import descendants
 CONCURRENCY = (64, 256)
 QUICK_CONCURRENCY = (64,)
 OUTPUT_TOKENS = "128"
-# Streams a generator connection carries: a front end of several advertises 32 a connection
-# (frontend_streams_per_connection), so the clients open one per 16, as Envoy would.
+# Streams a generator connection carries: the kernel spreads a worker's connections over its
+# front ends, and Envoy opens one per worker_streams_per_connection (64; 16 here spreads the
+# generator's few connections as Envoy's threads spread theirs).
 STREAMS_PER_CONNECTION = 16
 ENGINE_CORE = "1"
 FRONT_CORES = "0"

@@ -120,3 +120,17 @@ def test_prefix_is_the_default_and_refuses_a_balance_factor_below_100() -> None:
         MeshSettings(prefix_balance_factor_percent=99)
     with pytest.raises(ValidationError, match="worker_routing"):
         MeshSettings(worker_routing="round_robin")
+
+
+def test_envoy_opens_a_connection_to_a_worker_per_its_bound_of_streams() -> None:
+    """A worker's front ends share its port and the kernel spreads connections over them: the
+    worker cluster bounds one connection's streams itself; the others keep the mesh's bound."""
+    found = clusters(render(MeshSettings(worker_streams_per_connection=48)))
+
+    def streams(name: str) -> int:
+        options = found[name]["typed_extension_protocol_options"]
+        http = options["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+        return int(http["explicit_http_config"]["http2_protocol_options"]["max_concurrent_streams"])
+
+    assert streams("worker") == 48
+    assert streams("gateway") == streams("reranker") == MeshSettings().max_concurrent_streams

@@ -136,7 +136,11 @@ def service_cluster(service: ServicePolicy, mesh: MeshSettings) -> Config:
         "per_connection_buffer_limit_bytes": mesh.buffer_limit_bytes,
         **({} if picker else {"lb_policy": service.lb_policy}),
         **(
-            {"typed_extension_protocol_options": grpc_upstream(mesh)}
+            {
+                "typed_extension_protocol_options": grpc_upstream(
+                    mesh, service.streams_per_connection
+                )
+            }
             if service.protocol == "grpc"
             else {}
         ),

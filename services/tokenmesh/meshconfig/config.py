@@ -195,6 +195,17 @@ class MeshSettings(BaseSettings):
             "Streams one downstream connection may carry (one client channel multiplexes many)."
         ),
     )
+    worker_streams_per_connection: int = Field(
+        default=64,
+        ge=1,
+        description=(
+            "Streams Envoy puts on one connection to a worker before it opens another. A "
+            "worker with several front ends serves one port with all of them (SO_REUSEPORT) "
+            "and the kernel spreads connections, not streams, over them; Envoy's own bound "
+            "(never a lower one the worker announces, which would refuse the streams Envoy "
+            "sends before it hears of it) keeps the spread following the load."
+        ),
+    )
     stream_idle_timeout_seconds: float = Field(
         default=60.0,
         gt=0,

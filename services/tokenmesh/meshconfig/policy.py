@@ -130,6 +130,8 @@ class ServicePolicy:
     ejection: Ejection | None = None
     listener_port: int | None = None  # the gateways' listener for it, if they call it
     names_upstream_host: bool = False  # its listener's answers say which host answered
+    # Streams one connection to a host carries before Envoy opens another (None: the mesh's).
+    streams_per_connection: int | None = None
 
 
 @dataclass(frozen=True)
@@ -189,6 +191,9 @@ class Services:
             # Which worker took a gateway's call, for the gateway's span. Internal listener
             # only: the edge never tells callers the workers' addresses.
             names_upstream_host=True,
+            # A worker's front ends share its port and the kernel spreads connections over
+            # them (worker/frontends.py): more connections as the streams grow.
+            streams_per_connection=mesh.worker_streams_per_connection,
         )
         reranker = replace(
             grpc_service(RERANKER, "tokenmesh.v1.RerankService"),

@@ -8,7 +8,7 @@ from tokenmesh.meshconfig.constants import TYPE, Config
 HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 
 
-def http2_options(mesh: MeshSettings, upstream: bool = False) -> Config:
+def http2_options(mesh: MeshSettings, upstream: bool = False, streams: int | None = None) -> Config:
     """A listener's options, or (upstream) a cluster's: an upstream connection carries every
     stream of a gateway or worker, so its connection window must hold a stream window for each
     stream that may stall at once (connection_window / stream_window stalled readers would
@@ -19,18 +19,20 @@ def http2_options(mesh: MeshSettings, upstream: bool = False) -> Config:
     options: Config = {
         "initial_stream_window_size": mesh.stream_window_bytes,
         "initial_connection_window_size": connection_window,
-        "max_concurrent_streams": mesh.max_concurrent_streams,
+        "max_concurrent_streams": streams or mesh.max_concurrent_streams,
     }
     if not upstream:
         options["max_outbound_frames"] = mesh.max_outbound_frames
     return options
 
 
-def grpc_upstream(mesh: MeshSettings) -> Config:
-    """A gRPC cluster's protocol options: HTTP/2 with the upstream windows."""
+def grpc_upstream(mesh: MeshSettings, streams: int | None = None) -> Config:
+    """A gRPC cluster's protocol options: HTTP/2 with the upstream windows; streams: its bound
+    on one connection's streams, if it has one."""
+    options = http2_options(mesh, upstream=True, streams=streams)
     return {
         HTTP_OPTIONS: {
             "@type": TYPE + HTTP_OPTIONS,
-            "explicit_http_config": {"http2_protocol_options": http2_options(mesh, upstream=True)},
+            "explicit_http_config": {"http2_protocol_options": options},
         }
     }

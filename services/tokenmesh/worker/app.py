@@ -113,13 +113,7 @@ async def serve(
     its metrics on a port of its own that the supervisor gathers, and leaves the engine's
     processes, their placement, its gauges and the Consul registration to the supervisor."""
     if share is not None:
-        settings = settings.model_copy(
-            update={
-                "metrics_host": "127.0.0.1",
-                "metrics_port": 0,
-                "max_concurrent_streams": settings.frontend_streams_per_connection,
-            }
-        )
+        settings = settings.model_copy(update={"metrics_host": "127.0.0.1", "metrics_port": 0})
     # The engine's processes start with every core (vLLM binds its runner's, cpu_threads_bind);
     # once it has started, its engine core is placed (engine_affinity) and the front end's
     # threads are pinned to the worker's own cores.

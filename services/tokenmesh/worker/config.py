@@ -337,22 +337,13 @@ class WorkerSettings(ServiceSettings, SamplingLimits, ToolLimits):
         le=64,
         description=(
             "Front-end processes over the one engine, as `vllm serve --api-server-count`: each "
-            "serves the gRPC port (shared, SO_REUSEPORT; the kernel spreads connections over "
-            "them) and turns the engine's outputs into messages, so the engine is not held "
-            "back by one process's core. 1: the engine's client runs in the worker's own "
+            "serves the gRPC port (shared, SO_REUSEPORT; the kernel spreads connections, not "
+            "streams, over them, and Envoy opens one per its worker_streams_per_connection) "
+            "and turns the engine's outputs into messages, so the engine is not held back by "
+            "one process's core. 1: the engine's client runs in the worker's own "
             "process. More: a supervisor process starts the engine and the front ends, serves "
             "the metrics port (every front end's series, labelled frontend), and ends them all "
             "together (docs/decisions/0026-several-front-ends-over-one-engine.md)."
-        ),
-    )
-    frontend_streams_per_connection: int = Field(
-        default=32,
-        ge=1,
-        description=(
-            "With frontends > 1: the HTTP/2 streams one connection to a front end may carry "
-            "(the SETTINGS_MAX_CONCURRENT_STREAMS it advertises, in place of "
-            "max_concurrent_streams), so that Envoy opens a connection per this many streams "
-            "and the kernel spreads them over the front ends."
         ),
     )
 
