@@ -1,0 +1,70 @@
+"""When the chaos scenarios' kill may strike (tests/harness/chaos.py): every worker seen by
+Envoy and by its own count to have streams in flight, a worker held up by flow control
+included."""
+
+from __future__ import annotations
+
+from tests.harness.chaos import (
+    CLIENT_BYTES,
+    TOKEN_BYTES,
+    WorkerCount,
+    envoy_sees_streams,
+    workers_generating,
+)
+
+WORKERS = ["worker-0", "worker-1"]
+BEFORE = {name: WorkerCount(messages=100, unfinished=0) for name in WORKERS}
+PAGE = """# HELP grpc_server_started_total Total number of RPCs started on the server.
+grpc_server_started_total{grpc_type="server_stream",grpc_service="tokenmesh.v1.InferenceService",grpc_method="Generate"} 12.0
+grpc_server_started_total{grpc_type="unary",grpc_service="tokenmesh.v1.InferenceService",grpc_method="GetEngineStats"} 5.0
+grpc_server_handled_total{grpc_type="server_stream",grpc_service="tokenmesh.v1.InferenceService",grpc_method="Generate",grpc_code="OK"} 7.0
+grpc_server_handled_total{grpc_type="server_stream",grpc_service="tokenmesh.v1.InferenceService",grpc_method="Generate",grpc_code="CANCELLED"} 2.0
+grpc_server_handled_total{grpc_type="unary",grpc_service="tokenmesh.v1.InferenceService",grpc_method="GetEngineStats",grpc_code="OK"} 5.0
+grpc_server_stream_msg_sent_total{grpc_type="server_stream",grpc_service="tokenmesh.v1.InferenceService",grpc_method="Generate"} 4321.0
+"""  # noqa: E501
+
+
+def test_a_workers_count_is_its_generate_streams_alone() -> None:
+    assert WorkerCount.of(PAGE) == WorkerCount(messages=4321, unfinished=3)
+
+
+def test_envoy_must_see_streams_on_every_worker_and_their_tokens() -> None:
+    assert envoy_sees_streams({"worker-0": 3, "worker-1": 2}, 5 * TOKEN_BYTES, None)
+    assert not envoy_sees_streams({"worker-0": 3, "worker-1": 0}, 10**6, None)
+    assert not envoy_sees_streams({}, 10**6, None)
+    assert not envoy_sees_streams({"worker-0": 3, "worker-1": 2}, 5 * TOKEN_BYTES - 1, None)
+    # Envoy's own kill also needs the clients' answers' headers and first tokens sent.
+    assert envoy_sees_streams({"worker-0": 1, "worker-1": 1}, 10**6, 2 * CLIENT_BYTES)
+    assert not envoy_sees_streams({"worker-0": 1, "worker-1": 1}, 10**6, 2 * CLIENT_BYTES - 1)
+
+
+def test_a_worker_held_up_by_flow_control_is_in_flight() -> None:
+    # Its writes wait for a client that stopped reading: no message since the last look, but
+    # streams it has not finished, which its kill cuts.
+    now = {name: WorkerCount(messages=600, unfinished=4) for name in WORKERS}
+    assert workers_generating(WORKERS, BEFORE, now, in_flight=True)
+
+
+def test_a_worker_that_finished_its_streams_is_not_in_flight() -> None:
+    # It wrote every token (Envoy may still hold them for slow readers): a kill cuts nothing.
+    now = {
+        "worker-0": WorkerCount(messages=600, unfinished=4),
+        "worker-1": WorkerCount(messages=900, unfinished=0),
+    }
+    assert not workers_generating(WORKERS, BEFORE, now, in_flight=True)
+    # Envoy's own kill cuts whatever Envoy holds open: answered is enough.
+    assert workers_generating(WORKERS, BEFORE, now, in_flight=False)
+
+
+def test_a_worker_that_has_not_answered_or_does_not_answer_is_not_generating() -> None:
+    # Streams open but no token sent yet (an engine not started): Envoy would retry them.
+    quiet = {
+        "worker-0": WorkerCount(messages=600, unfinished=4),
+        "worker-1": WorkerCount(messages=100, unfinished=4),
+    }
+    assert not workers_generating(WORKERS, BEFORE, quiet, in_flight=True)
+    assert not workers_generating(WORKERS, BEFORE, quiet, in_flight=False)
+    # A worker too busy to answer its metrics in time is asked again at the next look.
+    missing = {"worker-0": WorkerCount(messages=600, unfinished=4)}
+    assert not workers_generating(WORKERS, BEFORE, missing, in_flight=True)
+    assert not workers_generating(WORKERS, {}, {**missing, "worker-1": missing["worker-0"]}, True)
