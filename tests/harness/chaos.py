@@ -974,14 +974,16 @@ async def envoy_restart(mesh: ScenarioMesh, short: bool) -> Row:
     row.notes["in_flight_failed"] = len(failed)
     # A call whose answer's headers its client had not yet read when the connection reset is
     # retried by the client (a stream Envoy takes straight from a worker has its headers only
-    # with its first token); one that had a token never is: no token comes twice.
+    # with its first token); one that had a token never is: no token comes twice. A stream the
+    # client had read a token of may still end OK: Envoy may have sent all of it before it died
+    # while the client was slow to read it; the held ones, larger than the windows, were open.
     row.check(
         bool(failed) or not answered,
         "some stream was in flight when Envoy died (or none had been answered: all retried)",
     )
     row.check(
-        all(in_flight[i].code != OK for i in answered),
-        "every stream a client had read a token of when Envoy died failed",
+        all(o.code != OK for o in in_flight[streams:]),
+        "every held stream (open at Envoy when it died) failed",
     )
     row.check(
         all(o.code == "UNAVAILABLE" and o.details for o in failed),
