@@ -38,33 +38,32 @@ def test_envoy_must_see_streams_on_every_worker_and_their_tokens() -> None:
     assert not envoy_sees_streams({"worker-0": 1, "worker-1": 1}, 10**6, 2 * CLIENT_BYTES - 1)
 
 
+def counts(messages: float, unfinished: float) -> dict[str, WorkerCount]:
+    """worker-0 answered and in flight, worker-1 as given."""
+    return {
+        "worker-0": WorkerCount(messages=600, unfinished=4),
+        "worker-1": WorkerCount(messages=messages, unfinished=unfinished),
+    }
+
+
 def test_a_worker_held_up_by_flow_control_is_in_flight() -> None:
     # Its writes wait for a client that stopped reading: no message since the last look, but
     # streams it has not finished, which its kill cuts.
-    now = {name: WorkerCount(messages=600, unfinished=4) for name in WORKERS}
-    assert workers_generating(WORKERS, BEFORE, now, in_flight=True)
+    assert workers_generating(WORKERS, BEFORE, counts(600, 4), in_flight=True)
 
 
 def test_a_worker_that_finished_its_streams_is_not_in_flight() -> None:
     # It wrote every token (Envoy may still hold them for slow readers): a kill cuts nothing.
-    now = {
-        "worker-0": WorkerCount(messages=600, unfinished=4),
-        "worker-1": WorkerCount(messages=900, unfinished=0),
-    }
-    assert not workers_generating(WORKERS, BEFORE, now, in_flight=True)
+    assert not workers_generating(WORKERS, BEFORE, counts(900, 0), in_flight=True)
     # Envoy's own kill cuts whatever Envoy holds open: answered is enough.
-    assert workers_generating(WORKERS, BEFORE, now, in_flight=False)
+    assert workers_generating(WORKERS, BEFORE, counts(900, 0), in_flight=False)
 
 
 def test_a_worker_that_has_not_answered_or_does_not_answer_is_not_generating() -> None:
     # Streams open but no token sent yet (an engine not started): Envoy would retry them.
-    quiet = {
-        "worker-0": WorkerCount(messages=600, unfinished=4),
-        "worker-1": WorkerCount(messages=100, unfinished=4),
-    }
-    assert not workers_generating(WORKERS, BEFORE, quiet, in_flight=True)
-    assert not workers_generating(WORKERS, BEFORE, quiet, in_flight=False)
+    assert not workers_generating(WORKERS, BEFORE, counts(100, 4), in_flight=True)
+    assert not workers_generating(WORKERS, BEFORE, counts(100, 4), in_flight=False)
     # A worker too busy to answer its metrics in time is asked again at the next look.
     missing = {"worker-0": WorkerCount(messages=600, unfinished=4)}
     assert not workers_generating(WORKERS, BEFORE, missing, in_flight=True)
-    assert not workers_generating(WORKERS, {}, {**missing, "worker-1": missing["worker-0"]}, True)
+    assert not workers_generating(WORKERS, {}, counts(600, 4), in_flight=True)
