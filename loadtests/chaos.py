@@ -25,6 +25,7 @@ from pathlib import Path
 
 from tests.harness.chaos import (
     ALL_SCENARIOS,
+    MESH_AUTOGROUP_NICE,
     SCENARIOS,
     SMALL_MESH_ENV,
     Row,
@@ -39,7 +40,13 @@ async def run_scenarios(local_mesh: LocalMesh, names: Sequence[str], short: bool
     mesh = ScenarioMesh(local_mesh)
     rows = []
     # The clients ahead of the mesh on the machine's cores (clients_first).
-    with clients_first(local_mesh):
+    with clients_first(local_mesh) as previous:
+        placement = (
+            "unchanged: no autogroup, or not permitted"
+            if previous is None
+            else f"at nice {MESH_AUTOGROUP_NICE}, {previous} before"
+        )
+        print(f"the mesh's autogroup behind the clients: {placement}", file=sys.stderr)
         for name in names:
             begun = time.monotonic()
             try:

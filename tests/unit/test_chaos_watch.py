@@ -1,13 +1,19 @@
 """When the chaos scenarios' kill may strike (tests/harness/chaos.py): every worker seen by
 Envoy and by its own count to have streams in flight, a worker held up by flow control
-included."""
+included; and the mesh's session behind the scenarios' clients while they run."""
 
 from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
 
 from tests.harness.chaos import (
     CLIENT_BYTES,
     TOKEN_BYTES,
     WorkerCount,
+    clients_first,
     envoy_sees_streams,
     workers_generating,
 )
@@ -67,3 +73,27 @@ def test_a_worker_that_has_not_answered_or_does_not_answer_is_not_generating() -
     missing = {"worker-0": WorkerCount(messages=600, unfinished=4)}
     assert not workers_generating(WORKERS, BEFORE, missing, in_flight=True)
     assert not workers_generating(WORKERS, {}, counts(600, 4), in_flight=True)
+
+
+class SessionOf:
+    """A LocalMesh as clients_first sees one: its supervisord is `pid`."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def supervisord_pid(self) -> int:
+        return self.pid
+
+
+@pytest.mark.skipif(not Path("/proc/self/autogroup").exists(), reason="no autogroups here")
+def test_the_mesh_runs_behind_the_clients_then_as_it_was() -> None:
+    # A process in a session (so an autogroup) of its own stands for supervisord's.
+    with subprocess.Popen(["sleep", "30"], start_new_session=True) as child:
+        group = Path(f"/proc/{child.pid}/autogroup")
+        try:
+            with clients_first(SessionOf(child.pid), nice=7) as previous:  # type: ignore[arg-type]
+                assert previous == 0
+                assert group.read_text().split()[-1] == "7"
+            assert group.read_text().split()[-1] == "0"
+        finally:
+            child.kill()
