@@ -318,10 +318,16 @@ class ScenarioMesh:
     def known(self, cluster: str) -> set[str]:
         return {address for address, _ in self.local_mesh.envoy_hosts().get(cluster, [])}
 
-    def channel(self, retries: bool = False, held: bool = False) -> aio.Channel:
+    def channel(
+        self, retries: bool = False, held: bool = False, own_connection: bool = False
+    ) -> aio.Channel:
         """A channel to the edge; held: with fixed windows, for streams a scenario holds
-        unread (a connection of their own, so they hold up no other stream)."""
+        unread (a connection of their own, so they hold up no other stream). Channels with the
+        same options share gRPC's connections; own_connection: one of its own, as another
+        client's would be."""
         options: list[tuple[str, Any]] = list(STALLED_CLIENT_OPTIONS) if held else []
+        if own_connection:
+            options.append(("grpc.use_local_subchannel_pool", 1))
         if retries:
             options += [
                 ("grpc.service_config", json.dumps(RETRY_SERVICE_CONFIG)),
@@ -874,12 +880,24 @@ async def deadline_storm(mesh: ScenarioMesh, short: bool) -> Row:
     rng = random.Random(7)
     workers = mesh.local_mesh.replicas("worker")
     aborted_before = sum(mesh.metric(w, "tokenmesh_worker_aborted_requests_total") for w in workers)
-    async with mesh.channel() as channel, mesh.channel() as other_channel:
-        stub = llm_pb2_grpc.LLMServiceStub(channel)
-        other = llm_pb2_grpc.LLMServiceStub(other_channel)
+    # As docs/failure-behaviour.md tells clients: hundreds of short-deadline requests spread over
+    # connections of STORM_STREAMS_PER_CONNECTION, and the bystanders another client's.
+    connections = -(-count // STORM_STREAMS_PER_CONNECTION)
+    async with contextlib.AsyncExitStack() as stack:
+        stubs = [
+            llm_pb2_grpc.LLMServiceStub(
+                await stack.enter_async_context(mesh.channel(own_connection=True))
+            )
+            for _ in range(connections)
+        ]
+        other = llm_pb2_grpc.LLMServiceStub(
+            await stack.enter_async_context(mesh.channel(own_connection=True))
+        )
         begun_ns = time.time_ns()
         storm = [
-            asyncio.create_task(generate(stub, request(f"storm {i}", 2000), rng.uniform(0.3, 1.5)))
+            asyncio.create_task(
+                generate(stubs[i % connections], request(f"storm {i}", 2000), rng.uniform(0.3, 1.5))
+            )
             for i in range(count)
         ]
         await asyncio.sleep(0.2)
@@ -1053,6 +1071,13 @@ async def envoy_restart(mesh: ScenarioMesh, short: bool) -> Row:
     row.check(ready is not None, "Envoy is back with every host healthy")
     row.recovered(answered)
     return row
+
+
+# The deadline storm's streams per client connection. Envoy's HTTP/2 rapid-reset protection
+# closes a connection once half of 500 streams on it were reset soon after they started, before
+# any answer (overload.premature_reset_*, docs/failure-behaviour.md): a storm's own client,
+# acting on its deadlines before the workers' DEADLINE_EXCEEDED came, did so with 500 on one.
+STORM_STREAMS_PER_CONNECTION = 100
 
 
 # Deadline of each overload stream: a refusal must come long before it.
