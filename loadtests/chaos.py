@@ -25,10 +25,12 @@ from pathlib import Path
 
 from tests.harness.chaos import (
     ALL_SCENARIOS,
+    MESH_AUTOGROUP_NICE,
     SCENARIOS,
     SMALL_MESH_ENV,
     Row,
     ScenarioMesh,
+    clients_first,
 )
 from tests.harness.meshes import attached, environment, own_mesh
 from tokenmesh.localmesh.mesh import LocalMesh
@@ -37,15 +39,24 @@ from tokenmesh.localmesh.mesh import LocalMesh
 async def run_scenarios(local_mesh: LocalMesh, names: Sequence[str], short: bool) -> list[Row]:
     mesh = ScenarioMesh(local_mesh)
     rows = []
-    for name in names:
-        begun = time.monotonic()
-        try:
-            row = await ALL_SCENARIOS[name](mesh, short)
-        except Exception as exc:  # a broken scenario is a failed row, the rest still run
-            row = Row(name, violations=[f"the scenario raised {exc!r}"])
-        row.seconds = round(time.monotonic() - begun, 1)
-        rows.append(row)
-        print(f"{name}: {'passed' if row.passed else 'FAILED'} in {row.seconds}s", file=sys.stderr)
+    # The clients ahead of the mesh on the machine's cores (clients_first).
+    with clients_first(local_mesh) as previous:
+        placement = (
+            "unchanged: no autogroup, or not permitted"
+            if previous is None
+            else f"at nice {MESH_AUTOGROUP_NICE}, {previous} before"
+        )
+        print(f"the mesh's autogroup behind the clients: {placement}", file=sys.stderr)
+        for name in names:
+            begun = time.monotonic()
+            try:
+                row = await ALL_SCENARIOS[name](mesh, short)
+            except Exception as exc:  # a broken scenario is a failed row, the rest still run
+                row = Row(name, violations=[f"the scenario raised {exc!r}"])
+            row.seconds = round(time.monotonic() - begun, 1)
+            rows.append(row)
+            verdict = "passed" if row.passed else "FAILED"
+            print(f"{name}: {verdict} in {row.seconds}s", file=sys.stderr)
     return rows
 
 

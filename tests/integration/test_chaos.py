@@ -7,20 +7,29 @@ healthy in Envoy again) for the tests after it."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import asdict
 
 import pytest
 
-from tests.harness.chaos import REJOIN_WITHIN_SECONDS, SCENARIOS, Row, ScenarioMesh
+from tests.harness.chaos import (
+    REJOIN_WITHIN_SECONDS,
+    SCENARIOS,
+    Row,
+    ScenarioMesh,
+    clients_first,
+)
 from tokenmesh.localmesh.mesh import LocalMesh
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def chaos_mesh(mesh: LocalMesh) -> ScenarioMesh:
-    """The session's shared mesh (tests/integration/conftest.py)."""
-    return ScenarioMesh(mesh)
+def chaos_mesh(mesh: LocalMesh) -> Iterator[ScenarioMesh]:
+    """The session's shared mesh (tests/integration/conftest.py), behind this module's clients
+    on the machine's cores while it runs (clients_first)."""
+    with clients_first(mesh):
+        yield ScenarioMesh(mesh)
 
 
 async def run(mesh: ScenarioMesh, name: str) -> Row:

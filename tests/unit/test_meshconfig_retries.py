@@ -30,9 +30,11 @@ def test_only_the_worker_route_retries_an_overloaded_worker_elsewhere() -> None:
 
 def test_retry_budget_covers_losing_one_of_two_replicas() -> None:
     """Regression (chaos worker_kill): with a 20 % budget and a minimum of 3, 7 of 8 retries of
-    the requests a killed worker had not answered overflowed the budget and failed UNAVAILABLE."""
+    the requests a killed worker had not answered overflowed the budget and failed UNAVAILABLE;
+    with 50 % and 16, 2 of 19 did (Envoy takes the share of the requests still active, the
+    other worker's 26, not of the 56 open before the kill)."""
     for cluster in render(MeshSettings())["static_resources"]["clusters"]:
         for threshold in cluster.get("circuit_breakers", {}).get("thresholds", []):
             budget = threshold["retry_budget"]
-            assert budget["budget_percent"]["value"] >= 50
+            assert budget["budget_percent"]["value"] >= 100
             assert budget["min_retry_concurrency"] >= 16

@@ -223,14 +223,15 @@ class MeshSettings(BaseSettings):
         ),
     )
     retry_budget_percent: float = Field(
-        default=50.0,
+        default=100.0,
         gt=0,
         le=100,
         description=(
             "Percent of active requests that retries may add (a retry budget, not a count), "
-            "and always at least retry_min_concurrency; sized so that losing half the workers "
-            "at once, whose unanswered streams all need a retry, stays within it "
-            "(docs/decisions/0018-retry-budget-covers-half-the-fleet.md)."
+            "and always at least retry_min_concurrency. Envoy counts the requests still active "
+            "when it decides, without the dead host's: losing half the workers at once, whose "
+            "unanswered streams all need a retry, takes as many retries as the other half's "
+            "requests (docs/decisions/0018-retry-budget-covers-half-the-fleet.md)."
         ),
     )
     retry_min_concurrency: int = Field(
