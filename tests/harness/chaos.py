@@ -641,8 +641,11 @@ async def worker_kill(mesh: ScenarioMesh, short: bool) -> Row:
     restarted = process_tree(mesh.local_mesh.pid(victim.name))
     rss_after = tree_rss(restarted) + tree_rss([p for p in engine if alive([p])])
     row.notes["worker_rss_mib_before_after"] = [rss_before >> 20, rss_after >> 20]
+    # By memory and by the old tree's survivors, not by a count of processes: the tree at the
+    # kill may hold passing children (seen: 6 processes at the kill, 4 once restarted and
+    # serving, with the memory of one engine).
     row.check(
-        len(restarted) == len(engine) and rss_after < 1.5 * rss_before,
+        not alive(engine) and rss_after < 1.5 * rss_before,
         f"memory back to one engine's worth: {len(engine)} processes, {rss_before >> 20} MiB "
         f"before the kill; {len(restarted)} processes, {rss_after >> 20} MiB after",
     )

@@ -235,9 +235,14 @@ class MeshSettings(BaseSettings):
         ),
     )
     retry_min_concurrency: int = Field(
-        default=16,
+        default=64,
         ge=1,
-        description="Retries always allowed at once, whatever retry_budget_percent allows.",
+        description=(
+            "Retries always allowed at once, whatever retry_budget_percent allows: the streams "
+            "a dead worker leaves unanswered (its queue, its prefills) may outnumber the "
+            "requests the others still carry, and each needs a retry at once "
+            "(docs/decisions/0027-retry-budget-of-the-requests-left.md)."
+        ),
     )
     health_check_interval_seconds: float = Field(
         default=0.5,
