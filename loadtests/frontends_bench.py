@@ -30,7 +30,7 @@ import psutil
 
 from loadtests import report
 from loadtests.scenarios import RESULTS, Bench, openai_server
-from loadtests.token_cost import Route, interleaved, per_token, summary_row
+from loadtests.token_cost import Route, interleaved, summary_row
 from tests.support import ROOT, worker_process
 from tokenmesh.worker.placement import descendants
 
@@ -167,7 +167,6 @@ def bench_frontends(bench: Bench, rounds: int) -> dict[str, Any]:
                 combined = runs[route.label]
                 bench._record("frontends", combined)
                 row = summary_row(combined, route, c)
-                row["cpu_us_per_token"] = per_token(combined, route)
                 row["front_ends"] = front_end_cost(row)
                 rows.append(row)
             print(markdown(rows[-len(routes) :]), file=sys.stderr, flush=True)
