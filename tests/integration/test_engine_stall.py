@@ -132,6 +132,15 @@ async def test_a_hung_engine_turns_the_worker_not_serving_until_it_moves_again(
         # Idle for longer than the limit, the worker stays SERVING.
         await asyncio.sleep(STALL_SECONDS + 2 * CHECK_INTERVAL_SECONDS)
         assert await statuses(channel) == {"SERVING"}
+    # Each change is logged once, not at every check: stalled, moving again, in turn. The
+    # stop's stall comes first; a step the loaded machine delays past the 3 s limit after the
+    # resume is a stall too, and is logged as one.
     log = stall_worker.log_path.read_text(errors="replace")
-    assert log.count("inference engine stalled") == 1, stall_worker.log_tail()
-    assert log.count("inference engine moving again") == 1, stall_worker.log_tail()
+    changes = [
+        "stalled" if "inference engine stalled" in line else "moving"
+        for line in log.splitlines()
+        if "inference engine stalled" in line or "inference engine moving again" in line
+    ]
+    assert changes and changes == ["stalled", "moving"] * (len(changes) // 2), (
+        stall_worker.log_tail()
+    )

@@ -172,3 +172,35 @@ async def test_an_error_after_tokens_comes_after_them() -> None:
         while (token := await ahead.next()) is not None:
             received.append(token)
     assert positions(received) == [0, 1]
+
+
+async def test_interleaved_choices_merge_each_with_its_own() -> None:
+    """n = 3: the worker's messages alternate between choices; behind a slow writer each
+    choice's tokens merge with that choice's alone, in order, and the message that ends the
+    stream (usage of every choice) comes last."""
+
+    async def choices() -> AsyncIterator[token_pb2.Token]:
+        for index in range(12):
+            for choice in range(3):
+                token = one(index, f"c{choice}t{index} ")
+                token.choice = choice
+                if index == 11:
+                    token.finish_reason = token_pb2.FINISH_REASON_LENGTH
+                    if choice == 2:
+                        token.usage.completion_tokens = 36
+                yield token
+                await asyncio.sleep(0.001)
+
+    ahead = ReadAhead(choices(), limit=256, per_message=64)
+    messages = []
+    while (token := await ahead.next()) is not None:
+        messages.append(token)
+        await asyncio.sleep(0.01)  # a slow write: tokens pile up and merge
+    assert len(messages) < 36
+    for choice in range(3):
+        mine = [m for m in messages if m.choice == choice]
+        assert positions(mine) == list(range(12))
+        assert "".join(m.text for m in mine) == "".join(f"c{choice}t{i} " for i in range(12))
+        assert [bool(m.finish_reason) for m in mine] == [False] * (len(mine) - 1) + [True]
+    assert [m.HasField("usage") for m in messages] == [False] * (len(messages) - 1) + [True]
+    assert messages[-1].usage.completion_tokens == 36

@@ -89,8 +89,9 @@ def text_lengths(token: token_pb2.Token) -> list[int]:
 
 
 def merge(into: token_pb2.Token, later: token_pb2.Token) -> None:
-    """Append `later`, the next message of the same stream, to `into` (which keeps its index,
-    first token and warnings, and takes the later one's end, if any, and emission time)."""
+    """Append `later`, the next message of the same choice, to `into` (which keeps its index,
+    first token and warnings, and takes the later one's end and usage, if any, and emission
+    time)."""
     added = token_count(later)
     if added:
         if token_count(into):
@@ -122,6 +123,7 @@ def merge(into: token_pb2.Token, later: token_pb2.Token) -> None:
             into.tool_calls.append(piece)
     if later.finish_reason:
         into.finish_reason = later.finish_reason
+    if later.HasField("usage"):
         into.usage.CopyFrom(later.usage)
     into.emitted_unix_nanos = later.emitted_unix_nanos
 

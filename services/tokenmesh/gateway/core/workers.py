@@ -14,7 +14,7 @@ from opentelemetry import trace
 from tokenmesh.common.channels import Dependency
 from tokenmesh.common.errors import DependencyError
 from tokenmesh.common.outcome import Deadline
-from tokenmesh.common.tokens import UPSTREAM_HEADER, merge, token_count
+from tokenmesh.common.tokens import UPSTREAM_HEADER, ends_stream, merge, token_count
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
 
 
@@ -42,9 +42,9 @@ class ReadAhead:
         try:
             async for token in call:
                 count = token_count(token)
-                last = self._waiting[-1] if self._waiting else None
-                if last is not None and token_count(last) + count <= self._per_message:
-                    merge(last, token)
+                into = self._merges_into(token, count)
+                if into is not None:
+                    merge(into, token)
                 else:
                     self._waiting.append(token)
                 self._waiting_tokens += count
@@ -57,6 +57,20 @@ class ReadAhead:
         finally:
             self._ended = True
             self._arrived.set()
+
+    def _merges_into(self, token: token_pb2.Token, count: int) -> token_pb2.Token | None:
+        """The waiting message `token` joins: the newest one of its choice, unless that one is
+        full or ended. Choices interleave (n > 1), so that is not always the newest message;
+        each choice keeps its own order. The stream's last message (it carries the usage of
+        every choice) joins only the newest message, so that it stays last."""
+        for waiting in reversed(self._waiting):
+            if waiting.choice == token.choice:
+                if waiting.finish_reason or token_count(waiting) + count > self._per_message:
+                    return None
+                return waiting
+            if ends_stream(token):
+                return None
+        return None
 
     async def next(self) -> token_pb2.Token | None:
         """What arrived since the last call (merged, up to per_message tokens); None at the
