@@ -21,9 +21,16 @@ SETTINGS: dict[str, type[BaseSettings]] = {
 }
 ROW = re.compile(r"^\| `TOKENMESH_(GATEWAY|WORKER|RERANKER|MESH)_([A-Z0-9_]+)` \| `([^`]*)` \|")
 # max_* settings that are not limits on what a client sends: connection ageing, the
-# services' HTTP/2 stream bound towards Envoy (the edge's own is documented), and how many
-# tokens the services merge into one message (docs/api.md, "Token messages").
-NOT_LIMITS = ("max_connection_", "max_concurrent_streams", "max_message_tokens", "max_coalesced_")
+# services' HTTP/2 stream bound towards Envoy (the edge's own is documented), how many
+# tokens the services merge into one message, and how often a stream may move to another
+# worker (both in docs/api.md, "Token messages").
+NOT_LIMITS = (
+    "max_connection_",
+    "max_concurrent_streams",
+    "max_message_tokens",
+    "max_coalesced_",
+    "max_resumptions",
+)
 
 
 def documented() -> dict[tuple[str, str], str]:

@@ -11,7 +11,12 @@ import pytest
 
 from tokenmesh.common.errors import DeadlineExceeded, InvalidArgument
 from tokenmesh.common.openai_answers import Shape
-from tokenmesh.common.presentation import OpenAIPresenter, answer_extra, degraded_marker
+from tokenmesh.common.presentation import (
+    OpenAIPresenter,
+    answer_extra,
+    degraded_marker,
+    stream_trailers,
+)
 from tokenmesh.v1 import inference_pb2, token_pb2
 
 
@@ -103,3 +108,37 @@ async def test_a_degraded_answer_says_so_in_its_headers_and_every_object() -> No
     found = events(await collect(presenter, tokens("a")))
     assert all(e["tokenmesh"]["degraded"] == "reranker" for e in found if e != "[DONE]")
     assert degraded_marker(request()) == () and answer_extra(request()) == {}
+
+
+async def moved(*texts: str, at: int) -> AsyncIterator[token_pb2.Token]:
+    """tokens(), the message at index `at` the first from the worker the stream moved to."""
+    async for token in tokens(*texts):
+        if token.index == at:
+            token.resumed = 1
+        yield token
+
+
+@pytest.mark.parametrize("chat", [True, False])
+async def test_a_moved_stream_says_so_from_the_first_part_after_the_move(chat: bool) -> None:
+    found = events(await collect(OpenAIPresenter(request(chat=chat)), moved("a", "b", "c", at=1)))
+    chunks = [e for e in found if e != "[DONE]" and e["choices"]]
+    texts = [
+        e["choices"][0]["delta"].get("content") if chat else e["choices"][0]["text"] for e in chunks
+    ]
+    resumed = [e.get("tokenmesh", {}).get("resumed") for e in chunks]
+    assert texts[-3:] == ["a", "b", "c"]
+    assert resumed[-3:] == [None, 1, 1]
+    # A whole answer, and one the new worker presents (its request says it continues).
+    (part,) = await collect(OpenAIPresenter(request(stream=False)), moved("a", "b", at=1))
+    assert json.loads(part)["tokenmesh"]["resumed"] == 1
+    continuing = request()
+    continuing.resume.attempt = 2
+    assert answer_extra(continuing)["tokenmesh"]["resumed"] == 2
+
+
+def test_a_moved_grpc_stream_has_its_trailer() -> None:
+    continuing = request(degraded="reranker")
+    assert stream_trailers(continuing) == (("x-tokenmesh-degraded", "reranker"),)
+    assert stream_trailers(continuing, 1)[-1] == ("x-tokenmesh-resumed", "1")
+    continuing.resume.attempt = 2
+    assert stream_trailers(continuing)[-1] == ("x-tokenmesh-resumed", "2")

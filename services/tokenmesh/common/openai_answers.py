@@ -202,6 +202,11 @@ class Shape:
     def object(self) -> str:
         return "chat.completion" if self.chat else "text_completion"
 
+    def resumed(self, times: int) -> None:
+        """The answer moved to another worker mid-stream: every part from here on says how
+        many times, in its "tokenmesh" field."""
+        self.extra = {"tokenmesh": {**self.extra.get("tokenmesh", {}), "resumed": times}}
+
     def base(self, object_name: str | None = None) -> dict[str, Any]:
         return {
             "id": self.id,
@@ -309,6 +314,9 @@ class EventStream:
         """The message's chunk; after the stream's last one, the usage chunk (when asked) and
         [DONE]."""
         shape = self._shape
+        if token.resumed:
+            shape.resumed(token.resumed)
+            self._parts = {}  # they hold the extra field
         index = token.choice
         reason = finish_reason(token)
         offset = self._offsets.get(index, 0)
@@ -370,6 +378,8 @@ class WholeAnswer:
     last: token_pb2.Token | None = None
 
     def add(self, token: token_pb2.Token) -> None:
+        if token.resumed:
+            self.shape.resumed(token.resumed)
         made = self.choices.get(token.choice)
         if made is None:
             made = self.choices[token.choice] = _Choice()

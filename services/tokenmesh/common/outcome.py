@@ -38,6 +38,10 @@ class Deadline:
         RPC known from a log, after its end)."""
         return cls(None if timeout is None else timeout - elapsed)
 
+    def remaining(self) -> float | None:
+        """Seconds left (None: no deadline); never below 0."""
+        return None if self._at is None else max(0.0, self._at - time.monotonic())
+
     def passed(self) -> bool:
         """Whether the deadline has (all but) passed."""
         return self._at is not None and time.monotonic() >= self._at - DEADLINE_SLACK_SECONDS

@@ -15,7 +15,7 @@ from tokenmesh.common.openai_answers import (
     WholeAnswer,
     error_response,
 )
-from tokenmesh.common.tokens import DEGRADED_HEADER, ends_stream
+from tokenmesh.common.tokens import DEGRADED_HEADER, RESUMED_TRAILER, ends_stream
 from tokenmesh.v1 import inference_pb2, token_pb2
 
 EVENT_STREAM = "text/event-stream"
@@ -27,11 +27,29 @@ def degraded_marker(request: inference_pb2.InferenceRequest) -> tuple[tuple[str,
     return ((DEGRADED_HEADER, request.degraded),) if request.degraded else ()
 
 
+def stream_trailers(
+    request: inference_pb2.InferenceRequest, resumed: int = 0
+) -> tuple[tuple[str, str], ...]:
+    """A gRPC token stream's trailers: the degraded marker, and how many times the stream moved
+    to another worker (resumed: as its tokens said, or as the request continuing it says)."""
+    resumed = max(resumed, request.resume.attempt)
+    moved = ((RESUMED_TRAILER, str(resumed)),) if resumed else ()
+    return degraded_marker(request) + moved
+
+
 def answer_extra(request: inference_pb2.InferenceRequest) -> dict[str, Any]:
-    """The top-level field every OpenAI object and chunk of a degraded answer carries."""
-    if not request.degraded and not request.warnings:
+    """The top-level field every OpenAI object and chunk of a degraded (or moved) answer
+    carries."""
+    if not request.degraded and not request.warnings and not request.resume.attempt:
         return {}
-    return {"tokenmesh": {"degraded": request.degraded or None, "warnings": list(request.warnings)}}
+    extra: dict[str, Any] = {
+        "degraded": request.degraded or None,
+        "warnings": list(request.warnings),
+    }
+    if request.resume.attempt:
+        # A worker continuing a moved stream presents what follows as moved.
+        extra["resumed"] = request.resume.attempt
+    return {"tokenmesh": extra}
 
 
 class OpenAIPresenter:

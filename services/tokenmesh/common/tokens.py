@@ -9,6 +9,8 @@ from tokenmesh.v1 import inference_pb2, llm_pb2, openai_pb2, token_pb2
 # worker returns it as a trailer.
 DEGRADED_HEADER = "x-tokenmesh-degraded"
 DEGRADED_BY_RERANKER = "reranker"
+# Trailer of a gRPC token stream that moved to another worker mid-stream: how many times.
+RESUMED_TRAILER = "x-tokenmesh-resumed"
 # The trailer a worker ends a finished stream with: its prompt and completion tokens and the
 # messages it sent ("12 128 40"). Envoy logs it for the gateway when it streams a worker's
 # tokens straight to the caller (gateway/frontends/direct_log.py), where no gateway sees the

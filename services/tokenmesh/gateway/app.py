@@ -28,7 +28,7 @@ from tokenmesh.gateway.core.tenancy.http import HttpTenancy
 from tokenmesh.gateway.core.tenancy.limits import LimitsInterceptor, TenantLimiter
 from tokenmesh.gateway.core.tenancy.metrics import TenantMetrics
 from tokenmesh.gateway.core.tenancy.quota import QuotaMeter
-from tokenmesh.gateway.core.workers import WorkerClient
+from tokenmesh.gateway.core.workers import ResumptionMetrics, WorkerClient
 from tokenmesh.gateway.frontends.calls import CallMetrics
 from tokenmesh.gateway.frontends.direct_log import DirectStreamLog
 from tokenmesh.gateway.frontends.extproc import PROCESS_METHOD, DirectMetrics, ExternalProcessor
@@ -129,6 +129,8 @@ async def serve(settings: GatewaySettings) -> int:
             settings.connect_timeout_seconds,
             settings.max_coalesced_tokens,
             settings.max_message_tokens,
+            settings.max_resumptions,
+            ResumptionMetrics(host.registry),
         ),
         settings,
         tenancy.meter,

@@ -287,6 +287,17 @@ class GatewaySettings(ServiceSettings, SamplingLimits, ToolLimits):
             "client)."
         ),
     )
+    max_resumptions: int = Field(
+        default=2,
+        ge=0,
+        le=16,
+        description=(
+            "A stream whose worker goes away mid-stream (killed, its connection cut, its engine "
+            "dead) continues on another worker from the token where it stopped, at most this "
+            "many times a stream and within its deadline; 0: never (the stream ends with the "
+            "worker's error)."
+        ),
+    )
     max_summarize_bytes: int = Field(
         default=64 * 1024, ge=1, description="Summarize: the whole text sent in chunks, in bytes."
     )

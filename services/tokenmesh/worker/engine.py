@@ -11,6 +11,7 @@ from collections import deque
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from types import SimpleNamespace
 from typing import Any, TypeVar
 
 from vllm.engine.arg_utils import AsyncEngineArgs
@@ -21,6 +22,7 @@ from vllm.usage.usage_lib import UsageContext
 from vllm.utils.gc_utils import freeze_gc_heap
 from vllm.utils.mistral import is_mistral_tokenizer
 from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.detokenizer import IncrementalDetokenizer
 from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 from vllm.v1.metrics.loggers import StatLoggerBase
 
@@ -32,6 +34,7 @@ from tokenmesh.worker.engine_thread import EngineThread, Handoff, Inbox, Item
 from tokenmesh.worker.outputs import PromptPart, Tokens, output_tokens, prompt_part
 from tokenmesh.worker.parsing import OutputParsers
 from tokenmesh.worker.requests import (
+    Continuation,
     EngineRequest,
     Message,
     PromptItem,
@@ -380,10 +383,28 @@ class VllmEngine:
             )
             # A batch's prompts run side by side; one failing ends the others.
             async with asyncio.TaskGroup() as group:
-                for position, (engine_input, max_tokens) in enumerate(inputs):
-                    group.create_task(
-                        self._generate(spec, run, position, engine_input, max_tokens, parsing)
-                    )
+                if spec.resumed is not None:
+                    if parsing is not None:
+                        raise InvalidArgument(
+                            "resume",
+                            "a conversation whose output the worker parses (reasoning, tool "
+                            "calls) cannot continue on another worker",
+                        )
+                    run.running = len(spec.resumed.continuations)
+                    run.generated = spec.resumed.delivered
+                    for continuation in spec.resumed.continuations:
+                        position = continuation.choice // spec.n
+                        engine_input, max_tokens = inputs[position]
+                        group.create_task(
+                            self._generate(
+                                spec, run, position, engine_input, max_tokens, None, continuation
+                            )
+                        )
+                else:
+                    for position, (engine_input, max_tokens) in enumerate(inputs):
+                        group.create_task(
+                            self._generate(spec, run, position, engine_input, max_tokens, parsing)
+                        )
             post(None)
         except asyncio.CancelledError:
             raise
@@ -402,20 +423,54 @@ class VllmEngine:
         engine_input: Any,
         max_tokens: int,
         parsing: Any,
+        continuation: Continuation | None = None,
     ) -> None:
         """One prompt's engine request: its choices' tokens, numbered after the choices of the
         batch's earlier prompts; the tokens that end the last request still running end the
-        stream (with the completion tokens of all)."""
+        stream (with the completion tokens of all). With a continuation, one choice of a
+        resumed stream: its delivered tokens appended to the prompt as ids, numbered on from
+        them, and generated to the request's max_tokens in all."""
         prompt_ids = engine_input["prompt_token_ids"]
         first_choice = position * spec.n
         # Each choice's next position; the prompt, for each choice's first tokens.
         positions: dict[int, int] = {}
         prompt: PromptPart | None = None
+        engine_id = spec.engine_id(position, continuation)
+        text: IncrementalDetokenizer | None = None
         params = self._sampling.params(spec.options, max_tokens, spec.prompt_logprobs)
-        async for output in self._llm.generate(engine_input, params, spec.engine_ids[position]):
+        if continuation is not None:
+            delivered = list(continuation.token_ids)
+            check_token_ids("resume.token_ids", delivered, self.vocabulary_size, self.max_model_len)
+            if len(delivered) >= max_tokens:
+                # Its last token came without its end: the end alone.
+                ended = Tokens(
+                    len(delivered), [], "", token_pb2.FINISH_REASON_LENGTH, run.prompt_tokens
+                )
+                self._post_end(run, ended, continuation.choice)
+                return
+            engine_input = {"prompt_token_ids": [*prompt_ids, *delivered]}
+            params.max_tokens = max_tokens - len(delivered)
+            params.min_tokens = max(0, params.min_tokens - len(delivered))
+            params.n = 1
+            params.prompt_logprobs = None
+            first_choice = continuation.choice
+            positions[first_choice] = len(delivered)
+            # The text as the first worker's engine would have gone on making it: vLLM's own
+            # incremental detokenizer, over the original prompt, fed the delivered tokens
+            # first. The engine's own text for this request starts after a prompt that ends
+            # with them, and loses a character they began and a new token completes.
+            # (It reads these three fields of vLLM's EngineCoreRequest.)
+            original = SimpleNamespace(
+                request_id=engine_id, prompt_token_ids=prompt_ids, sampling_params=params
+            )
+            text = IncrementalDetokenizer.from_new_request(self._tokenizer, original)  # type: ignore[arg-type]
+            text.update(delivered, False)
+            text.get_next_output_text(False, True)
+        async for output in self._llm.generate(engine_input, params, engine_id):
             # The prompt's logprobs come with the first output that has any.
             if (
-                spec.wants_prompt
+                continuation is None
+                and spec.wants_prompt
                 and prompt is None
                 and (params.prompt_logprobs is None or output.prompt_logprobs is not None)
             ):
@@ -429,6 +484,10 @@ class VllmEngine:
                     completion, positions.get(choice, 0), run.prompt_tokens, spec.top_logprobs
                 )
                 tokens.choice = choice
+                if text is not None:
+                    text.update(tokens.token_ids, False)
+                    tokens.text = text.get_next_output_text(output.finished, True)
+                    tokens.text_lengths = None  # the whole text on the last token
                 if spec.echo_only:
                     tokens.token_ids, tokens.text, tokens.logprobs = [], "", []
                     tokens.text_lengths = None
@@ -440,10 +499,19 @@ class VllmEngine:
                     parsing.parse(tokens, prompt_ids)
                 if index == final:
                     tokens.finish_reason = tokens.finish_reason or token_pb2.FINISH_REASON_ABORTED
-                    run.running -= 1
-                    if not run.running:
-                        tokens.last, tokens.completion_tokens = True, run.generated
-                run.post(tokens)
+                    self._post_end(run, tokens, choice)
+                else:
+                    run.post(tokens)
+
+    @staticmethod
+    def _post_end(run: _Run, tokens: Tokens, choice: int) -> None:
+        """A choice's last tokens; the last choice's end the stream (with the completion
+        tokens of all)."""
+        tokens.choice = choice
+        run.running -= 1
+        if not run.running:
+            tokens.last, tokens.completion_tokens = True, run.generated
+        run.post(tokens)
 
     def _prompt(
         self,

@@ -55,6 +55,24 @@ class PromptItem:
 
 
 @dataclass(frozen=True)
+class Continuation:
+    """A choice a resumed stream continues: its number and the tokens it had delivered."""
+
+    choice: int
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What a resumed stream continues (inference.proto's Resumption): its unfinished choices,
+    and how many tokens every choice had delivered (usage counts them as generated)."""
+
+    continuations: tuple[Continuation, ...]
+    delivered: int
+    attempt: int
+
+
+@dataclass(frozen=True)
 class EngineRequest:
     """A validated generation request."""
 
@@ -87,13 +105,23 @@ class EngineRequest:
     # Echo with max_tokens 0: each choice answers its prompt alone (its generated token left
     # out, and not counted).
     echo_only: bool = False
+    # A stream another worker began: its choices continue after what they delivered.
+    resumed: Resumed | None = None
 
     @property
     def engine_ids(self) -> tuple[str, ...]:
-        """The engine's request ids: one per prompt of a batch."""
+        """The engine's request ids: one per prompt of a batch; a resumed stream's, one per
+        choice it continues."""
+        if self.resumed is not None:
+            return tuple(self.engine_id(c.choice // self.n, c) for c in self.resumed.continuations)
         if not self.batch:
             return (self.request_id,)
-        return tuple(f"{self.request_id}-{i}" for i in range(len(self.prompts)))
+        return tuple(self.engine_id(i) for i in range(len(self.prompts)))
+
+    def engine_id(self, position: int, continuation: Continuation | None = None) -> str:
+        """The engine's id of a prompt's request, or of one choice's continuation."""
+        made = f"{self.request_id}-{position}" if self.batch else self.request_id
+        return made if continuation is None else f"{made}-c{continuation.choice}"
 
     def prompt_field(self, position: int) -> str:
         """The caller's name of a prompt: prompt[i] in a batch, else prompt."""
@@ -145,6 +173,7 @@ def validate(request: inference_pb2.InferenceRequest, settings: WorkerSettings) 
         if not messages:
             raise InvalidArgument("tools", "need messages (tools are for conversations)")
         check_tools("tools", request.tools, settings)
+    resumed = check_resume(request, len(prompts) if request.prompts else 1)
     # The engine needs ids unique among in-flight requests; a caller's id may repeat, so it
     # gets a random suffix.
     suffix = uuid.uuid4().hex[:12]
@@ -176,6 +205,52 @@ def validate(request: inference_pb2.InferenceRequest, settings: WorkerSettings) 
         prompt_logprobs=(
             sampling.prompt_logprobs if sampling.HasField("prompt_logprobs") else None
         ),
+        resumed=resumed,
+    )
+
+
+def check_resume(request: inference_pb2.InferenceRequest, prompt_count: int) -> Resumed | None:
+    """A resumed stream's delivered tokens: every choice of the request listed once, none
+    past max_tokens. A constraint whose state lives in the first worker's engine (structured
+    outputs, forced tool calls) or text it may have held back (stop strings) cannot continue
+    elsewhere: refused, so the stream ends with this error instead of output that breaks it."""
+    if not request.HasField("resume"):
+        return None
+    resume, sampling = request.resume, request.sampling
+    held = [
+        (bool(sampling.HasField("structured_outputs")), "structured outputs"),
+        (request.HasField("tools"), "tools"),
+        (bool(sampling.stop), "stop strings"),
+        (sampling.max_tokens == 0, "max_tokens 0"),
+    ]
+    for used, what in held:
+        if used:
+            raise InvalidArgument(
+                "resume", f"a stream with {what} cannot continue on another worker"
+            )
+    if resume.attempt < 1:
+        raise InvalidArgument("resume.attempt", f"must be 1 or more, got {resume.attempt}")
+    choices = max(sampling.n, 1) * prompt_count
+    numbers = sorted(choice.choice for choice in resume.choices)
+    if numbers != list(range(choices)):
+        raise InvalidArgument(
+            "resume.choices", f"must list choices 0..{choices - 1} once each, got {numbers}"
+        )
+    continuations = []
+    for position, choice in enumerate(resume.choices):
+        if len(choice.token_ids) > sampling.max_tokens:
+            raise InvalidArgument(
+                f"resume.choices[{position}].token_ids",
+                f"are {len(choice.token_ids)} tokens, over max_tokens ({sampling.max_tokens})",
+            )
+        if not choice.finished:
+            continuations.append(Continuation(choice.choice, tuple(choice.token_ids)))
+    if not continuations:
+        raise InvalidArgument("resume.choices", "every choice had ended: nothing to continue")
+    return Resumed(
+        tuple(continuations),
+        sum(len(choice.token_ids) for choice in resume.choices),
+        resume.attempt,
     )
 
 

@@ -15,7 +15,7 @@ from prometheus_client import Counter
 from tokenmesh.common.errors import DeadlineExceeded
 from tokenmesh.common.metrics import StreamMetrics
 from tokenmesh.common.outcome import Deadline
-from tokenmesh.common.presentation import OpenAIPresenter, degraded_marker
+from tokenmesh.common.presentation import OpenAIPresenter, stream_trailers
 from tokenmesh.common.tokens import USAGE_TRAILER, ends_stream, usage_trailer
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
 from tokenmesh.worker.admission import Admission
@@ -121,7 +121,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         spec = validate(request, self._settings)
         for feature in features(spec.options) + spec.prompt_features:
             self._features.labels(feature=feature).inc()
-        trailers = degraded_marker(request)
+        trailers = stream_trailers(request)
         if trailers:
             context.set_trailing_metadata(trailers)
         engine = self._engines.get()
@@ -193,7 +193,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         if time_limit > 0:
             expiry = asyncio.get_running_loop().call_later(time_limit, expire)
         outputs = engine.stream(spec, on_abort=count_abort)
-        warnings = spec.warnings
+        # The first message's: the request's warnings, or on a resumed stream (whose caller
+        # had them from the first worker) how many times it has moved.
+        warnings = spec.warnings if spec.resumed is None else ()
+        resumed = spec.resumed.attempt if spec.resumed is not None else 0
         try:
             async for tokens in outputs:
                 if expired:
@@ -202,6 +205,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 if warnings:
                     token.warnings.extend(warnings)
                     warnings = ()
+                if resumed:
+                    token.resumed, resumed = resumed, 0
                 timer.sent(token, len(tokens.token_ids), tokens.prompt_tokens)
                 yield token
             if expired:

@@ -4,18 +4,24 @@ busy, cancelled (and the engine request aborted) when the caller goes away."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 from grpc import aio
 from opentelemetry import trace
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from tokenmesh.common.channels import Dependency
 from tokenmesh.common.errors import DependencyError
 from tokenmesh.common.outcome import Deadline
+from tokenmesh.common.resumption import Delivered, choice_count, resumable
 from tokenmesh.common.tokens import UPSTREAM_HEADER, ends_stream, merge, token_count
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
+
+log = logging.getLogger(__name__)
 
 
 class ReadAhead:
@@ -99,9 +105,39 @@ async def record_upstream(call: aio.UnaryStreamCall) -> None:
             trace.get_current_span().set_attribute("tokenmesh.worker", str(value))
 
 
+class ResumptionMetrics:
+    """Streams resumed on another worker, by cause, and the gap their callers saw."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.resumed = Counter(
+            "tokenmesh_gateway_resumptions",
+            "Streams that moved to another worker mid-stream, by why (stream_reset: the "
+            "worker's stream or connection broke; worker_unavailable: it lost its engine)",
+            ["cause"],
+            registry=registry,
+        )
+        self.refused = Counter(
+            "tokenmesh_gateway_resumptions_refused",
+            "Streams whose worker went away mid-stream that could not move (limit: at "
+            "max_resumptions already; deadline: none left; request: the worker refused the "
+            "continuation, e.g. stop strings or structured outputs)",
+            ["reason"],
+            registry=registry,
+        )
+        self.gap_seconds = Histogram(
+            "tokenmesh_gateway_resumption_gap_seconds",
+            "A resumed stream's gap: from the last token before its worker went away to the "
+            "first from the next worker",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30),
+            registry=registry,
+        )
+
+
 class WorkerClient:
     """Streams tokens from a worker; cancelling the stream cancels the worker call, which
-    aborts the engine request."""
+    aborts the engine request. A stream whose worker goes away after its first token continues
+    on another worker from the token where it stopped (common/resumption.py), at most
+    max_resumptions times and within the time limit."""
 
     def __init__(
         self,
@@ -109,12 +145,16 @@ class WorkerClient:
         connect_timeout: float,
         max_coalesced: int = 256,
         max_message_tokens: int = 64,
+        max_resumptions: int = 0,
+        metrics: ResumptionMetrics | None = None,
     ) -> None:
         self._worker = worker
         self._stub = inference_pb2_grpc.InferenceServiceStub(worker.channel)
         self._connect_timeout = connect_timeout
         self._max_coalesced = max_coalesced
         self._max_message_tokens = max_message_tokens
+        self._max_resumptions = max_resumptions
+        self._metrics = metrics
 
     async def stream(
         self,
@@ -129,28 +169,75 @@ class WorkerClient:
         # A call that fails (all but) at its deadline failed because of it: Envoy enforces the
         # same deadline (grpc-timeout) and resets the stream when it passes.
         deadline = Deadline(time_limit)
-        call = self._stub.Generate(request, timeout=time_limit, metadata=metadata or None)
-        ahead = ReadAhead(call, self._max_coalesced, self._max_message_tokens)
-        received = 0
-        try:
-            while (token := await ahead.next()) is not None:
-                if not received:
-                    await record_upstream(call)
-                received += token_count(token)
-                yield token
-        except aio.AioRpcError as err:
-            # Failed before its first token, it was retried by Envoy already; after, it cannot
-            # be (the caller has tokens), and the message says how far it got.
-            during = f"after {received} tokens" if received else ""
-            if deadline.passed():
-                raise DependencyError(
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"worker: deadline exceeded {during or 'before the first token'}",
-                ) from err
-            raise self._worker.error(err, during) from err
-        finally:
-            ahead.close()
-            # The caller went away (or stopped reading) before the worker's end: cancel the
-            # call, which aborts the engine request. A finished call is left as it is.
-            if not call.done():
-                call.cancel()
+        delivered = Delivered(choice_count(request))
+        attempt, current = 0, request
+        last_token_at = 0.0
+        while True:
+            call = self._stub.Generate(
+                current, timeout=deadline.remaining(), metadata=metadata or None
+            )
+            ahead = ReadAhead(call, self._max_coalesced, self._max_message_tokens)
+            first = True
+            try:
+                while (token := await ahead.next()) is not None:
+                    if first:
+                        first = False
+                        await record_upstream(call)
+                        if attempt and self._metrics is not None:
+                            self._metrics.gap_seconds.observe(time.monotonic() - last_token_at)
+                    delivered.add(token)
+                    last_token_at = time.monotonic()
+                    yield token
+                return
+            except aio.AioRpcError as err:
+                # Failed before its first token, it was retried by Envoy already; after, it
+                # moves to another worker if it may, and otherwise the message says how far it
+                # got.
+                if delivered.complete:
+                    # It broke after its last message: the caller has the whole answer.
+                    return
+                during = f"after {delivered.tokens} tokens" if delivered.tokens else ""
+                cause = resumable(err) if delivered.tokens else None
+                if deadline.passed():
+                    self._refused(cause, "deadline")
+                    raise DependencyError(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"worker: deadline exceeded {during or 'before the first token'}",
+                    ) from err
+                if attempt and first and err.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    # The next worker refused to continue this stream (what it cannot carry
+                    # over): the first worker's failure ends it, with the reason.
+                    self._refused("moved", "request")
+                    raise DependencyError(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"worker: went away {during}, and the stream cannot continue on "
+                        f"another worker: {err.details()}",
+                    ) from err
+                if cause is None:
+                    raise self._worker.error(err, during) from err
+                if attempt >= self._max_resumptions:
+                    self._refused(cause, "limit")
+                    raise self._worker.error(err, during) from err
+                attempt += 1
+                current = delivered.resumed(request, attempt)
+                if self._metrics is not None:
+                    self._metrics.resumed.labels(cause=cause).inc()
+                log.warning(
+                    "worker went away %s (%s); resuming the stream on another worker "
+                    "(resumption %d of at most %d)",
+                    during,
+                    err.details() or err.code().name,
+                    attempt,
+                    self._max_resumptions,
+                )
+            finally:
+                ahead.close()
+                # The caller went away (or stopped reading) before the worker's end: cancel
+                # the call, which aborts the engine request. A finished call is left as it is.
+                if not call.done():
+                    call.cancel()
+
+    def _refused(self, cause: str | None, reason: str) -> None:
+        """A stream that could have moved (cause set) did not, for this reason."""
+        if cause is not None and self._metrics is not None and self._max_resumptions:
+            self._metrics.refused.labels(reason=reason).inc()

@@ -11,7 +11,7 @@ from grpc import aio
 
 from tokenmesh.common.errors import InvalidArgument
 from tokenmesh.common.metrics import StreamMetrics
-from tokenmesh.common.presentation import degraded_marker
+from tokenmesh.common.presentation import degraded_marker, stream_trailers
 from tokenmesh.common.tokens import ends_stream
 from tokenmesh.common.validation import check_text
 from tokenmesh.gateway.config import GatewaySettings
@@ -95,6 +95,8 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         call = await self._preparer.question(asked, context.time_remaining())
         mark(context, call)
         async for token in self._pipeline.stream(call, context.time_remaining()):
+            if token.resumed:
+                context.set_trailing_metadata(stream_trailers(call.request, token.resumed))
             timer.sent(token)
             yield token
 

@@ -1,0 +1,74 @@
+"""Resumed streams: what a stream has delivered to its caller, choice by choice, and the request
+that continues it on another worker from exactly there (inference.proto's Resumption; the
+worker appends each choice's delivered tokens to the prompt as ids and numbers on).
+
+Whoever relays a stream keeps a Delivered and, when the worker serving it goes away before the
+end, asks for `resumed(...)`: the same prepared request, plus what was delivered."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+from grpc import aio
+
+from tokenmesh.common.channels import transport_reset
+from tokenmesh.common.tokens import ends_stream, token_count
+from tokenmesh.v1 import inference_pb2, token_pb2
+
+# Why a stream was resumed, as the metrics label it.
+CAUSE_RESET = "stream_reset"  # the worker's stream or connection broke (killed, restarted)
+CAUSE_UNAVAILABLE = "worker_unavailable"  # the worker answered UNAVAILABLE (its engine died)
+
+
+def resumable(err: aio.AioRpcError) -> str | None:
+    """Why a worker's failed stream may continue elsewhere (a cause), or None: the worker went
+    away or lost its engine. A deadline, a cancel, or an error in the request ends the
+    stream as it is."""
+    if transport_reset(err):
+        return CAUSE_RESET
+    if err.code() == grpc.StatusCode.UNAVAILABLE:
+        return CAUSE_UNAVAILABLE
+    return None
+
+
+def choice_count(request: inference_pb2.InferenceRequest) -> int:
+    """The stream's choices: n for each prompt (of a batch)."""
+    return max(request.sampling.n, 1) * max(len(request.prompts), 1)
+
+
+class Delivered:
+    """The tokens each choice of a stream has delivered, and which choices ended."""
+
+    def __init__(self, choices: int) -> None:
+        self._ids: list[list[int]] = [[] for _ in range(choices)]
+        self._ended = [False] * choices
+        self.tokens = 0
+        # The stream's last message (every choice's usage) was delivered: nothing is missing.
+        self.complete = False
+
+    def add(self, token: token_pb2.Token) -> None:
+        count = token_count(token)
+        if count and 0 <= token.choice < len(self._ids):
+            self._ids[token.choice].extend(token.token_ids or [token.token_id])
+            self.tokens += count
+        if token.finish_reason and 0 <= token.choice < len(self._ids):
+            self._ended[token.choice] = True
+        if ends_stream(token):
+            self.complete = True
+
+    def resumed(
+        self, request: inference_pb2.InferenceRequest, attempt: int
+    ) -> inference_pb2.InferenceRequest:
+        """The request that continues the stream on another worker (attempt: 1 for the first
+        move)."""
+        again = inference_pb2.InferenceRequest()
+        again.CopyFrom(request)
+        again.resume.Clear()
+        again.resume.attempt = attempt
+        for choice, (ids, ended) in enumerate(zip(self._ids, self._ended, strict=True)):
+            again.resume.choices.add(choice=choice, token_ids=ids, finished=ended)
+        return again
+
+    def of_choice(self, choice: int) -> Sequence[int]:
+        return self._ids[choice]

@@ -1,0 +1,295 @@
+"""Resumed streams. On a real worker: a request that carries what another worker had delivered
+(InferenceRequest.resume) continues each unfinished choice from that token, as the undisturbed
+stream would have (greedy), numbered on, with usage counting the whole answer. Through the
+mesh: a gateway moves the streams of a killed worker to the other one."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import openai
+import psutil
+import pytest
+from grpc import aio
+
+from tests.support import (
+    INFERENCE_METHOD,
+    generated,
+    metric_value,
+    positions,
+    read_rest,
+    scrape_metrics,
+)
+from tokenmesh.common.tokens import RESUMED_TRAILER
+from tokenmesh.localmesh.mesh import LocalMesh
+from tokenmesh.localmesh.programs import Program
+from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, llm_pb2, llm_pb2_grpc, token_pb2
+
+pytestmark = pytest.mark.integration
+
+
+def request(max_tokens: int, n: int = 1, **fields: object) -> inference_pb2.InferenceRequest:
+    made = inference_pb2.InferenceRequest(
+        sampling=inference_pb2.SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, ignore_eos=True, n=n
+        ),
+        **fields,  # type: ignore[arg-type]
+    )
+    if "prompt" not in fields and "messages" not in fields:
+        made.prompt = "The history of the printing press"
+    return made
+
+
+def resumed(
+    original: inference_pb2.InferenceRequest,
+    delivered: dict[int, list[int]],
+    finished: tuple[int, ...] = (),
+) -> inference_pb2.InferenceRequest:
+    again = inference_pb2.InferenceRequest()
+    again.CopyFrom(original)
+    again.resume.attempt = 1
+    for choice, ids in sorted(delivered.items()):
+        again.resume.choices.add(choice=choice, token_ids=ids, finished=choice in finished)
+    return again
+
+
+async def stream(
+    stub: inference_pb2_grpc.InferenceServiceStub, made: inference_pb2.InferenceRequest
+) -> list[token_pb2.Token]:
+    return [token async for token in stub.Generate(made, timeout=120)]
+
+
+def ids(tokens: list[token_pb2.Token]) -> list[int]:
+    return [token.token_id for token in generated(tokens)]
+
+
+async def test_a_resumed_stream_goes_on_as_the_undisturbed_one(
+    inference: inference_pb2_grpc.InferenceServiceStub,
+) -> None:
+    original = request(40)
+    whole = await stream(inference, original)
+    delivered = ids(whole)[:15]
+    rest = await stream(inference, resumed(original, {0: delivered}))
+    assert positions(rest) == list(range(15, 40))
+    assert ids(rest) == ids(whole)[15:]
+    assert rest[0].resumed == 1 and not any(t.resumed for t in rest[1:])
+    assert rest[-1].finish_reason == token_pb2.FINISH_REASON_LENGTH
+    # The prompt once, every token of the answer once.
+    assert rest[-1].usage.prompt_tokens == whole[-1].usage.prompt_tokens
+    assert rest[-1].usage.completion_tokens == 40
+
+
+async def test_the_text_goes_on_exactly_wherever_the_stream_stopped(
+    inference: inference_pb2_grpc.InferenceServiceStub,
+) -> None:
+    """Cut after any message, the delivered text and the resumed text make the undisturbed
+    text: also where a token began a character the next one completes (its message had no
+    text yet; the tiny model writes many such)."""
+    original = request(160, prompt="Ünïcödé: 日本語の文章と絵文字 🎉🎊 ")
+    whole = await stream(inference, original)
+    held = [i for i, t in enumerate(whole[:-1]) if t.token_ids and not t.text]
+    cuts = sorted({*held[:4], 3, 40})
+    for cut in cuts:
+        delivered = whole[: cut + 1]
+        rest = await stream(inference, resumed(original, {0: ids(delivered)}))
+        assert ids(delivered) + ids(rest) == ids(whole), cut
+        text = "".join(t.text for t in delivered) + "".join(t.text for t in rest)
+        assert text == "".join(t.text for t in whole), cut
+    assert held, "no message held a character back: the cut at one is untested"
+
+
+async def test_a_resumed_conversation_goes_on_as_the_undisturbed_one(
+    inference: inference_pb2_grpc.InferenceServiceStub,
+) -> None:
+    original = request(
+        24, messages=[inference_pb2.ConversationMessage(role="user", content="Name three rivers")]
+    )
+    whole = await stream(inference, original)
+    rest = await stream(inference, resumed(original, {0: ids(whole)[:9]}))
+    assert positions(rest) == list(range(9, 24))
+    assert ids(rest) == ids(whole)[9:]
+    assert rest[-1].usage.prompt_tokens == whole[-1].usage.prompt_tokens
+
+
+async def test_each_choice_resumes_from_its_own_token_and_an_ended_one_stays_ended(
+    inference: inference_pb2_grpc.InferenceServiceStub,
+) -> None:
+    original = request(12, n=3)
+    # Greedy, as top_k 1: vLLM refuses temperature 0 with several choices.
+    original.sampling.temperature, original.sampling.top_k = 1.0, 1
+    whole = await stream(inference, original)
+    by_choice = {c: ids([t for t in whole if t.choice == c]) for c in range(3)}
+    delivered = {0: by_choice[0][:4], 1: by_choice[1], 2: []}
+    rest = await stream(inference, resumed(original, delivered, finished=(1,)))
+    assert {t.choice for t in rest} == {0, 2}
+    assert positions([t for t in rest if t.choice == 0]) == list(range(4, 12))
+    assert positions([t for t in rest if t.choice == 2]) == list(range(12))
+    # Greedy: every choice is the same answer, resumed or not.
+    assert ids([t for t in rest if t.choice == 0]) == by_choice[0][4:]
+    assert ids([t for t in rest if t.choice == 2]) == by_choice[2]
+    ends = [t for t in rest if t.finish_reason]
+    assert sorted(t.choice for t in ends) == [0, 2]
+    assert [t.HasField("usage") for t in rest] == [False] * (len(rest) - 1) + [True]
+    assert rest[-1].usage.completion_tokens == 36
+
+
+async def test_a_choice_that_delivered_every_token_gets_its_end(
+    inference: inference_pb2_grpc.InferenceServiceStub,
+) -> None:
+    original = request(5)
+    whole = await stream(inference, original)
+    rest = await stream(inference, resumed(original, {0: ids(whole)}))
+    assert len(rest) == 1 and positions(rest) == []
+    assert rest[0].index == 5
+    assert rest[0].finish_reason == token_pb2.FINISH_REASON_LENGTH
+    assert rest[0].usage.completion_tokens == 5
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (lambda r: r.sampling.stop.append("."), "resume"),
+        (lambda r: setattr(r.sampling.structured_outputs, "regex", "[a-z ]+"), "resume"),
+        (lambda r: r.resume.choices.add(choice=1), "resume.choices"),
+        (lambda r: r.resume.choices[0].token_ids.extend([5] * 20), "resume.choices[0].token_ids"),
+        (lambda r: setattr(r.resume, "attempt", 0), "resume.attempt"),
+        (lambda r: r.resume.choices[0].token_ids.append(10**7), "resume.token_ids[3]"),
+        (lambda r: setattr(r.resume.choices[0], "finished", True), "resume.choices"),
+    ],
+)
+async def test_a_resumption_that_cannot_continue_is_refused_naming_the_field(
+    inference: inference_pb2_grpc.InferenceServiceStub, change, field: str
+) -> None:
+    made = resumed(request(8), {0: [1576, 310, 278]})
+    change(made)
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await stream(inference, made)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details().startswith(field), refused.value.details()
+
+
+def unfinished_streams(worker: Program) -> float:
+    """The worker's Generate streams begun and not yet ended (its own gRPC counters)."""
+    assert worker.metrics_port is not None
+    page = scrape_metrics(worker.metrics_port)
+    started = metric_value(page, "grpc_server_started_total", 0.0, **INFERENCE_METHOD)
+    handled = metric_value(page, "grpc_server_handled_total", 0.0, **INFERENCE_METHOD)
+    return started - handled
+
+
+async def back_in_rotation(mesh: LocalMesh, worker: Program, within: float = 300) -> None:
+    """Until supervisord has the worker up again and the mesh's Envoy routes to it."""
+    deadline = time.monotonic() + within
+    while (worker.address, True) not in mesh.envoy_hosts().get("worker", []):
+        assert time.monotonic() < deadline, f"{worker.name} not back within {within} s"
+        await asyncio.sleep(0.5)
+
+
+async def openai_text(stream: Any) -> tuple[str, Any, int]:
+    """A streamed completion's text, its usage (the last chunk's) and how many times it moved
+    (the "tokenmesh" field of its chunks)."""
+    text, used, resumed = [], None, 0
+    async for chunk in stream:
+        if chunk.choices:
+            text.append(chunk.choices[0].text)
+        if chunk.usage is not None:
+            used = chunk.usage
+        resumed = max(resumed, ((chunk.model_extra or {}).get("tokenmesh") or {}).get("resumed", 0))
+    return "".join(text), used, resumed
+
+
+async def test_streams_through_a_gateway_go_on_when_their_worker_is_killed(
+    mesh: LocalMesh,
+) -> None:
+    """SIGKILL of the worker serving most of 6 gRPC and 6 OpenAI streams (a gateway's own
+    token path): every stream ends with exactly max_tokens tokens, contiguous, one finish, the
+    whole answer's usage, and the same tokens as the undisturbed stream (greedy); the moved
+    ones say so (Token.resumed and the trailer; OpenAI's "tokenmesh" field)."""
+    gateway = mesh.replicas("gateway")[0]
+    tokens_each = 1000
+    made = [
+        llm_pb2.GenerateRequest(
+            prompt=f"Resumption test {i}: the longest rivers of the world",
+            max_tokens=tokens_each,
+            temperature=0.0,
+            ignore_eos=True,
+        )
+        for i in range(6)
+    ]
+    openai_client = openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{gateway.openai_port}/v1", api_key="none", max_retries=0
+    )
+    model = Path(mesh.settings.model).name
+
+    def completion(i: int) -> Any:
+        return openai_client.completions.create(
+            model=model,
+            prompt=f"Resumed completion {i}: a short history of bridges",
+            max_tokens=tokens_each,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+            timeout=300,
+        )
+
+    async with aio.insecure_channel(gateway.address) as channel:
+        llm = llm_pb2_grpc.LLMServiceStub(channel)
+
+        async def whole(one: llm_pb2.GenerateRequest) -> list[token_pb2.Token]:
+            return [token async for token in llm.Generate(one, timeout=300)]
+
+        undisturbed = await asyncio.gather(*map(whole, made))
+        undisturbed_texts = [await openai_text(await completion(i)) for i in range(6)]
+        assert gateway.metrics_port is not None
+        before = metric_value(
+            scrape_metrics(gateway.metrics_port), "tokenmesh_gateway_resumptions_total", 0.0
+        )
+        calls = [llm.Generate(r, timeout=300) for r in made]
+        # Each stream has begun; read no further, so flow control keeps every one unfinished.
+        firsts = [await call.read() for call in calls]
+        completions = [await completion(i) for i in range(6)]
+        first_chunks = [await anext(aiter(stream)) for stream in completions]
+        workers = mesh.replicas("worker")
+        busiest = max(workers, key=unfinished_streams)
+        assert unfinished_streams(busiest) >= 1
+        process = psutil.Process(mesh.pid(busiest.name))
+        tree = [*process.children(recursive=True), process]
+        try:
+            for member in tree:
+                member.kill()
+            streams = [
+                [first, *await read_rest(call)] for first, call in zip(firsts, calls, strict=True)
+            ]
+            texts = [await openai_text(stream) for stream in completions]
+        finally:
+            await back_in_rotation(mesh, busiest)
+    for tokens, alone in zip(streams, undisturbed, strict=True):
+        assert positions(tokens) == list(range(tokens_each))
+        assert [t.token_id for t in generated(tokens)] == [t.token_id for t in generated(alone)]
+        assert [bool(t.finish_reason) for t in tokens] == [False] * (len(tokens) - 1) + [True]
+        assert tokens[-1].usage.completion_tokens == tokens_each
+        assert tokens[-1].usage.prompt_tokens == alone[-1].usage.prompt_tokens
+    moved = [i for i, tokens in enumerate(streams) if any(t.resumed for t in tokens)]
+    assert all(max(t.resumed for t in streams[i]) == 1 for i in moved)
+    for i, call in enumerate(calls):
+        trailers = dict(await call.trailing_metadata())
+        assert trailers.get(RESUMED_TRAILER) == ("1" if i in moved else None)
+    for chunk, (text, used, resumed), (alone, alone_used, _) in zip(
+        first_chunks, texts, undisturbed_texts, strict=True
+    ):
+        assert chunk.choices[0].text + text == alone
+        assert used.completion_tokens == tokens_each
+        assert used.prompt_tokens == alone_used.prompt_tokens
+        assert resumed in (0, 1)
+    moved_completions = sum(resumed for _, _, resumed in texts)
+    after = metric_value(
+        scrape_metrics(gateway.metrics_port), "tokenmesh_gateway_resumptions_total", 0.0
+    )
+    # The killed worker served some of the streams; each moved once.
+    assert len(moved) + moved_completions >= 1
+    assert after - before == len(moved) + moved_completions
