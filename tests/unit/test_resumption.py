@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 from grpc import aio
 
+from tokenmesh.common.channels import Dependency
+from tokenmesh.common.errors import DependencyError
 from tokenmesh.common.resumption import (
     CAUSE_RESET,
     CAUSE_UNAVAILABLE,
@@ -13,6 +17,7 @@ from tokenmesh.common.resumption import (
     choice_count,
     resumable,
 )
+from tokenmesh.gateway.core.workers import WorkerClient
 from tokenmesh.v1 import inference_pb2, token_pb2
 
 
@@ -101,3 +106,117 @@ def test_the_stream_is_complete_once_its_last_message_is_delivered() -> None:
     last.usage.completion_tokens = 3
     delivered.add(last)
     assert delivered.complete and delivered.tokens == 3
+
+
+class FakeCall:
+    """A worker's Generate call: these tokens, then (optionally) this failure."""
+
+    def __init__(self, tokens: list[token_pb2.Token], fail: aio.AioRpcError | None) -> None:
+        self._tokens, self._fail = tokens, fail
+        self.cancelled = False
+
+    def __aiter__(self) -> FakeCall:
+        self._left = iter(self._tokens)
+        return self
+
+    async def __anext__(self) -> token_pb2.Token:
+        await asyncio.sleep(0)
+        token = next(self._left, None)
+        if token is not None:
+            return token
+        if self._fail is not None:
+            raise self._fail
+        raise StopAsyncIteration
+
+    def done(self) -> bool:
+        return True
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    async def initial_metadata(self) -> aio.Metadata:
+        return aio.Metadata()
+
+
+class FakeStub:
+    """The worker's stub: one call per attempt, and the requests each attempt sent."""
+
+    def __init__(self, *calls: FakeCall) -> None:
+        self._calls = list(calls)
+        self.requests: list[inference_pb2.InferenceRequest] = []
+
+    def Generate(self, request: inference_pb2.InferenceRequest, **_: object) -> FakeCall:
+        self.requests.append(request)
+        return self._calls.pop(0)
+
+
+def client(stub: FakeStub, max_resumptions: int = 2) -> WorkerClient:
+    worker = Dependency("worker", "127.0.0.1:1", 1 << 20)
+
+    async def connected(_: float) -> None:
+        return None
+
+    worker.ensure_connected = connected  # type: ignore[method-assign]
+    made = WorkerClient(worker, 1.0, max_resumptions=max_resumptions)
+    made._stub = stub  # type: ignore[assignment]
+    return made
+
+
+RESET = Failed(grpc.StatusCode.INTERNAL, "Received RST_STREAM with error code 2")
+
+
+def run(stub: FakeStub, max_resumptions: int = 2) -> list[token_pb2.Token]:
+    async def read() -> list[token_pb2.Token]:
+        request = inference_pb2.InferenceRequest(
+            prompt="p", sampling=inference_pb2.SamplingParams(max_tokens=5)
+        )
+        return [t async for t in client(stub, max_resumptions).stream(request, 30.0)]
+
+    return asyncio.run(read())
+
+
+def test_a_stream_whose_worker_goes_away_continues_where_it_stopped() -> None:
+    last = message(0, 3, [4, 5], token_pb2.FINISH_REASON_LENGTH)
+    last.usage.completion_tokens = 5
+    stub = FakeStub(
+        FakeCall([message(0, 0, [1]), message(0, 1, [2])], RESET),
+        FakeCall([message(0, 2, [3])], Failed(grpc.StatusCode.UNAVAILABLE, "engine is down")),
+        FakeCall([last], None),
+    )
+    got = run(stub)
+    assert [t.index for t in got] == [0, 1, 2, 3] and got[-1].usage.completion_tokens == 5
+    first, second, third = stub.requests
+    assert not first.HasField("resume")
+    assert [list(c.token_ids) for c in second.resume.choices] == [[1, 2]]
+    assert second.resume.attempt == 1
+    assert [list(c.token_ids) for c in third.resume.choices] == [[1, 2, 3]]
+    assert third.resume.attempt == 2
+
+
+def test_past_the_limit_or_before_a_token_the_workers_error_ends_the_stream() -> None:
+    stub = FakeStub(FakeCall([message(0, 0, [1])], RESET), FakeCall([message(0, 1, [2])], RESET))
+    with pytest.raises(DependencyError) as ended:
+        run(stub, max_resumptions=1)
+    assert ended.value.code == grpc.StatusCode.UNAVAILABLE and "after 2 tokens" in str(ended.value)
+    assert len(stub.requests) == 2
+    # Before any token Envoy has retried already: not moved.
+    early = FakeStub(FakeCall([], RESET))
+    with pytest.raises(DependencyError):
+        run(early)
+    assert len(early.requests) == 1
+    # A failure of the request itself is not moved either.
+    wrong = FakeStub(FakeCall([message(0, 0, [1])], Failed(grpc.StatusCode.INTERNAL, "boom")))
+    with pytest.raises(DependencyError):
+        run(wrong)
+    assert len(wrong.requests) == 1
+
+
+def test_a_continuation_the_next_worker_refuses_ends_the_stream_naming_why() -> None:
+    refused = Failed(grpc.StatusCode.INVALID_ARGUMENT, "resume: a stream with stop strings ...")
+    stub = FakeStub(FakeCall([message(0, 0, [1])], RESET), FakeCall([], refused))
+    with pytest.raises(DependencyError) as ended:
+        run(stub)
+    assert ended.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "cannot continue on another worker: resume: a stream with stop strings" in str(
+        ended.value
+    )

@@ -11,7 +11,6 @@ from collections import deque
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from types import SimpleNamespace
 from typing import Any, TypeVar
 
 from vllm.engine.arg_utils import AsyncEngineArgs
@@ -22,13 +21,13 @@ from vllm.usage.usage_lib import UsageContext
 from vllm.utils.gc_utils import freeze_gc_heap
 from vllm.utils.mistral import is_mistral_tokenizer
 from vllm.v1.engine.async_llm import AsyncLLM
-from vllm.v1.engine.detokenizer import IncrementalDetokenizer
 from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from tokenmesh.common.errors import Internal, InvalidArgument, Unavailable
 from tokenmesh.v1 import inference_pb2, token_pb2
 from tokenmesh.worker.config import WorkerSettings
+from tokenmesh.worker.continuation import ContinuedText, continue_choice
 from tokenmesh.worker.engine_state import EngineLoad, EngineShare
 from tokenmesh.worker.engine_thread import EngineThread, Handoff, Inbox, Item
 from tokenmesh.worker.outputs import PromptPart, Tokens, output_tokens, prompt_part
@@ -436,7 +435,7 @@ class VllmEngine:
         positions: dict[int, int] = {}
         prompt: PromptPart | None = None
         engine_id = spec.engine_id(position, continuation)
-        text: IncrementalDetokenizer | None = None
+        text: ContinuedText | None = None
         params = self._sampling.params(spec.options, max_tokens, spec.prompt_logprobs)
         if continuation is not None:
             delivered = list(continuation.token_ids)
@@ -448,24 +447,11 @@ class VllmEngine:
                 )
                 self._post_end(run, ended, continuation.choice)
                 return
-            engine_input = {"prompt_token_ids": [*prompt_ids, *delivered]}
-            params.max_tokens = max_tokens - len(delivered)
-            params.min_tokens = max(0, params.min_tokens - len(delivered))
-            params.n = 1
-            params.prompt_logprobs = None
+            engine_input = continue_choice(params, prompt_ids, delivered, max_tokens)
             first_choice = continuation.choice
             positions[first_choice] = len(delivered)
-            # The text as the first worker's engine would have gone on making it: vLLM's own
-            # incremental detokenizer, over the original prompt, fed the delivered tokens
-            # first. The engine's own text for this request starts after a prompt that ends
-            # with them, and loses a character they began and a new token completes.
-            # (It reads these three fields of vLLM's EngineCoreRequest.)
-            original = SimpleNamespace(
-                request_id=engine_id, prompt_token_ids=prompt_ids, sampling_params=params
-            )
-            text = IncrementalDetokenizer.from_new_request(self._tokenizer, original)  # type: ignore[arg-type]
-            text.update(delivered, False)
-            text.get_next_output_text(False, True)
+            text = ContinuedText(self._tokenizer, engine_id, prompt_ids, params)
+            text.delivered(delivered)
         async for output in self._llm.generate(engine_input, params, engine_id):
             # The prompt's logprobs come with the first output that has any.
             if (
@@ -485,8 +471,7 @@ class VllmEngine:
                 )
                 tokens.choice = choice
                 if text is not None:
-                    text.update(tokens.token_ids, False)
-                    tokens.text = text.get_next_output_text(output.finished, True)
+                    tokens.text = text.next(tokens.token_ids, output.finished)
                     tokens.text_lengths = None  # the whole text on the last token
                 if spec.echo_only:
                     tokens.token_ids, tokens.text, tokens.logprobs = [], "", []
