@@ -7,8 +7,6 @@ end, asks for `resumed(...)`: the same prepared request, plus what was delivered
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import grpc
 from grpc import aio
 
@@ -69,6 +67,3 @@ class Delivered:
         for choice, (ids, ended) in enumerate(zip(self._ids, self._ended, strict=True)):
             again.resume.choices.add(choice=choice, token_ids=ids, finished=ended)
         return again
-
-    def of_choice(self, choice: int) -> Sequence[int]:
-        return self._ids[choice]

@@ -199,7 +199,8 @@ class WorkerClient:
                 during = f"after {delivered.tokens} tokens" if delivered.tokens else ""
                 cause = resumable(err) if delivered.tokens else None
                 if deadline.passed():
-                    self._refused(cause, "deadline")
+                    if cause is not None:
+                        self._refused("deadline")
                     raise DependencyError(
                         grpc.StatusCode.DEADLINE_EXCEEDED,
                         f"worker: deadline exceeded {during or 'before the first token'}",
@@ -207,7 +208,7 @@ class WorkerClient:
                 if attempt and first and err.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     # The next worker refused to continue this stream (what it cannot carry
                     # over): the first worker's failure ends it, with the reason.
-                    self._refused("moved", "request")
+                    self._refused("request")
                     raise DependencyError(
                         grpc.StatusCode.UNAVAILABLE,
                         f"worker: went away {during}, and the stream cannot continue on "
@@ -216,7 +217,7 @@ class WorkerClient:
                 if cause is None:
                     raise self._worker.error(err, during) from err
                 if attempt >= self._max_resumptions:
-                    self._refused(cause, "limit")
+                    self._refused("limit")
                     raise self._worker.error(err, during) from err
                 attempt += 1
                 current = delivered.resumed(request, attempt)
@@ -237,7 +238,7 @@ class WorkerClient:
                 if not call.done():
                     call.cancel()
 
-    def _refused(self, cause: str | None, reason: str) -> None:
-        """A stream that could have moved (cause set) did not, for this reason."""
-        if cause is not None and self._metrics is not None and self._max_resumptions:
+    def _refused(self, reason: str) -> None:
+        """A stream that could have moved did not, for this reason."""
+        if self._metrics is not None and self._max_resumptions:
             self._metrics.refused.labels(reason=reason).inc()

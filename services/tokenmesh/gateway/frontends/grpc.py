@@ -11,7 +11,7 @@ from grpc import aio
 
 from tokenmesh.common.errors import InvalidArgument
 from tokenmesh.common.metrics import StreamMetrics
-from tokenmesh.common.presentation import degraded_marker, stream_trailers
+from tokenmesh.common.presentation import stream_trailers
 from tokenmesh.common.tokens import ends_stream
 from tokenmesh.common.validation import check_text
 from tokenmesh.gateway.config import GatewaySettings
@@ -26,10 +26,12 @@ from tokenmesh.v1 import inference_pb2, llm_pb2, llm_pb2_grpc, token_pb2
 Context: TypeAlias = aio.ServicerContext[Any, Any]
 
 
-def mark(context: Context, call: PreparedCall) -> None:
-    marker = degraded_marker(call.request)
-    if marker:
-        context.set_trailing_metadata(marker)
+def mark(context: Context, call: PreparedCall, resumed: int = 0) -> None:
+    """The stream's trailers (common/presentation.py): the degraded marker, and how many times
+    it moved to another worker."""
+    trailers = stream_trailers(call.request, resumed)
+    if trailers:
+        context.set_trailing_metadata(trailers)
 
 
 async def collect(tokens: AsyncIterator[token_pb2.Token]) -> llm_pb2.Answer:
@@ -96,7 +98,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         mark(context, call)
         async for token in self._pipeline.stream(call, context.time_remaining()):
             if token.resumed:
-                context.set_trailing_metadata(stream_trailers(call.request, token.resumed))
+                mark(context, call, token.resumed)
             timer.sent(token)
             yield token
 
