@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import openai
 import psutil
 import yaml
 from grpc import aio
@@ -130,6 +131,10 @@ class Outcome:
     ended: float = 0.0
     last_token: float = 0.0
     details: str = ""
+    # How many times the stream moved to another worker (its tokens' `resumed`), and how many
+    # of its messages did not start where the one before had ended.
+    resumed: int = 0
+    gaps: int = 0
 
 
 @dataclass
@@ -218,7 +223,11 @@ async def generate(
                 outcome.degraded = any(w.startswith("reranker_unavailable") for w in token.warnings)
                 if started is not None:
                     started.set()
-            outcome.tokens += token_count(token)
+            count = token_count(token)
+            if count and token.index != outcome.tokens:
+                outcome.gaps += 1
+            outcome.resumed = max(outcome.resumed, token.resumed)
+            outcome.tokens += count
             outcome.last_token = time.monotonic()
             if hold is not None and not hold.is_set():
                 await hold.wait()
@@ -232,9 +241,11 @@ async def generate(
         outcome.code = err.code().name
         outcome.details = err.details() or ""
     else:
-        if outcome.tokens != message.max_tokens:
+        if outcome.tokens != message.max_tokens or outcome.gaps:
             outcome.code = "INCOMPLETE"
-            outcome.details = f"{outcome.tokens} of {message.max_tokens} tokens"
+            outcome.details = (
+                f"{outcome.tokens} of {message.max_tokens} tokens, {outcome.gaps} gaps"
+            )
     outcome.seconds = time.monotonic() - begun
     outcome.ended_unix_nanos = time.time_ns()
     outcome.ended = time.monotonic()
@@ -745,6 +756,154 @@ async def steady_load(
 
     await asyncio.gather(*(loop(client) for client in range(clients)))
     return outcomes
+
+
+async def complete_openai(
+    client: openai.AsyncOpenAI,
+    model: str,
+    prompt: str,
+    max_tokens: int,
+    deadline: float,
+    started: asyncio.Event | None = None,
+) -> Outcome:
+    """One streamed /v1/completions through the edge with the official SDK: OK only with one
+    finish, the usage chunk counting max_tokens and the stream's [DONE] (the SDK raises on a
+    body cut short); HUNG past its deadline and HANG_MARGIN_SECONDS."""
+    begun = time.monotonic()
+    outcome = Outcome(OK)
+    finishes, usage = 0, None
+
+    async def read() -> None:
+        nonlocal finishes, usage
+        stream = await client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+            timeout=deadline,
+        )
+        async for chunk in stream:
+            moved = (chunk.model_extra or {}).get("tokenmesh", {}).get("resumed", 0)
+            outcome.resumed = max(outcome.resumed, int(moved or 0))
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                if outcome.tokens == 0:
+                    outcome.first_token_seconds = time.monotonic() - begun
+                    if started is not None:
+                        started.set()
+                outcome.tokens += 1  # a chunk: tokens are counted by the usage chunk
+                finishes += choice.finish_reason is not None
+            outcome.last_token = time.monotonic()
+
+    try:
+        await asyncio.wait_for(read(), deadline + HANG_MARGIN_SECONDS)
+    except TimeoutError:
+        outcome.code = HUNG
+    except openai.APIError as err:
+        outcome.code = type(err).__name__
+        outcome.details = str(err)
+    else:
+        generated = usage.completion_tokens if usage is not None else None
+        outcome.tokens = generated or 0
+        if generated != max_tokens or finishes != 1:
+            outcome.code = "INCOMPLETE"
+            outcome.details = f"{generated} of {max_tokens} tokens, {finishes} finishes"
+    outcome.seconds = time.monotonic() - begun
+    outcome.ended_unix_nanos = time.time_ns()
+    outcome.ended = time.monotonic()
+    return outcome
+
+
+def engine_cores(pid: int) -> list[psutil.Process]:
+    """A worker's vLLM engine core processes."""
+    return [
+        child
+        for child in process_tree(pid)[1:]
+        if "EngineCore" in child.name() or "EngineCore" in " ".join(child.cmdline())
+    ]
+
+
+async def engine_kill(mesh: ScenarioMesh, short: bool) -> Row:
+    """SIGKILL only a worker's engine core (a GPU fault: its front end lives) while 16 gRPC and
+    16 OpenAI streams of 1,000 tokens run through the edge: the worker turns NOT_SERVING at
+    once and hands its streams over to the other worker, where each goes on from the token it
+    stopped at; every stream completes, contiguous and whole ([DONE] / OK), those that moved
+    say so, and the worker rejoins once restarted with a new engine."""
+    row = Row("engine_kill")
+    workers = mesh.local_mesh.replicas("worker")
+    addresses = {worker.address for worker in workers}
+    if await mesh.wait_until(lambda: addresses <= mesh.healthy("worker"), 60) is None:
+        row.violations.append(
+            f"the workers were not all healthy in Envoy: {mesh.healthy('worker')}"
+        )
+        return row
+    pids = {worker.name: mesh.local_mesh.pid(worker.name) for worker in workers}
+    cores = {name: engine_cores(pid) for name, pid in pids.items()}
+    streams, max_tokens = 16, 1000
+    model = Path(mesh.local_mesh.settings.model).name
+    before = await asyncio.to_thread(mesh.worker_counts)
+    killed: dict[str, Any] = {}
+
+    def kill(open_streams: dict[str, int]) -> None:
+        victim = max(workers, key=lambda w: open_streams[w.name])
+        killed.update(victim=victim, at=time.monotonic())
+        for core in cores[victim.name]:
+            os.kill(core.pid, signal.SIGKILL)
+
+    base_url = f"http://{mesh.edge}/v1"
+    async with (
+        mesh.channel() as channel,
+        openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as client,
+    ):
+        stub = llm_pb2_grpc.LLMServiceStub(channel)
+        running = [
+            asyncio.create_task(generate(stub, request(f"engine kill {i}", max_tokens), 180))
+            for i in range(streams)
+        ]
+        running += [
+            asyncio.create_task(
+                complete_openai(client, model, f"engine kill openai {i}", max_tokens, 180)
+            )
+            for i in range(streams)
+        ]
+        running_now, seen = await asyncio.to_thread(
+            mesh.kill_when_generating, 180, kill, before, True, True
+        )
+        row.notes["watch"] = seen
+        if running_now is None or "victim" not in killed:
+            row.violations.append(f"the workers were not both generating within 180 s: {seen}")
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+            return row
+        victim = killed["victim"]
+        left = await mesh.wait_until(lambda: victim.address not in mesh.healthy("worker"), 15)
+        outcomes = await asyncio.gather(*running)
+    row.add(outcomes)
+    moved = [o for o in outcomes if o.resumed]
+    row.notes["killed"] = victim.name
+    row.notes["engine_cores_killed"] = len(cores[victim.name])
+    row.notes["streams_per_worker_at_kill"] = running_now
+    row.notes["moved_grpc_openai"] = [
+        sum(1 for o in outcomes[:streams] if o.resumed),
+        sum(1 for o in outcomes[streams:] if o.resumed),
+    ]
+    row.notes["left_envoy_healthy_set_s"] = None if left is None else round(left, 2)
+    row.check(bool(cores[victim.name]), "the worker has an engine core process to kill")
+    row.check(
+        all(o.code == OK for o in outcomes),
+        f"every stream completes whole and contiguous: {row.failed} {row.examples}",
+    )
+    row.check(bool(moved), "some streams were on the killed engine and moved")
+    row.check(left is not None and left <= 5, f"the worker NOT_SERVING within 5 s ({left})")
+    rejoin_started = time.monotonic()
+    row.check(await mesh.rejoined(victim), "the worker rejoins with a new engine")
+    row.recovered(time.monotonic() - killed["at"])
+    row.notes["rejoined_after_s"] = round(time.monotonic() - rejoin_started, 1)
+    return row
 
 
 async def rolling_restart(mesh: ScenarioMesh, short: bool) -> Row:
@@ -1260,6 +1419,7 @@ async def stalled_client(mesh: ScenarioMesh, short: bool) -> Row:
 Scenario = Callable[[ScenarioMesh, bool], Awaitable[Row]]
 SCENARIOS: dict[str, Scenario] = {
     "worker_kill": worker_kill,
+    "engine_kill": engine_kill,
     "rolling_restart": rolling_restart,
     "reranker_hang": reranker_hang,
     "deadline_storm": deadline_storm,

@@ -78,6 +78,16 @@ async def test_killed_worker_cuts_its_streams_unavailable_and_others_are_retried
     assert row.failed and set(row.failed) <= ends, row.failed
 
 
+# The killed engine's worker restarts and loads vLLM again (REJOIN_WITHIN_SECONDS bounds it).
+@pytest.mark.timeout(REJOIN_WITHIN_SECONDS + 300)
+async def test_a_killed_engine_hands_its_streams_over_and_every_stream_completes(
+    chaos_mesh: ScenarioMesh,
+) -> None:
+    row = await run(chaos_mesh, "engine_kill")
+    assert row.ok == row.sent == 32
+    assert sum(row.notes["moved_grpc_openai"]) > 0
+
+
 async def test_envoy_restart_fails_only_in_flight_streams(chaos_mesh: ScenarioMesh) -> None:
     row = await run(chaos_mesh, "envoy_restart")
     assert set(row.failed) <= {"UNAVAILABLE"}

@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import time
-from pathlib import Path
 
 import grpc
 import psutil
@@ -145,49 +144,88 @@ async def test_sigterm_lets_the_in_flight_stream_finish_then_exits_0(
 
 
 @pytest.mark.stops_worker
-async def test_engine_death_fails_streams_with_unavailable_and_exits_1(tmp_path: Path) -> None:
-    """Kill vLLM's engine process mid-stream: the callers get UNAVAILABLE with a message, not
-    a hang; the worker reports NOT_SERVING and exits non-zero for its supervisor."""
-    worker = worker_process(ROOT / ".run" / "test-logs", name="worker-engine-death")
-    worker.start()
+async def test_engine_death_hands_the_streams_over_then_the_worker_exits_1(
+    worker: ServiceProcess,
+) -> None:
+    """Kill vLLM's engine process mid-stream (the usual GPU fault: the front end lives): the
+    worker turns NOT_SERVING at once and hands each stream over to another worker (here the
+    session's, reached directly), which goes on from the token where it stopped: every token
+    once, numbered on, one end with the whole answer's usage. A stream the next worker cannot
+    continue (stop strings) ends UNAVAILABLE naming why. Once they have all ended the worker
+    exits 1 for its supervisor to restart."""
+    dying = worker_process(
+        ROOT / ".run" / "test-logs",
+        name="worker-engine-death",
+        handover_address=worker.address,
+        max_resumptions="2",
+    )
+    dying.start()
     try:
-        worker.wait_serving(300)
-        assert worker.process is not None
+        dying.wait_serving(300)
+        assert dying.process is not None
         # Found before any stream starts, so the kill follows the first tokens at once.
         engine_cores = [
             child
-            for child in psutil.Process(worker.process.pid).children(recursive=True)
+            for child in psutil.Process(dying.process.pid).children(recursive=True)
             if "EngineCore" in " ".join(child.cmdline()) or "EngineCore" in child.name()
         ]
         assert engine_cores, "no EngineCore child process found"
-        async with aio.insecure_channel(worker.address) as channel:
+        max_tokens = 2000
+        async with aio.insecure_channel(dying.address) as channel:
             stub = inference_pb2_grpc.InferenceServiceStub(channel)
             # Enough work that no stream can finish before the kill, however slowly this test
             # process is scheduled: one lone 2,000-token stream once did, on a loaded machine.
             calls = [
                 stub.Generate(
                     inference_pb2.InferenceRequest(
-                        prompt=f"doomed {i}",
-                        sampling=inference_pb2.SamplingParams(max_tokens=2000, ignore_eos=True),
+                        prompt=f"handed over {i}",
+                        sampling=inference_pb2.SamplingParams(
+                            max_tokens=max_tokens,
+                            ignore_eos=True,
+                            stop=["\u2603 never written"] if i >= 6 else [],
+                        ),
                     ),
-                    timeout=60,
+                    metadata=(("x-tenant-id", "t-handover"),),
+                    timeout=120,
                 )
-                for i in range(16)
+                for i in range(8)
             ]
-            for call in calls:
-                await call.read()
-            killed_at = time.monotonic()
+            firsts = [await call.read() for call in calls]
             for child in engine_cores:
                 os.kill(child.pid, signal.SIGKILL)
-            for call in calls:
-                with pytest.raises(aio.AioRpcError) as error:
-                    await read_rest(call)
-                assert error.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL)
-                assert error.value.details()
-            assert time.monotonic() - killed_at < 30
-        assert await asyncio.to_thread(worker.process.wait, 60) == 1
+            # NOT_SERVING at once, while it still relays the streams it handed over.
+            status = await asyncio.to_thread(health_status, dying.address)
+            for _ in range(50):
+                if status == "NOT_SERVING":
+                    break
+                await asyncio.sleep(0.1)
+                status = await asyncio.to_thread(health_status, dying.address)
+            assert status == "NOT_SERVING"
+            for i, (call, first) in enumerate(zip(calls, firsts, strict=True)):
+                if i >= 6:
+                    with pytest.raises(aio.AioRpcError) as error:
+                        await read_rest(call)
+                    assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+                    assert "cannot continue on another worker" in error.value.details()
+                    assert "resume" in error.value.details()
+                    continue
+                rest = await read_rest(call)
+                tokens = [first, *rest]
+                assert positions(tokens) == list(range(max_tokens)), f"stream {i}"
+                moved = [t for t in tokens if t.resumed]
+                assert [t.resumed for t in moved] == [1], f"stream {i}"
+                ends = [t for t in tokens if t.finish_reason]
+                assert len(ends) == 1 and ends[0] is tokens[-1]
+                assert tokens[-1].usage.completion_tokens == max_tokens
+                assert tokens[-1].usage.prompt_tokens > 0
+                trailers = dict(await call.trailing_metadata())
+                assert trailers["x-tokenmesh-resumed"] == "1"
+        # Every stream ended: the worker stops, exit 1 (its engine is gone).
+        assert await asyncio.to_thread(dying.process.wait, 60) == 1
+        log = dying.log_path.read_text(errors="replace")
+        assert log.count("resuming the stream on another worker") == 8
     finally:
-        worker.stop()
+        dying.stop()
 
 
 def test_engine_args_reach_vllms_configuration(worker: ServiceProcess) -> None:

@@ -128,6 +128,7 @@ def python_extension_values(component: str, scale: int) -> dict[str, Any]:
         },
         "shutdown": {
             "graceSeconds": 12 + scale,
+            "drainSeconds": 2,
             "preStopSleepSeconds": 3,
             "marginSeconds": 4,
             "terminationGracePeriodSeconds": 40 + scale,
@@ -799,18 +800,25 @@ def test_only_envoy_reaches_the_services(value_set: str, releases: dict[str, Rel
             assert consul_peers == []
 
 
-def test_only_gateways_reach_envoys_internal_listeners(releases: dict[str, Release]) -> None:
+def test_only_gateways_and_workers_handing_over_reach_envoys_internal_listeners(
+    releases: dict[str, Release],
+) -> None:
     release = releases["defaults"]
     policy = release.get("NetworkPolicy", f"{PREFIX}-envoy")
     assert selects(policy["spec"]["podSelector"]["matchLabels"], pod_labels(release, "envoy"))
     peers = ingress_peers_by_port(policy)
     assert peers["edge"] == []  # the edge is public
-    for listener in ("worker", "reranker"):
-        assert len(peers[listener]) == 1
-        selector = peers[listener][0]["podSelector"]["matchLabels"]
-        assert selects(selector, pod_labels(release, "gateway"))
-        for other in ("worker", "reranker", "controlplane", "envoy"):
-            assert not selects(selector, pod_labels(release, other))
+    # The worker listener also from the workers: one whose engine died hands its streams over.
+    for listener, allowed in (("worker", {"gateway", "worker"}), ("reranker", {"gateway"})):
+        selectors = [peer["podSelector"]["matchLabels"] for peer in peers[listener]]
+        assert len(selectors) == len(allowed)
+        for component in ("gateway", "worker", "reranker", "controlplane", "envoy"):
+            reached = any(
+                selects(selector, pod_labels(release, component)) for selector in selectors
+            )
+            assert reached == (component in allowed), (listener, component)
+    handover = release.env("worker")["TOKENMESH_WORKER_HANDOVER_ADDRESS"]
+    assert handover == release.env("gateway")["TOKENMESH_GATEWAY_WORKER_ADDRESS"]
     assert releases["defaults"].all("NetworkPolicy")
     assert Release(render({"networkPolicy": {"enabled": False}})).all("NetworkPolicy") == []
 
@@ -1349,7 +1357,7 @@ SETTINGS = {
 }
 
 
-def test_termination_grace_covers_prestop_service_grace_and_margin(
+def test_termination_grace_covers_prestop_drain_service_grace_and_margin(
     releases: dict[str, Release],
 ) -> None:
     for value_set, values in (
@@ -1360,12 +1368,14 @@ def test_termination_grace_covers_prestop_service_grace_and_margin(
         for component in PYTHON_COMPONENTS:
             shutdown = values[component]["shutdown"]
             settings = SETTINGS[component]
-            # The setting the service really reads for its grace.
-            variable = f"{settings.model_config['env_prefix']}GRACE_SECONDS"
-            assert "grace_seconds" in settings.model_fields
-            assert release.env(component)[variable] == str(shutdown["graceSeconds"])
+            # The settings the service really reads for its drain and grace.
+            prefix = settings.model_config["env_prefix"]
+            assert {"drain_seconds", "grace_seconds"} <= set(settings.model_fields)
+            assert release.env(component)[f"{prefix}GRACE_SECONDS"] == str(shutdown["graceSeconds"])
+            assert release.env(component)[f"{prefix}DRAIN_SECONDS"] == str(shutdown["drainSeconds"])
             needed = (
                 shutdown["preStopSleepSeconds"]
+                + shutdown["drainSeconds"]
                 + shutdown["graceSeconds"]
                 + shutdown["marginSeconds"]
             )
@@ -1738,15 +1748,20 @@ IMPOSSIBLE: list[tuple[dict[str, Any], str]] = [
     ),
     (
         {"worker": {"shutdown": {"terminationGracePeriodSeconds": 30}}},
-        r"worker.shutdown.terminationGracePeriodSeconds \(30\) is below .* \(90\)",
+        r"worker.shutdown.terminationGracePeriodSeconds \(30\) is below .* \(91\)",
     ),
     (
         {"gateway": {"env": {"TOKENMESH_GATEWAY_GRACE_SECONDS": "5"}}},
         "set TOKENMESH_GATEWAY_GRACE_SECONDS with shutdown.graceSeconds",
     ),
     (
+        {"reranker": {"env": {"TOKENMESH_RERANKER_DRAIN_SECONDS": "0"}}},
+        "set TOKENMESH_RERANKER_DRAIN_SECONDS with shutdown.graceSeconds or drainSeconds",
+    ),
+    (
         {"worker": {"extraEnv": [{"name": "TOKENMESH_WORKER_GRACE_SECONDS", "value": "5"}]}},
-        "set TOKENMESH_WORKER_GRACE_SECONDS with shutdown.graceSeconds, not extraEnv",
+        "set TOKENMESH_WORKER_GRACE_SECONDS with shutdown.graceSeconds or drainSeconds, not "
+        "extraEnv",
     ),
     (
         {"envoy": {"workerRouting": {"policy": "picker"}}, "controlplane": {"enabled": False}},

@@ -695,8 +695,11 @@ def test_each_component_may_call_exactly_what_it_calls(
             ops_page["endpoint"]["address"]["socket_address"]["port_value"],
         )
     )
-    # The model comes from the hub: public addresses only, HTTPS.
-    assert allowed(release, "worker") == tcp("0.0.0.0/0", 443) | tcp("::/0", 443)
+    # Envoy's worker listener (a worker whose engine died hands its streams over through it);
+    # the model comes from the hub: public addresses only, HTTPS.
+    assert allowed(release, "worker") == (
+        tcp("envoy", listeners["worker"]) | tcp("0.0.0.0/0", 443) | tcp("::/0", 443)
+    )
     assert allowed(release, "reranker") == set()
     # The ops feed asks every worker for its health and engine stats, on its gRPC port.
     assert allowed(release, "controlplane") == tcp("worker", grpc["worker"])
@@ -781,9 +784,11 @@ def test_only_picker_routing_lets_gateways_reach_the_control_plane(
 
 
 def test_workers_with_a_local_model_reach_no_hub(releases: dict[str, Release]) -> None:
-    # From a volume (multi-gpu), or inside the image (cpu).
+    # From a volume (multi-gpu), or inside the image (cpu): only Envoy's worker listener.
     for value_set in ("multi-gpu", "cpu"):
-        assert allowed(releases[value_set], "worker") == set(), value_set
+        release = releases[value_set]
+        handover = tcp("envoy", envoy_listener_ports(release)["worker"])
+        assert allowed(release, "worker") == handover, value_set
 
 
 def test_in_consul_mode_the_services_reach_consul(releases: dict[str, Release]) -> None:

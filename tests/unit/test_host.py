@@ -4,6 +4,7 @@ registration once SERVING, exit codes, and shutdown in order."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -28,6 +29,7 @@ def settings(**values: Any) -> ServiceSettings:
         "metrics_port": 0,
         "health_port": 0,
         "grace_seconds": 0.5,
+        "drain_seconds": 0,
         "consul_http_addr": None,
     }
     return ServiceSettings(**{**defaults, **values})
@@ -111,6 +113,41 @@ async def test_a_background_task_that_ends_stops_the_service_in_order() -> None:
     ended.set()
     assert await asyncio.wait_for(running, PROMPTLY) == 1
     assert order == ["before server stop", "added last", "added first"]
+
+
+async def test_on_sigterm_it_answers_not_serving_and_still_serves_rpcs_while_it_drains() -> None:
+    """A stream Envoy sends before it has seen NOT_SERVING is served, not cancelled by a
+    server that stopped accepting (Envoy does not retry a CANCELLED answer)."""
+    host = ServiceHost("test", settings(drain_seconds=30), NAMES)
+    running = asyncio.create_task(host.run())
+    await eventually(lambda: "port" in host.ports)
+    assert await status(host.ports["port"]) == "SERVING"
+    os.kill(os.getpid(), signal.SIGTERM)
+    await eventually(lambda: not host.health.serving)
+    # Draining: health checks and every other RPC are still answered on the service port.
+    for _ in range(3):
+        assert await status(host.ports["port"], NAMES[0]) == "NOT_SERVING"
+        await asyncio.sleep(0.2)
+    assert not running.done()
+    running.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await running
+
+
+async def test_a_service_stopping_for_a_failure_does_not_drain() -> None:
+    """Its own failure (a dead engine): new RPCs are refused at once, so Envoy sends them
+    elsewhere instead of to a server that cannot answer them."""
+    host = ServiceHost("test", settings(drain_seconds=30), NAMES)
+    ended = asyncio.Event()
+
+    async def watchdog() -> None:
+        await ended.wait()
+
+    host.keep_running(watchdog(), "watchdog")
+    running = asyncio.create_task(host.run())
+    await eventually(lambda: "port" in host.ports)
+    ended.set()
+    assert await asyncio.wait_for(running, PROMPTLY) == 1
 
 
 async def test_a_signal_during_start_cancels_it_and_exits_0() -> None:

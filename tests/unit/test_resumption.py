@@ -10,6 +10,8 @@ from grpc import aio
 
 from tokenmesh.common.channels import Dependency
 from tokenmesh.common.errors import DependencyError
+from tokenmesh.common.outcome import Deadline
+from tokenmesh.common.relay import Relay
 from tokenmesh.common.resumption import (
     CAUSE_RESET,
     CAUSE_UNAVAILABLE,
@@ -17,7 +19,6 @@ from tokenmesh.common.resumption import (
     choice_count,
     resumable,
 )
-from tokenmesh.gateway.core.workers import WorkerClient
 from tokenmesh.v1 import inference_pb2, token_pb2
 
 
@@ -150,16 +151,11 @@ class FakeStub:
         return self._calls.pop(0)
 
 
-def client(stub: FakeStub, max_resumptions: int = 2) -> WorkerClient:
+def relay(stub: FakeStub, max_resumptions: int = 2) -> Relay:
+    """The relay loop the gateway's worker client (and a worker handing over) runs, with the
+    gateway's error mapping."""
     worker = Dependency("worker", "127.0.0.1:1", 1 << 20)
-
-    async def connected(_: float) -> None:
-        return None
-
-    worker.ensure_connected = connected  # type: ignore[method-assign]
-    made = WorkerClient(worker, 1.0, max_resumptions=max_resumptions)
-    made._stub = stub  # type: ignore[assignment]
-    return made
+    return Relay(stub, max_resumptions, fail=worker.error)  # type: ignore[arg-type]
 
 
 RESET = Failed(grpc.StatusCode.INTERNAL, "Received RST_STREAM with error code 2")
@@ -170,7 +166,8 @@ def run(stub: FakeStub, max_resumptions: int = 2) -> list[token_pb2.Token]:
         request = inference_pb2.InferenceRequest(
             prompt="p", sampling=inference_pb2.SamplingParams(max_tokens=5)
         )
-        return [t async for t in client(stub, max_resumptions).stream(request, 30.0)]
+        stream = relay(stub, max_resumptions).stream(request, Deadline(30.0), Delivered(1))
+        return [t async for t in stream]
 
     return asyncio.run(read())
 

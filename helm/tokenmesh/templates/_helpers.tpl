@@ -208,17 +208,18 @@ topologySpreadConstraints:
 
 {{/*
 A service's shutdown: Kubernetes sends SIGTERM after the preStop sleep (time for Envoy to
-learn the pod is gone), the service then gives in-flight RPCs graceSeconds
-(TOKENMESH_<SERVICE>_GRACE_SECONDS, set in tokenmesh.serviceEnv) and needs marginSeconds to
-finish stopping; the pod's terminationGracePeriodSeconds must cover all three, or the kubelet
+learn the pod is gone), the service then drains for drainSeconds (NOT_SERVING, still
+accepting), gives in-flight RPCs graceSeconds (TOKENMESH_<SERVICE>_DRAIN_SECONDS and
+_GRACE_SECONDS, set in tokenmesh.serviceEnv) and needs marginSeconds to finish stopping; the
+pod's terminationGracePeriodSeconds must cover all four, or the kubelet
 kills streams the service would have finished. (dict "component" name "values" $values)
 */}}
 {{- define "tokenmesh.terminationGracePeriod" -}}
 {{- $shutdown := .values.shutdown }}
-{{- $needed := add $shutdown.preStopSleepSeconds $shutdown.graceSeconds $shutdown.marginSeconds }}
+{{- $needed := add $shutdown.preStopSleepSeconds $shutdown.drainSeconds $shutdown.graceSeconds $shutdown.marginSeconds }}
 {{- $period := int ($shutdown.terminationGracePeriodSeconds | default $needed) }}
 {{- if lt $period (int $needed) }}
-{{- fail (printf "%s.shutdown.terminationGracePeriodSeconds (%d) is below preStopSleepSeconds + graceSeconds + marginSeconds (%d): the kubelet would kill the pod before its streams finish" .component $period (int $needed)) }}
+{{- fail (printf "%s.shutdown.terminationGracePeriodSeconds (%d) is below preStopSleepSeconds + drainSeconds + graceSeconds + marginSeconds (%d): the kubelet would kill the pod before its streams finish" .component $period (int $needed)) }}
 {{- end }}
 {{- $period }}
 {{- end }}
@@ -265,6 +266,8 @@ IP for Consul, and in consul mode the agent address.
   value: {{ .root.Values.consul.address | default "$(HOST_IP):8500" | quote }}
 {{- end }}
 {{- with .values.shutdown }}
+- name: {{ $.prefix }}DRAIN_SECONDS
+  value: {{ .drainSeconds | quote }}
 - name: {{ $.prefix }}GRACE_SECONDS
   value: {{ .graceSeconds | quote }}
 {{- end }}
@@ -276,18 +279,18 @@ IP for Consul, and in consul mode the agent address.
 - name: {{ $otlp }}
   value: {{ .root.Values.tracing.otlpEndpoint | quote }}
 {{- end }}
-{{- $grace := printf "%sGRACE_SECONDS" .prefix }}
+{{- $computed := list (printf "%sGRACE_SECONDS" .prefix) (printf "%sDRAIN_SECONDS" .prefix) }}
 {{- range $name, $value := .values.env }}
-{{- if and $.values.shutdown (eq $name $grace) }}
-{{- fail (printf "set %s with shutdown.graceSeconds, not env: terminationGracePeriodSeconds is computed from it" $name) }}
+{{- if and $.values.shutdown (has $name $computed) }}
+{{- fail (printf "set %s with shutdown.graceSeconds or drainSeconds, not env: terminationGracePeriodSeconds is computed from them" $name) }}
 {{- end }}
 - name: {{ $name }}
   value: {{ $value | quote }}
 {{- end }}
 {{- /* A later duplicate in extraEnv would win over the computed one. */}}
 {{- range .values.extraEnv }}
-{{- if and $.values.shutdown (eq .name $grace) }}
-{{- fail (printf "set %s with shutdown.graceSeconds, not extraEnv: terminationGracePeriodSeconds is computed from it" .name) }}
+{{- if and $.values.shutdown (has .name $computed) }}
+{{- fail (printf "set %s with shutdown.graceSeconds or drainSeconds, not extraEnv: terminationGracePeriodSeconds is computed from them" .name) }}
 {{- end }}
 {{- end }}
 {{- with .values.extraEnv }}
@@ -661,6 +664,11 @@ chain to, and the plaintext health-only port its probes use. (dict "root" $ "pre
 {{- if eq .prefix "TOKENMESH_GATEWAY_" }}
 # Envoy's internal listeners speak TLS too, with a certificate from the same CA.
 - name: TOKENMESH_GATEWAY_DEPENDENCY_TLS_CA_FILE
+  value: {{ printf "%s/ca.crt" $dir }}
+{{- end }}
+{{- if eq .prefix "TOKENMESH_WORKER_" }}
+# The internal worker listener a worker hands its streams over through speaks TLS too.
+- name: TOKENMESH_WORKER_HANDOVER_TLS_CA_FILE
   value: {{ printf "%s/ca.crt" $dir }}
 {{- end }}
 {{- end }}

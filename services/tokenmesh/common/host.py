@@ -44,9 +44,10 @@ class ServiceHost:
     load, a first snapshot) while health checks are answered, then turns SERVING and registers;
     it returns on SIGTERM/SIGINT (exit 0), or with exit 1 when `start` fails or a task handed to
     `keep_running` ends. While it runs, the service may turn itself NOT_SERVING and back
-    (`set_healthy`). Shutdown: NOT_SERVING, deregister, the `before_server_stop` clean-ups,
-    `server.stop(grace)` (in-flight RPCs get the grace period, then are cancelled), the probe
-    port, background tasks, the `on_stop` clean-ups (the last added first), tracing, metrics.
+    (`set_healthy`). Shutdown: NOT_SERVING, deregister, the drain (still accepting new RPCs
+    for `drain_seconds`), the `before_server_stop` clean-ups, `server.stop(grace)` (in-flight
+    RPCs get the grace period, then are cancelled), the probe port, background tasks, the
+    `on_stop` clean-ups (the last added first), tracing, metrics.
     """
 
     def __init__(
@@ -226,9 +227,17 @@ class ServiceHost:
     ) -> None:
         self._stop.set()  # tasks that end from here on are not failures
         log.info("%s stopping", self.role, extra={"grace_seconds": self.settings.grace_seconds})
+        # Drained only when it was serving and stops on a signal: a service stopping for a
+        # failure (its engine dead) refuses new RPCs at once, so Envoy sends them elsewhere.
+        drain = self.health.serving and self._exit_code == 0
         await self._publish_health()  # NOT_SERVING from here on, whatever set_healthy says
         if self.registration is not None:
             await self.registration.stop()
+        if drain and self.settings.drain_seconds > 0:
+            # New RPCs are still served while every Envoy sees NOT_SERVING and stops sending
+            # them: one that reached a stopping server would end CANCELLED, not retried.
+            log.info("%s draining", self.role, extra={"drain_seconds": self.settings.drain_seconds})
+            await asyncio.sleep(self.settings.drain_seconds)
         for clean_up in self._before_server_stop:
             await _call(clean_up)
         await server.stop(self.settings.grace_seconds)

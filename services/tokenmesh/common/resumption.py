@@ -17,6 +17,7 @@ from tokenmesh.v1 import inference_pb2, token_pb2
 # Why a stream was resumed, as the metrics label it.
 CAUSE_RESET = "stream_reset"  # the worker's stream or connection broke (killed, restarted)
 CAUSE_UNAVAILABLE = "worker_unavailable"  # the worker answered UNAVAILABLE (its engine died)
+CAUSE_ENGINE_DEAD = "engine_dead"  # the relaying worker's own engine died: it hands over
 
 
 def resumable(err: aio.AioRpcError) -> str | None:
@@ -44,6 +45,18 @@ class Delivered:
         self.tokens = 0
         # The stream's last message (every choice's usage) was delivered: nothing is missing.
         self.complete = False
+
+    @classmethod
+    def of(cls, request: inference_pb2.InferenceRequest) -> Delivered:
+        """What the caller of `request` has had before it reached this worker: nothing, or
+        for a resumed stream what its earlier workers delivered."""
+        delivered = cls(choice_count(request))
+        for choice in request.resume.choices:
+            if 0 <= choice.choice < len(delivered._ids):
+                delivered._ids[choice.choice].extend(choice.token_ids)
+                delivered._ended[choice.choice] = choice.finished
+                delivered.tokens += len(choice.token_ids)
+        return delivered
 
     def add(self, token: token_pb2.Token) -> None:
         count = token_count(token)

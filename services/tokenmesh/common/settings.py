@@ -38,6 +38,17 @@ class ServiceSettings(BaseSettings):
         le=65535,
         description="Prometheus metrics over HTTP; 0 picks a free port, -1 turns the endpoint off.",
     )
+    drain_seconds: float = Field(
+        default=1.0,
+        ge=0,
+        description=(
+            "On SIGTERM: seconds the service answers health checks NOT_SERVING while it still "
+            "accepts new RPCs, before it stops accepting them; at least the time every Envoy "
+            "checking it takes to see NOT_SERVING (one health-check interval and the check "
+            "itself). An RPC that reaches a server which has stopped accepting ends CANCELLED, "
+            "and Envoy does not retry that."
+        ),
+    )
     grace_seconds: float = Field(
         default=10.0,
         ge=0,

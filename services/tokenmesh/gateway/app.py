@@ -15,6 +15,7 @@ from tokenmesh.common.channels import Dependency
 from tokenmesh.common.credentials import ReloadingChannelCredentials
 from tokenmesh.common.host import ServiceHost
 from tokenmesh.common.metrics import StreamMetrics
+from tokenmesh.common.relay import ResumptionMetrics
 from tokenmesh.gateway.client_interceptors import standard_client_interceptors
 from tokenmesh.gateway.config import GatewaySettings
 from tokenmesh.gateway.core.breaker import CircuitBreaker
@@ -28,7 +29,7 @@ from tokenmesh.gateway.core.tenancy.http import HttpTenancy
 from tokenmesh.gateway.core.tenancy.limits import LimitsInterceptor, TenantLimiter
 from tokenmesh.gateway.core.tenancy.metrics import TenantMetrics
 from tokenmesh.gateway.core.tenancy.quota import QuotaMeter
-from tokenmesh.gateway.core.workers import ResumptionMetrics, WorkerClient
+from tokenmesh.gateway.core.workers import WorkerClient
 from tokenmesh.gateway.frontends.calls import CallMetrics
 from tokenmesh.gateway.frontends.direct_log import DirectStreamLog
 from tokenmesh.gateway.frontends.extproc import PROCESS_METHOD, DirectMetrics, ExternalProcessor
@@ -130,7 +131,7 @@ async def serve(settings: GatewaySettings) -> int:
             settings.max_coalesced_tokens,
             settings.max_message_tokens,
             settings.max_resumptions,
-            ResumptionMetrics(host.registry),
+            ResumptionMetrics(host.registry, "gateway"),
         ),
         settings,
         tenancy.meter,

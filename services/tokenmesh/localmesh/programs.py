@@ -180,6 +180,10 @@ class ProcessTable:
             # until max_tokens.
             structured_outputs_backend="xgrammar",
             structured_outputs_disable_any_whitespace=True,
+            # A worker whose engine dies hands its streams over to the others through Envoy's
+            # worker listener (the gateways' way to them), over TLS with mTLS on.
+            handover_address=f"127.0.0.1:{s.worker_listener_port}",
+            **({"handover_tls_ca_file": self.files.certs.ca_cert} if s.mtls else {}),
             **self._tool_calling(),
             **self._shared("worker"),
         )

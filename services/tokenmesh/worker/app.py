@@ -4,19 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 from prometheus_client.registry import Collector
 from vllm.engine.arg_utils import AsyncEngineArgs
 
+from tokenmesh.common.channels import Dependency
 from tokenmesh.common.cpu_pinning import pin_threads
+from tokenmesh.common.credentials import ReloadingChannelCredentials
 from tokenmesh.common.host import ServiceHost
 from tokenmesh.common.metrics import StreamMetrics
+from tokenmesh.common.relay import Relay, ResumptionMetrics
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
 from tokenmesh.worker.admission import Admission
 from tokenmesh.worker.config import WorkerSettings
 from tokenmesh.worker.engine import EngineSlot, VllmEngine
 from tokenmesh.worker.engine_state import EngineLoad, EngineShare
+from tokenmesh.worker.handover import Handover
 from tokenmesh.worker.placement import place_engine
 from tokenmesh.worker.servicer import InferenceServicer
 from tokenmesh.worker.tenant import TenantMetadataInterceptor
@@ -93,15 +98,47 @@ def features_counter(registry: CollectorRegistry) -> Counter:
     )
 
 
-async def watch_engine(engine: VllmEngine, watchdog: StallWatchdog, interval: float) -> None:
+async def watch_engine(
+    engine: VllmEngine,
+    watchdog: StallWatchdog,
+    interval: float,
+    handover: Handover,
+    set_healthy: Callable[[bool], Awaitable[None]],
+    drain_seconds: float,
+    handover_seconds: float,
+) -> None:
     """Every interval, check the engine moves (the watchdog turns the worker NOT_SERVING while
-    it is hung); return when the engine process dies: the worker stops (exit 1) and its
-    supervisor restarts it."""
+    it is hung); when the engine process dies, turn NOT_SERVING at once, let the streams it
+    hands over to other workers finish (handover.py; those Envoy sends until it sees
+    NOT_SERVING too, for drain_seconds; at most handover_seconds), then return:
+    the worker stops (exit 1) and its supervisor restarts it with a new engine."""
     # vLLM exposes no event for engine death, only the errored flag, so it is polled.
     while not engine.errored:
         await watchdog.check()
         await asyncio.sleep(interval)
-    log.error("inference engine died; shutting the worker down")
+    log.error("inference engine died; handing its streams over, then shutting the worker down")
+    await set_healthy(False)
+    # Streams Envoy sends until it sees NOT_SERVING are handed over too.
+    await asyncio.sleep(drain_seconds)
+    if not await handover.streams_ended(handover_seconds):
+        log.error("streams still open %g s after the engine died", handover_seconds)
+
+
+def handover_relay(settings: WorkerSettings, registry: CollectorRegistry) -> Relay | None:
+    """The relay a worker hands its streams over through, if it has an address to reach the
+    other workers at."""
+    if not settings.handover_address:
+        return None
+    tls = None
+    if settings.handover_tls_ca_file is not None:
+        tls = ReloadingChannelCredentials(settings.handover_tls_ca_file)
+    peers = Dependency("worker", settings.handover_address, settings.max_message_bytes, (), tls)
+    return Relay(
+        inference_pb2_grpc.InferenceServiceStub(peers.channel),
+        settings.max_resumptions,
+        ResumptionMetrics(registry, "worker"),
+        fail=peers.error,
+    )
 
 
 async def serve(
@@ -130,6 +167,7 @@ async def serve(
     # With tracing on, each stream's queue_prefill and decode spans too.
     stream_metrics = StreamMetrics(host.registry, host.tracer, log_tokens=settings.log_tokens)
     slot = EngineSlot()
+    handover = Handover(handover_relay(settings, host.registry))
     # The tenant the gateway named (x-tenant-id) goes on each RPC's log line and span.
     server = host.server((TenantMetadataInterceptor(),))
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(
@@ -140,6 +178,7 @@ async def serve(
             aborted_counter(host.registry),
             features_counter(host.registry),
             Admission(settings.max_waiting_requests, share.admitted if share is not None else None),
+            handover,
         ),
         server,
     )
@@ -159,7 +198,16 @@ async def serve(
         watchdog = StallWatchdog(engine.activity, settings.engine_stall_seconds, host.set_healthy)
         register_stall_gauges(host.registry, engine.activity, watchdog)
         host.keep_running(
-            watch_engine(engine, watchdog, settings.engine_check_interval_seconds), "engine-watch"
+            watch_engine(
+                engine,
+                watchdog,
+                settings.engine_check_interval_seconds,
+                handover,
+                host.set_healthy,
+                settings.drain_seconds,
+                settings.handover_seconds,
+            ),
+            "engine-watch",
         )
 
     fields = {"model": settings.model}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
@@ -316,6 +317,42 @@ class WorkerSettings(ServiceSettings, SamplingLimits, ToolLimits):
             "How often the worker checks that the engine process is alive (a dead engine "
             "turns the worker NOT_SERVING and exits it non-zero so its supervisor restarts "
             "it) and moving (engine_stall_seconds)."
+        ),
+    )
+    handover_address: str = Field(
+        default="",
+        description=(
+            "Where this worker reaches the other workers (Envoy's worker listener, as the "
+            "gateways do) to hand its streams over when its engine dies: each continues on "
+            "another worker from the token where it stopped (empty: the streams end "
+            "UNAVAILABLE)."
+        ),
+    )
+    handover_tls_ca_file: Path | None = Field(
+        default=None,
+        description=(
+            "TLS to handover_address (Envoy's internal listener with internal TLS on): the PEM "
+            "CA that signed its certificate, which must name the address's host. Unset: "
+            "plaintext."
+        ),
+    )
+    max_resumptions: int = Field(
+        default=2,
+        ge=0,
+        le=16,
+        description=(
+            "A stream moves to another worker at most this many times in all (the gateways' "
+            "max_resumptions, counted on together): a handed-over stream already moved that "
+            "often ends with the engine's error."
+        ),
+    )
+    handover_seconds: float = Field(
+        default=600.0,
+        ge=0,
+        description=(
+            "Once its engine died, the worker (NOT_SERVING) waits at most this long for the "
+            "streams it hands over to finish, then stops (exit 1, restarted by its supervisor); "
+            "each stream is also bounded by its own deadline."
         ),
     )
     engine_stall_seconds: float = Field(

@@ -12,15 +12,17 @@ from google.api import httpbody_pb2
 from grpc import aio
 from prometheus_client import Counter
 
-from tokenmesh.common.errors import DeadlineExceeded
+from tokenmesh.common.errors import DeadlineExceeded, ServiceError
 from tokenmesh.common.metrics import StreamMetrics
 from tokenmesh.common.outcome import Deadline
 from tokenmesh.common.presentation import OpenAIPresenter, stream_trailers
+from tokenmesh.common.resumption import Delivered
 from tokenmesh.common.tokens import USAGE_TRAILER, ends_stream, usage_trailer
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
 from tokenmesh.worker.admission import Admission
 from tokenmesh.worker.config import WorkerSettings
 from tokenmesh.worker.engine import EngineSlot, VllmEngine
+from tokenmesh.worker.handover import Handover
 from tokenmesh.worker.outputs import Candidate, PromptPart, Tokens
 from tokenmesh.worker.requests import (
     EngineRequest,
@@ -102,6 +104,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         aborted: Counter,
         features: Counter,
         admission: Admission | None = None,
+        handover: Handover | None = None,
     ) -> None:
         self._engines = engines
         self._settings = settings
@@ -112,6 +115,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self._features = features
         # admission: one shared by every front end over the engine (frontends.py).
         self._admission = admission or Admission(settings.max_waiting_requests)
+        # Open streams, and where they go when the engine dies (nowhere without an address).
+        self._handover = handover or Handover(None)
 
     async def Generate(
         self,
@@ -126,14 +131,15 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             context.set_trailing_metadata(trailers)
         engine = self._engines.get()
         messages = 0
-        # Closing the inner stream (the caller went away) aborts the engine request.
-        with self._admission.admit(engine.load.waiting, engine.max_num_seqs):
-            # An OpenAI answer's own time limit (GenerateOpenAI's; 0 for others).
-            time_limit = request.openai.time_limit_seconds
-            generated = self._generate(engine, spec, context, time_limit)
-            async with contextlib.aclosing(generated) as tokens:
+        with self._handover.open_stream():
+            served = self._served(engine, spec, request, context)
+            async with contextlib.aclosing(served) as tokens:
                 async for token in tokens:
                     messages += 1
+                    if token.resumed:
+                        # Handed over to another worker (its engine died): the trailers say so.
+                        trailers = stream_trailers(request, token.resumed)
+                        context.set_trailing_metadata(trailers)
                     if ends_stream(token):
                         usage = token.usage
                         value = usage_trailer(
@@ -141,6 +147,41 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                         )
                         context.set_trailing_metadata((*trailers, (USAGE_TRAILER, value)))
                     yield token
+
+    async def _served(
+        self,
+        engine: VllmEngine,
+        spec: EngineRequest,
+        request: inference_pb2.InferenceRequest,
+        context: aio.ServicerContext[Any, Any],
+    ) -> AsyncGenerator[token_pb2.Token, None]:
+        """The engine's tokens; if the engine dies under the stream, the rest from another
+        worker (handover.py)."""
+        deadline = Deadline.of(context)
+        delivered = Delivered.of(request)
+        last_token_at = time.monotonic()
+        try:
+            # Closing the inner stream (the caller went away) aborts the engine request.
+            with self._admission.admit(engine.load.waiting, engine.max_num_seqs):
+                # An OpenAI answer's own time limit (GenerateOpenAI's; 0 for others).
+                time_limit = request.openai.time_limit_seconds
+                generated = self._generate(engine, spec, context, time_limit)
+                async with contextlib.aclosing(generated) as tokens:
+                    async for token in tokens:
+                        delivered.add(token)
+                        last_token_at = time.monotonic()
+                        yield token
+            return
+        except ServiceError as error:
+            if not engine.errored or not self._handover.takes(delivered):
+                raise
+            failure = error
+        handed = self._handover.stream(
+            request, delivered, deadline, context, failure, last_token_at
+        )
+        async with contextlib.aclosing(handed) as tokens:
+            async for token in tokens:
+                yield token
 
     async def GenerateOpenAI(
         self,

@@ -4,20 +4,18 @@ busy, cancelled (and the engine request aborted) when the caller goes away."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import time
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator
 
-import grpc
 from grpc import aio
 from opentelemetry import trace
-from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from tokenmesh.common.channels import Dependency
-from tokenmesh.common.errors import DependencyError
 from tokenmesh.common.outcome import Deadline
-from tokenmesh.common.resumption import Delivered, choice_count, resumable
+from tokenmesh.common.relay import Relay, ResumptionMetrics
+from tokenmesh.common.resumption import Delivered, choice_count
 from tokenmesh.common.tokens import UPSTREAM_HEADER, ends_stream, merge, token_count
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
 
@@ -105,34 +103,6 @@ async def record_upstream(call: aio.UnaryStreamCall) -> None:
             trace.get_current_span().set_attribute("tokenmesh.worker", str(value))
 
 
-class ResumptionMetrics:
-    """Streams resumed on another worker, by cause, and the gap their callers saw."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.resumed = Counter(
-            "tokenmesh_gateway_resumptions",
-            "Streams that moved to another worker mid-stream, by why (stream_reset: the "
-            "worker's stream or connection broke; worker_unavailable: it lost its engine)",
-            ["cause"],
-            registry=registry,
-        )
-        self.refused = Counter(
-            "tokenmesh_gateway_resumptions_refused",
-            "Streams whose worker went away mid-stream that could not move (limit: at "
-            "max_resumptions already; deadline: none left; request: the worker refused the "
-            "continuation, e.g. stop strings or structured outputs)",
-            ["reason"],
-            registry=registry,
-        )
-        self.gap_seconds = Histogram(
-            "tokenmesh_gateway_resumption_gap_seconds",
-            "A resumed stream's gap: from the last token before its worker went away to the "
-            "first from the next worker",
-            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30),
-            registry=registry,
-        )
-
-
 class WorkerClient:
     """Streams tokens from a worker; cancelling the stream cancels the worker call, which
     aborts the engine request. A stream whose worker goes away after its first token continues
@@ -149,12 +119,15 @@ class WorkerClient:
         metrics: ResumptionMetrics | None = None,
     ) -> None:
         self._worker = worker
-        self._stub = inference_pb2_grpc.InferenceServiceStub(worker.channel)
         self._connect_timeout = connect_timeout
-        self._max_coalesced = max_coalesced
-        self._max_message_tokens = max_message_tokens
-        self._max_resumptions = max_resumptions
-        self._metrics = metrics
+        self._relay = Relay(
+            inference_pb2_grpc.InferenceServiceStub(worker.channel),
+            max_resumptions,
+            metrics,
+            fail=worker.error,
+            reader=lambda call: ReadAhead(call, max_coalesced, max_message_tokens),
+            answered=record_upstream,
+        )
 
     async def stream(
         self,
@@ -170,75 +143,7 @@ class WorkerClient:
         # same deadline (grpc-timeout) and resets the stream when it passes.
         deadline = Deadline(time_limit)
         delivered = Delivered(choice_count(request))
-        attempt, current = 0, request
-        last_token_at = 0.0
-        while True:
-            call = self._stub.Generate(
-                current, timeout=deadline.remaining(), metadata=metadata or None
-            )
-            ahead = ReadAhead(call, self._max_coalesced, self._max_message_tokens)
-            first = True
-            try:
-                while (token := await ahead.next()) is not None:
-                    if first:
-                        first = False
-                        await record_upstream(call)
-                        if attempt and self._metrics is not None:
-                            self._metrics.gap_seconds.observe(time.monotonic() - last_token_at)
-                    delivered.add(token)
-                    last_token_at = time.monotonic()
-                    yield token
-                return
-            except aio.AioRpcError as err:
-                # Failed before its first token, it was retried by Envoy already; after, it
-                # moves to another worker if it may, and otherwise the message says how far it
-                # got.
-                if delivered.complete:
-                    # It broke after its last message: the caller has the whole answer.
-                    return
-                during = f"after {delivered.tokens} tokens" if delivered.tokens else ""
-                cause = resumable(err) if delivered.tokens else None
-                if deadline.passed():
-                    if cause is not None:
-                        self._refused("deadline")
-                    raise DependencyError(
-                        grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"worker: deadline exceeded {during or 'before the first token'}",
-                    ) from err
-                if attempt and first and err.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    # The next worker refused to continue this stream (what it cannot carry
-                    # over): the first worker's failure ends it, with the reason.
-                    self._refused("request")
-                    raise DependencyError(
-                        grpc.StatusCode.UNAVAILABLE,
-                        f"worker: went away {during}, and the stream cannot continue on "
-                        f"another worker: {err.details()}",
-                    ) from err
-                if cause is None:
-                    raise self._worker.error(err, during) from err
-                if attempt >= self._max_resumptions:
-                    self._refused("limit")
-                    raise self._worker.error(err, during) from err
-                attempt += 1
-                current = delivered.resumed(request, attempt)
-                if self._metrics is not None:
-                    self._metrics.resumed.labels(cause=cause).inc()
-                log.warning(
-                    "worker went away %s (%s); resuming the stream on another worker "
-                    "(resumption %d of at most %d)",
-                    during,
-                    err.details() or err.code().name,
-                    attempt,
-                    self._max_resumptions,
-                )
-            finally:
-                ahead.close()
-                # The caller went away (or stopped reading) before the worker's end: cancel
-                # the call, which aborts the engine request. A finished call is left as it is.
-                if not call.done():
-                    call.cancel()
-
-    def _refused(self, reason: str) -> None:
-        """A stream that could have moved did not, for this reason."""
-        if self._metrics is not None and self._max_resumptions:
-            self._metrics.refused.labels(reason=reason).inc()
+        stream = self._relay.stream(request, deadline, delivered, 0, metadata)
+        async with contextlib.aclosing(stream) as tokens:
+            async for token in tokens:
+                yield token
