@@ -354,10 +354,15 @@ SERVING = Dashboard(
     ),
 )
 
+# Resumed streams, moved by the gateways (their token path) or handed over by the workers.
+RESUMPTIONS = '{__name__=~"tokenmesh_(gateway|worker)_resumptions_total"}'
+RESUMPTIONS_REFUSED = '{__name__=~"tokenmesh_(gateway|worker)_resumptions_refused_total"}'
+RESUMPTION_GAP = '{__name__=~"tokenmesh_(gateway|worker)_resumption_gap_seconds_bucket"}'
 DEGRADATION = Dashboard(
     uid="tokenmesh-degradation",
     title="tokenmesh / Degradation",
-    description="The reranker, the gateways' circuit breaker in front of it, and degraded answers.",
+    description="The reranker, the gateways' circuit breaker in front of it, degraded answers, "
+    "and streams that moved to another worker.",
     variables=(Variable("gateway", "Gateway", "tokenmesh_reranker_circuit_state", "replica"),),
     panels=(
         Panel(
@@ -419,6 +424,31 @@ DEGRADATION = Dashboard(
                     "ejected",
                 ),
             ),
+        ),
+        Panel(
+            "Streams moved to another worker/s",
+            "Streams that continued on another worker from the token where they stopped, by "
+            "why (stream_reset, worker_unavailable: moved by a gateway; engine_dead: handed "
+            "over by a worker whose engine died), and those that could not move, by reason. "
+            "Moves in 3 of the last six 5-minute windows fire TokenmeshStreamsKeepMoving.",
+            (
+                Query(rate(RESUMPTIONS, "cause"), "{{cause}}"),
+                Query(rate(RESUMPTIONS_REFUSED, "reason"), "not moved: {{reason}}"),
+            ),
+            unit="reqps",
+        ),
+        Panel(
+            "Gap a moved stream's caller saw",
+            "From the last token before the worker went away to the first from the next one "
+            "(its prefill of the prompt and the delivered tokens), p50 and p99.",
+            tuple(
+                Query(
+                    f"histogram_quantile({q}, {rate(RESUMPTION_GAP, 'le')})",
+                    f"p{round(q * 100)}",
+                )
+                for q in (0.5, 0.99)
+            ),
+            unit="s",
         ),
     ),
 )

@@ -111,6 +111,8 @@ function render(snapshot: DashboardSnapshot): void {
   setMetric("ttft-p99", snapshot.ttftP99Seconds, duration(snapshot.ttftP99Seconds));
   const degraded = Number(snapshot.degradedResponsesTotal);
   setMetric("degraded", degraded, String(degraded));
+  const resumed = Number(snapshot.resumptionsTotal);
+  setMetric("resumed", resumed, String(resumed));
 
   const circuit = CIRCUIT_NAMES[snapshot.rerankerCircuit] ?? "unknown";
   byId("circuit").dataset.state = circuit;

@@ -200,6 +200,9 @@ async def test_ops_page_follows_load_and_shows_the_circuit_opening(
                     )
                     await poll(lambda: any_running(page), 30, "running requests on a worker")
                     await expect(page.locator("#ttft-p50")).not_to_have_text(NO_VALUE)
+                    # Streams moved since the processes started: a count (its series exist at
+                    # 0 from the start, so no warning says the query failed).
+                    await expect(page.locator("#resumed")).not_to_have_text(NO_VALUE)
                     # Every worker's prefix-cache hit ratio is a number (its engine looked up
                     # the load's prompts in the window), cached prompts' above 0.
                     await poll(

@@ -165,6 +165,7 @@ PROMETHEUS_ANSWERS = {
         Sample({"replica": "gateway-1"}, 2.0),
     ],
     "tokenmesh_degraded_responses_total": [Sample({}, 5.0)],
+    "resumptions_total": [Sample({}, 7.0)],
 }
 
 
@@ -196,6 +197,7 @@ async def test_snapshot_joins_worker_figures_with_prometheus_fleet_figures() -> 
         ("gateway-1", ops_pb2.CIRCUIT_STATE_OPEN),
     ]
     assert snapshot.degraded_responses_total == 5
+    assert snapshot.resumptions_total == 7
     assert [(e.service, e.method, e.code, e.count) for e in snapshot.recent_errors] == [
         ("reranker", "tokenmesh.v1.RerankService/Rerank", "UNAVAILABLE", 4),
         ("gateway", "tokenmesh.v1.LLMService/Generate", "CANCELLED", 1),

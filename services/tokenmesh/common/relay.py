@@ -22,10 +22,19 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from tokenmesh.common.errors import DependencyError
 from tokenmesh.common.outcome import Deadline
-from tokenmesh.common.resumption import Delivered, resumable
+from tokenmesh.common.resumption import (
+    CAUSE_ENGINE_DEAD,
+    CAUSE_RESET,
+    CAUSE_UNAVAILABLE,
+    Delivered,
+    resumable,
+)
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
 
 log = logging.getLogger(__name__)
+
+# Why a stream that could have moved did not (the refused counter's reasons).
+REFUSALS = ("limit", "deadline", "request")
 
 
 class Reader(Protocol):
@@ -77,6 +86,12 @@ class ResumptionMetrics:
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30),
             registry=registry,
         )
+        # Every series from the start (at 0), so dashboards and alerts see a mesh where
+        # nothing has moved yet as that, not as missing data.
+        for cause in (CAUSE_RESET, CAUSE_UNAVAILABLE, CAUSE_ENGINE_DEAD):
+            self.resumed.labels(cause=cause)
+        for reason in REFUSALS:
+            self.refused.labels(reason=reason)
 
 
 def dependency_error(err: aio.AioRpcError, during: str) -> Exception:

@@ -147,6 +147,9 @@ class FleetQueries:
     def degraded_total(self) -> str:
         return "sum(tokenmesh_degraded_responses_total)"
 
+    def resumptions_total(self) -> str:
+        return 'sum({__name__=~"tokenmesh_(gateway|worker)_resumptions_total"})'
+
     def recent_errors(self) -> str:
         """Failed RPCs each service's server handled, and the public calls whose tokens came
         straight from a worker (no gateway's server handled those)."""
@@ -169,6 +172,7 @@ class Fleet:
     ttft_p99_seconds: float = math.nan
     circuits: dict[str, int] = field(default_factory=dict)
     degraded_responses_total: int = 0
+    resumptions_total: int = 0
     errors: list[ops_pb2.ErrorCount] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
@@ -194,6 +198,7 @@ async def query_fleet(prometheus: Prometheus | None, queries: FleetQueries, url:
         "p99": queries.ttft(0.99),
         "circuits": queries.circuits(),
         "degraded": queries.degraded_total(),
+        "resumptions": queries.resumptions_total(),
         "errors": queries.recent_errors(),
     }
     answers = await asyncio.gather(
@@ -227,6 +232,7 @@ async def query_fleet(prometheus: Prometheus | None, queries: FleetQueries, url:
         if not math.isnan(s.value)
     }
     fleet.degraded_responses_total = round(single(results.get("degraded", []), 0.0))
+    fleet.resumptions_total = round(single(results.get("resumptions", []), 0.0))
     errors = [
         ops_pb2.ErrorCount(
             service=s.labels.get("service", ""),
@@ -493,6 +499,7 @@ class Dashboard:
             ttft_p50_seconds=fleet.ttft_p50_seconds,
             ttft_p99_seconds=fleet.ttft_p99_seconds,
             degraded_responses_total=fleet.degraded_responses_total,
+            resumptions_total=fleet.resumptions_total,
             gateway_circuits=[
                 ops_pb2.GatewayCircuit(
                     gateway=gateway,

@@ -69,7 +69,7 @@ class ErrorCount(_message.Message):
     def __init__(self, service: _Optional[str] = ..., method: _Optional[str] = ..., code: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
 
 class DashboardSnapshot(_message.Message):
-    __slots__ = ("taken_unix_millis", "workers", "reranker_circuit", "requests_per_second", "tokens_per_second", "ttft_p50_seconds", "ttft_p99_seconds", "degraded_responses_total", "gateway_circuits", "recent_errors", "warnings")
+    __slots__ = ("taken_unix_millis", "workers", "reranker_circuit", "requests_per_second", "tokens_per_second", "ttft_p50_seconds", "ttft_p99_seconds", "degraded_responses_total", "gateway_circuits", "recent_errors", "warnings", "resumptions_total")
     TAKEN_UNIX_MILLIS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     RERANKER_CIRCUIT_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class DashboardSnapshot(_message.Message):
     GATEWAY_CIRCUITS_FIELD_NUMBER: _ClassVar[int]
     RECENT_ERRORS_FIELD_NUMBER: _ClassVar[int]
     WARNINGS_FIELD_NUMBER: _ClassVar[int]
+    RESUMPTIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     taken_unix_millis: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerSnapshot]
     reranker_circuit: CircuitState
@@ -92,7 +93,8 @@ class DashboardSnapshot(_message.Message):
     gateway_circuits: _containers.RepeatedCompositeFieldContainer[GatewayCircuit]
     recent_errors: _containers.RepeatedCompositeFieldContainer[ErrorCount]
     warnings: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, taken_unix_millis: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerSnapshot, _Mapping]]] = ..., reranker_circuit: _Optional[_Union[CircuitState, str]] = ..., requests_per_second: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., ttft_p50_seconds: _Optional[float] = ..., ttft_p99_seconds: _Optional[float] = ..., degraded_responses_total: _Optional[int] = ..., gateway_circuits: _Optional[_Iterable[_Union[GatewayCircuit, _Mapping]]] = ..., recent_errors: _Optional[_Iterable[_Union[ErrorCount, _Mapping]]] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
+    resumptions_total: int
+    def __init__(self, taken_unix_millis: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerSnapshot, _Mapping]]] = ..., reranker_circuit: _Optional[_Union[CircuitState, str]] = ..., requests_per_second: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., ttft_p50_seconds: _Optional[float] = ..., ttft_p99_seconds: _Optional[float] = ..., degraded_responses_total: _Optional[int] = ..., gateway_circuits: _Optional[_Iterable[_Union[GatewayCircuit, _Mapping]]] = ..., recent_errors: _Optional[_Iterable[_Union[ErrorCount, _Mapping]]] = ..., warnings: _Optional[_Iterable[str]] = ..., resumptions_total: _Optional[int] = ...) -> None: ...
 
 class WorkersRequest(_message.Message):
     __slots__ = ("interval_ms",)
