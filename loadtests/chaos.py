@@ -25,6 +25,7 @@ from pathlib import Path
 
 from tests.harness.chaos import (
     ALL_SCENARIOS,
+    FULL_ONLY_SCENARIOS,
     MESH_AUTOGROUP_NICE,
     SCENARIOS,
     SMALL_MESH_ENV,
@@ -106,7 +107,11 @@ def main() -> int:
         rows = asyncio.run(run_scenarios(attached(args.attach), names, args.short))
     else:
         # The 2-gateway, 2-worker mesh first, then the small one: one at a time on a small box.
-        on_main = set(SCENARIOS) | (set() if args.short else {"stalled_client"})
+        on_main = (
+            set(SCENARIOS)
+            | set(FULL_ONLY_SCENARIOS)
+            | (set() if args.short else {"stalled_client"})
+        )
         main_names = [name for name in names if name in on_main]
         small_names = [name for name in names if name not in on_main]
         if main_names:

@@ -28,7 +28,7 @@ from grpc import aio
 from tokenmesh.common.tokens import WORKER_GENERATE, token_count
 from tokenmesh.localmesh.mesh import LocalMesh, Program, envoy_host_statuses
 from tokenmesh.localmesh.probes import engine_empty_at, fetch_text, series_values
-from tokenmesh.v1 import inference_pb2_grpc, llm_pb2, llm_pb2_grpc
+from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, llm_pb2, llm_pb2_grpc
 
 OK = "OK"
 HUNG = "HUNG"
@@ -135,6 +135,8 @@ class Outcome:
     # of its messages did not start where the one before had ended.
     resumed: int = 0
     gaps: int = 0
+    # A moved stream's gap: from the message before its first resumed one to that one.
+    gap_seconds: float | None = None
 
 
 @dataclass
@@ -226,6 +228,8 @@ async def generate(
             count = token_count(token)
             if count and token.index != outcome.tokens:
                 outcome.gaps += 1
+            if token.resumed and outcome.gap_seconds is None:
+                outcome.gap_seconds = time.monotonic() - outcome.last_token
             outcome.resumed = max(outcome.resumed, token.resumed)
             outcome.tokens += count
             outcome.last_token = time.monotonic()
@@ -785,8 +789,10 @@ async def complete_openai(
             timeout=deadline,
         )
         async for chunk in stream:
-            moved = (chunk.model_extra or {}).get("tokenmesh", {}).get("resumed", 0)
-            outcome.resumed = max(outcome.resumed, int(moved or 0))
+            moved = int((chunk.model_extra or {}).get("tokenmesh", {}).get("resumed", 0) or 0)
+            if moved and not outcome.resumed:
+                outcome.gap_seconds = time.monotonic() - outcome.last_token
+            outcome.resumed = max(outcome.resumed, moved)
             if chunk.usage is not None:
                 usage = chunk.usage
             for choice in chunk.choices:
@@ -832,7 +838,42 @@ async def engine_kill(mesh: ScenarioMesh, short: bool) -> Row:
     once and hands its streams over to the other worker, where each goes on from the token it
     stopped at; every stream completes, contiguous and whole ([DONE] / OK), those that moved
     say so, and the worker rejoins once restarted with a new engine."""
-    row = Row("engine_kill")
+    return await kill_an_engine(mesh, "engine_kill", lambda i: f"engine kill {i}", warm=False)
+
+
+def gap_figures(outcomes: Sequence[Outcome]) -> dict[str, float | int | None]:
+    """The gaps moved streams' callers saw: how many, p50, p99 and the longest, in ms."""
+    gaps = sorted(o.gap_seconds for o in outcomes if o.gap_seconds is not None)
+    if not gaps:
+        return {"moved": 0, "p50_ms": None, "p99_ms": None, "max_ms": None}
+
+    def at(q: float) -> float:
+        return round(1000 * gaps[min(len(gaps) - 1, int(q * len(gaps)))], 1)
+
+    return {"moved": len(gaps), "p50_ms": at(0.5), "p99_ms": at(0.99), "max_ms": at(1.0)}
+
+
+async def warm_prefix_caches(mesh: ScenarioMesh, prompts: Sequence[str]) -> None:
+    """Every worker prefills every prompt once (one token each, asked directly), so whichever
+    worker a stream moves to has its prompt in its prefix cache."""
+    for worker in mesh.local_mesh.replicas("worker"):
+        async with aio.insecure_channel(worker.address) as channel:
+            stub = inference_pb2_grpc.InferenceServiceStub(channel)
+            for prompt in prompts:
+                request_ = inference_pb2.InferenceRequest(
+                    prompt=prompt, sampling=inference_pb2.SamplingParams(max_tokens=1)
+                )
+                async for _ in stub.Generate(request_, timeout=BUSY_CALL_TIMEOUT_SECONDS):
+                    pass
+
+
+async def kill_an_engine(
+    mesh: ScenarioMesh, name: str, prompt: Callable[[int], str], warm: bool
+) -> Row:
+    """engine_kill with these prompts (stream i's: prompt(i), gRPC ones first); warm: every
+    worker has every prompt in its prefix cache first. Its notes have the gaps the moved
+    streams' callers saw (gap_figures)."""
+    row = Row(name)
     workers = mesh.local_mesh.replicas("worker")
     addresses = {worker.address for worker in workers}
     if await mesh.wait_until(lambda: addresses <= mesh.healthy("worker"), 60) is None:
@@ -840,9 +881,12 @@ async def engine_kill(mesh: ScenarioMesh, short: bool) -> Row:
             f"the workers were not all healthy in Envoy: {mesh.healthy('worker')}"
         )
         return row
-    pids = {worker.name: mesh.local_mesh.pid(worker.name) for worker in workers}
-    cores = {name: engine_cores(pid) for name, pid in pids.items()}
+    # Streams of each protocol (gRPC, then OpenAI), and their length.
     streams, max_tokens = 16, 1000
+    if warm:
+        await warm_prefix_caches(mesh, [prompt(i) for i in range(2 * streams)])
+    pids = {worker.name: mesh.local_mesh.pid(worker.name) for worker in workers}
+    cores = {worker: engine_cores(pid) for worker, pid in pids.items()}
     model = Path(mesh.local_mesh.settings.model).name
     before = await asyncio.to_thread(mesh.worker_counts)
     killed: dict[str, Any] = {}
@@ -860,12 +904,12 @@ async def engine_kill(mesh: ScenarioMesh, short: bool) -> Row:
     ):
         stub = llm_pb2_grpc.LLMServiceStub(channel)
         running = [
-            asyncio.create_task(generate(stub, request(f"engine kill {i}", max_tokens), 180))
+            asyncio.create_task(generate(stub, request(prompt(i), max_tokens), 180))
             for i in range(streams)
         ]
         running += [
             asyncio.create_task(
-                complete_openai(client, model, f"engine kill openai {i}", max_tokens, 180)
+                complete_openai(client, model, prompt(streams + i), max_tokens, 180)
             )
             for i in range(streams)
         ]
@@ -892,6 +936,8 @@ async def engine_kill(mesh: ScenarioMesh, short: bool) -> Row:
         sum(1 for o in outcomes[streams:] if o.resumed),
     ]
     row.notes["left_envoy_healthy_set_s"] = None if left is None else round(left, 2)
+    row.notes["gap"] = gap_figures(outcomes)
+    row.notes["prefix_caches"] = "warm" if warm else "cold"
     row.check(bool(cores[victim.name]), "the worker has an engine core process to kill")
     row.check(
         all(o.code == OK for o in outcomes),
@@ -904,6 +950,94 @@ async def engine_kill(mesh: ScenarioMesh, short: bool) -> Row:
     row.recovered(time.monotonic() - killed["at"])
     row.notes["rejoined_after_s"] = round(time.monotonic() - rejoin_started, 1)
     return row
+
+
+async def engines_all_dead(mesh: ScenarioMesh, short: bool) -> Row:
+    """SIGKILL every worker's engine core while 8 gRPC and 8 OpenAI streams of 1,000 tokens run
+    through the edge: with no worker left to move to, every stream ends promptly with a clear
+    error (gRPC UNAVAILABLE with a message; OpenAI's an error event in the begun stream, which
+    the SDK raises), none hangs; both workers rejoin once restarted."""
+    row = Row("engines_all_dead")
+    workers = mesh.local_mesh.replicas("worker")
+    addresses = {worker.address for worker in workers}
+    if await mesh.wait_until(lambda: addresses <= mesh.healthy("worker"), 60) is None:
+        row.violations.append(
+            f"the workers were not all healthy in Envoy: {mesh.healthy('worker')}"
+        )
+        return row
+    cores = [core for w in workers for core in engine_cores(mesh.local_mesh.pid(w.name))]
+    streams, max_tokens = 8, 1000
+    model = Path(mesh.local_mesh.settings.model).name
+    before = await asyncio.to_thread(mesh.worker_counts)
+    killed: dict[str, float] = {}
+
+    def kill(_: dict[str, int]) -> None:
+        killed["at"] = time.monotonic()
+        for core in cores:
+            os.kill(core.pid, signal.SIGKILL)
+
+    base_url = f"http://{mesh.edge}/v1"
+    async with (
+        mesh.channel() as channel,
+        openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as client,
+    ):
+        stub = llm_pb2_grpc.LLMServiceStub(channel)
+        running = [
+            asyncio.create_task(generate(stub, request(f"all dead {i}", max_tokens), 180))
+            for i in range(streams)
+        ]
+        running += [
+            asyncio.create_task(
+                complete_openai(client, model, f"all dead openai {i}", max_tokens, 180)
+            )
+            for i in range(streams)
+        ]
+        running_now, seen = await asyncio.to_thread(
+            mesh.kill_when_generating, 180, kill, before, True, True
+        )
+        row.notes["watch"] = seen
+        if running_now is None:
+            row.violations.append(f"the workers were not both generating within 180 s: {seen}")
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+            return row
+        outcomes = await asyncio.gather(*running)
+    row.add(outcomes)
+    cut = [o for o in outcomes if o.code != OK]
+    ended_within = max((o.ended - killed["at"] for o in cut), default=0.0)
+    row.notes["engine_cores_killed"] = len(cores)
+    row.notes["streams_per_worker_at_kill"] = running_now
+    row.notes["cut_streams_ended_within_s"] = round(ended_within, 2)
+    row.check(bool(cut), "some streams were running when the engines died")
+    grpc_cut, openai_cut = cut_by_protocol(outcomes, streams)
+    row.check(
+        all(o.code == "UNAVAILABLE" and o.details for o in grpc_cut),
+        f"gRPC streams end UNAVAILABLE with a message: {ends_seen(grpc_cut)}",
+    )
+    row.check(
+        all(o.code == "APIError" and o.details for o in openai_cut),
+        f"OpenAI streams end with an error event: {ends_seen(openai_cut)}",
+    )
+    row.check(ended_within <= 30, f"they end within 30 s of the kill ({ended_within:.1f} s)")
+    for worker in workers:
+        row.check(await mesh.rejoined(worker), f"{worker.name} rejoins with a new engine")
+    row.recovered(time.monotonic() - killed["at"])
+    return row
+
+
+def ends_seen(outcomes: Sequence[Outcome]) -> list[tuple[str, str]]:
+    return sorted({(o.code, o.details[:80]) for o in outcomes})
+
+
+def cut_by_protocol(
+    outcomes: Sequence[Outcome], streams: int
+) -> tuple[list[Outcome], list[Outcome]]:
+    """The failed gRPC streams (the first `streams`) and the failed OpenAI ones."""
+    return (
+        [o for o in outcomes[:streams] if o.code != OK],
+        [o for o in outcomes[streams:] if o.code != OK],
+    )
 
 
 async def rolling_restart(mesh: ScenarioMesh, short: bool) -> Row:
@@ -1429,4 +1563,6 @@ SCENARIOS: dict[str, Scenario] = {
 # Scenarios that need the small mesh's limits (SMALL_MESH_ENV); stalled_client runs there in its
 # short version (a 5 s stream idle timeout), on the main mesh in full (100 streams, 60 s).
 SMALL_SCENARIOS: dict[str, Scenario] = {"overload": overload, "stalled_client": stalled_client}
-ALL_SCENARIOS = {**SCENARIOS, **SMALL_SCENARIOS}
+# Scenarios only `make chaos` runs (both workers restart: a minute or more on two cores).
+FULL_ONLY_SCENARIOS: dict[str, Scenario] = {"engines_all_dead": engines_all_dead}
+ALL_SCENARIOS = {**SCENARIOS, **FULL_ONLY_SCENARIOS, **SMALL_SCENARIOS}

@@ -34,6 +34,18 @@ def mark(context: Context, call: PreparedCall, resumed: int = 0) -> None:
         context.set_trailing_metadata(trailers)
 
 
+async def marked(
+    context: Context, call: PreparedCall, tokens: AsyncIterator[token_pb2.Token]
+) -> AsyncGenerator[token_pb2.Token, None]:
+    """The stream's tokens, its trailers marked from the start and again once it moved to
+    another worker (a whole answer's too: GetAnswer, Summarize)."""
+    mark(context, call)
+    async for token in tokens:
+        if token.resumed:
+            mark(context, call, token.resumed)
+        yield token
+
+
 async def collect(tokens: AsyncIterator[token_pb2.Token]) -> llm_pb2.Answer:
     """A whole answer from a token stream (its warnings are the first token's): the first
     choice's text and finish as the answer's, and every choice when there are several."""
@@ -95,18 +107,16 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         timer = self._stream_metrics.timer(context)
         asked = question(request, self._settings)
         call = await self._preparer.question(asked, context.time_remaining())
-        mark(context, call)
-        async for token in self._pipeline.stream(call, context.time_remaining()):
-            if token.resumed:
-                mark(context, call, token.resumed)
+        tokens = self._pipeline.stream(call, context.time_remaining())
+        async for token in marked(context, call, tokens):
             timer.sent(token)
             yield token
 
     async def GetAnswer(self, request: llm_pb2.Query, context: Context) -> llm_pb2.Answer:
         asked = question(request, self._settings)
         call = await self._preparer.question(asked, context.time_remaining())
-        mark(context, call)
-        answer = await collect(self._pipeline.stream(call, context.time_remaining()))
+        tokens = self._pipeline.stream(call, context.time_remaining())
+        answer = await collect(marked(context, call, tokens))
         answer.used_document_indices.extend(call.used_document_indices)
         return answer
 
@@ -141,7 +151,8 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         instruction = first.instruction or settings.summarize_instruction
         check_text("instruction", instruction, settings.max_prompt_bytes)
         call = self._preparer.call(summary_request(instruction, "".join(parts)), sampling)
-        return await collect(self._pipeline.stream(call, context.time_remaining()))
+        tokens = self._pipeline.stream(call, context.time_remaining())
+        return await collect(marked(context, call, tokens))
 
     async def Chat(
         self, request_iterator: AsyncIterator[llm_pb2.ChatMessage], context: Context
