@@ -134,16 +134,28 @@ async def test_sigterm_lets_the_in_flight_stream_finish_then_exits_0(
         worker.signal(signal.SIGTERM)
         rest = await read_rest(call)
         assert positions([first, *rest]) == list(range(tokens))
-        # New work is refused once the worker is draining.
-        with pytest.raises(aio.AioRpcError) as refused:
-            async for _ in stub.Generate(request, timeout=30):
-                pass
-        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        # NOT_SERVING at once; new work is still served while it drains (DRAIN_SECONDS, so
+        # that Envoy sees NOT_SERVING before the worker stops accepting), then refused.
+        assert await asyncio.to_thread(health_status, worker.address) == "NOT_SERVING"
+        short = inference_pb2.InferenceRequest(
+            prompt="late", sampling=inference_pb2.SamplingParams(max_tokens=1)
+        )
+        refused = None
+        for _ in range(100):
+            try:
+                async for _ in stub.Generate(short, timeout=30):
+                    pass
+            except aio.AioRpcError as error:
+                refused = error
+                break
+            await asyncio.sleep(0.1)
+        assert refused is not None, "still served 10 s after SIGTERM"
+        assert refused.code() == grpc.StatusCode.UNAVAILABLE
     assert worker.process is not None
     assert await asyncio.to_thread(worker.process.wait, 60) == 0
 
 
-@pytest.mark.stops_worker
+# Not stops_worker: the session's worker is its handover target, so it runs before those.
 async def test_engine_death_hands_the_streams_over_then_the_worker_exits_1(
     worker: ServiceProcess,
 ) -> None:
