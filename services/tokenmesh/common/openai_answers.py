@@ -295,9 +295,12 @@ class EventStream:
         self._logprobs = logprobs
         self._include_usage = include_usage
         self._choices = choices
-        # Each choice's fixed chunk parts, and its text so far (completions' text_offset).
+        # Each choice's fixed chunk parts, and with logprobs its text so far (completions'
+        # text_offset).
         self._parts: dict[int, tuple[bytes, bytes]] = {0: shape.text_chunk_parts()}
         self._offsets: dict[int, int] = {}
+        # Whether the last message given to token() ended the stream (ends_stream).
+        self.ended = False
 
     def start(self) -> bytes:
         """What goes before the first token: a chat's assistant role, for every choice."""
@@ -312,16 +315,15 @@ class EventStream:
 
     def token(self, token: token_pb2.Token) -> bytes:
         """The message's chunk; after the stream's last one, the usage chunk (when asked) and
-        [DONE]."""
+        [DONE]. Runs for every message: a plain one reads each field it needs once."""
         shape = self._shape
         if token.resumed:
             shape.resumed(token.resumed)
             self._parts = {}  # they hold the extra field
         index = token.choice
         reason = finish_reason(token)
-        offset = self._offsets.get(index, 0)
         text = echoed(token)
-        if reason is None and not self._logprobs and not (token.reasoning or token.tool_calls):
+        if reason is None and not self._logprobs and not token.reasoning and not token.tool_calls:
             parts = self._parts.get(index)
             if parts is None:
                 parts = self._parts[index] = shape.text_chunk_parts(index)
@@ -329,13 +331,16 @@ class EventStream:
         else:
             logprobs = None
             if self._logprobs:
+                # Each message of a choice with logprobs comes here: its text so far counted.
+                offset = self._offsets.get(index, 0)
+                self._offsets[index] = offset + len(text)
                 logprobs = (
                     chat_logprobs(token) if shape.chat else completion_logprobs(token, offset)
                 )
             piece = chat_delta(token) if shape.chat else text
             data = shape.chunk(choice(shape, piece, reason, logprobs, index))
-        self._offsets[index] = offset + len(text)
-        if not ends_stream(token):
+        self.ended = ends_stream(token)
+        if not self.ended:
             return data
         if self._include_usage:
             data += shape.usage_chunk(token)

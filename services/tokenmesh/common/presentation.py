@@ -15,7 +15,7 @@ from tokenmesh.common.openai_answers import (
     WholeAnswer,
     error_response,
 )
-from tokenmesh.common.tokens import DEGRADED_HEADER, RESUMED_TRAILER, ends_stream
+from tokenmesh.common.tokens import DEGRADED_HEADER, RESUMED_TRAILER
 from tokenmesh.v1 import inference_pb2, token_pb2
 
 EVENT_STREAM = "text/event-stream"
@@ -96,7 +96,7 @@ class OpenAIPresenter:
                 if not started:
                     started = True
                     data = events.start() + data
-                ended = ends_stream(token)
+                ended = events.ended
                 yield data
         except Exception as exc:
             if not started:
