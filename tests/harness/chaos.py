@@ -524,11 +524,7 @@ async def worker_kill(mesh: ScenarioMesh, short: bool) -> Row:
     pids = {worker.name: mesh.local_mesh.pid(worker.name) for worker in workers}
     # Both workers must be routable first: after an endpoint update (a control plane that
     # restarted) Envoy may health-check a host again before it routes to it.
-    addresses = {worker.address for worker in workers}
-    if await mesh.wait_until(lambda: addresses <= mesh.healthy("worker"), 60) is None:
-        row.violations.append(
-            f"the workers were not all healthy in Envoy: {mesh.healthy('worker')}"
-        )
+    if not await workers_routable(mesh, row):
         return row
     # Long streams that keep both engines decoding, and streams held open until the kill.
     streams, held, burst = (24, 8, 16) if short else (48, 8, 48)
@@ -867,36 +863,36 @@ async def warm_prefix_caches(mesh: ScenarioMesh, prompts: Sequence[str]) -> None
                     pass
 
 
-async def kill_an_engine(
-    mesh: ScenarioMesh, name: str, prompt: Callable[[int], str], warm: bool
-) -> Row:
-    """engine_kill with these prompts (stream i's: prompt(i), gRPC ones first); warm: every
-    worker has every prompt in its prefix cache first. Its notes have the gaps the moved
-    streams' callers saw (gap_figures)."""
-    row = Row(name)
-    workers = mesh.local_mesh.replicas("worker")
-    addresses = {worker.address for worker in workers}
+async def workers_routable(mesh: ScenarioMesh, row: Row) -> bool:
+    """Whether every worker is in Envoy's healthy set (within 60 s): after an endpoint update
+    (a control plane that restarted) Envoy may health-check a host again before it routes to
+    it. If not, the row says so."""
+    addresses = {worker.address for worker in mesh.local_mesh.replicas("worker")}
     if await mesh.wait_until(lambda: addresses <= mesh.healthy("worker"), 60) is None:
         row.violations.append(
             f"the workers were not all healthy in Envoy: {mesh.healthy('worker')}"
         )
-        return row
-    # Streams of each protocol (gRPC, then OpenAI), and their length.
-    streams, max_tokens = 16, 1000
-    if warm:
-        await warm_prefix_caches(mesh, [prompt(i) for i in range(2 * streams)])
-    pids = {worker.name: mesh.local_mesh.pid(worker.name) for worker in workers}
-    cores = {worker: engine_cores(pid) for worker, pid in pids.items()}
+        return False
+    return True
+
+
+async def grpc_and_openai_through_a_kill(
+    mesh: ScenarioMesh,
+    row: Row,
+    prompt: Callable[[int], str],
+    streams: int,
+    max_tokens: int,
+    kill: Callable[[dict[str, int]], None],
+    after_kill: Callable[[], Awaitable[Any]] | None = None,
+) -> tuple[dict[str, int], list[Outcome], Any] | None:
+    """`streams` gRPC Generate streams and `streams` OpenAI completions (the official SDK) of
+    `max_tokens` through the edge, stream i's prompt prompt(i), gRPC first; kill(streams open
+    per worker) once every worker generates (ScenarioMesh.kill_when_generating), then
+    after_kill() while the streams go on. The streams open at the kill, every stream's
+    outcome and after_kill's result, in that order; None, noted in the row, when the workers
+    did not all generate within 180 s."""
     model = Path(mesh.local_mesh.settings.model).name
     before = await asyncio.to_thread(mesh.worker_counts)
-    killed: dict[str, Any] = {}
-
-    def kill(open_streams: dict[str, int]) -> None:
-        victim = max(workers, key=lambda w: open_streams[w.name])
-        killed.update(victim=victim, at=time.monotonic())
-        for core in cores[victim.name]:
-            os.kill(core.pid, signal.SIGKILL)
-
     base_url = f"http://{mesh.edge}/v1"
     async with (
         mesh.channel() as channel,
@@ -917,15 +913,51 @@ async def kill_an_engine(
             mesh.kill_when_generating, 180, kill, before, True, True
         )
         row.notes["watch"] = seen
-        if running_now is None or "victim" not in killed:
+        if running_now is None:
             row.violations.append(f"the workers were not both generating within 180 s: {seen}")
             for task in running:
                 task.cancel()
             await asyncio.gather(*running, return_exceptions=True)
-            return row
+            return None
+        seen_after = None if after_kill is None else await after_kill()
+        return running_now, list(await asyncio.gather(*running)), seen_after
+
+
+async def kill_an_engine(
+    mesh: ScenarioMesh, name: str, prompt: Callable[[int], str], warm: bool
+) -> Row:
+    """engine_kill with these prompts (stream i's: prompt(i), gRPC ones first); warm: every
+    worker has every prompt in its prefix cache first. Its notes have the gaps the moved
+    streams' callers saw (gap_figures)."""
+    row = Row(name)
+    workers = mesh.local_mesh.replicas("worker")
+    if not await workers_routable(mesh, row):
+        return row
+    # Streams of each protocol (gRPC, then OpenAI), and their length.
+    streams, max_tokens = 16, 1000
+    if warm:
+        await warm_prefix_caches(mesh, [prompt(i) for i in range(2 * streams)])
+    pids = {worker.name: mesh.local_mesh.pid(worker.name) for worker in workers}
+    cores = {worker: engine_cores(pid) for worker, pid in pids.items()}
+    killed: dict[str, Any] = {}
+
+    def kill(open_streams: dict[str, int]) -> None:
+        victim = max(workers, key=lambda w: open_streams[w.name])
+        killed.update(victim=victim, at=time.monotonic())
+        for core in cores[victim.name]:
+            os.kill(core.pid, signal.SIGKILL)
+
+    async def victim_left() -> float | None:
         victim = killed["victim"]
-        left = await mesh.wait_until(lambda: victim.address not in mesh.healthy("worker"), 15)
-        outcomes = await asyncio.gather(*running)
+        return await mesh.wait_until(lambda: victim.address not in mesh.healthy("worker"), 15)
+
+    killing = await grpc_and_openai_through_a_kill(
+        mesh, row, prompt, streams, max_tokens, kill, victim_left
+    )
+    if killing is None:
+        return row
+    running_now, outcomes, left = killing
+    victim = killed["victim"]
     row.add(outcomes)
     moved = [o for o in outcomes if o.resumed]
     row.notes["killed"] = victim.name
@@ -956,19 +988,14 @@ async def engines_all_dead(mesh: ScenarioMesh, short: bool) -> Row:
     """SIGKILL every worker's engine core while 8 gRPC and 8 OpenAI streams of 1,000 tokens run
     through the edge: with no worker left to move to, every stream ends promptly with a clear
     error (gRPC UNAVAILABLE with a message; OpenAI's an error event in the begun stream, which
-    the SDK raises), none hangs; both workers rejoin once restarted."""
+    the SDK raises, or a 503 if it had not begun), none hangs; both workers rejoin once
+    restarted."""
     row = Row("engines_all_dead")
     workers = mesh.local_mesh.replicas("worker")
-    addresses = {worker.address for worker in workers}
-    if await mesh.wait_until(lambda: addresses <= mesh.healthy("worker"), 60) is None:
-        row.violations.append(
-            f"the workers were not all healthy in Envoy: {mesh.healthy('worker')}"
-        )
+    if not await workers_routable(mesh, row):
         return row
     cores = [core for w in workers for core in engine_cores(mesh.local_mesh.pid(w.name))]
     streams, max_tokens = 8, 1000
-    model = Path(mesh.local_mesh.settings.model).name
-    before = await asyncio.to_thread(mesh.worker_counts)
     killed: dict[str, float] = {}
 
     def kill(_: dict[str, int]) -> None:
@@ -976,33 +1003,12 @@ async def engines_all_dead(mesh: ScenarioMesh, short: bool) -> Row:
         for core in cores:
             os.kill(core.pid, signal.SIGKILL)
 
-    base_url = f"http://{mesh.edge}/v1"
-    async with (
-        mesh.channel() as channel,
-        openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as client,
-    ):
-        stub = llm_pb2_grpc.LLMServiceStub(channel)
-        running = [
-            asyncio.create_task(generate(stub, request(f"all dead {i}", max_tokens), 180))
-            for i in range(streams)
-        ]
-        running += [
-            asyncio.create_task(
-                complete_openai(client, model, f"all dead openai {i}", max_tokens, 180)
-            )
-            for i in range(streams)
-        ]
-        running_now, seen = await asyncio.to_thread(
-            mesh.kill_when_generating, 180, kill, before, True, True
-        )
-        row.notes["watch"] = seen
-        if running_now is None:
-            row.violations.append(f"the workers were not both generating within 180 s: {seen}")
-            for task in running:
-                task.cancel()
-            await asyncio.gather(*running, return_exceptions=True)
-            return row
-        outcomes = await asyncio.gather(*running)
+    killing = await grpc_and_openai_through_a_kill(
+        mesh, row, lambda i: f"all dead {i}", streams, max_tokens, kill
+    )
+    if killing is None:
+        return row
+    running_now, outcomes, _ = killing
     row.add(outcomes)
     cut = [o for o in outcomes if o.code != OK]
     ended_within = max((o.ended - killed["at"] for o in cut), default=0.0)
@@ -1015,9 +1021,15 @@ async def engines_all_dead(mesh: ScenarioMesh, short: bool) -> Row:
         all(o.code == "UNAVAILABLE" and o.details for o in grpc_cut),
         f"gRPC streams end UNAVAILABLE with a message: {ends_seen(grpc_cut)}",
     )
+    # OpenAI's: an error event in a begun stream (the SDK's APIError), or, for a stream whose
+    # headers had not gone out yet, Envoy's 503 (no healthy upstream; the SDK's
+    # InternalServerError).
     row.check(
-        all(o.code == "APIError" and o.details for o in openai_cut),
-        f"OpenAI streams end with an error event: {ends_seen(openai_cut)}",
+        all(
+            o.code == "APIError" or (o.code == "InternalServerError" and "503" in o.details)
+            for o in openai_cut
+        ),
+        f"OpenAI streams end with an error event or a 503: {ends_seen(openai_cut)}",
     )
     row.check(ended_within <= 30, f"they end within 30 s of the kill ({ended_within:.1f} s)")
     for worker in workers:

@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from tests.unit.test_resumption import FakeCall, FakeStub, message
+from tokenmesh.common.channels import Dependency
 from tokenmesh.common.errors import Unavailable
 from tokenmesh.common.outcome import Deadline
 from tokenmesh.common.relay import Relay
@@ -17,6 +18,8 @@ from tokenmesh.v1 import inference_pb2, token_pb2
 from tokenmesh.worker.handover import Handover
 
 DEAD = Unavailable("inference engine is down")
+# The other workers, as a handing-over worker reaches them (never connected here).
+WORKERS = Dependency("worker", "127.0.0.1:1", 1 << 20)
 
 
 class Context:
@@ -35,7 +38,7 @@ def request(max_tokens: int = 6) -> inference_pb2.InferenceRequest:
 def hand_over(
     stub: FakeStub, sent: inference_pb2.InferenceRequest, delivered: Delivered, limit: int = 2
 ) -> list[token_pb2.Token]:
-    handover = Handover(Relay(stub, limit))  # type: ignore[arg-type]
+    handover = Handover(Relay(stub, limit, WORKERS.error))  # type: ignore[arg-type]
     assert handover.takes(delivered)
 
     async def read() -> list[token_pb2.Token]:
@@ -95,10 +98,10 @@ def test_a_stream_at_its_limit_ends_with_the_engines_error() -> None:
 
 def test_without_a_worker_to_move_to_or_once_complete_nothing_moves() -> None:
     assert not Handover(None).takes(Delivered(1))
-    assert not Handover(Relay(FakeStub(), 0)).takes(Delivered(1))  # type: ignore[arg-type]
+    assert not Handover(Relay(FakeStub(), 0, WORKERS.error)).takes(Delivered(1))  # type: ignore[arg-type]
     done = Delivered(1)
     done.add(rest(0, [1]))
-    assert not Handover(Relay(FakeStub(), 2)).takes(done)  # type: ignore[arg-type]
+    assert not Handover(Relay(FakeStub(), 2, WORKERS.error)).takes(done)  # type: ignore[arg-type]
 
 
 def test_the_next_worker_refusing_ends_the_stream_unavailable_naming_why() -> None:

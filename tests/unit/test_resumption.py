@@ -155,7 +155,7 @@ def relay(stub: FakeStub, max_resumptions: int = 2) -> Relay:
     """The relay loop the gateway's worker client (and a worker handing over) runs, with the
     gateway's error mapping."""
     worker = Dependency("worker", "127.0.0.1:1", 1 << 20)
-    return Relay(stub, max_resumptions, fail=worker.error)  # type: ignore[arg-type]
+    return Relay(stub, max_resumptions, worker.error)  # type: ignore[arg-type]
 
 
 RESET = Failed(grpc.StatusCode.INTERNAL, "Received RST_STREAM with error code 2")

@@ -94,23 +94,18 @@ class ResumptionMetrics:
             self.refused.labels(reason=reason)
 
 
-def dependency_error(err: aio.AioRpcError, during: str) -> Exception:
-    """A worker call's failure as the caller's status: its code, and how far the stream got."""
-    details = err.details() or err.code().name
-    return DependencyError(err.code(), f"worker: {details} {during}".rstrip())
-
-
 class Relay:
     """Streams prepared requests from the workers behind `stub`'s channel. `fail` turns a
-    call's failure into the caller's error; `reader` reads a call (the gateway reads ahead and
-    merges); `answered` sees each call once its first message came."""
+    call's failure into the caller's error (its Dependency's error); `reader` reads a call
+    (the gateway reads ahead and merges); `answered` sees each call once its first message
+    came."""
 
     def __init__(
         self,
         stub: inference_pb2_grpc.InferenceServiceStub,
         max_resumptions: int,
+        fail: Callable[[aio.AioRpcError, str], Exception],
         metrics: ResumptionMetrics | None = None,
-        fail: Callable[[aio.AioRpcError, str], Exception] = dependency_error,
         reader: Callable[[aio.UnaryStreamCall], Reader] = PlainReader,
         answered: Callable[[aio.UnaryStreamCall], Awaitable[None]] | None = None,
     ) -> None:

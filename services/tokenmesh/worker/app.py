@@ -136,8 +136,8 @@ def handover_relay(settings: WorkerSettings, registry: CollectorRegistry) -> Rel
     return Relay(
         inference_pb2_grpc.InferenceServiceStub(peers.channel),
         settings.max_resumptions,
+        peers.error,
         ResumptionMetrics(registry, "worker"),
-        fail=peers.error,
     )
 
 

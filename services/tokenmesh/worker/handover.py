@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncGenerator, Iterator
 from typing import Any
 
@@ -68,12 +69,12 @@ class Handover:
         deadline: Deadline,
         context: aio.ServicerContext[Any, Any],
         error: Exception,
-        last_token_at: float,
+        last_sent_unix_nanos: int,
     ) -> AsyncGenerator[token_pb2.Token, None]:
         """The rest of `request`'s stream from another worker, within the caller's deadline. A
         stream that delivered nothing yet is forwarded as it came; one that did continues
-        after what it delivered, one move more than the request had made (last_token_at: when
-        its caller had the last token, for the gap)."""
+        after what it delivered, one move more than the request had made (last_sent_unix_nanos:
+        when its last message went out, for the gap)."""
         assert self._relay is not None
         attempt = 0
         if delivered.tokens:
@@ -83,15 +84,14 @@ class Handover:
                 raise error
             during = f"after {delivered.tokens} tokens"
             self._relay.moved(CAUSE_ENGINE_DEAD, attempt, during, str(error), "engine died")
-        original = inference_pb2.InferenceRequest()
-        original.CopyFrom(request)
-        original.ClearField("resume")
         metadata = tuple(
             (key, str(value))
             for key, value in context.invocation_metadata() or ()
             if key in CARRIED_METADATA
         )
-        stream = self._relay.stream(original, deadline, delivered, attempt, metadata, last_token_at)
+        # The relay's clock is the monotonic one: the last message's age, taken from now.
+        last_token_at = time.monotonic() - (time.time_ns() - last_sent_unix_nanos) / 1e9
+        stream = self._relay.stream(request, deadline, delivered, attempt, metadata, last_token_at)
         async with contextlib.aclosing(stream) as tokens:
             async for token in tokens:
                 yield token

@@ -95,6 +95,33 @@ def add_candidates(field: Any, top: tuple[Candidate, ...]) -> None:
         field.add(token_id=candidate.token_id, text=candidate.text, logprob=candidate.logprob)
 
 
+class Trailers:
+    """A token stream's trailers as its messages go out (common/presentation.py's rule): the
+    degraded marker from the start, how many times it moved once it has, and with its last
+    message the usage."""
+
+    def __init__(
+        self, request: inference_pb2.InferenceRequest, context: aio.ServicerContext[Any, Any]
+    ) -> None:
+        self._request = request
+        self._context = context
+        self._trailers = stream_trailers(request)
+        self._messages = 0
+        if self._trailers:
+            context.set_trailing_metadata(self._trailers)
+
+    def sent(self, token: token_pb2.Token) -> None:
+        self._messages += 1
+        if token.resumed:
+            # Handed over to another worker (its engine died): the trailers say so.
+            self._trailers = stream_trailers(self._request, token.resumed)
+            self._context.set_trailing_metadata(self._trailers)
+        if ends_stream(token):
+            usage = token.usage
+            value = usage_trailer(usage.prompt_tokens, usage.completion_tokens, self._messages)
+            self._context.set_trailing_metadata((*self._trailers, (USAGE_TRAILER, value)))
+
+
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     def __init__(
         self,
@@ -126,62 +153,37 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         spec = validate(request, self._settings)
         for feature in features(spec.options) + spec.prompt_features:
             self._features.labels(feature=feature).inc()
-        trailers = stream_trailers(request)
-        if trailers:
-            context.set_trailing_metadata(trailers)
+        trailers = Trailers(request, context)
         engine = self._engines.get()
-        messages = 0
         with self._handover.open_stream():
-            served = self._served(engine, spec, request, context)
-            async with contextlib.aclosing(served) as tokens:
+            deadline = Deadline.of(context)
+            # What the caller has had, for a handover if the engine dies under the stream.
+            delivered = Delivered.of(request)
+            last: token_pb2.Token | None = None
+            try:
+                # Closing the inner stream (the caller went away) aborts the engine request.
+                with self._admission.admit(engine.load.waiting, engine.max_num_seqs):
+                    # An OpenAI answer's own time limit (GenerateOpenAI's; 0 for others).
+                    time_limit = request.openai.time_limit_seconds
+                    generated = self._generate(engine, spec, context, time_limit)
+                    async with contextlib.aclosing(generated) as tokens:
+                        async for token in tokens:
+                            delivered.add(token)
+                            last = token
+                            trailers.sent(token)
+                            yield token
+                return
+            except ServiceError as error:
+                if not engine.errored or not self._handover.takes(delivered):
+                    raise
+                failure = error
+            # The engine died: the rest from another worker (handover.py).
+            sent_at = last.emitted_unix_nanos if last is not None else time.time_ns()
+            handed = self._handover.stream(request, delivered, deadline, context, failure, sent_at)
+            async with contextlib.aclosing(handed) as tokens:
                 async for token in tokens:
-                    messages += 1
-                    if token.resumed:
-                        # Handed over to another worker (its engine died): the trailers say so.
-                        trailers = stream_trailers(request, token.resumed)
-                        context.set_trailing_metadata(trailers)
-                    if ends_stream(token):
-                        usage = token.usage
-                        value = usage_trailer(
-                            usage.prompt_tokens, usage.completion_tokens, messages
-                        )
-                        context.set_trailing_metadata((*trailers, (USAGE_TRAILER, value)))
+                    trailers.sent(token)
                     yield token
-
-    async def _served(
-        self,
-        engine: VllmEngine,
-        spec: EngineRequest,
-        request: inference_pb2.InferenceRequest,
-        context: aio.ServicerContext[Any, Any],
-    ) -> AsyncGenerator[token_pb2.Token, None]:
-        """The engine's tokens; if the engine dies under the stream, the rest from another
-        worker (handover.py)."""
-        deadline = Deadline.of(context)
-        delivered = Delivered.of(request)
-        last_token_at = time.monotonic()
-        try:
-            # Closing the inner stream (the caller went away) aborts the engine request.
-            with self._admission.admit(engine.load.waiting, engine.max_num_seqs):
-                # An OpenAI answer's own time limit (GenerateOpenAI's; 0 for others).
-                time_limit = request.openai.time_limit_seconds
-                generated = self._generate(engine, spec, context, time_limit)
-                async with contextlib.aclosing(generated) as tokens:
-                    async for token in tokens:
-                        delivered.add(token)
-                        last_token_at = time.monotonic()
-                        yield token
-            return
-        except ServiceError as error:
-            if not engine.errored or not self._handover.takes(delivered):
-                raise
-            failure = error
-        handed = self._handover.stream(
-            request, delivered, deadline, context, failure, last_token_at
-        )
-        async with contextlib.aclosing(handed) as tokens:
-            async for token in tokens:
-                yield token
 
     async def GenerateOpenAI(
         self,

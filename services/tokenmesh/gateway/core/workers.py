@@ -123,8 +123,8 @@ class WorkerClient:
         self._relay = Relay(
             inference_pb2_grpc.InferenceServiceStub(worker.channel),
             max_resumptions,
+            worker.error,
             metrics,
-            fail=worker.error,
             reader=lambda call: ReadAhead(call, max_coalesced, max_message_tokens),
             answered=record_upstream,
         )
