@@ -269,6 +269,10 @@ class LocalMesh:
         if pid is None:
             print("the local mesh is not running")
             return 0
+        # Every program at once (stop all signals each, then waits for all), then supervisord:
+        # its own shutdown stops one program after another, each waiting for the last to
+        # drain (a worker's engine takes seconds to end).
+        self.ctl("stop", "all")
         result = self.ctl("shutdown")
         print(result.stdout.strip() or result.stderr.strip())
         deadline = time.monotonic() + 120

@@ -87,8 +87,8 @@ class _LoadStatLogger(StatLoggerBase):
 
 def configure_vllm_environment(settings: WorkerSettings) -> None:
     """What vLLM reads from the environment only: whether forced tool calls use structural tags
-    (read as its tool parsers are imported), and its CPU backend's KV-cache size and core
-    binding."""
+    (read as its tool parsers are imported), and its CPU backend's KV-cache size, core binding
+    and compile cache."""
     from vllm.platforms import current_platform
 
     os.environ["VLLM_ENFORCE_STRICT_TOOL_CALLING"] = str(int(settings.enforce_strict_tool_calling))
@@ -96,6 +96,12 @@ def configure_vllm_environment(settings: WorkerSettings) -> None:
     if current_platform.is_cpu():
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_space_gib)
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = settings.cpu_threads_bind
+        # The pinned vLLM on CPU cannot reload the model it compiled ahead of time ("'function'
+        # object has no attribute 'finalize_loading'" from its mega-artifact loader): every
+        # start failed the load, traced the model again and saved it again, 4 of an engine's
+        # 8 s of initialisation. Without that cache the trace is the same and nothing is
+        # saved. An operator's own VLLM_USE_AOT_COMPILE wins.
+        os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
 
 
 @dataclass
