@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
+import psutil
 
 from tests.timing import Unmeasured
 from tokenmesh.common.processes import stop_process
@@ -507,3 +508,21 @@ def generated(tokens: Iterable[Any]) -> list[GeneratedToken]:
             logprob, top = logprobs[offset] if offset < len(logprobs) else (None, [])
             found.append(GeneratedToken(token.index + offset, token_id, logprob, top))
     return found
+
+
+def process_tree(pid: int) -> list[psutil.Process]:
+    """The process and all its descendants (a worker: its engine core and that core's workers)."""
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def engine_cores(pid: int) -> list[psutil.Process]:
+    """A worker's vLLM engine core processes."""
+    return [
+        child
+        for child in process_tree(pid)[1:]
+        if "EngineCore" in child.name() or "EngineCore" in " ".join(child.cmdline())
+    ]

@@ -25,6 +25,7 @@ import psutil
 import yaml
 from grpc import aio
 
+from tests.support import engine_cores, process_tree
 from tokenmesh.common.tokens import WORKER_GENERATE, token_count
 from tokenmesh.localmesh.mesh import LocalMesh, Program, envoy_host_statuses
 from tokenmesh.localmesh.probes import engine_empty_at, fetch_text, series_values
@@ -690,15 +691,6 @@ def start_streams(
     return running, events
 
 
-def process_tree(pid: int) -> list[psutil.Process]:
-    """The process and all its descendants (a worker: its engine core and that core's workers)."""
-    try:
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
-
-
 def alive(processes: Sequence[psutil.Process]) -> bool:
     """Whether any of them still runs (a killed process waiting to be reaped does not)."""
     for process in processes:
@@ -819,15 +811,6 @@ async def complete_openai(
     return outcome
 
 
-def engine_cores(pid: int) -> list[psutil.Process]:
-    """A worker's vLLM engine core processes."""
-    return [
-        child
-        for child in process_tree(pid)[1:]
-        if "EngineCore" in child.name() or "EngineCore" in " ".join(child.cmdline())
-    ]
-
-
 async def engine_kill(mesh: ScenarioMesh, short: bool) -> Row:
     """SIGKILL only a worker's engine core (a GPU fault: its front end lives) while 16 gRPC and
     16 OpenAI streams of 1,000 tokens run through the edge: the worker turns NOT_SERVING at
@@ -924,11 +907,12 @@ async def grpc_and_openai_through_a_kill(
 
 
 async def kill_an_engine(
-    mesh: ScenarioMesh, name: str, prompt: Callable[[int], str], warm: bool
+    mesh: ScenarioMesh, name: str, prompt: Callable[[int], str], warm: bool, whole: bool = False
 ) -> Row:
     """engine_kill with these prompts (stream i's: prompt(i), gRPC ones first); warm: every
-    worker has every prompt in its prefix cache first. Its notes have the gaps the moved
-    streams' callers saw (gap_figures)."""
+    worker has every prompt in its prefix cache first; whole: SIGKILL the worker itself (its
+    engine dies with it), which only a mesh whose gateways relay the tokens survives. Its
+    notes have the gaps the moved streams' callers saw (gap_figures)."""
     row = Row(name)
     workers = mesh.local_mesh.replicas("worker")
     if not await workers_routable(mesh, row):
@@ -944,8 +928,8 @@ async def kill_an_engine(
     def kill(open_streams: dict[str, int]) -> None:
         victim = max(workers, key=lambda w: open_streams[w.name])
         killed.update(victim=victim, at=time.monotonic())
-        for core in cores[victim.name]:
-            os.kill(core.pid, signal.SIGKILL)
+        for process in [pids[victim.name]] if whole else [c.pid for c in cores[victim.name]]:
+            os.kill(process, signal.SIGKILL)
 
     async def victim_left() -> float | None:
         victim = killed["victim"]
@@ -960,7 +944,7 @@ async def kill_an_engine(
     victim = killed["victim"]
     row.add(outcomes)
     moved = [o for o in outcomes if o.resumed]
-    row.notes["killed"] = victim.name
+    row.notes["killed"] = f"{victim.name} (whole)" if whole else victim.name
     row.notes["engine_cores_killed"] = len(cores[victim.name])
     row.notes["streams_per_worker_at_kill"] = running_now
     row.notes["moved_grpc_openai"] = [
@@ -976,7 +960,7 @@ async def kill_an_engine(
         f"every stream completes whole and contiguous: {row.failed} {row.examples}",
     )
     row.check(bool(moved), "some streams were on the killed engine and moved")
-    row.check(left is not None and left <= 5, f"the worker NOT_SERVING within 5 s ({left})")
+    row.check(left is not None and left <= 5, f"the worker out of rotation within 5 s ({left})")
     rejoin_started = time.monotonic()
     row.check(await mesh.rejoined(victim), "the worker rejoins with a new engine")
     row.recovered(time.monotonic() - killed["at"])

@@ -10,7 +10,6 @@ import signal
 import time
 from collections.abc import Iterator
 
-import psutil
 import pytest
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -18,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tests.support import (
     ROOT,
     ServiceProcess,
+    engine_cores,
     metric_value,
     positions,
     read_rest,
@@ -56,15 +56,6 @@ def stall_worker() -> Iterator[ServiceProcess]:
         worker.stop()
 
 
-def engine_cores(worker: ServiceProcess) -> list[psutil.Process]:
-    assert worker.process is not None
-    return [
-        child
-        for child in psutil.Process(worker.process.pid).children(recursive=True)
-        if "EngineCore" in " ".join(child.cmdline()) or "EngineCore" in child.name()
-    ]
-
-
 async def statuses(channel: aio.Channel) -> set[str]:
     """The worker's health for the whole server and for each of its services."""
     stub = health_pb2_grpc.HealthStub(channel)
@@ -88,7 +79,8 @@ async def test_a_hung_engine_turns_the_worker_not_serving_until_it_moves_again(
     stall_worker: ServiceProcess,
 ) -> None:
     # Found before any stream starts, so the stop follows the first token at once.
-    cores = engine_cores(stall_worker)
+    assert stall_worker.process is not None
+    cores = engine_cores(stall_worker.process.pid)
     assert cores, "no EngineCore child process found"
     async with aio.insecure_channel(stall_worker.address) as channel:
         stub = inference_pb2_grpc.InferenceServiceStub(channel)

@@ -9,7 +9,6 @@ import signal
 import time
 
 import grpc
-import psutil
 import pytest
 from grpc import aio
 
@@ -17,6 +16,7 @@ from tests.conftest import WORKER_ENGINE_ARGS
 from tests.support import (
     ROOT,
     ServiceProcess,
+    engine_cores,
     grpcurl,
     health_status,
     metric_value,
@@ -176,12 +176,8 @@ async def test_engine_death_hands_the_streams_over_then_the_worker_exits_1(
         dying.wait_serving(300)
         assert dying.process is not None
         # Found before any stream starts, so the kill follows the first tokens at once.
-        engine_cores = [
-            child
-            for child in psutil.Process(dying.process.pid).children(recursive=True)
-            if "EngineCore" in " ".join(child.cmdline()) or "EngineCore" in child.name()
-        ]
-        assert engine_cores, "no EngineCore child process found"
+        cores = engine_cores(dying.process.pid)
+        assert cores, "no EngineCore child process found"
         max_tokens = 2000
         async with aio.insecure_channel(dying.address) as channel:
             stub = inference_pb2_grpc.InferenceServiceStub(channel)
@@ -203,7 +199,7 @@ async def test_engine_death_hands_the_streams_over_then_the_worker_exits_1(
                 for i in range(8)
             ]
             firsts = [await call.read() for call in calls]
-            for child in engine_cores:
+            for child in cores:
                 os.kill(child.pid, signal.SIGKILL)
             # NOT_SERVING at once, while it still relays the streams it handed over.
             status = await asyncio.to_thread(health_status, dying.address)
@@ -252,6 +248,17 @@ def test_engine_args_reach_vllms_configuration(worker: ServiceProcess) -> None:
     assert all(
         f", {name}={value}," in configured[-1] for name, value in WORKER_ENGINE_ARGS.items()
     ), configured[-1]
+
+
+def test_the_engine_neither_saves_nor_fails_to_load_an_ahead_of_time_compile(
+    worker: ServiceProcess,
+) -> None:
+    """On CPU the worker leaves vLLM's ahead-of-time compile cache off (engine.py: the pinned
+    vLLM cannot reload what it saves, so every start paid a failed load and a save)."""
+    log = worker.log_path.read_text(errors="replace")
+    assert "Initializing a V1 LLM engine" in log, "vLLM logged no engine start"
+    assert "saved AOT compiled function" not in log
+    assert "due to a load failure" not in log
 
 
 @pytest.mark.parametrize(
