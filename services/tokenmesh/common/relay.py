@@ -116,10 +116,14 @@ class Relay:
         self._reader = reader
         self._answered = answered
 
-    def moved(
+    def move(
         self, cause: str, attempt: int, during: str, why: str, what: str = "worker went away"
-    ) -> None:
-        """Count and log one move (attempt: 1 for the stream's first)."""
+    ) -> bool:
+        """One move more (attempt: 1 for the stream's first), counted and logged; False, counted
+        as refused, when the stream has moved as often as it may."""
+        if attempt > self.max_resumptions:
+            self.refused("limit")
+            return False
         if self._metrics is not None:
             self._metrics.resumed.labels(cause=cause).inc()
         log.warning(
@@ -130,6 +134,7 @@ class Relay:
             attempt,
             self.max_resumptions,
         )
+        return True
 
     def refused(self, reason: str) -> None:
         """A stream that could have moved did not, for this reason."""
@@ -144,10 +149,14 @@ class Relay:
         attempt: int = 0,
         metadata: tuple[tuple[str, str], ...] = (),
         last_token_at: float | None = None,
+        ready: Callable[[], Awaitable[None]] | None = None,
     ) -> AsyncGenerator[token_pb2.Token, None]:
         """The stream of `request` (as prepared, without `resume`) from the workers; `delivered`
-        is what its caller has had (filled in as messages go), `attempt` the moves so far, and
-        `last_token_at` when its caller had the last token (a stream already moved)."""
+        is what its caller has had (filled in as messages go), `attempt` the moves so far,
+        `last_token_at` when its caller had the last token (a stream already moved), and
+        `ready` what to wait for before the first call (the channel connected)."""
+        if ready is not None:
+            await ready()
         current = delivered.resumed(request, attempt) if attempt else request
         while True:
             call = self._stub.Generate(
@@ -192,14 +201,12 @@ class Relay:
                         f"worker: went away {during}, and the stream cannot continue on "
                         f"another worker: {err.details()}",
                     ) from err
-                if cause is None:
-                    raise self._fail(err, during) from err
-                if attempt >= self.max_resumptions:
-                    self.refused("limit")
+                if cause is None or not self.move(
+                    cause, attempt + 1, during, err.details() or err.code().name
+                ):
                     raise self._fail(err, during) from err
                 attempt += 1
                 current = delivered.resumed(request, attempt)
-                self.moved(cause, attempt, during, err.details() or err.code().name)
             finally:
                 reader.close()
                 # The caller went away (or stopped reading) before the worker's end: cancel

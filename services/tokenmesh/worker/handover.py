@@ -62,7 +62,7 @@ class Handover:
             self._relay is not None and self._relay.max_resumptions > 0 and not delivered.complete
         )
 
-    async def stream(
+    def stream(
         self,
         request: inference_pb2.InferenceRequest,
         delivered: Delivered,
@@ -74,16 +74,15 @@ class Handover:
         """The rest of `request`'s stream from another worker, within the caller's deadline. A
         stream that delivered nothing yet is forwarded as it came; one that did continues
         after what it delivered, one move more than the request had made (last_sent_unix_nanos:
-        when its last message went out, for the gap)."""
+        when its last message went out, for the gap). Raises `error` when the stream has moved
+        as often as it may."""
         assert self._relay is not None
         attempt = 0
         if delivered.tokens:
             attempt = request.resume.attempt + 1
-            if attempt > self._relay.max_resumptions:
-                self._relay.refused("limit")
-                raise error
             during = f"after {delivered.tokens} tokens"
-            self._relay.moved(CAUSE_ENGINE_DEAD, attempt, during, str(error), "engine died")
+            if not self._relay.move(CAUSE_ENGINE_DEAD, attempt, during, str(error), "engine died"):
+                raise error
         metadata = tuple(
             (key, str(value))
             for key, value in context.invocation_metadata() or ()
@@ -91,7 +90,4 @@ class Handover:
         )
         # The relay's clock is the monotonic one: the last message's age, taken from now.
         last_token_at = time.monotonic() - (time.time_ns() - last_sent_unix_nanos) / 1e9
-        stream = self._relay.stream(request, deadline, delivered, attempt, metadata, last_token_at)
-        async with contextlib.aclosing(stream) as tokens:
-            async for token in tokens:
-                yield token
+        return self._relay.stream(request, deadline, delivered, attempt, metadata, last_token_at)

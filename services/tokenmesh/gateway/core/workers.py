@@ -4,7 +4,7 @@ busy, cancelled (and the engine request aborted) when the caller goes away."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import logging
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -129,21 +129,20 @@ class WorkerClient:
             answered=record_upstream,
         )
 
-    async def stream(
+    def stream(
         self,
         request: inference_pb2.InferenceRequest,
         time_limit: float | None,
         metadata: tuple[tuple[str, str], ...] = (),
     ) -> AsyncGenerator[token_pb2.Token, None]:
+        """The relay's own stream (no generator of its own around it: each token passes one
+        fewer frame), once the worker's channel is connected."""
         connect_within = self._connect_timeout
         if time_limit is not None:
             connect_within = min(connect_within, time_limit)
-        await self._worker.ensure_connected(connect_within)
         # A call that fails (all but) at its deadline failed because of it: Envoy enforces the
         # same deadline (grpc-timeout) and resets the stream when it passes.
         deadline = Deadline(time_limit)
         delivered = Delivered(choice_count(request))
-        stream = self._relay.stream(request, deadline, delivered, 0, metadata)
-        async with contextlib.aclosing(stream) as tokens:
-            async for token in tokens:
-                yield token
+        ready = functools.partial(self._worker.ensure_connected, connect_within)
+        return self._relay.stream(request, deadline, delivered, 0, metadata, ready=ready)
