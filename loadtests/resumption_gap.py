@@ -2,14 +2,17 @@
 the first from the next worker, p50 and p99, with the next worker's prefix cache cold (it never
 saw the prompt) and warm (it had prefilled every prompt).
 
-    python -m loadtests.resumption_gap [--rounds 2] [--prompt-words 300] [--json FILE]
+    python -m loadtests.resumption_gap [--rounds 2] [--prompt-words 300] [--path direct]
+        [--kill engine] [--json FILE]
 
-Starts its own mesh on free ports (1 gateway, 2 workers, the direct token path), then runs the
-engine_kill scenario (tests/harness/chaos.py: 16 gRPC + 16 OpenAI streams of 1,000 tokens
-through the edge, the engine core of the worker with more of them SIGKILLed once both generate)
-in interleaved rounds, cold then warm, each with prompts of its own of about `prompt-words`
-words; each round waits for the killed worker to rejoin. All traffic goes to 127.0.0.1; every
-stream has a deadline.
+Starts its own mesh on free ports (1 gateway, 2 workers, the token path `--path` names), then
+runs the engine_kill scenario (tests/harness/chaos.py: 16 gRPC + 16 OpenAI streams of 1,000
+tokens through the edge, the engine core of the worker with more of them SIGKILLed once both
+generate) in interleaved rounds, cold then warm, each with prompts of its own of about
+`prompt-words` words; each round waits for the killed worker to rejoin. `--kill worker` kills
+the worker itself instead, which moves streams only on the gateway path (the gateways relay
+them; on the direct path they break). All traffic goes to 127.0.0.1; every stream has a
+deadline.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from tests.harness.chaos import Row, ScenarioMesh, clients_first, kill_an_engine
-from tests.harness.meshes import own_mesh
+from tests.harness.meshes import environment, own_mesh
 
 WORDS = [
     *("engine", "token", "stream", "worker", "prefix", "cache", "batch", "decode", "prefill"),
@@ -43,7 +46,8 @@ def prompts(round_: int, words: int, seed: int) -> list[str]:
 
 async def measure(args: argparse.Namespace) -> list[Row]:
     rows: list[Row] = []
-    with own_mesh(gateways=1, workers=2) as local_mesh:
+    direct = {"TOKENMESH_MESH_DIRECT_TOKEN_PATH": str(args.path == "direct").lower()}
+    with environment(direct), own_mesh(gateways=1, workers=2) as local_mesh:
         if local_mesh is None:
             raise SystemExit("the mesh did not come up")
         mesh = ScenarioMesh(local_mesh)
@@ -52,7 +56,8 @@ async def measure(args: argparse.Namespace) -> list[Row]:
                 for warm in (False, True):
                     texts = prompts(2 * round_ + warm, args.prompt_words, args.seed)
                     name = f"round {round_ + 1} {'warm' if warm else 'cold'}"
-                    row = await kill_an_engine(mesh, name, texts.__getitem__, warm)
+                    whole = args.kill == "worker"
+                    row = await kill_an_engine(mesh, name, texts.__getitem__, warm, whole)
                     print(f"{name}: {row.notes.get('gap')} {row.violations}", file=sys.stderr)
                     rows.append(row)
     return rows
@@ -80,12 +85,19 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--prompt-words", type=int, default=300)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--path", choices=("direct", "gateway"), default="direct")
+    parser.add_argument("--kill", choices=("engine", "worker"), default="engine")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if not 1 <= args.rounds <= 10 or not 1 <= args.prompt_words <= 800:
         parser.error("--rounds 1..10, --prompt-words 1..800 (a prompt and 1,000 tokens fit 2,048)")
     rows = asyncio.run(measure(args))
-    result = {"summary": summary(rows), "rows": [asdict(row) for row in rows]}
+    result = {
+        "path": args.path,
+        "kill": args.kill,
+        "summary": summary(rows),
+        "rows": [asdict(row) for row in rows],
+    }
     print(json.dumps(result["summary"], indent=2))
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -135,6 +135,31 @@ async def test_a_choice_that_delivered_every_token_gets_its_end(
     assert rest[0].usage.completion_tokens == 5
 
 
+async def test_delivered_messages_as_a_byte_level_relay_sends_them_resume_the_stream(
+    inference: inference_pb2_grpc.InferenceServiceStub,
+) -> None:
+    """The edge's relay keeps the worker's messages as bytes and appends them to the request
+    (delivered_messages): the stream goes on from there as with `resume`, numbered on, the
+    whole answer in usage."""
+    original = request(40)
+    whole = await stream(inference, original)
+    cut = 3  # messages delivered before the worker went away
+    carried = inference_pb2.InferenceRequest()
+    carried.CopyFrom(original)
+    carried.delivered_messages.extend(token.SerializeToString() for token in whole[:cut])
+    rest = await stream(inference, carried)
+    assert ids(whole[:cut]) + ids(rest) == ids(whole)
+    assert positions(whole[:cut]) + positions(rest) == list(range(40))
+    assert rest[0].resumed == 1
+    assert rest[-1].usage.completion_tokens == 40
+    # GenerateOpenAI's messages are HttpBody parts: it continues a stream from resume only.
+    carried.openai.chat = True
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        _ = [part async for part in inference.GenerateOpenAI(carried, timeout=60)]
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details().startswith("delivered_messages"), refused.value.details()
+
+
 @pytest.mark.parametrize(
     ("change", "field"),
     [

@@ -9,7 +9,7 @@ import pytest
 from grpc import aio
 
 from tokenmesh.common.channels import Dependency
-from tokenmesh.common.errors import DependencyError
+from tokenmesh.common.errors import DependencyError, InvalidArgument
 from tokenmesh.common.outcome import Deadline
 from tokenmesh.common.relay import Relay
 from tokenmesh.common.resumption import (
@@ -17,6 +17,7 @@ from tokenmesh.common.resumption import (
     CAUSE_UNAVAILABLE,
     Delivered,
     choice_count,
+    read_delivered,
     resumable,
 )
 from tokenmesh.v1 import inference_pb2, token_pb2
@@ -64,6 +65,57 @@ def test_each_choice_keeps_its_own_tokens_and_end() -> None:
         13,
         14,
     ]
+
+
+def appended(field: int, payload: bytes) -> bytes:
+    """A length-delimited field's bytes (tag, varint length, payload): what a relay that
+    parses nothing appends to a serialized request."""
+    encoded = bytearray([field << 3 | 2])
+    length = len(payload)
+    while length >= 0x80:
+        encoded.append(length & 0x7F | 0x80)
+        length >>= 7
+    encoded.append(length)
+    return bytes(encoded) + payload
+
+
+def test_delivered_messages_appended_as_bytes_read_as_the_resume_a_relay_writes() -> None:
+    """A byte-level relay keeps the worker's Token messages as they came and appends each to
+    the request's bytes as delivered_messages (field 12), and its count of moves as
+    resume.attempt (field 11's field 2): the worker reads the same request a Python relay's
+    Delivered.resumed makes."""
+    original = inference_pb2.InferenceRequest(
+        prompt="p", sampling=inference_pb2.SamplingParams(max_tokens=300, n=2), warnings=["w"]
+    )
+    sent = [
+        message(0, 0, [11]),
+        message(1, 0, list(range(100, 240))),  # a long message: a two-byte length
+        message(0, 1, [12, 13], token_pb2.FINISH_REASON_STOP),
+    ]
+    relayed = original.SerializeToString() + b"".join(
+        appended(12, token.SerializeToString()) for token in sent
+    )
+    relayed += appended(11, bytes([2 << 3, 2]))  # resume { attempt: 2 }
+    received = inference_pb2.InferenceRequest.FromString(relayed)
+    expected = Delivered(choice_count(original))
+    for token in sent:
+        expected.add(token)
+    assert read_delivered(received) == expected.resumed(original, 2)
+    # Without the relay's count it is the first move.
+    first = inference_pb2.InferenceRequest.FromString(relayed[: -len(appended(11, b"xx"))])
+    assert read_delivered(first).resume.attempt == 1
+    assert not read_delivered(first).delivered_messages
+    # A request without them is left as it is.
+    assert read_delivered(original) is original
+
+
+def test_a_delivered_message_that_is_not_a_token_is_refused_naming_it() -> None:
+    received = inference_pb2.InferenceRequest(
+        prompt="p", delivered_messages=[message(0, 0, [1]).SerializeToString(), b"\xff\xff"]
+    )
+    with pytest.raises(InvalidArgument) as refused:
+        read_delivered(received)
+    assert refused.value.field == "delivered_messages[1]"
 
 
 def test_a_batch_has_n_choices_for_each_prompt() -> None:

@@ -3,14 +3,18 @@ that continues it on another worker from exactly there (inference.proto's Resump
 worker appends each choice's delivered tokens to the prompt as ids and numbers on).
 
 Whoever relays a stream keeps a Delivered and, when the worker serving it goes away before the
-end, asks for `resumed(...)`: the same prepared request, plus what was delivered."""
+end, asks for `resumed(...)`: the same prepared request, plus what was delivered. A relay that
+parses nothing (the edge's, in Envoy) appends the delivered messages' bytes to the request
+instead (delivered_messages), which the worker reads with `read_delivered`."""
 
 from __future__ import annotations
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc import aio
 
 from tokenmesh.common.channels import transport_reset
+from tokenmesh.common.errors import InvalidArgument
 from tokenmesh.common.tokens import ends_stream, token_count
 from tokenmesh.v1 import inference_pb2, token_pb2
 
@@ -80,3 +84,25 @@ class Delivered:
         for choice, (ids, ended) in enumerate(zip(self._ids, self._ended, strict=True)):
             again.resume.choices.add(choice=choice, token_ids=ids, finished=ended)
         return again
+
+
+def read_delivered(request: inference_pb2.InferenceRequest) -> inference_pb2.InferenceRequest:
+    """`request` with its delivered_messages (the Token messages a byte-level relay delivered)
+    read into `resume`, as Delivered.resumed writes it (attempt: the relay's, else 1); a
+    request without them as it is. InvalidArgument names a message that is not a Token."""
+    if not request.delivered_messages:
+        return request
+    delivered = Delivered(choice_count(request))
+    for i, message in enumerate(request.delivered_messages):
+        token = token_pb2.Token()
+        try:
+            token.ParseFromString(message)
+        except DecodeError as error:
+            raise InvalidArgument(
+                f"delivered_messages[{i}]", f"not a tokenmesh.v1.Token message: {error}"
+            ) from error
+        delivered.add(token)
+    bare = inference_pb2.InferenceRequest()
+    bare.CopyFrom(request)
+    del bare.delivered_messages[:]
+    return delivered.resumed(bare, request.resume.attempt or 1)

@@ -12,11 +12,11 @@ from google.api import httpbody_pb2
 from grpc import aio
 from prometheus_client import Counter
 
-from tokenmesh.common.errors import DeadlineExceeded, ServiceError
+from tokenmesh.common.errors import DeadlineExceeded, InvalidArgument, ServiceError
 from tokenmesh.common.metrics import StreamMetrics
 from tokenmesh.common.outcome import Deadline
 from tokenmesh.common.presentation import OpenAIPresenter, stream_trailers
-from tokenmesh.common.resumption import Delivered
+from tokenmesh.common.resumption import Delivered, read_delivered
 from tokenmesh.common.tokens import USAGE_TRAILER, ends_stream, usage_trailer
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
 from tokenmesh.worker.admission import Admission
@@ -150,6 +150,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         request: inference_pb2.InferenceRequest,
         context: aio.ServicerContext[Any, Any],
     ) -> AsyncGenerator[token_pb2.Token, None]:
+        # A stream the edge's byte-level relay moved here: its delivered messages as `resume`.
+        request = read_delivered(request)
         spec = validate(request, self._settings)
         for feature in features(spec.options) + spec.prompt_features:
             self._features.labels(feature=feature).inc()
@@ -190,6 +192,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         request: inference_pb2.InferenceRequest,
         context: aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[httpbody_pb2.HttpBody]:
+        if request.delivered_messages:
+            # Its messages are HttpBody parts, which say nothing of their tokens.
+            raise InvalidArgument(
+                "delivered_messages", "GenerateOpenAI continues a stream from resume only"
+            )
         presenter = OpenAIPresenter(request)
         sent = False
         generated = presenter.parts(self.Generate(request, context))
