@@ -46,10 +46,12 @@ def prompts(round_: int, words: int, seed: int) -> list[str]:
 
 async def measure(args: argparse.Namespace) -> list[Row]:
     rows: list[Row] = []
-    direct = {"TOKENMESH_MESH_DIRECT_TOKEN_PATH": str(args.path == "direct").lower()}
+    direct = {"TOKENMESH_LOCALMESH_DIRECT_TOKEN_PATH": str(args.path == "direct").lower()}
     with environment(direct), own_mesh(gateways=1, workers=2) as local_mesh:
         if local_mesh is None:
             raise SystemExit("the mesh did not come up")
+        if local_mesh.settings.direct_token_path != (args.path == "direct"):
+            raise SystemExit(f"the mesh is not on the {args.path} token path")
         mesh = ScenarioMesh(local_mesh)
         with clients_first(local_mesh):
             for round_ in range(args.rounds):
