@@ -4,10 +4,13 @@ stream would have (greedy), numbered on, with usage counting the whole answer.""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 import pytest
+from google.api import httpbody_pb2
 
 from tests.support import (
     generated,
@@ -152,12 +155,75 @@ async def test_delivered_messages_as_a_byte_level_relay_sends_them_resume_the_st
     assert positions(whole[:cut]) + positions(rest) == list(range(40))
     assert rest[0].resumed == 1
     assert rest[-1].usage.completion_tokens == 40
-    # GenerateOpenAI's messages are HttpBody parts: it continues a stream from resume only.
+    # GenerateOpenAI's delivered messages are its own HttpBody parts, not Token messages.
     carried.openai.chat = True
+    carried.openai.stream = True
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         _ = [part async for part in inference.GenerateOpenAI(carried, timeout=60)]
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert refused.value.details().startswith("delivered_messages"), refused.value.details()
+    assert refused.value.details().startswith("delivered_messages[0]"), refused.value.details()
+
+
+def events(parts: list[httpbody_pb2.HttpBody]) -> list[Any]:
+    """The Server-Sent Events' data of a streamed answer's parts: JSON chunks, then [DONE]."""
+    text = b"".join(part.data for part in parts).decode()
+    data = [event.removeprefix("data: ") for event in text.split("\n\n") if event]
+    return [d if d == "[DONE]" else json.loads(d) for d in data]
+
+
+async def test_a_relayed_openai_stream_resumes_from_the_parts_it_delivered(
+    inference: inference_pb2_grpc.InferenceServiceStub,
+) -> None:
+    """A relayed answer's parts each carry their Token; handed back as delivered_messages,
+    they let another worker continue the caller's begun stream: no second role chunk, the
+    content goes on where it stopped, the chunks after the move say so, one finish, the whole
+    answer's usage, one [DONE]."""
+    original = request(40, messages=[inference_pb2.ConversationMessage(role="user", content="Hi")])
+    original.openai.MergeFrom(
+        inference_pb2.OpenAIAnswer(
+            chat=True, id="chatcmpl-r", created=1, model="m", stream=True, include_usage=True
+        )
+    )
+    original.openai.relayed = True
+    whole = [part async for part in inference.GenerateOpenAI(original, timeout=120)]
+    assert all(len(part.extensions) == 1 for part in whole)
+    cut = 5
+    carried = inference_pb2.InferenceRequest()
+    carried.CopyFrom(original)
+    carried.delivered_messages.extend(part.SerializeToString() for part in whole[:cut])
+    rest = [part async for part in inference.GenerateOpenAI(carried, timeout=120)]
+    undisturbed, moved = events(whole), events(whole[:cut] + rest)
+
+    def content(chunks: list[Any]) -> str:
+        return "".join(
+            c["choices"][0]["delta"].get("content") or ""
+            for c in chunks
+            if c != "[DONE]" and c["choices"]
+        )
+
+    assert content(moved) == content(undisturbed)
+    assert (
+        sum(
+            1
+            for c in moved
+            if c != "[DONE]" and c["choices"] and "role" in c["choices"][0]["delta"]
+        )
+        == 1
+    )
+    assert moved.count("[DONE]") == 1 and moved[-1] == "[DONE]"
+    after = events(rest)
+    assert after[0]["tokenmesh"]["resumed"] == 1
+    assert moved[-2]["usage"] == undisturbed[-2]["usage"]
+    assert moved[-2]["usage"]["completion_tokens"] == 40
+    # A part that does not carry its Token is refused, naming it.
+    bare = httpbody_pb2.HttpBody()
+    bare.CopyFrom(whole[0])
+    del bare.extensions[:]
+    carried.delivered_messages[0] = bare.SerializeToString()
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        _ = [part async for part in inference.GenerateOpenAI(carried, timeout=60)]
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details().startswith("delivered_messages[0]"), refused.value.details()
 
 
 @pytest.mark.parametrize(

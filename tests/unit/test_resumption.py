@@ -6,6 +6,7 @@ import asyncio
 
 import grpc
 import pytest
+from google.api import httpbody_pb2
 from grpc import aio
 
 from tokenmesh.common.channels import Dependency
@@ -116,6 +117,31 @@ def test_a_delivered_message_that_is_not_a_token_is_refused_naming_it() -> None:
     with pytest.raises(InvalidArgument) as refused:
         read_delivered(received)
     assert refused.value.field == "delivered_messages[1]"
+
+
+def test_relayed_openai_parts_read_as_the_tokens_they_carry() -> None:
+    """GenerateOpenAI's parts of a relayed answer each carry their Token (extensions[0]):
+    handed back, they read as those Tokens would; a part without one is refused, naming it."""
+    original = inference_pb2.InferenceRequest(
+        prompt="p", sampling=inference_pb2.SamplingParams(max_tokens=9)
+    )
+    sent = [message(0, 0, [5]), message(0, 1, [6, 7])]
+    parts = []
+    for token in sent:
+        part = httpbody_pb2.HttpBody(content_type="text/event-stream", data=b"data: {}\n\n")
+        part.extensions.add().Pack(token)
+        parts.append(part.SerializeToString())
+    received = inference_pb2.InferenceRequest()
+    received.CopyFrom(original)
+    received.delivered_messages.extend(parts)
+    expected = Delivered(1)
+    for token in sent:
+        expected.add(token)
+    assert read_delivered(received, parts=True) == expected.resumed(original, 1)
+    received.delivered_messages.append(httpbody_pb2.HttpBody(data=b"x").SerializeToString())
+    with pytest.raises(InvalidArgument) as refused:
+        read_delivered(received, parts=True)
+    assert refused.value.field == "delivered_messages[2]"
 
 
 def test_a_batch_has_n_choices_for_each_prompt() -> None:

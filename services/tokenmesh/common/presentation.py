@@ -69,6 +69,8 @@ class OpenAIPresenter:
         self._include_usage = answer.include_usage
         self._choices = max(request.sampling.n, 1)
         self._marker = degraded_marker(request)
+        # It continues a stream its caller already has the start of (a relay moved it here).
+        self._continues = request.HasField("resume")
         # The HTTP status and message of an error sent in a begun stream (for the transport's
         # accounting: the error is raised after its event).
         self.failure: tuple[int, str] | None = None
@@ -89,7 +91,7 @@ class OpenAIPresenter:
             yield json.dumps(whole.body(), separators=(",", ":")).encode()
             return
         events = EventStream(self._shape, self._logprobs, self._include_usage, self._choices)
-        started = ended = False
+        started, ended = self._continues, False
         try:
             async for token in tokens:
                 data = events.token(token)

@@ -10,6 +10,7 @@ instead (delivered_messages), which the worker reads with `read_delivered`."""
 from __future__ import annotations
 
 import grpc
+from google.api import httpbody_pb2
 from google.protobuf.message import DecodeError
 from grpc import aio
 
@@ -86,23 +87,35 @@ class Delivered:
         return again
 
 
-def read_delivered(request: inference_pb2.InferenceRequest) -> inference_pb2.InferenceRequest:
-    """`request` with its delivered_messages (the Token messages a byte-level relay delivered)
-    read into `resume`, as Delivered.resumed writes it (attempt: the relay's, else 1); a
-    request without them as it is. InvalidArgument names a message that is not a Token."""
+def read_delivered(
+    request: inference_pb2.InferenceRequest, parts: bool = False
+) -> inference_pb2.InferenceRequest:
+    """`request` with its delivered_messages (what a byte-level relay delivered: Token
+    messages, or with `parts` GenerateOpenAI's HttpBody parts, each with its Token) read into
+    `resume`, as Delivered.resumed writes it (attempt: the relay's, else 1); a request without
+    them as it is. InvalidArgument names a message that is not what it should be."""
     if not request.delivered_messages:
         return request
     delivered = Delivered(choice_count(request))
     for i, message in enumerate(request.delivered_messages):
-        token = token_pb2.Token()
-        try:
-            token.ParseFromString(message)
-        except DecodeError as error:
-            raise InvalidArgument(
-                f"delivered_messages[{i}]", f"not a tokenmesh.v1.Token message: {error}"
-            ) from error
-        delivered.add(token)
+        delivered.add(delivered_token(message, parts, f"delivered_messages[{i}]"))
     bare = inference_pb2.InferenceRequest()
     bare.CopyFrom(request)
     del bare.delivered_messages[:]
     return delivered.resumed(bare, request.resume.attempt or 1)
+
+
+def delivered_token(message: bytes, part: bool, field: str) -> token_pb2.Token:
+    """The Token a delivered message holds: itself, or a relayed HttpBody part's extension."""
+    token = token_pb2.Token()
+    try:
+        if not part:
+            token.ParseFromString(message)
+            return token
+        body = httpbody_pb2.HttpBody.FromString(message)
+    except DecodeError as error:
+        kind = "google.api.HttpBody" if part else "tokenmesh.v1.Token"
+        raise InvalidArgument(field, f"not a {kind} message: {error}") from error
+    if not body.extensions or not body.extensions[0].Unpack(token):
+        raise InvalidArgument(field, "an HttpBody part without its tokenmesh.v1.Token")
+    return token

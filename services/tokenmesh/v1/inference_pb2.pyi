@@ -172,7 +172,7 @@ class ToolCalling(_message.Message):
     def __init__(self, tools_json: _Optional[str] = ..., tool_choice_json: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ...) -> None: ...
 
 class OpenAIAnswer(_message.Message):
-    __slots__ = ("chat", "id", "created", "model", "stream", "include_usage", "time_limit_seconds")
+    __slots__ = ("chat", "id", "created", "model", "stream", "include_usage", "time_limit_seconds", "relayed")
     CHAT_FIELD_NUMBER: _ClassVar[int]
     ID_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +180,7 @@ class OpenAIAnswer(_message.Message):
     STREAM_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_USAGE_FIELD_NUMBER: _ClassVar[int]
     TIME_LIMIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RELAYED_FIELD_NUMBER: _ClassVar[int]
     chat: bool
     id: str
     created: int
@@ -187,7 +188,8 @@ class OpenAIAnswer(_message.Message):
     stream: bool
     include_usage: bool
     time_limit_seconds: float
-    def __init__(self, chat: _Optional[bool] = ..., id: _Optional[str] = ..., created: _Optional[int] = ..., model: _Optional[str] = ..., stream: _Optional[bool] = ..., include_usage: _Optional[bool] = ..., time_limit_seconds: _Optional[float] = ...) -> None: ...
+    relayed: bool
+    def __init__(self, chat: _Optional[bool] = ..., id: _Optional[str] = ..., created: _Optional[int] = ..., model: _Optional[str] = ..., stream: _Optional[bool] = ..., include_usage: _Optional[bool] = ..., time_limit_seconds: _Optional[float] = ..., relayed: _Optional[bool] = ...) -> None: ...
 
 class ConversationMessage(_message.Message):
     __slots__ = ("role", "content", "tool_calls", "tool_call_id", "name")

@@ -192,14 +192,23 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         request: inference_pb2.InferenceRequest,
         context: aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[httpbody_pb2.HttpBody]:
-        if request.delivered_messages:
-            # Its messages are HttpBody parts, which say nothing of their tokens.
+        # A stream the edge's byte-level relay moved here: the parts it delivered as `resume`
+        # (the presenter then continues the caller's begun stream).
+        request = read_delivered(request, parts=True)
+        if request.HasField("resume") and request.sampling.logprobs and not request.openai.chat:
+            # A completion's logprobs count text_offset from its first character, which only
+            # the first worker's presenter knew.
             raise InvalidArgument(
-                "delivered_messages", "GenerateOpenAI continues a stream from resume only"
+                "resume", "a completion with logprobs cannot continue on another worker"
             )
         presenter = OpenAIPresenter(request)
+        tokens = self.Generate(request, context)
+        # For that relay, each streamed part carries the Token it was made from.
+        made_from: list[token_pb2.Token] = []
+        if request.openai.relayed and presenter.stream:
+            tokens = noted(tokens, made_from)
         sent = False
-        generated = presenter.parts(self.Generate(request, context))
+        generated = presenter.parts(tokens)
         async with contextlib.aclosing(generated) as parts:
             async for data in parts:
                 if not sent:
@@ -207,7 +216,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                     # transcoder): before it, an error is still the call's status.
                     sent = True
                     await context.send_initial_metadata(presenter.headers())
-                yield httpbody_pb2.HttpBody(content_type=presenter.content_type, data=data)
+                part = httpbody_pb2.HttpBody(content_type=presenter.content_type, data=data)
+                if made_from:
+                    part.extensions.add().Pack(made_from.pop())
+                yield part
 
     async def _generate(
         self,
@@ -313,3 +325,15 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         engine = self._engines.get()
         check_token_ids("tokens", request.tokens, engine.vocabulary_size, engine.max_model_len)
         return inference_pb2.DetokenizeResponse(prompt=engine.detokenize(request.tokens))
+
+
+async def noted(
+    tokens: AsyncGenerator[token_pb2.Token, None], made_from: list[token_pb2.Token]
+) -> AsyncGenerator[token_pb2.Token, None]:
+    """The tokens, each also left in made_from for the part the presenter makes of it (a
+    streamed answer makes one part of each message; a part made of none, the last [DONE] after
+    a stream that stopped short, finds it empty)."""
+    async with contextlib.aclosing(tokens) as each:
+        async for token in each:
+            made_from[:] = [token]
+            yield token
