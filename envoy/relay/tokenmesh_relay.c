@@ -1,0 +1,622 @@
+/* tokenmesh_relay: the edge's relay of a worker's token stream, as an Envoy HTTP filter in a
+   dynamic module (docs/decisions, #34). It replaces the router for a route to the workers: it
+   sends the prepared request to the worker cluster as a stream of its own, passes the
+   worker's headers, whole gRPC messages and trailers to the caller, and keeps each delivered
+   message's bytes. When the worker goes away mid-stream (its stream reset, or UNAVAILABLE in
+   its trailers) it sends the request again with what was delivered appended to its bytes
+   (InferenceRequest.delivered_messages, field 12; resume.attempt, field 11.2), so another
+   worker continues from the token where the stream stopped. It parses no protobuf: a
+   serialized message followed by more fields is the message with those fields merged in.
+
+   A caller that reads slower than the worker writes: what the caller's connection cannot take
+   waits here, up to max_held_bytes; past that the worker's stream is cancelled (its engine
+   request aborted) and the stream is continued the same way once the caller has read what
+   waits ("parked"; not counted as a move).
+
+   Config (the filter's StringValue): "cluster=worker;max_resumptions=2;max_retries=100;
+   retry_ms=2000;max_held_bytes=4194304;timeout_ms=600000", each optional. */
+#include "abi.h"
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define MAX_HEADERS 64
+#define GRPC_UNAVAILABLE "14"
+
+typedef struct {
+  char *p;
+  size_t n, cap;
+} bytes;
+
+static void bytes_add(bytes *b, const void *p, size_t n) {
+  if (b->n + n > b->cap) {
+    size_t cap = b->cap ? b->cap : 256;
+    while (cap < b->n + n) cap *= 2;
+    char *grown = realloc(b->p, cap);
+    if (!grown) abort(); /* out of memory: nothing sensible is left to do */
+    b->p = grown;
+    b->cap = cap;
+  }
+  if (n) memcpy(b->p + b->n, p, n);
+  b->n += n;
+}
+
+static void bytes_free(bytes *b) {
+  free(b->p);
+  b->p = NULL;
+  b->n = b->cap = 0;
+}
+
+static uint64_t now_ms(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (uint64_t)t.tv_sec * 1000u + (uint64_t)t.tv_nsec / 1000000u;
+}
+
+/* A protobuf varint; returns its length (at most 10 bytes). */
+static size_t varint(unsigned char *out, uint64_t value) {
+  size_t n = 0;
+  while (value >= 0x80) {
+    out[n++] = (unsigned char)(value | 0x80);
+    value >>= 7;
+  }
+  out[n++] = (unsigned char)value;
+  return n;
+}
+
+typedef struct {
+  char cluster[128];
+  int max_resumptions;
+  int max_retries;
+  uint64_t retry_ms;
+  size_t max_held_bytes;
+  uint64_t timeout_ms;
+} config;
+
+typedef struct {
+  dm_envoy envoy;
+  const config *cfg;
+  dm_hdr headers[MAX_HEADERS]; /* the request's headers, pointing into header_bytes */
+  size_t header_count;
+  bytes header_bytes;
+  bytes request;     /* the request's body as it came: one gRPC message */
+  int openai;        /* GenerateOpenAI: its parts carry their Token (OpenAIAnswer.relayed) */
+  bytes delivered;   /* every whole message sent to the caller, framed as it came */
+  size_t messages;   /* how many */
+  bytes partial;     /* the current worker's bytes of a message not yet whole */
+  bytes held;        /* whole messages the caller's connection cannot take yet */
+  uint64_t stream;   /* the worker stream (valid while live) */
+  int live, headers_sent, done, above_watermark, parked;
+  int moves;         /* times the stream went on at another worker */
+  int retries;       /* worker streams that failed before their worker answered */
+  uint64_t first_retry_ms; /* when the first of those failed (a monotonic clock) */
+  int answered;      /* the current worker stream's worker answered (headers, not the end) */
+  void *scheduler;   /* posts the next worker stream to a later turn of Envoy's event loop */
+} filter;
+
+/* ---- configuration ---------------------------------------------------------------------- */
+
+const char *envoy_dynamic_module_on_program_init(void) { return "v0.2.0"; }
+
+static void parse_config(config *c, const char *s, size_t n) {
+  char text[1024];
+  if (n >= sizeof text) n = sizeof text - 1;
+  memcpy(text, s, n);
+  text[n] = 0;
+  snprintf(c->cluster, sizeof c->cluster, "worker");
+  c->max_resumptions = 2;
+  c->max_retries = 100;
+  c->retry_ms = 2000;
+  c->max_held_bytes = 4u << 20;
+  c->timeout_ms = 600000;
+  char *save = NULL;
+  for (char *item = strtok_r(text, ";", &save); item; item = strtok_r(NULL, ";", &save)) {
+    char *eq = strchr(item, '=');
+    if (!eq) continue;
+    *eq = 0;
+    const char *value = eq + 1;
+    if (!strcmp(item, "cluster")) snprintf(c->cluster, sizeof c->cluster, "%s", value);
+    else if (!strcmp(item, "max_resumptions")) c->max_resumptions = atoi(value);
+    else if (!strcmp(item, "max_retries")) c->max_retries = atoi(value);
+    else if (!strcmp(item, "retry_ms")) c->retry_ms = strtoull(value, NULL, 10);
+    else if (!strcmp(item, "max_held_bytes")) c->max_held_bytes = strtoull(value, NULL, 10);
+    else if (!strcmp(item, "timeout_ms")) c->timeout_ms = strtoull(value, NULL, 10);
+  }
+}
+
+const void *envoy_dynamic_module_on_http_filter_config_new(void *envoy, dm_buf name, dm_buf text) {
+  (void)envoy;
+  (void)name;
+  config *c = calloc(1, sizeof *c);
+  if (!c) return NULL;
+  parse_config(c, text.ptr, text.length);
+  return c;
+}
+void envoy_dynamic_module_on_http_filter_config_destroy(const void *c) { free((void *)c); }
+const void *envoy_dynamic_module_on_http_filter_per_route_config_new(dm_buf n, dm_buf c) {
+  (void)n;
+  (void)c;
+  return NULL;
+}
+void envoy_dynamic_module_on_http_filter_per_route_config_destroy(const void *c) { (void)c; }
+
+/* ---- the filter's life ------------------------------------------------------------------ */
+
+const void *envoy_dynamic_module_on_http_filter_new(const void *cfg, dm_envoy envoy) {
+  filter *f = calloc(1, sizeof *f);
+  if (!f) return NULL;
+  f->envoy = envoy;
+  f->cfg = (const config *)cfg;
+  return f;
+}
+
+void envoy_dynamic_module_on_http_filter_destroy(const void *p) {
+  filter *f = (filter *)p;
+  if (f->scheduler) envoy_dynamic_module_callback_http_filter_scheduler_delete(f->scheduler);
+  bytes_free(&f->header_bytes);
+  bytes_free(&f->request);
+  bytes_free(&f->delivered);
+  bytes_free(&f->partial);
+  bytes_free(&f->held);
+  free(f);
+}
+
+/* The caller's stream ended (done, or the caller went away): the worker's stream ends too,
+   which aborts its engine request. */
+void envoy_dynamic_module_on_http_filter_stream_complete(dm_envoy envoy, const void *p) {
+  filter *f = (filter *)p;
+  f->done = 1;
+  if (f->live) {
+    f->live = 0;
+    envoy_dynamic_module_callback_http_filter_reset_http_stream(envoy, f->stream);
+  }
+}
+
+/* ---- towards the caller ----------------------------------------------------------------- */
+
+static void end_with(filter *f, const char *status, const char *message) {
+  f->done = 1;
+  dm_hdr trailers[] = {{"grpc-status", 11, status, strlen(status)},
+                       {"grpc-message", 12, message, strlen(message)}};
+  if (!f->headers_sent) {
+    f->headers_sent = 1;
+    dm_hdr h[] = {{":status", 7, "200", 3},
+                  {"content-type", 12, "application/grpc", 16},
+                  trailers[0],
+                  trailers[1]};
+    envoy_dynamic_module_callback_http_send_response_headers(f->envoy, h, 4, true);
+    return;
+  }
+  if (f->held.n) {
+    envoy_dynamic_module_callback_http_send_response_data(f->envoy, (dm_buf){f->held.p, f->held.n},
+                                                          false);
+    f->held.n = 0;
+  }
+  envoy_dynamic_module_callback_http_send_response_trailers(f->envoy, trailers, 2);
+}
+
+static void send_or_hold(filter *f, const char *p, size_t n) {
+  if (f->above_watermark || f->held.n) {
+    bytes_add(&f->held, p, n);
+    return;
+  }
+  envoy_dynamic_module_callback_http_send_response_data(f->envoy, (dm_buf){p, n}, false);
+}
+
+/* ---- towards the workers ---------------------------------------------------------------- */
+
+/* The request for the next worker: the request's message with the delivered messages (and the
+   move's count, and for GenerateOpenAI the relayed mark) appended as fields, framed again. */
+static void next_request(filter *f, bytes *out) {
+  static const unsigned char relayed[] = {0x32, 0x02, 0x48, 0x01}; /* openai { relayed: true } */
+  bytes payload = {0};
+  bytes_add(&payload, f->request.p + 5, f->request.n - 5);
+  if (f->openai) bytes_add(&payload, relayed, sizeof relayed);
+  size_t at = 0;
+  while (at + 5 <= f->delivered.n) {
+    const unsigned char *q = (const unsigned char *)f->delivered.p + at;
+    size_t len = ((size_t)q[1] << 24) | ((size_t)q[2] << 16) | ((size_t)q[3] << 8) | q[4];
+    unsigned char head[11] = {0x62}; /* field 12, length-delimited */
+    size_t h = 1 + varint(head + 1, len);
+    bytes_add(&payload, head, h);
+    bytes_add(&payload, q + 5, len);
+    at += 5 + len;
+  }
+  if (f->moves) {
+    unsigned char attempt[14] = {0x5a, 0, 0x10}; /* resume { attempt: moves } */
+    size_t v = varint(attempt + 3, (uint64_t)f->moves);
+    attempt[1] = (unsigned char)(1 + v);
+    bytes_add(&payload, attempt, 3 + v);
+  }
+  unsigned char frame[5] = {0, (unsigned char)(payload.n >> 24), (unsigned char)(payload.n >> 16),
+                            (unsigned char)(payload.n >> 8), (unsigned char)payload.n};
+  out->n = 0;
+  bytes_add(out, frame, 5);
+  bytes_add(out, payload.p, payload.n);
+  bytes_free(&payload);
+}
+
+static void start_worker_stream(filter *f) {
+  bytes body = {0};
+  if (f->messages || f->openai) next_request(f, &body);
+  else bytes_add(&body, f->request.p, f->request.n);
+  f->partial.n = 0;
+  f->answered = 0;
+  dm_buf cluster = {f->cfg->cluster, strlen(f->cfg->cluster)};
+  uint64_t id = 0;
+  int started = envoy_dynamic_module_callback_http_filter_start_http_stream(
+      f->envoy, &id, cluster, f->headers, f->header_count, (dm_buf){body.p, body.n}, true,
+      f->cfg->timeout_ms);
+  bytes_free(&body);
+  if (started != INIT_OK) {
+    end_with(f, GRPC_UNAVAILABLE, "relay: no worker stream could be started");
+    return;
+  }
+  f->stream = id;
+  f->live = 1;
+}
+
+/* The worker's stream failed: reset, Envoy's own reply (no worker answered), or UNAVAILABLE.
+   A stream whose worker had answered and delivered something goes on at another worker (a
+   move, at most max_resumptions); one whose attempt failed before its worker answered is
+   tried again as it was. `why` is the caller's message when it cannot go on. */
+static void worker_failed(filter *f, const char *why) {
+  f->live = 0;
+  if (f->done) return;
+  if (f->answered && f->messages) {
+    if (f->moves >= f->cfg->max_resumptions) {
+      char message[256];
+      snprintf(message, sizeof message,
+               "worker: went away after %zu messages (%s); the stream moved %d times already",
+               f->messages, why, f->moves);
+      end_with(f, GRPC_UNAVAILABLE, message);
+      return;
+    }
+    f->moves++;
+  } else {
+    /* Envoy may pick the worker that just failed again until its ejection (outlier detection,
+       on the main thread) reaches this worker thread: retried on later turns of the event
+       loop, within retry_ms and max_retries. */
+    uint64_t now = now_ms();
+    if (!f->retries++) f->first_retry_ms = now;
+    if (f->retries > f->cfg->max_retries || now - f->first_retry_ms > f->cfg->retry_ms) {
+      end_with(f, GRPC_UNAVAILABLE, why);
+      return;
+    }
+  }
+  /* Not from inside the failed stream's own callback: by the next turn of the event loop
+     Envoy has taken the failed worker out (outlier detection) and closed its connection. */
+  if (!f->scheduler) f->scheduler = envoy_dynamic_module_callback_http_filter_scheduler_new(f->envoy);
+  envoy_dynamic_module_callback_http_filter_scheduler_commit(f->scheduler, 1);
+}
+
+/* ---- the request ------------------------------------------------------------------------ */
+
+static int ends_with(const dm_hdr *h, const char *suffix) {
+  size_t l = strlen(suffix);
+  return h->vl >= l && !memcmp(h->v + h->vl - l, suffix, l);
+}
+
+static int named(const dm_hdr *h, const char *name) {
+  size_t l = strlen(name);
+  return h->kl == l && !memcmp(h->k, name, l);
+}
+
+static void request_complete(filter *f) {
+  if (f->request.n < 5) {
+    end_with(f, "13", "relay: the request has no gRPC message");
+    return;
+  }
+  start_worker_stream(f);
+}
+
+int envoy_dynamic_module_on_http_filter_request_headers(dm_envoy envoy, const void *p, bool end) {
+  filter *f = (filter *)p;
+  size_t n = envoy_dynamic_module_callback_http_get_headers_size(envoy, HT_REQ_HDR);
+  dm_hdr found[MAX_HEADERS * 2];
+  if (n > MAX_HEADERS * 2) n = MAX_HEADERS * 2;
+  envoy_dynamic_module_callback_http_get_headers(envoy, HT_REQ_HDR, found);
+  size_t total = 0;
+  for (size_t i = 0; i < n; i++) total += found[i].kl + found[i].vl;
+  f->header_bytes.p = malloc(total ? total : 1); /* one block: the pointers below stay valid */
+  if (!f->header_bytes.p) abort();
+  f->header_bytes.cap = total ? total : 1;
+  for (size_t i = 0; i < n && f->header_count < MAX_HEADERS; i++) {
+    if (found[i].kl > 8 && !memcmp(found[i].k, "x-envoy-", 8)) continue;
+    if (named(&found[i], ":path") && ends_with(&found[i], "/GenerateOpenAI")) f->openai = 1;
+    char *k = f->header_bytes.p + f->header_bytes.n;
+    memcpy(k, found[i].k, found[i].kl);
+    f->header_bytes.n += found[i].kl;
+    char *v = f->header_bytes.p + f->header_bytes.n;
+    memcpy(v, found[i].v, found[i].vl);
+    f->header_bytes.n += found[i].vl;
+    f->headers[f->header_count++] = (dm_hdr){k, found[i].kl, v, found[i].vl};
+  }
+  if (end) request_complete(f);
+  return HDRS_STOP;
+}
+
+int envoy_dynamic_module_on_http_filter_request_body(dm_envoy envoy, const void *p, bool end) {
+  filter *f = (filter *)p;
+  size_t n = envoy_dynamic_module_callback_http_get_body_chunks_size(envoy, BODY_RECEIVED_REQ);
+  if (n) {
+    dm_buf chunks[n];
+    if (envoy_dynamic_module_callback_http_get_body_chunks(envoy, BODY_RECEIVED_REQ, chunks))
+      for (size_t i = 0; i < n; i++) bytes_add(&f->request, chunks[i].ptr, chunks[i].length);
+  }
+  if (end) request_complete(f);
+  return BODY_STOP_NOBUFFER;
+}
+
+int envoy_dynamic_module_on_http_filter_request_trailers(dm_envoy envoy, const void *p) {
+  (void)envoy;
+  request_complete((filter *)p);
+  return TRL_STOP;
+}
+
+int envoy_dynamic_module_on_http_filter_response_headers(dm_envoy e, const void *p, bool end) {
+  (void)e;
+  (void)p;
+  (void)end;
+  return HDRS_CONTINUE;
+}
+int envoy_dynamic_module_on_http_filter_response_body(dm_envoy e, const void *p, bool end) {
+  (void)e;
+  (void)p;
+  (void)end;
+  return BODY_CONTINUE;
+}
+int envoy_dynamic_module_on_http_filter_response_trailers(dm_envoy e, const void *p) {
+  (void)e;
+  (void)p;
+  return TRL_CONTINUE;
+}
+int envoy_dynamic_module_on_http_filter_local_reply(dm_envoy e, const void *p, uint32_t code,
+                                                    dm_buf details, bool reset) {
+  (void)e;
+  (void)p;
+  (void)code;
+  (void)details;
+  (void)reset;
+  return 0;
+}
+
+/* ---- the worker's stream ---------------------------------------------------------------- */
+
+static const dm_hdr *header(dm_hdr *h, size_t n, const char *name) {
+  for (size_t i = 0; i < n; i++)
+    if (named(&h[i], name)) return &h[i];
+  return NULL;
+}
+
+static int is(const dm_hdr *h, const char *value) {
+  return h && h->vl == strlen(value) && !memcmp(h->v, value, h->vl);
+}
+
+void envoy_dynamic_module_on_http_filter_http_stream_headers(dm_envoy envoy, const void *p,
+                                                             uint64_t id, dm_hdr *h, size_t n,
+                                                             bool end) {
+  filter *f = (filter *)p;
+  if (id != f->stream || !f->live || f->done) return;
+  const dm_hdr *status = header(h, n, ":status");
+  const dm_hdr *grpc_status = header(h, n, "grpc-status");
+  if (!is(status, "200")) {
+    /* Envoy's own reply (no healthy worker, a connection that failed): not the worker's. */
+    if (!end) {
+      f->live = 0;
+      envoy_dynamic_module_callback_http_filter_reset_http_stream(envoy, id);
+    }
+    worker_failed(f, "relay: no worker answered");
+    return;
+  }
+  if (end && is(grpc_status, GRPC_UNAVAILABLE)) {
+    /* Envoy's reply when it reached no worker, or a worker without its engine. */
+    worker_failed(f, "worker: unavailable");
+    return;
+  }
+  if (!end) f->answered = 1;
+  if (end && f->moves && header(h, n, "grpc-status") && !is(grpc_status, "0")) {
+    /* The next worker refused to continue the stream (what it cannot carry over). */
+    const dm_hdr *m = header(h, n, "grpc-message");
+    char message[512];
+    snprintf(message, sizeof message,
+             "worker: went away after %zu messages, and the stream cannot continue on "
+             "another worker: %.*s",
+             f->messages, m ? (int)m->vl : 0, m ? m->v : "");
+    f->live = 0;
+    end_with(f, GRPC_UNAVAILABLE, message);
+    return;
+  }
+  if (end) f->live = 0;
+  if (!f->headers_sent) {
+    f->headers_sent = 1;
+    if (end) f->done = 1;
+    envoy_dynamic_module_callback_http_send_response_headers(envoy, h, n, end);
+  } else if (end) {
+    /* A later worker's trailers-only answer: the caller has headers already. */
+    dm_hdr t[MAX_HEADERS];
+    size_t k = 0;
+    for (size_t i = 0; i < n && k < MAX_HEADERS; i++)
+      if (h[i].kl && h[i].k[0] != ':' && !named(&h[i], "content-type")) t[k++] = h[i];
+    f->done = 1;
+    envoy_dynamic_module_callback_http_send_response_trailers(envoy, t, k);
+  }
+}
+
+void envoy_dynamic_module_on_http_filter_http_stream_data(dm_envoy envoy, const void *p,
+                                                          uint64_t id, const dm_buf *data,
+                                                          size_t count, bool end) {
+  filter *f = (filter *)p;
+  if (id != f->stream || !f->live || f->done) return;
+  for (size_t i = 0; i < count; i++) bytes_add(&f->partial, data[i].ptr, data[i].length);
+  /* Whole gRPC messages only: 1 byte flags, 4 bytes big-endian length, the message. */
+  size_t whole = 0;
+  while (f->partial.n - whole >= 5) {
+    const unsigned char *q = (const unsigned char *)f->partial.p + whole;
+    size_t len = ((size_t)q[1] << 24) | ((size_t)q[2] << 16) | ((size_t)q[3] << 8) | q[4];
+    if (f->partial.n - whole < 5 + len) break;
+    whole += 5 + len;
+    f->messages++;
+  }
+  if (whole) {
+    bytes_add(&f->delivered, f->partial.p, whole);
+    send_or_hold(f, f->partial.p, whole);
+    memmove(f->partial.p, f->partial.p + whole, f->partial.n - whole);
+    f->partial.n -= whole;
+  }
+  if (end) {
+    f->live = 0;
+    f->done = 1;
+    envoy_dynamic_module_callback_http_send_response_data(envoy, (dm_buf){f->held.p, f->held.n},
+                                                          true);
+    f->held.n = 0;
+    return;
+  }
+  if (f->held.n > f->cfg->max_held_bytes) {
+    /* The caller reads too slowly: cancel the worker's stream, continue once it has read. */
+    f->live = 0;
+    f->parked = 1;
+    envoy_dynamic_module_callback_http_filter_reset_http_stream(envoy, id);
+  }
+}
+
+void envoy_dynamic_module_on_http_filter_http_stream_trailers(dm_envoy envoy, const void *p,
+                                                              uint64_t id, dm_hdr *t, size_t n) {
+  filter *f = (filter *)p;
+  if (id != f->stream || !f->live || f->done) return;
+  f->live = 0;
+  if (is(header(t, n, "grpc-status"), GRPC_UNAVAILABLE)) {
+    worker_failed(f, "worker: unavailable");
+    return;
+  }
+  if (f->held.n) {
+    envoy_dynamic_module_callback_http_send_response_data(envoy, (dm_buf){f->held.p, f->held.n},
+                                                          false);
+    f->held.n = 0;
+  }
+  f->done = 1;
+  envoy_dynamic_module_callback_http_send_response_trailers(envoy, t, n);
+}
+
+void envoy_dynamic_module_on_http_filter_http_stream_complete(dm_envoy e, const void *p,
+                                                              uint64_t id) {
+  (void)e;
+  filter *f = (filter *)p;
+  if (id == f->stream) f->live = 0;
+}
+
+void envoy_dynamic_module_on_http_filter_http_stream_reset(dm_envoy e, const void *p, uint64_t id,
+                                                           int reason) {
+  (void)e;
+  filter *f = (filter *)p;
+  if (id != f->stream || !f->live || f->done) return;
+  char why[64];
+  snprintf(why, sizeof why, "worker: stream reset (reason %d)", reason);
+  worker_failed(f, why);
+}
+
+/* ---- the caller's flow control ---------------------------------------------------------- */
+
+void envoy_dynamic_module_on_http_filter_downstream_above_write_buffer_high_watermark(
+    dm_envoy e, const void *p) {
+  (void)e;
+  ((filter *)p)->above_watermark++;
+}
+
+void envoy_dynamic_module_on_http_filter_downstream_below_write_buffer_low_watermark(
+    dm_envoy envoy, const void *p) {
+  filter *f = (filter *)p;
+  if (f->above_watermark) f->above_watermark--;
+  if (f->above_watermark || f->done) return;
+  if (f->held.n) {
+    envoy_dynamic_module_callback_http_send_response_data(envoy, (dm_buf){f->held.p, f->held.n},
+                                                          false);
+    f->held.n = 0;
+  }
+  if (f->parked) {
+    f->parked = 0;
+    start_worker_stream(f);
+  }
+}
+
+/* ---- hooks Envoy resolves that the relay does not use ------------------------------------ */
+
+void envoy_dynamic_module_on_http_filter_scheduled(dm_envoy e, const void *p, uint64_t x) {
+  (void)e;
+  (void)x;
+  filter *f = (filter *)p;
+  if (!f->done && !f->live) start_worker_stream(f);
+}
+void envoy_dynamic_module_on_http_filter_http_callout_done(dm_envoy e, const void *p, uint64_t id,
+                                                           int r, dm_hdr *h, size_t nh, dm_buf *b,
+                                                           size_t nb) {
+  (void)e;
+  (void)p;
+  (void)id;
+  (void)r;
+  (void)h;
+  (void)nh;
+  (void)b;
+  (void)nb;
+}
+void envoy_dynamic_module_on_http_filter_config_scheduled(void *ce, const void *c, uint64_t x) {
+  (void)ce;
+  (void)c;
+  (void)x;
+}
+void envoy_dynamic_module_on_http_filter_config_http_callout_done(void *ce, const void *c,
+                                                                  uint64_t id, int r, dm_hdr *h,
+                                                                  size_t nh, dm_buf *b,
+                                                                  size_t nb) {
+  (void)ce;
+  (void)c;
+  (void)id;
+  (void)r;
+  (void)h;
+  (void)nh;
+  (void)b;
+  (void)nb;
+}
+void envoy_dynamic_module_on_http_filter_config_http_stream_headers(void *ce, const void *c,
+                                                                    uint64_t s, dm_hdr *h,
+                                                                    size_t n, bool e) {
+  (void)ce;
+  (void)c;
+  (void)s;
+  (void)h;
+  (void)n;
+  (void)e;
+}
+void envoy_dynamic_module_on_http_filter_config_http_stream_data(void *ce, const void *c,
+                                                                 uint64_t s, const dm_buf *d,
+                                                                 size_t n, bool e) {
+  (void)ce;
+  (void)c;
+  (void)s;
+  (void)d;
+  (void)n;
+  (void)e;
+}
+void envoy_dynamic_module_on_http_filter_config_http_stream_trailers(void *ce, const void *c,
+                                                                     uint64_t s, dm_hdr *h,
+                                                                     size_t n) {
+  (void)ce;
+  (void)c;
+  (void)s;
+  (void)h;
+  (void)n;
+}
+void envoy_dynamic_module_on_http_filter_config_http_stream_complete(void *ce, const void *c,
+                                                                     uint64_t s) {
+  (void)ce;
+  (void)c;
+  (void)s;
+}
+void envoy_dynamic_module_on_http_filter_config_http_stream_reset(void *ce, const void *c,
+                                                                  uint64_t s, int r) {
+  (void)ce;
+  (void)c;
+  (void)s;
+  (void)r;
+}

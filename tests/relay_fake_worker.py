@@ -1,0 +1,88 @@
+"""A stand-in worker for the edge relay's unit test (tests/unit/test_relay_module.py): it serves
+InferenceService.Generate, reading a moved stream's delivered messages as the real worker does
+(common/resumption.read_delivered), and answers token i of a stream as id 1000 + i, text
+"t<i> ", one message per token, going on from what was delivered. It records each request it
+received (one JSON line: its delivered tokens and the move's attempt) and each stream its
+caller cancelled ({"ended": "cancelled"}), and with DIE_AFTER=k exits hard (os._exit, as a
+SIGKILLed worker) after its k-th message.
+
+    python tests/relay_fake_worker.py PORT RECORD_FILE
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from tokenmesh.common.resumption import read_delivered
+from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
+
+# Seconds between messages: slow enough that a stream is mid-way when the test acts on it.
+INTERVAL = 0.01
+
+
+class FakeWorker(inference_pb2_grpc.InferenceServiceServicer):
+    def __init__(self, record: Path, die_after: int) -> None:
+        self._record = record
+        self._die_after = die_after
+        self._sent = 0
+
+    def Generate(
+        self, request: inference_pb2.InferenceRequest, context: Any
+    ) -> Iterator[token_pb2.Token]:
+        resumed = read_delivered(request)
+        delivered = [list(c.token_ids) for c in resumed.resume.choices]
+        start = len(delivered[0]) if delivered else 0
+        with self._record.open("a") as record:
+            line = {"delivered": delivered, "attempt": resumed.resume.attempt}
+            record.write(json.dumps(line) + "\n")
+        total = request.sampling.max_tokens
+        if total <= 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sampling.max_tokens: at least 1")
+        finished: list[bool] = []
+        context.add_callback(lambda: self._ended(finished))
+        for i in range(start, total):
+            time.sleep(INTERVAL)
+            last = i == total - 1
+            yield token_pb2.Token(
+                text=f"t{i} ",
+                index=i,
+                token_id=1000 + i,
+                token_ids=[1000 + i],
+                resumed=resumed.resume.attempt if i == start and start else 0,
+                finish_reason=token_pb2.FINISH_REASON_LENGTH if last else 0,  # type: ignore[arg-type]
+            )
+            self._sent += 1
+            if self._die_after and self._sent >= self._die_after:
+                os._exit(1)
+        finished.append(True)
+
+    def _ended(self, finished: list[bool]) -> None:
+        """When the stream ended: one that had not sent its last message was cancelled."""
+        if not finished:
+            with self._record.open("a") as record:
+                record.write(json.dumps({"ended": "cancelled"}) + "\n")
+
+
+def main() -> None:
+    port, record = int(sys.argv[1]), Path(sys.argv[2])
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    inference_pb2_grpc.add_InferenceServiceServicer_to_server(
+        FakeWorker(record, int(os.environ.get("DIE_AFTER", "0"))), server
+    )
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    print("serving", flush=True)
+    server.wait_for_termination()
+
+
+if __name__ == "__main__":
+    main()

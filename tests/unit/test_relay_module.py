@@ -1,0 +1,270 @@
+"""The edge's stream relay (envoy/relay/tokenmesh_relay.c), built with gcc and loaded into a
+real Envoy as a dynamic module, in front of stand-in workers (tests/relay_fake_worker.py, which
+read a moved stream's delivered messages with the worker's own code): a worker killed
+mid-stream, and the stream goes on at the other worker from the token where it stopped; past
+the limit it ends UNAVAILABLE saying how far it got; a worker's own error reaches the caller as
+it is."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from tests.support import ROOT
+from tokenmesh.common.processes import stop_process
+from tokenmesh.localmesh.probes import free_port, http_ok
+from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
+
+SOURCE = ROOT / "envoy" / "relay" / "tokenmesh_relay.c"
+FAKE_WORKER = ROOT / "tests" / "relay_fake_worker.py"
+TYPE = "type.googleapis.com/"
+HCM = TYPE + "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+DYNAMIC_MODULE = TYPE + "envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter"
+STRING = TYPE + "google.protobuf.StringValue"
+TOKENS = 40
+DIE_AFTER = 15
+
+
+@pytest.fixture(scope="module")
+def module_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    gcc = shutil.which("gcc") or shutil.which("cc")
+    if gcc is None:
+        pytest.skip("no C compiler (gcc) on PATH: install gcc to build the edge's stream relay")
+    out = tmp_path_factory.mktemp("relay")
+    flags = ["-O2", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared"]
+    subprocess.run([gcc, *flags, "-o", str(out / "libtokenmesh_relay.so"), str(SOURCE)], check=True)
+    return out
+
+
+@dataclass
+class Relay:
+    port: int
+    records: list[Path]
+
+    def requests(self, worker: int) -> list[dict[str, object]]:
+        """What each request the worker received had delivered, and its move's attempt."""
+        path = self.records[worker]
+        lines = path.read_text().splitlines() if path.exists() else []
+        return [json.loads(line) for line in lines]
+
+
+def envoy_config(port: int, admin: int, workers: list[int], relay_config: str) -> dict[str, object]:
+    """A listener whose only filter is the relay, over a worker cluster whose first worker has
+    priority (the second takes streams once the first is ejected: the mesh's outlier rule, a
+    worker out at its first failed connection)."""
+    http2 = {
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": TYPE + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            "explicit_http_config": {"http2_protocol_options": {}},
+        }
+    }
+    endpoint = lambda worker: {  # noqa: E731
+        "endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": worker}}}
+    }
+    return {
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin}}},
+        "static_resources": {
+            "listeners": [
+                {
+                    "name": "edge",
+                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
+                    "filter_chains": [
+                        {
+                            "filters": [
+                                {
+                                    "name": "envoy.filters.network.http_connection_manager",
+                                    "typed_config": {
+                                        "@type": HCM,
+                                        "stat_prefix": "edge",
+                                        "codec_type": "AUTO",
+                                        "route_config": {
+                                            "virtual_hosts": [
+                                                {
+                                                    "name": "all",
+                                                    "domains": ["*"],
+                                                    "routes": [
+                                                        {
+                                                            "match": {"prefix": "/"},
+                                                            "route": {
+                                                                "cluster": "worker",
+                                                                "timeout": "0s",
+                                                            },
+                                                        }
+                                                    ],
+                                                }
+                                            ]
+                                        },
+                                        "http_filters": [
+                                            {
+                                                "name": "envoy.filters.http.dynamic_modules",
+                                                "typed_config": {
+                                                    "@type": DYNAMIC_MODULE,
+                                                    "dynamic_module_config": {
+                                                        "name": "tokenmesh_relay",
+                                                        "do_not_close": True,
+                                                    },
+                                                    "filter_name": "relay",
+                                                    "terminal_filter": True,
+                                                    "filter_config": {
+                                                        "@type": STRING,
+                                                        "value": relay_config,
+                                                    },
+                                                },
+                                            }
+                                        ],
+                                    },
+                                }
+                            ]
+                        }
+                    ],
+                }
+            ],
+            "clusters": [
+                {
+                    "name": "worker",
+                    "type": "STATIC",
+                    "connect_timeout": "1s",
+                    "typed_extension_protocol_options": http2,
+                    "outlier_detection": {
+                        "split_external_local_origin_errors": True,
+                        "consecutive_local_origin_failure": 1,
+                        "enforcing_consecutive_local_origin_failure": 100,
+                        "base_ejection_time": "60s",
+                        "max_ejection_percent": 100,
+                    },
+                    "load_assignment": {
+                        "cluster_name": "worker",
+                        "endpoints": [
+                            {"priority": i, "lb_endpoints": [endpoint(w)]}
+                            for i, w in enumerate(workers)
+                        ],
+                    },
+                }
+            ],
+        },
+    }
+
+
+@pytest.fixture
+def relay(request: pytest.FixtureRequest, module_dir: Path, tmp_path: Path) -> Iterator[Relay]:
+    """Two stand-in workers (the first dies after its DIE_AFTER-th message) behind an Envoy
+    with the relay; the test's parameter, if any, is the relay's config."""
+    relay_config = getattr(request, "param", "cluster=worker")
+    ports = [free_port() for _ in range(2)]
+    records = [tmp_path / f"worker-{i}.jsonl" for i in range(2)]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'services'}:{ROOT}"}
+    workers = []
+    for i, port in enumerate(ports):
+        die = {"DIE_AFTER": str(DIE_AFTER)} if i == 0 else {}
+        workers.append(
+            subprocess.Popen(
+                [sys.executable, str(FAKE_WORKER), str(port), str(records[i])],
+                env={**env, **die},
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+        )
+    for worker in workers:
+        assert worker.stdout is not None and worker.stdout.readline().strip() == "serving"
+    edge, admin = free_port(), free_port()
+    config = tmp_path / "envoy.json"
+    config.write_text(json.dumps(envoy_config(edge, admin, ports, relay_config)))
+    envoy_bin = shutil.which("envoy", path=str(Path(sys.executable).parent)) or "envoy"
+    log = (tmp_path / "envoy.log").open("w")
+    envoy = subprocess.Popen(
+        [envoy_bin, "-c", str(config), "--base-id", str(edge), "-l", "warning"],
+        env={**os.environ, "ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(module_dir)},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not http_ok(f"http://127.0.0.1:{admin}/ready"):
+            assert envoy.poll() is None, (tmp_path / "envoy.log").read_text()
+            assert time.monotonic() < deadline, "Envoy not ready in 30 s"
+            time.sleep(0.1)
+        yield Relay(edge, records)
+    finally:
+        stop_process(envoy, 10)
+        log.close()
+        for worker in workers:
+            stop_process(worker, 10)
+
+
+def generate(
+    relay: Relay, max_tokens: int = TOKENS
+) -> tuple[list[token_pb2.Token], grpc.RpcError | None]:
+    """A Generate through the relay: the messages it got, and the error it ended with."""
+    with grpc.insecure_channel(f"127.0.0.1:{relay.port}") as channel:
+        call = inference_pb2_grpc.InferenceServiceStub(channel).Generate(
+            inference_pb2.InferenceRequest(
+                prompt="p", sampling=inference_pb2.SamplingParams(max_tokens=max_tokens)
+            ),
+            timeout=30,
+        )
+        tokens: list[token_pb2.Token] = []
+        try:
+            for token in call:
+                tokens.append(token)
+        except grpc.RpcError as error:
+            return tokens, error
+        return tokens, None
+
+
+def test_a_worker_killed_mid_stream_the_stream_goes_on_at_the_other(relay: Relay) -> None:
+    tokens, error = generate(relay)
+    assert error is None, error
+    assert [t.index for t in tokens] == list(range(TOKENS))
+    assert [t.token_id for t in tokens] == [1000 + i for i in range(TOKENS)]
+    assert tokens[-1].finish_reason == token_pb2.FINISH_REASON_LENGTH
+    assert [t.index for t in tokens if t.resumed] == [DIE_AFTER]
+    assert tokens[DIE_AFTER].resumed == 1
+    # The other worker got the request with what had been delivered, as the relay's bytes.
+    assert [r for r in relay.requests(1) if "delivered" in r] == [
+        {"delivered": [[1000 + i for i in range(DIE_AFTER)]], "attempt": 1}
+    ]
+
+
+@pytest.mark.parametrize("relay", ["cluster=worker;max_resumptions=0"], indirect=True)
+def test_past_the_limit_the_stream_ends_unavailable_saying_how_far_it_got(relay: Relay) -> None:
+    tokens, error = generate(relay)
+    assert error is not None and error.code() == grpc.StatusCode.UNAVAILABLE
+    assert f"after {DIE_AFTER} messages" in (error.details() or ""), error.details()
+    assert [t.index for t in tokens] == list(range(DIE_AFTER))
+    assert relay.requests(1) == []
+
+
+def test_a_caller_that_goes_away_ends_the_workers_stream(relay: Relay) -> None:
+    """Its engine request is aborted: the stand-in worker sees its stream cancelled."""
+    with grpc.insecure_channel(f"127.0.0.1:{relay.port}") as channel:
+        call = inference_pb2_grpc.InferenceServiceStub(channel).Generate(
+            inference_pb2.InferenceRequest(
+                prompt="p", sampling=inference_pb2.SamplingParams(max_tokens=TOKENS)
+            ),
+            timeout=30,
+        )
+        assert next(call).index == 0
+        call.cancel()
+    deadline = time.monotonic() + 10
+    while not any(r.get("ended") == "cancelled" for r in relay.requests(0)):
+        assert time.monotonic() < deadline, relay.requests(0)
+        time.sleep(0.05)
+
+
+def test_a_workers_own_error_reaches_the_caller_as_it_is(relay: Relay) -> None:
+    tokens, error = generate(relay, max_tokens=0)
+    assert tokens == []
+    assert error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (error.details() or "").startswith("sampling.max_tokens")
+    assert [r for r in relay.requests(0) if "delivered" in r] == [{"delivered": [], "attempt": 0}]
+    assert relay.requests(1) == []
