@@ -1,5 +1,5 @@
 /* tokenmesh_relay: the edge's relay of a worker's token stream, as an Envoy HTTP filter in a
-   dynamic module (docs/decisions, #34). It replaces the router for a route to the workers: it
+   dynamic module (envoy/relay/README.md). It replaces the router for a route to the workers: it
    sends the prepared request to the worker cluster as a stream of its own, passes the
    worker's headers, whole gRPC messages and trailers to the caller, and keeps each delivered
    message's bytes. When the worker goes away mid-stream (its stream reset, or UNAVAILABLE in
@@ -9,9 +9,10 @@
    serialized message followed by more fields is the message with those fields merged in.
 
    A caller that reads slower than the worker writes: what the caller's connection cannot take
-   waits here, up to max_held_bytes; past that the worker's stream is cancelled (its engine
-   request aborted) and the stream is continued the same way once the caller has read what
-   waits ("parked"; not counted as a move).
+   is to wait here, up to max_held_bytes; past that the worker's stream is cancelled (its
+   engine request aborted) and continued the same way once the caller has read ("parked"; not
+   counted as a move). Envoy has not been seen to call the watermark hooks this relies on
+   (README.md).
 
    Config (the filter's StringValue): "cluster=worker;max_resumptions=2;max_retries=100;
    retry_ms=2000;max_held_bytes=4194304;timeout_ms=600000", each optional. */
