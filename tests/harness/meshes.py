@@ -8,14 +8,13 @@ import contextlib
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tests.support import ROOT
+from tests.support import ENVOY, ROOT
 from tokenmesh.common.processes import stop_process
 from tokenmesh.localmesh.mesh import LocalMesh, LocalMeshSettings, envoy_hosts
 from tokenmesh.localmesh.probes import free_port
@@ -88,7 +87,7 @@ def second_envoy(
     config.write_text(render_yaml(settings))
     cores = local_mesh.mesh_cores(local_mesh.settings.worker_count(), os.cpu_count() or 1)
     pinned = ["taskset", "-c", cores] if cores and shutil.which("taskset") else []
-    envoy = shutil.which("envoy", path=str(Path(sys.executable).parent)) or "envoy"
+    envoy = ENVOY or "envoy"
     # Its access log (stdout) and errors beside its config.
     log = (run_dir / f"envoy-{ports[0]}.log").open("w")
     # A session of its own, as the mesh's programs have under supervisord: scheduled apart

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -23,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from tests.support import free_port, health_status
+from tests.support import ENVOY, free_port, health_status
 from tokenmesh.common.processes import stop_process
 from tokenmesh.localmesh.mesh import LocalMesh, envoy_hosts
 from tokenmesh.meshconfig.__main__ import render_yaml
@@ -32,7 +30,6 @@ from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, llm_pb2
 
 pytestmark = pytest.mark.integration
 
-ENVOY = shutil.which("envoy", path=str(Path(sys.executable).parent)) or "envoy"
 
 # What a client may see for any request, however malformed: UNAUTHENTICATED is not among them
 # (the session mesh runs without keys; test_security covers refusals of keys).
@@ -326,7 +323,7 @@ def test_edge_rate_limit_refuses_grpc_with_resource_exhausted(
     config = tmp_path / "envoy.yaml"
     config.write_text(render_yaml(limited))
     envoy = subprocess.Popen(
-        [ENVOY, "-c", str(config), "--base-id", str(random.randint(60_001, 65_000)),
+        [ENVOY or "envoy", "-c", str(config), "--base-id", str(random.randint(60_001, 65_000)),
          "--log-level", "error"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

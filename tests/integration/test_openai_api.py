@@ -12,9 +12,7 @@ import http.server
 import json
 import os
 import random
-import shutil
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
@@ -29,6 +27,7 @@ from transformers import AutoTokenizer
 
 from tests.conftest import LOG_DIR
 from tests.support import (
+    ENVOY,
     TINY_MODEL,
     ServiceProcess,
     controlplane_process,
@@ -662,7 +661,6 @@ def test_the_curl_examples_in_the_docs_run(mesh: LocalMesh) -> None:
 
 # --- Envoy's own answers on /v1/: an edge of its own, its openai cluster from a control plane --
 
-ENVOY = shutil.which("envoy", path=str(Path(sys.executable).parent)) or "envoy"
 # What a gateway of the stand-in answers: a 503 of its own that Envoy's mappers would rewrite.
 GATEWAY_ERROR = {
     "error": {"message": "from the gateway", "type": "gateway_own", "param": "p", "code": "c"}
@@ -769,8 +767,8 @@ def edge_of_its_own(
         config.write_text(render_yaml(edge.settings))
         with (LOG_DIR / f"envoy-{name}.log").open("wb") as log:
             envoy = subprocess.Popen(
-                [ENVOY, "-c", str(config), "--base-id", str(random.randint(60_001, 65_000)),
-                 "--log-level", "warn"],
+                [ENVOY or "envoy", "-c", str(config),
+                 "--base-id", str(random.randint(60_001, 65_000)), "--log-level", "warn"],
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )  # fmt: skip

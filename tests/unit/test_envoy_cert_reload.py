@@ -4,11 +4,9 @@ Secret brings, without a restart."""
 
 from __future__ import annotations
 
-import shutil
 import socket
 import ssl
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.support import ROOT
+from tests.support import ENVOY, ROOT
 from tests.unit.test_reloading_credentials import MountedSecret
 from tokenmesh.common.processes import stop_process
 from tokenmesh.localmesh.certs import EDGE, CertMaker, CertPaths, CertSettings
@@ -25,7 +23,6 @@ from tokenmesh.localmesh.probes import free_port
 from tokenmesh.meshconfig.bootstrap import render, secret_files
 from tokenmesh.meshconfig.config import MeshSettings
 
-ENVOY = shutil.which("envoy", path=str(Path(sys.executable).parent)) or shutil.which("envoy")
 # Envoy binds its listeners once its clusters are initialised; with no control plane to answer
 # ADS, that is after the first fetch times out.
 START_TIMEOUT = 90.0

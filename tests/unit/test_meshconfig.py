@@ -5,15 +5,13 @@ each concern's tests are in test_meshconfig_<concern>.py."""
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.support import ROOT
+from tests.support import ENVOY, ROOT
 from tokenmesh.meshconfig.__main__ import render_yaml
 from tokenmesh.meshconfig.bootstrap import render
 from tokenmesh.meshconfig.config import MeshSettings, kubernetes_profile
@@ -24,7 +22,6 @@ from tokenmesh.meshconfig.policy import (
     WorkerBalancing,
 )
 
-ENVOY = shutil.which("envoy", path=str(Path(sys.executable).parent)) or shutil.which("envoy")
 COMMITTED = ROOT / "envoy" / "envoy.yaml"
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.support import ROOT
+from tests.support import ENVOY, ROOT
 from tokenmesh.common.processes import stop_process
 from tokenmesh.localmesh.probes import free_port, http_ok
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
@@ -179,10 +179,9 @@ def relay(request: pytest.FixtureRequest, module_dir: Path, tmp_path: Path) -> I
     edge, admin = free_port(), free_port()
     config = tmp_path / "envoy.json"
     config.write_text(json.dumps(envoy_config(edge, admin, ports, relay_config)))
-    envoy_bin = shutil.which("envoy", path=str(Path(sys.executable).parent)) or "envoy"
     log = (tmp_path / "envoy.log").open("w")
     envoy = subprocess.Popen(
-        [envoy_bin, "-c", str(config), "--base-id", str(edge), "-l", "warning"],
+        [ENVOY or "envoy", "-c", str(config), "--base-id", str(edge), "-l", "warning"],
         env={**os.environ, "ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(module_dir)},
         stdout=log,
         stderr=subprocess.STDOUT,
