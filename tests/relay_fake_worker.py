@@ -1,10 +1,10 @@
 """A stand-in worker for the edge relay's unit test (tests/unit/test_relay_module.py): it serves
 InferenceService.Generate, reading a moved stream's delivered messages as the real worker does
 (common/resumption.read_delivered), and answers token i of a stream as id 1000 + i, text
-"t<i> ", one message per token, going on from what was delivered. It records each request it
-received (one JSON line: its delivered tokens and the move's attempt) and each stream its
-caller cancelled ({"ended": "cancelled"}), and with DIE_AFTER=k exits hard (os._exit, as a
-SIGKILLed worker) after its k-th message.
+"t<i> " (N bytes longer for a prompt "pad:N"), one message per token, going on from what was
+delivered. It records each request it received (one JSON line: its delivered tokens and the
+move's attempt) and each stream its caller cancelled ({"ended": "cancelled"}), and with
+DIE_AFTER=k exits hard (os._exit, as a SIGKILLed worker) after its k-th message.
 
     python tests/relay_fake_worker.py PORT RECORD_FILE
 """
@@ -47,13 +47,15 @@ class FakeWorker(inference_pb2_grpc.InferenceServiceServicer):
         total = request.sampling.max_tokens
         if total <= 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sampling.max_tokens: at least 1")
+        # A prompt "pad:N" makes each message's text N bytes longer.
+        pad = int(request.prompt[4:]) if request.prompt.startswith("pad:") else 0
         finished: list[bool] = []
         context.add_callback(lambda: self._ended(finished))
         for i in range(start, total):
             time.sleep(INTERVAL)
             last = i == total - 1
             yield token_pb2.Token(
-                text=f"t{i} ",
+                text=f"t{i} " + "x" * pad,
                 index=i,
                 token_id=1000 + i,
                 token_ids=[1000 + i],

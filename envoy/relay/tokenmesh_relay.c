@@ -11,11 +11,14 @@
    A caller that reads slower than the worker writes: what the caller's connection cannot take
    is to wait here, up to max_held_bytes; past that the worker's stream is cancelled (its
    engine request aborted) and continued the same way once the caller has read ("parked"; not
-   counted as a move). Envoy has not been seen to call the watermark hooks this relies on
-   (README.md).
+   counted as a move). What the caller cannot take is held first by Envoy's HTTP/2 codec, up
+   to the stream's window (initial_stream_window_size), before Envoy calls the watermark
+   hooks.
 
    Config (the filter's StringValue): "cluster=worker;max_resumptions=2;max_retries=100;
-   retry_ms=2000;max_held_bytes=4194304;timeout_ms=600000", each optional. */
+   retry_ms=2000;max_held_bytes=4194304;max_delivered_bytes=16777216;timeout_ms=600000", each
+   optional. A stream whose messages outgrow max_delivered_bytes is relayed on but no longer
+   kept: it cannot move. */
 #include "abi.h"
 #include <stdio.h>
 #include <stdlib.h>
@@ -72,6 +75,7 @@ typedef struct {
   int max_retries;
   uint64_t retry_ms;
   size_t max_held_bytes;
+  size_t max_delivered_bytes;
   uint64_t timeout_ms;
 } config;
 
@@ -84,17 +88,31 @@ typedef struct {
   bytes request;     /* the request's body as it came: one gRPC message */
   int openai;        /* GenerateOpenAI: its parts carry their Token (OpenAIAnswer.relayed) */
   bytes delivered;   /* every whole message sent to the caller, framed as it came */
+  int unresumable;   /* delivered outgrew max_delivered_bytes: no longer kept */
   size_t messages;   /* how many */
   bytes partial;     /* the current worker's bytes of a message not yet whole */
   bytes held;        /* whole messages the caller's connection cannot take yet */
   uint64_t stream;   /* the worker stream (valid while live) */
-  int live, headers_sent, done, above_watermark, parked;
+  int live, headers_sent, done, above_watermark;
+  int parking;       /* the worker's stream is to be cancelled (EVENT_PARK is posted) */
+  int parked;        /* it was: the next one starts once the caller has read */
   int moves;         /* times the stream went on at another worker */
   int retries;       /* worker streams that failed before their worker answered */
   uint64_t first_retry_ms; /* when the first of those failed (a monotonic clock) */
   int answered;      /* the current worker stream's worker answered (headers, not the end) */
   void *scheduler;   /* posts the next worker stream to a later turn of Envoy's event loop */
 } filter;
+
+/* What the filter posts to a later turn of Envoy's event loop (the filter scheduler). Never
+   from inside one of Envoy's callbacks: Envoy crashed (SIGSEGV) when the filter sent the
+   caller data from inside its low-watermark callback. */
+enum { EVENT_NEXT_WORKER = 1, EVENT_PARK = 2, EVENT_DRAINED = 3 };
+
+static void post(filter *f, uint64_t event) {
+  if (!f->scheduler)
+    f->scheduler = envoy_dynamic_module_callback_http_filter_scheduler_new(f->envoy);
+  envoy_dynamic_module_callback_http_filter_scheduler_commit(f->scheduler, event);
+}
 
 /* ---- configuration ---------------------------------------------------------------------- */
 
@@ -110,6 +128,7 @@ static void parse_config(config *c, const char *s, size_t n) {
   c->max_retries = 100;
   c->retry_ms = 2000;
   c->max_held_bytes = 4u << 20;
+  c->max_delivered_bytes = 16u << 20;
   c->timeout_ms = 600000;
   char *save = NULL;
   for (char *item = strtok_r(text, ";", &save); item; item = strtok_r(NULL, ";", &save)) {
@@ -122,6 +141,8 @@ static void parse_config(config *c, const char *s, size_t n) {
     else if (!strcmp(item, "max_retries")) c->max_retries = atoi(value);
     else if (!strcmp(item, "retry_ms")) c->retry_ms = strtoull(value, NULL, 10);
     else if (!strcmp(item, "max_held_bytes")) c->max_held_bytes = strtoull(value, NULL, 10);
+    else if (!strcmp(item, "max_delivered_bytes"))
+      c->max_delivered_bytes = strtoull(value, NULL, 10);
     else if (!strcmp(item, "timeout_ms")) c->timeout_ms = strtoull(value, NULL, 10);
   }
 }
@@ -266,6 +287,15 @@ static void worker_failed(filter *f, const char *why) {
   f->live = 0;
   if (f->done) return;
   if (f->answered && f->messages) {
+    if (f->unresumable) {
+      char message[256];
+      snprintf(message, sizeof message,
+               "worker: went away after %zu messages (%s); the stream cannot move: its "
+               "messages passed the relay's max_delivered_bytes (%zu)",
+               f->messages, why, f->cfg->max_delivered_bytes);
+      end_with(f, GRPC_UNAVAILABLE, message);
+      return;
+    }
     if (f->moves >= f->cfg->max_resumptions) {
       char message[256];
       snprintf(message, sizeof message,
@@ -286,10 +316,9 @@ static void worker_failed(filter *f, const char *why) {
       return;
     }
   }
-  /* Not from inside the failed stream's own callback: by the next turn of the event loop
-     Envoy has taken the failed worker out (outlier detection) and closed its connection. */
-  if (!f->scheduler) f->scheduler = envoy_dynamic_module_callback_http_filter_scheduler_new(f->envoy);
-  envoy_dynamic_module_callback_http_filter_scheduler_commit(f->scheduler, 1);
+  /* By the next turn of the event loop Envoy has taken the failed worker out (outlier
+     detection) and closed its connection. */
+  post(f, EVENT_NEXT_WORKER);
 }
 
 /* ---- the request ------------------------------------------------------------------------ */
@@ -403,11 +432,8 @@ void envoy_dynamic_module_on_http_filter_http_stream_headers(dm_envoy envoy, con
   const dm_hdr *status = header(h, n, ":status");
   const dm_hdr *grpc_status = header(h, n, "grpc-status");
   if (!is(status, "200")) {
-    /* Envoy's own reply (no healthy worker, a connection that failed): not the worker's. */
-    if (!end) {
-      f->live = 0;
-      envoy_dynamic_module_callback_http_filter_reset_http_stream(envoy, id);
-    }
+    /* Envoy's own reply (no healthy worker, a connection that failed): not the worker's. Its
+       body is ignored (the stream is no longer live) as it ends. */
     worker_failed(f, "relay: no worker answered");
     return;
   }
@@ -461,7 +487,11 @@ void envoy_dynamic_module_on_http_filter_http_stream_data(dm_envoy envoy, const 
     f->messages++;
   }
   if (whole) {
-    bytes_add(&f->delivered, f->partial.p, whole);
+    if (!f->unresumable && f->delivered.n + whole > f->cfg->max_delivered_bytes) {
+      f->unresumable = 1; /* too long to keep: a failure from here on ends the stream */
+      bytes_free(&f->delivered);
+    }
+    if (!f->unresumable) bytes_add(&f->delivered, f->partial.p, whole);
     send_or_hold(f, f->partial.p, whole);
     memmove(f->partial.p, f->partial.p + whole, f->partial.n - whole);
     f->partial.n -= whole;
@@ -474,11 +504,13 @@ void envoy_dynamic_module_on_http_filter_http_stream_data(dm_envoy envoy, const 
     f->held.n = 0;
     return;
   }
-  if (f->held.n > f->cfg->max_held_bytes) {
+  if (f->held.n > f->cfg->max_held_bytes && !f->parking) {
     /* The caller reads too slowly: cancel the worker's stream, continue once it has read. */
-    f->live = 0;
-    f->parked = 1;
-    envoy_dynamic_module_callback_http_filter_reset_http_stream(envoy, id);
+    f->parking = 1;
+    post(f, EVENT_PARK);
+    if (f->unresumable) /* it could not go on: it ends, and its worker stream with it */
+      end_with(f, "8", "relay: the caller reads too slowly, and the stream is too long to "
+                       "hold back (max_held_bytes, max_delivered_bytes)");
   }
 }
 
@@ -517,7 +549,7 @@ void envoy_dynamic_module_on_http_filter_http_stream_reset(dm_envoy e, const voi
   worker_failed(f, why);
 }
 
-/* ---- the caller's flow control ---------------------------------------------------------- */
+/* ---- the caller's flow control, and what was posted to a later turn -------------------------- */
 
 void envoy_dynamic_module_on_http_filter_downstream_above_write_buffer_high_watermark(
     dm_envoy e, const void *p) {
@@ -526,29 +558,46 @@ void envoy_dynamic_module_on_http_filter_downstream_above_write_buffer_high_wate
 }
 
 void envoy_dynamic_module_on_http_filter_downstream_below_write_buffer_low_watermark(
-    dm_envoy envoy, const void *p) {
+    dm_envoy e, const void *p) {
+  (void)e;
   filter *f = (filter *)p;
   if (f->above_watermark) f->above_watermark--;
-  if (f->above_watermark || f->done) return;
+  if (!f->above_watermark && !f->done) post(f, EVENT_DRAINED);
+}
+
+/* The caller has read: what was held goes to it, and a parked stream goes on. */
+static void drained(filter *f) {
+  if (f->above_watermark) return;
+  f->parking = 0; /* a park not yet made is not needed */
   if (f->held.n) {
-    envoy_dynamic_module_callback_http_send_response_data(envoy, (dm_buf){f->held.p, f->held.n},
+    envoy_dynamic_module_callback_http_send_response_data(f->envoy, (dm_buf){f->held.p, f->held.n},
                                                           false);
     f->held.n = 0;
   }
-  if (f->parked) {
+  if (f->parked && !f->above_watermark) {
     f->parked = 0;
     start_worker_stream(f);
   }
 }
 
-/* ---- hooks Envoy resolves that the relay does not use ------------------------------------ */
-
-void envoy_dynamic_module_on_http_filter_scheduled(dm_envoy e, const void *p, uint64_t x) {
-  (void)e;
-  (void)x;
+void envoy_dynamic_module_on_http_filter_scheduled(dm_envoy envoy, const void *p, uint64_t event) {
   filter *f = (filter *)p;
-  if (!f->done && !f->live) start_worker_stream(f);
+  if (event == EVENT_PARK) {
+    if (!f->parking || !f->live) return;
+    f->parking = 0;
+    f->live = 0;
+    f->parked = !f->done;
+    envoy_dynamic_module_callback_http_filter_reset_http_stream(envoy, f->stream);
+    return;
+  }
+  if (f->done) return;
+  if (event == EVENT_DRAINED) {
+    drained(f);
+    return;
+  }
+  if (!f->live && !f->parked) start_worker_stream(f);
 }
+/* ---- hooks Envoy resolves that the relay does not use ------------------------------------ */
 void envoy_dynamic_module_on_http_filter_http_callout_done(dm_envoy e, const void *p, uint64_t id,
                                                            int r, dm_hdr *h, size_t nh, dm_buf *b,
                                                            size_t nb) {

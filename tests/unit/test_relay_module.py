@@ -33,6 +33,7 @@ DYNAMIC_MODULE = TYPE + "envoy.extensions.filters.http.dynamic_modules.v3.Dynami
 STRING = TYPE + "google.protobuf.StringValue"
 TOKENS = 40
 DIE_AFTER = 15
+WINDOW = 65536
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +88,13 @@ def envoy_config(port: int, admin: int, workers: list[int], relay_config: str) -
                                         "@type": HCM,
                                         "stat_prefix": "edge",
                                         "codec_type": "AUTO",
+                                        # The mesh's windows (stream_window_bytes). Envoy's
+                                        # HTTP/2 codec holds up to a stream window of what the
+                                        # caller has not taken before it tells the filters.
+                                        "http2_protocol_options": {
+                                            "initial_stream_window_size": WINDOW,
+                                            "initial_connection_window_size": WINDOW,
+                                        },
                                         "route_config": {
                                             "virtual_hosts": [
                                                 {
@@ -158,14 +166,15 @@ def envoy_config(port: int, admin: int, workers: list[int], relay_config: str) -
 @pytest.fixture
 def relay(request: pytest.FixtureRequest, module_dir: Path, tmp_path: Path) -> Iterator[Relay]:
     """Two stand-in workers (the first dies after its DIE_AFTER-th message) behind an Envoy
-    with the relay; the test's parameter, if any, is the relay's config."""
-    relay_config = getattr(request, "param", "cluster=worker")
+    with the relay; the test's parameter, if any, is the relay's config and when the first
+    worker dies (0: never)."""
+    relay_config, die_after = getattr(request, "param", ("cluster=worker", DIE_AFTER))
     ports = [free_port() for _ in range(2)]
     records = [tmp_path / f"worker-{i}.jsonl" for i in range(2)]
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'services'}:{ROOT}"}
     workers = []
     for i, port in enumerate(ports):
-        die = {"DIE_AFTER": str(DIE_AFTER)} if i == 0 else {}
+        die = {"DIE_AFTER": str(die_after)} if i == 0 and die_after else {}
         workers.append(
             subprocess.Popen(
                 [sys.executable, str(FAKE_WORKER), str(port), str(records[i])],
@@ -234,11 +243,22 @@ def test_a_worker_killed_mid_stream_the_stream_goes_on_at_the_other(relay: Relay
     ]
 
 
-@pytest.mark.parametrize("relay", ["cluster=worker;max_resumptions=0"], indirect=True)
-def test_past_the_limit_the_stream_ends_unavailable_saying_how_far_it_got(relay: Relay) -> None:
+@pytest.mark.parametrize(
+    ("relay", "why"),
+    [
+        (("cluster=worker;max_resumptions=0", DIE_AFTER), "moved 0 times already"),
+        # 15 messages of ~20 bytes are more than the relay may keep: it kept none.
+        (("cluster=worker;max_delivered_bytes=100", DIE_AFTER), "max_delivered_bytes (100)"),
+    ],
+    indirect=["relay"],
+)
+def test_past_the_limit_the_stream_ends_unavailable_saying_how_far_it_got(
+    relay: Relay, why: str
+) -> None:
     tokens, error = generate(relay)
     assert error is not None and error.code() == grpc.StatusCode.UNAVAILABLE
     assert f"after {DIE_AFTER} messages" in (error.details() or ""), error.details()
+    assert why in (error.details() or ""), error.details()
     assert [t.index for t in tokens] == list(range(DIE_AFTER))
     assert relay.requests(1) == []
 
@@ -258,6 +278,46 @@ def test_a_caller_that_goes_away_ends_the_workers_stream(relay: Relay) -> None:
     while not any(r.get("ended") == "cancelled" for r in relay.requests(0)):
         assert time.monotonic() < deadline, relay.requests(0)
         time.sleep(0.05)
+
+
+# A caller's stream of ~400 KB: past its own window (64 KiB), the window Envoy keeps towards it
+# (64 KiB, after which the filter hears of it) and what the relay may hold (16 KiB).
+PARKED_TOKENS = 100
+
+
+# A park is not a move (the worker was not at fault): it is made with no moves allowed.
+PARKING = "cluster=worker;max_resumptions=0;max_held_bytes=16384"
+
+
+@pytest.mark.parametrize("relay", [(PARKING, 0)], indirect=True)
+def test_a_caller_that_stops_reading_parks_the_worker_and_gets_the_rest_once_it_reads(
+    relay: Relay,
+) -> None:
+    """Messages of ~4 KB to a caller that reads one and stops: once the relay holds more than
+    max_held_bytes, the worker's stream is cancelled (its engine request aborted); once the
+    caller reads again, the stream goes on from what was delivered, whole and in order."""
+    # The caller's window stays at 64 KiB: no BDP probing to grow it.
+    options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", WINDOW)]
+    with grpc.insecure_channel(f"127.0.0.1:{relay.port}", options=options) as channel:
+        call = inference_pb2_grpc.InferenceServiceStub(channel).Generate(
+            inference_pb2.InferenceRequest(
+                prompt="pad:4000", sampling=inference_pb2.SamplingParams(max_tokens=PARKED_TOKENS)
+            ),
+            timeout=60,
+        )
+        tokens = [next(call)]
+        deadline = time.monotonic() + 20
+        while not any(r.get("ended") == "cancelled" for r in relay.requests(0)):
+            assert time.monotonic() < deadline, relay.requests(0)
+            time.sleep(0.05)
+        tokens.extend(call)
+    assert [t.index for t in tokens] == list(range(PARKED_TOKENS))
+    assert [t.token_id for t in tokens] == [1000 + i for i in range(PARKED_TOKENS)]
+    first, again = [r for r in relay.requests(0) if "delivered" in r]
+    assert first == {"delivered": [], "attempt": 0}
+    parked_at = len(again["delivered"][0])  # type: ignore[index]
+    assert 0 < parked_at < PARKED_TOKENS
+    assert again["delivered"] == [[1000 + i for i in range(parked_at)]]
 
 
 def test_a_workers_own_error_reaches_the_caller_as_it_is(relay: Relay) -> None:
