@@ -2,7 +2,7 @@
 the first from the next worker, p50 and p99, with the next worker's prefix cache cold (it never
 saw the prompt) and warm (it had prefilled every prompt).
 
-    python -m loadtests.resumption_gap [--rounds 2] [--prompt-words 300] [--path direct]
+    python -m loadtests.resumption_gap [--rounds 2] [--prompt-words 300] [--path direct|relay]
         [--kill engine] [--json FILE]
 
 Starts its own mesh on free ports (1 gateway, 2 workers, the token path `--path` names), then
@@ -10,9 +10,10 @@ runs the engine_kill scenario (tests/harness/chaos.py: 16 gRPC + 16 OpenAI strea
 tokens through the edge, the engine core of the worker with more of them SIGKILLed once both
 generate) in interleaved rounds, cold then warm, each with prompts of its own of about
 `prompt-words` words; each round waits for the killed worker to rejoin. `--kill worker` kills
-the worker itself instead, which moves streams only on the gateway path (the gateways relay
-them; on the direct path they break). All traffic goes to 127.0.0.1; every stream has a
-deadline.
+the worker itself instead, which moves streams on the gateway path (the gateways relay them)
+and on `--path relay` (the direct path through the edge's stream relay, stream_relay, with
+worker_routing picker); on the plain direct path they break. All traffic goes to 127.0.0.1;
+every stream has a deadline.
 """
 
 from __future__ import annotations
@@ -46,11 +47,18 @@ def prompts(round_: int, words: int, seed: int) -> list[str]:
 
 async def measure(args: argparse.Namespace) -> list[Row]:
     rows: list[Row] = []
-    direct = {"TOKENMESH_LOCALMESH_DIRECT_TOKEN_PATH": str(args.path == "direct").lower()}
-    with environment(direct), own_mesh(gateways=1, workers=2) as local_mesh:
+    direct, relay = args.path != "gateway", args.path == "relay"
+    path = {
+        "TOKENMESH_LOCALMESH_DIRECT_TOKEN_PATH": str(direct).lower(),
+        "TOKENMESH_LOCALMESH_STREAM_RELAY": str(relay).lower(),
+        # The relay's streams take the gateway's named worker (it cannot hash a prefix).
+        **({"TOKENMESH_LOCALMESH_WORKER_ROUTING": "picker"} if relay else {}),
+    }
+    with environment(path), own_mesh(gateways=1, workers=2) as local_mesh:
         if local_mesh is None:
             raise SystemExit("the mesh did not come up")
-        if local_mesh.settings.direct_token_path != (args.path == "direct"):
+        settings = local_mesh.settings
+        if (settings.direct_token_path, settings.stream_relay) != (direct, relay):
             raise SystemExit(f"the mesh is not on the {args.path} token path")
         mesh = ScenarioMesh(local_mesh)
         with clients_first(local_mesh):
@@ -87,7 +95,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--prompt-words", type=int, default=300)
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--path", choices=("direct", "gateway"), default="direct")
+    parser.add_argument("--path", choices=("direct", "relay", "gateway"), default="direct")
     parser.add_argument("--kill", choices=("engine", "worker"), default="engine")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()

@@ -37,3 +37,14 @@ int envoy_dynamic_module_callback_http_filter_http_callout(dm_envoy f, uint64_t 
 void *envoy_dynamic_module_callback_http_filter_scheduler_new(dm_envoy f);
 void envoy_dynamic_module_callback_http_filter_scheduler_commit(void *scheduler, uint64_t event_id);
 void envoy_dynamic_module_callback_http_filter_scheduler_delete(void *scheduler);
+
+int envoy_dynamic_module_callback_http_filter_config_define_counter(void *config_envoy, dm_buf name,
+                                                                      dm_buf *labels, size_t n,
+                                                                      size_t *id_out);
+int envoy_dynamic_module_callback_http_filter_config_define_histogram(void *config_envoy, dm_buf name,
+                                                                        dm_buf *labels, size_t n,
+                                                                        size_t *id_out);
+int envoy_dynamic_module_callback_http_filter_increment_counter(dm_envoy f, size_t id, dm_buf *labels,
+                                                                size_t n, uint64_t value);
+int envoy_dynamic_module_callback_http_filter_record_histogram_value(dm_envoy f, size_t id, dm_buf *labels,
+                                                                     size_t n, uint64_t value);

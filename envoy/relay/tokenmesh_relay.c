@@ -27,6 +27,9 @@
 
 #define MAX_HEADERS 64
 #define GRPC_UNAVAILABLE "14"
+/* Why a stream moved, as the metrics label it (common/resumption.py's causes). */
+#define CAUSE_RESET "stream_reset"
+#define CAUSE_UNAVAILABLE "worker_unavailable"
 
 typedef struct {
   char *p;
@@ -77,6 +80,8 @@ typedef struct {
   size_t max_held_bytes;
   size_t max_delivered_bytes;
   uint64_t timeout_ms;
+  int metrics; /* Envoy defined the metrics below */
+  size_t resumed, refused, parks, gap_ms;
 } config;
 
 typedef struct {
@@ -101,6 +106,11 @@ typedef struct {
   uint64_t first_retry_ms; /* when the first of those failed (a monotonic clock) */
   int answered;      /* the current worker stream's worker answered (headers, not the end) */
   void *scheduler;   /* posts the next worker stream to a later turn of Envoy's event loop */
+  uint64_t deadline_ms;    /* the caller's deadline (grpc-timeout), monotonic; 0: none */
+  char timeout_value[24];  /* a moved stream's grpc-timeout: what is left of the caller's */
+  dm_hdr *timeout_header;  /* the request's grpc-timeout among headers, if it has one */
+  uint64_t last_message_ms; /* when the last message went to the caller */
+  int gap_pending;          /* a move is under way: the next message ends its gap */
 } filter;
 
 /* What the filter posts to a later turn of Envoy's event loop (the filter scheduler). Never
@@ -148,18 +158,40 @@ static void parse_config(config *c, const char *s, size_t n) {
 }
 
 const void *envoy_dynamic_module_on_http_filter_config_new(void *envoy, dm_buf name, dm_buf text) {
-  (void)envoy;
   (void)name;
   config *c = calloc(1, sizeof *c);
   if (!c) return NULL;
   parse_config(c, text.ptr, text.length);
+  /* Envoy's own stats (its /stats/prometheus): moves by cause, streams that could not move by
+     why, parks, and the gap a moved stream's caller saw. */
+  dm_buf cause = {"cause", 5}, reason = {"reason", 6};
+  c->metrics =
+      envoy_dynamic_module_callback_http_filter_config_define_counter(
+          envoy, (dm_buf){"tokenmesh_relay_resumptions", 27}, &cause, 1, &c->resumed) == 0 &&
+      envoy_dynamic_module_callback_http_filter_config_define_counter(
+          envoy, (dm_buf){"tokenmesh_relay_resumptions_refused", 35}, &reason, 1, &c->refused) ==
+          0 &&
+      envoy_dynamic_module_callback_http_filter_config_define_counter(
+          envoy, (dm_buf){"tokenmesh_relay_parks", 21}, NULL, 0, &c->parks) == 0 &&
+      envoy_dynamic_module_callback_http_filter_config_define_histogram(
+          envoy, (dm_buf){"tokenmesh_relay_resumption_gap_ms", 33}, NULL, 0, &c->gap_ms) == 0;
   return c;
 }
+
+static void count(filter *f, size_t id, const char *label) {
+  if (!f->cfg->metrics) return;
+  dm_buf value = {label, label ? strlen(label) : 0};
+  envoy_dynamic_module_callback_http_filter_increment_counter(f->envoy, id, label ? &value : NULL,
+                                                              label ? 1 : 0, 1);
+}
 void envoy_dynamic_module_on_http_filter_config_destroy(const void *c) { free((void *)c); }
+/* A route enables the filter (the mesh's edge: on the routes to the workers) with a per-route
+   config that carries nothing: Envoy needs one, and refuses a NULL. */
 const void *envoy_dynamic_module_on_http_filter_per_route_config_new(dm_buf n, dm_buf c) {
+  static const char enabled = 1;
   (void)n;
   (void)c;
-  return NULL;
+  return &enabled;
 }
 void envoy_dynamic_module_on_http_filter_per_route_config_destroy(const void *c) { (void)c; }
 
@@ -260,6 +292,19 @@ static void next_request(filter *f, bytes *out) {
 }
 
 static void start_worker_stream(filter *f) {
+  if (f->timeout_header && (f->messages || f->retries)) {
+    /* The stream goes on within what is left of the caller's deadline. */
+    uint64_t now = now_ms();
+    if (now >= f->deadline_ms) {
+      count(f, f->cfg->refused, "deadline");
+      end_with(f, "4", "relay: the caller's deadline passed before the stream could go on");
+      return;
+    }
+    int n = snprintf(f->timeout_value, sizeof f->timeout_value, "%llum",
+                     (unsigned long long)(f->deadline_ms - now));
+    f->timeout_header->v = f->timeout_value;
+    f->timeout_header->vl = (size_t)n;
+  }
   bytes body = {0};
   if (f->messages || f->openai) next_request(f, &body);
   else bytes_add(&body, f->request.p, f->request.n);
@@ -283,11 +328,12 @@ static void start_worker_stream(filter *f) {
    A stream whose worker had answered and delivered something goes on at another worker (a
    move, at most max_resumptions); one whose attempt failed before its worker answered is
    tried again as it was. `why` is the caller's message when it cannot go on. */
-static void worker_failed(filter *f, const char *why) {
+static void worker_failed(filter *f, const char *why, const char *cause) {
   f->live = 0;
   if (f->done) return;
   if (f->answered && f->messages) {
     if (f->unresumable) {
+      count(f, f->cfg->refused, "unkept");
       char message[256];
       snprintf(message, sizeof message,
                "worker: went away after %zu messages (%s); the stream cannot move: its "
@@ -297,6 +343,7 @@ static void worker_failed(filter *f, const char *why) {
       return;
     }
     if (f->moves >= f->cfg->max_resumptions) {
+      count(f, f->cfg->refused, "limit");
       char message[256];
       snprintf(message, sizeof message,
                "worker: went away after %zu messages (%s); the stream moved %d times already",
@@ -305,6 +352,8 @@ static void worker_failed(filter *f, const char *why) {
       return;
     }
     f->moves++;
+    f->gap_pending = 1;
+    count(f, f->cfg->resumed, cause);
   } else {
     /* Envoy may pick the worker that just failed again until its ejection (outlier detection,
        on the main thread) reaches this worker thread: retried on later turns of the event
@@ -333,6 +382,22 @@ static int named(const dm_hdr *h, const char *name) {
   return h->kl == l && !memcmp(h->k, name, l);
 }
 
+/* A grpc-timeout header's value (digits and a unit: H, M, S, m, u, n) in milliseconds, at
+   least 1. */
+static uint64_t grpc_timeout_ms(const dm_hdr *h) {
+  uint64_t n = 0;
+  size_t i = 0;
+  for (; i < h->vl && h->v[i] >= '0' && h->v[i] <= '9'; i++) n = n * 10 + (uint64_t)(h->v[i] - '0');
+  char unit = i < h->vl ? h->v[i] : 'S';
+  uint64_t ms = unit == 'H'   ? n * 3600000u
+                : unit == 'M' ? n * 60000u
+                : unit == 'S' ? n * 1000u
+                : unit == 'm' ? n
+                : unit == 'u' ? n / 1000u
+                              : n / 1000000u;
+  return ms ? ms : 1;
+}
+
 static void request_complete(filter *f) {
   if (f->request.n < 5) {
     end_with(f, "13", "relay: the request has no gRPC message");
@@ -355,6 +420,10 @@ int envoy_dynamic_module_on_http_filter_request_headers(dm_envoy envoy, const vo
   for (size_t i = 0; i < n && f->header_count < MAX_HEADERS; i++) {
     if (found[i].kl > 8 && !memcmp(found[i].k, "x-envoy-", 8)) continue;
     if (named(&found[i], ":path") && ends_with(&found[i], "/GenerateOpenAI")) f->openai = 1;
+    if (named(&found[i], "grpc-timeout")) {
+      f->timeout_header = &f->headers[f->header_count];
+      f->deadline_ms = now_ms() + grpc_timeout_ms(&found[i]);
+    }
     char *k = f->header_bytes.p + f->header_bytes.n;
     memcpy(k, found[i].k, found[i].kl);
     f->header_bytes.n += found[i].kl;
@@ -434,17 +503,18 @@ void envoy_dynamic_module_on_http_filter_http_stream_headers(dm_envoy envoy, con
   if (!is(status, "200")) {
     /* Envoy's own reply (no healthy worker, a connection that failed): not the worker's. Its
        body is ignored (the stream is no longer live) as it ends. */
-    worker_failed(f, "relay: no worker answered");
+    worker_failed(f, "relay: no worker answered", CAUSE_RESET);
     return;
   }
   if (end && is(grpc_status, GRPC_UNAVAILABLE)) {
     /* Envoy's reply when it reached no worker, or a worker without its engine. */
-    worker_failed(f, "worker: unavailable");
+    worker_failed(f, "worker: unavailable", CAUSE_UNAVAILABLE);
     return;
   }
   if (!end) f->answered = 1;
   if (end && f->moves && header(h, n, "grpc-status") && !is(grpc_status, "0")) {
     /* The next worker refused to continue the stream (what it cannot carry over). */
+    count(f, f->cfg->refused, "request");
     const dm_hdr *m = header(h, n, "grpc-message");
     char message[512];
     snprintf(message, sizeof message,
@@ -487,6 +557,12 @@ void envoy_dynamic_module_on_http_filter_http_stream_data(dm_envoy envoy, const 
     f->messages++;
   }
   if (whole) {
+    uint64_t now = now_ms();
+    if (f->gap_pending && f->cfg->metrics)
+      envoy_dynamic_module_callback_http_filter_record_histogram_value(
+          envoy, f->cfg->gap_ms, NULL, 0, now - f->last_message_ms);
+    f->gap_pending = 0;
+    f->last_message_ms = now;
     if (!f->unresumable && f->delivered.n + whole > f->cfg->max_delivered_bytes) {
       f->unresumable = 1; /* too long to keep: a failure from here on ends the stream */
       bytes_free(&f->delivered);
@@ -520,7 +596,7 @@ void envoy_dynamic_module_on_http_filter_http_stream_trailers(dm_envoy envoy, co
   if (id != f->stream || !f->live || f->done) return;
   f->live = 0;
   if (is(header(t, n, "grpc-status"), GRPC_UNAVAILABLE)) {
-    worker_failed(f, "worker: unavailable");
+    worker_failed(f, "worker: unavailable", CAUSE_UNAVAILABLE);
     return;
   }
   if (f->held.n) {
@@ -546,7 +622,7 @@ void envoy_dynamic_module_on_http_filter_http_stream_reset(dm_envoy e, const voi
   if (id != f->stream || !f->live || f->done) return;
   char why[64];
   snprintf(why, sizeof why, "worker: stream reset (reason %d)", reason);
-  worker_failed(f, why);
+  worker_failed(f, why, CAUSE_RESET);
 }
 
 /* ---- the caller's flow control, and what was posted to a later turn -------------------------- */
@@ -587,6 +663,7 @@ void envoy_dynamic_module_on_http_filter_scheduled(dm_envoy envoy, const void *p
     f->parking = 0;
     f->live = 0;
     f->parked = !f->done;
+    if (f->parked) count(f, f->cfg->parks, NULL);
     envoy_dynamic_module_callback_http_filter_reset_http_stream(envoy, f->stream);
     return;
   }

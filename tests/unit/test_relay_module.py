@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,9 +24,10 @@ import pytest
 from tests.support import ENVOY, ROOT
 from tokenmesh.common.processes import stop_process
 from tokenmesh.localmesh.probes import free_port, http_ok
+from tokenmesh.localmesh.relay_module import RELAY_SOURCE, build_relay_module
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
 
-SOURCE = ROOT / "envoy" / "relay" / "tokenmesh_relay.c"
+SOURCE = ROOT / RELAY_SOURCE
 FAKE_WORKER = ROOT / "tests" / "relay_fake_worker.py"
 TYPE = "type.googleapis.com/"
 HCM = TYPE + "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
@@ -38,19 +40,33 @@ WINDOW = 65536
 
 @pytest.fixture(scope="module")
 def module_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    gcc = shutil.which("gcc") or shutil.which("cc")
-    if gcc is None:
+    if shutil.which("gcc") is None and shutil.which("cc") is None:
         pytest.skip("no C compiler (gcc) on PATH: install gcc to build the edge's stream relay")
-    out = tmp_path_factory.mktemp("relay")
-    flags = ["-O2", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared"]
-    subprocess.run([gcc, *flags, "-o", str(out / "libtokenmesh_relay.so"), str(SOURCE)], check=True)
-    return out
+    return build_relay_module(SOURCE, tmp_path_factory.mktemp("relay")).parent
 
 
 @dataclass
 class Relay:
     port: int
+    admin: int
     records: list[Path]
+
+    def metric(self, name: str, labels: str = "") -> float:
+        """One of the relay's own metrics as Prometheus scrapes it from Envoy (0 if absent)."""
+        url = f"http://127.0.0.1:{self.admin}/stats/prometheus?filter=tokenmesh_relay"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            page = response.read().decode()
+        series = f"envoy_dynamicmodulescustom_tokenmesh_relay_{name}{{{labels}}} "
+        found = [line[len(series) :] for line in page.splitlines() if line.startswith(series)]
+        return float(found[0]) if found else 0.0
+
+    def metric_within(self, name: str, labels: str, value: float, seconds: float = 15) -> float:
+        """The metric once it reaches value (Envoy publishes histograms at its stats flush),
+        or as it is after `seconds`."""
+        deadline = time.monotonic() + seconds
+        while (found := self.metric(name, labels)) < value and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return found
 
     def requests(self, worker: int) -> list[dict[str, object]]:
         """What each request the worker received had delivered, and its move's attempt."""
@@ -74,6 +90,8 @@ def envoy_config(port: int, admin: int, workers: list[int], relay_config: str) -
     }
     return {
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin}}},
+        # Histograms reach the admin page at each stats flush.
+        "stats_flush_interval": "0.5s",
         "static_resources": {
             "listeners": [
                 {
@@ -201,7 +219,7 @@ def relay(request: pytest.FixtureRequest, module_dir: Path, tmp_path: Path) -> I
             assert envoy.poll() is None, (tmp_path / "envoy.log").read_text()
             assert time.monotonic() < deadline, "Envoy not ready in 30 s"
             time.sleep(0.1)
-        yield Relay(edge, records)
+        yield Relay(edge, admin, records)
     finally:
         stop_process(envoy, 10)
         log.close()
@@ -241,24 +259,39 @@ def test_a_worker_killed_mid_stream_the_stream_goes_on_at_the_other(relay: Relay
     assert [r for r in relay.requests(1) if "delivered" in r] == [
         {"delivered": [[1000 + i for i in range(DIE_AFTER)]], "attempt": 1}
     ]
+    # Within what was left of the caller's deadline (30 s), not the whole of it again.
+    first, moved = [
+        r["remaining_s"] for w in (0, 1) for r in relay.requests(w) if "remaining_s" in r
+    ]
+    assert 0 < moved < first <= 30, (first, moved)
+    # Counted by cause, with the gap the caller saw.
+    assert relay.metric("resumptions", 'cause="stream_reset"') == 1
+    assert relay.metric_within("resumption_gap_ms_count", "", 1) == 1
+    assert relay.metric("parks") == 0
 
 
 @pytest.mark.parametrize(
-    ("relay", "why"),
+    ("relay", "why", "reason"),
     [
-        (("cluster=worker;max_resumptions=0", DIE_AFTER), "moved 0 times already"),
+        (("cluster=worker;max_resumptions=0", DIE_AFTER), "moved 0 times already", "limit"),
         # 15 messages of ~20 bytes are more than the relay may keep: it kept none.
-        (("cluster=worker;max_delivered_bytes=100", DIE_AFTER), "max_delivered_bytes (100)"),
+        (
+            ("cluster=worker;max_delivered_bytes=100", DIE_AFTER),
+            "max_delivered_bytes (100)",
+            "unkept",
+        ),
     ],
     indirect=["relay"],
 )
 def test_past_the_limit_the_stream_ends_unavailable_saying_how_far_it_got(
-    relay: Relay, why: str
+    relay: Relay, why: str, reason: str
 ) -> None:
     tokens, error = generate(relay)
     assert error is not None and error.code() == grpc.StatusCode.UNAVAILABLE
     assert f"after {DIE_AFTER} messages" in (error.details() or ""), error.details()
     assert why in (error.details() or ""), error.details()
+    assert relay.metric("resumptions_refused", f'reason="{reason}"') == 1
+    assert relay.metric("resumptions", 'cause="stream_reset"') == 0
     assert [t.index for t in tokens] == list(range(DIE_AFTER))
     assert relay.requests(1) == []
 
@@ -318,6 +351,8 @@ def test_a_caller_that_stops_reading_parks_the_worker_and_gets_the_rest_once_it_
     parked_at = len(again["delivered"][0])  # type: ignore[index]
     assert 0 < parked_at < PARKED_TOKENS
     assert again["delivered"] == [[1000 + i for i in range(parked_at)]]
+    assert relay.metric("parks") == 1
+    assert relay.metric("resumptions", 'cause="stream_reset"') == 0
 
 
 def test_a_workers_own_error_reaches_the_caller_as_it_is(relay: Relay) -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tokenmesh.localmesh.certs import CertPaths
+from tokenmesh.localmesh.relay_module import RELAY_SOURCE
 from tokenmesh.localmesh.settings import LocalMeshSettings
 
 # The alert rules Prometheus evaluates, relative to the repository (the Helm chart ships the
@@ -39,6 +40,9 @@ class MeshFiles:
     settings: Path
     alert_rules: Path
     ops_page: Path
+    # The edge's stream relay: its source, and where it is built for Envoy to load.
+    relay_source: Path
+    relay_module_dir: Path
 
     @classmethod
     def of(cls, settings: LocalMeshSettings, root: Path) -> MeshFiles:
@@ -58,6 +62,8 @@ class MeshFiles:
             settings=run_dir / "mesh-settings.json",
             alert_rules=(root / ALERT_RULES).resolve(),
             ops_page=(root / OPS_PAGE_DIR).resolve(),
+            relay_source=(root / RELAY_SOURCE).resolve(),
+            relay_module_dir=run_dir / "envoy-modules",
         )
 
 

@@ -20,6 +20,7 @@ from tokenmesh.localmesh.configs import endpoints, prometheus_config, supervisor
 from tokenmesh.localmesh.layout import ALERT_RULES, MeshFiles, Tools
 from tokenmesh.localmesh.probes import envoy_host_statuses, envoy_hosts, health, http_ok
 from tokenmesh.localmesh.programs import ProcessTable, Program, mesh_cores
+from tokenmesh.localmesh.relay_module import build_relay_module
 from tokenmesh.localmesh.settings import MAX_REPLICAS, REPLICATED_PORTS, LocalMeshSettings
 from tokenmesh.meshconfig.bootstrap import render, secret_files
 
@@ -102,6 +103,8 @@ class LocalMesh:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.files.supervisord_config.write_text(self.supervisord_config())
         mesh = self.settings.mesh(self.certs if self.tls else None)
+        if mesh.stream_relay:
+            build_relay_module(self.files.relay_source, self.files.relay_module_dir)
         self.envoy_config_path.write_text(yaml.safe_dump(render(mesh), sort_keys=False))
         for path, secret in secret_files(mesh).items():
             Path(path).write_text(yaml.safe_dump(secret, sort_keys=False))

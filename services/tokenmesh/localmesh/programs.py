@@ -157,6 +157,8 @@ class ProcessTable:
             "envoy",
             [*pinned, str(self.tools.bin_dir / "envoy"), "-c", str(self.files.envoy_config),
              "--base-id", str(self.settings.envoy_base_id), "--log-level", "warn"],
+            # Where it finds the stream relay (stream_relay), built there by write_configs.
+            env={"ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(self.files.relay_module_dir)},
         )  # fmt: skip
 
     def _worker(self, i: int) -> Program:

@@ -67,6 +67,9 @@ class LocalMeshSettings(BaseSettings):
     direct_token_path: bool = True
     # How Envoy picks a worker for each stream (MeshSettings.worker_routing).
     worker_routing: Literal["least_request", "prefix", "picker"] = "prefix"
+    # Worker streams go through the edge's stream relay, which moves a stream whose worker
+    # went away (MeshSettings.stream_relay; needs worker_routing picker or least_request).
+    stream_relay: bool = False
     # The gateways' endpoint picker follows the workers' load (and names workers) even when
     # this mesh's Envoy does not route by it: for a second Envoy with worker_routing picker.
     picker_feed: bool = False
@@ -184,5 +187,6 @@ class LocalMeshSettings(BaseSettings):
             sds_dir=None if certs is None else str(certs.dir),
             direct_token_path=self.direct_token_path,
             worker_routing=self.worker_routing,
+            stream_relay=self.stream_relay,
         )
         return MeshSettings(**checked(MeshSettings, values))

@@ -18,8 +18,9 @@ from tokenmesh.meshconfig.constants import (
     Config,
 )
 from tokenmesh.meshconfig.edge import edge_listener
-from tokenmesh.meshconfig.listeners import internal_listener
+from tokenmesh.meshconfig.listeners import internal_listener, relay_listener
 from tokenmesh.meshconfig.policy import HealthCheckTiming, Services, WorkerBalancing
+from tokenmesh.meshconfig.stream_relay import bootstrap_extensions, relay_cluster
 from tokenmesh.meshconfig.tls import secret_files
 
 __all__ = ["render", "secret_files"]
@@ -42,9 +43,11 @@ def render(
         mesh, checks or HealthCheckTiming.of(mesh), balancing or WorkerBalancing.of(mesh)
     )
     controlplane = mesh.controlplane_host
+    extensions = bootstrap_extensions(mesh)
     return {
         "node": {"id": mesh.node_id, "cluster": "tokenmesh"},
         "admin": admin(mesh),
+        **({"bootstrap_extensions": extensions} if extensions else {}),
         "overload_manager": {
             "resource_monitors": [
                 {
@@ -68,6 +71,7 @@ def render(
                 edge_listener(mesh, services),
                 *(internal_listener(service, mesh) for service in services.internal),
                 *stats_listener(mesh),
+                *relay_listener(mesh),
             ],
             "clusters": [
                 *(service_cluster(service, mesh) for service in services.clusters),
@@ -78,6 +82,7 @@ def render(
                     OPS_PAGE_CLUSTER, controlplane, mesh.ops_page_port, mesh, grpc=False
                 ),
                 *admin_cluster(mesh),
+                *relay_cluster(mesh, services),
             ],
         },
     }

@@ -380,6 +380,35 @@ class MeshSettings(BaseSettings):
             "mid-stream then ends its streams UNAVAILABLE with a message, not a reset)."
         ),
     )
+    stream_relay: bool = Field(
+        default=False,
+        description=(
+            "With direct_token_path: each worker stream goes through the edge's stream relay "
+            "(envoy/relay, an Envoy dynamic module, behind an Envoy internal listener) "
+            "instead of the router, so a stream whose worker goes away mid-stream (killed, "
+            "its connection cut, its engine dead) goes on at another worker from the token "
+            "where it stopped. Needs worker_routing picker or least_request: a stream the "
+            "relay starts cannot carry the route's hash (prefix). Envoy loads the module "
+            "from ENVOY_DYNAMIC_MODULES_SEARCH_PATH (make setup builds it)."
+        ),
+    )
+    max_resumptions: int = Field(
+        default=2,
+        ge=0,
+        le=16,
+        description=(
+            "With stream_relay: how many times a stream may move to another worker; past "
+            "it the caller gets UNAVAILABLE saying how far the stream got."
+        ),
+    )
+    relay_max_delivered_bytes: int = Field(
+        default=16 * MIB,
+        ge=0,
+        description=(
+            "With stream_relay: the bytes of a stream's delivered messages the relay keeps "
+            "for a move; a stream past it is relayed on but can no longer move."
+        ),
+    )
     prepare_timeout_seconds: float = Field(
         default=10.0,
         gt=0,
@@ -392,6 +421,20 @@ class MeshSettings(BaseSettings):
         default=[r"https?://(localhost|127\.0\.0\.1)(:[0-9]+)?"],
         description="CORS origins allowed to call the edge with gRPC-Web (regular expressions).",
     )
+
+    @model_validator(mode="after")
+    def _stream_relay_routes_as_it_can(self) -> Self:
+        if self.stream_relay and not self.direct_token_path:
+            raise ValueError(
+                "stream_relay needs direct_token_path (on the gateways' path the gateway "
+                "itself moves a stream)"
+            )
+        if self.stream_relay and self.worker_routing == "prefix":
+            raise ValueError(
+                "stream_relay needs worker_routing picker or least_request: a stream the relay "
+                "starts cannot carry the route's prefix hash"
+            )
+        return self
 
     @model_validator(mode="after")
     def _tls_files_come_in_pairs(self) -> Self:

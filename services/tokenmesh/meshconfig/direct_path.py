@@ -17,6 +17,7 @@ from tokenmesh.meshconfig.constants import GATEWAY, TYPE, Config, seconds
 from tokenmesh.meshconfig.policy import Services
 from tokenmesh.meshconfig.retries import RETRY_ON, retry_policy
 from tokenmesh.meshconfig.routes import service_route
+from tokenmesh.meshconfig.stream_relay import relayed
 
 EXT_PROC = "envoy.filters.http.ext_proc"
 EXT_PROC_PER_ROUTE = TYPE + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
@@ -129,6 +130,7 @@ def direct_routes(mesh: MeshSettings, services: Services) -> list[Config]:
     # Envoy cutting the stream at the same instant would reset it (INTERNAL) where the caller
     # would have seen DEADLINE_EXCEEDED; there is no gateway here to answer first.
     del to_workers["route"]["max_stream_duration"]
+    to_workers = relayed(to_workers, mesh)
     routes = [
         {**service_route(services.gateway, mesh), "match": {"path": LLM_GENERATE}, **processed()},
         {**to_workers, "match": {"path": WORKER_GENERATE}, **processed()},

