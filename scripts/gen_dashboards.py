@@ -354,10 +354,17 @@ SERVING = Dashboard(
     ),
 )
 
-# Resumed streams, moved by the gateways (their token path) or handed over by the workers.
-RESUMPTIONS = '{__name__=~"tokenmesh_(gateway|worker)_resumptions_total"}'
-RESUMPTIONS_REFUSED = '{__name__=~"tokenmesh_(gateway|worker)_resumptions_refused_total"}'
+# Resumed streams, moved by the gateways (their token path), handed over by the workers, or
+# moved by the edge's stream relay (Envoy's stats of its dynamic module: no _total, the gap in
+# milliseconds).
+RELAY = "envoy_dynamicmodulescustom_tokenmesh_relay"
+RESUMPTIONS = f'{{__name__=~"tokenmesh_(gateway|worker)_resumptions_total|{RELAY}_resumptions"}}'
+RESUMPTIONS_REFUSED = (
+    f'{{__name__=~"tokenmesh_(gateway|worker)_resumptions_refused_total'
+    f'|{RELAY}_resumptions_refused"}}'
+)
 RESUMPTION_GAP = '{__name__=~"tokenmesh_(gateway|worker)_resumption_gap_seconds_bucket"}'
+RELAY_GAP_MS = f"{RELAY}_resumption_gap_ms_bucket"
 DEGRADATION = Dashboard(
     uid="tokenmesh-degradation",
     title="tokenmesh / Degradation",
@@ -428,8 +435,9 @@ DEGRADATION = Dashboard(
         Panel(
             "Streams moved to another worker/s",
             "Streams that continued on another worker from the token where they stopped, by "
-            "why (stream_reset, worker_unavailable: moved by a gateway; engine_dead: handed "
-            "over by a worker whose engine died), and those that could not move, by reason. "
+            "why (stream_reset, worker_unavailable: moved by a gateway or the edge's stream "
+            "relay; engine_dead: handed over by a worker whose engine died), and those that "
+            "could not move, by reason. "
             "Moves in 3 of the last six 5-minute windows fire TokenmeshStreamsKeepMoving.",
             (
                 Query(rate(RESUMPTIONS, "cause"), "{{cause}}"),
@@ -440,11 +448,19 @@ DEGRADATION = Dashboard(
         Panel(
             "Gap a moved stream's caller saw",
             "From the last token before the worker went away to the first from the next one "
-            "(its prefill of the prompt and the delivered tokens), p50 and p99.",
+            "(its prefill of the prompt and the delivered tokens), p50 and p99: the gateways' "
+            "and workers' moves, and the edge's stream relay's.",
             tuple(
                 Query(
                     f"histogram_quantile({q}, {rate(RESUMPTION_GAP, 'le')})",
                     f"p{round(q * 100)}",
+                )
+                for q in (0.5, 0.99)
+            )
+            + tuple(
+                Query(
+                    f"histogram_quantile({q}, {rate(RELAY_GAP_MS, 'le')}) / 1000",
+                    f"edge relay p{round(q * 100)}",
                 )
                 for q in (0.5, 0.99)
             ),

@@ -148,7 +148,12 @@ class FleetQueries:
         return "sum(tokenmesh_degraded_responses_total)"
 
     def resumptions_total(self) -> str:
-        return 'sum({__name__=~"tokenmesh_(gateway|worker)_resumptions_total"})'
+        # The gateways' moves, the workers' handovers and the edge's stream relay's moves
+        # (Envoy's stats of its module).
+        return (
+            'sum({__name__=~"tokenmesh_(gateway|worker)_resumptions_total'
+            '|envoy_dynamicmodulescustom_tokenmesh_relay_resumptions"})'
+        )
 
     def recent_errors(self) -> str:
         """Failed RPCs each service's server handled, and the public calls whose tokens came
