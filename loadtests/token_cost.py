@@ -4,13 +4,14 @@ streams of 128 tokens: tokens/s, TTFT and client ITL p50/p99, and CPU microsecon
 delivered token of each process (worker, engine, gateway, Envoy; vLLM's API server and engine),
 read from /proc before and after each round. Beside them: the same services behind a second
 Envoy on the other token path (the mesh's own edge has the direct token path by default:
-gateways prepare, Envoy streams from the workers; the second one the gateway path), and at 32
+gateways prepare, Envoy streams from the workers; the second one the gateway path, or with
+--relay the direct path through the edge's stream relay), and at 32
 and 64 streams the edge with stream_interval 8, and a second vLLM server placed as the mesh
 places a worker (its engine's processes on the engine's core, the server's threads on the
 others; --no-placed-baseline leaves it out). With --profile, py-spy samples the worker and
 the gateway during an extra gRPC round, and the report lists where their time goes.
 
-    python -m loadtests.token_cost [--quick] [--rounds 3] [--profile] [--out DIR]
+    python -m loadtests.token_cost [--quick] [--rounds 3] [--profile] [--relay] [--out DIR]
     python -m loadtests bench --scenarios cost
 
 All traffic goes to 127.0.0.1; every run is bounded in duration and request count.
@@ -120,6 +121,7 @@ class Route:
 # The mesh's own edge (its token path as configured) and a second Envoy on the other path.
 MESH_LABEL = "edge gRPC"
 PATH_LABELS = {True: "edge gRPC, direct token path", False: "edge gRPC, gateway path"}
+RELAY_LABEL = "edge gRPC, stream relay"
 
 
 def mesh_path(local_mesh: LocalMesh) -> Route:
@@ -160,7 +162,7 @@ def other_path(mesh: Route, envoy: MeshSettings, envoy_pid: int) -> Route:
     to the caller (one Envoy hop); without it every token passes through the gateway (two)."""
     return replace(
         mesh,
-        label=PATH_LABELS[envoy.direct_token_path],
+        label=RELAY_LABEL if envoy.stream_relay else PATH_LABELS[envoy.direct_token_path],
         address=f"127.0.0.1:{envoy.edge_port}",
         processes={**mesh.processes, "envoy": [envoy_pid]},
         hops={"envoy": 1 if envoy.direct_token_path else 2},
@@ -323,6 +325,7 @@ def cost(
     openai: bool = False,
     placed_baseline: bool = True,
     structured_outputs: bool = False,
+    relay: bool = False,
 ) -> dict[str, Any]:
     """Both servers up; each concurrency's runs interleaved, mesh then SSE, `rounds` times.
     With openai: the edge's OpenAI SSE first, then vLLM's, then the edge's gRPC, at 8, 32 and
@@ -344,7 +347,13 @@ def cost(
             else second_envoy(
                 local_mesh,
                 local_mesh.run_dir,
-                direct_token_path=not local_mesh.settings.direct_token_path,
+                **(
+                    # The direct path through the edge's stream relay (one worker: any
+                    # routing the relay can serve picks it).
+                    {"stream_relay": True, "worker_routing": "least_request"}
+                    if relay
+                    else {"direct_token_path": not local_mesh.settings.direct_token_path}
+                ),
             )
         ) as (other, other_pid),
         openai_server() as (address, server),
@@ -554,6 +563,12 @@ def main() -> None:
         help="structured output's cost: OpenAI SSE plain and with a JSON schema, edge and vLLM",
     )
     parser.add_argument(
+        "--relay",
+        action="store_true",
+        help="the second Envoy on the direct path through the stream relay (stream_relay), "
+        "instead of on the other token path",
+    )
+    parser.add_argument(
         "--no-placed-baseline",
         action="store_true",
         help="skip the second vLLM server placed as the mesh (engine core pinned)",
@@ -571,6 +586,7 @@ def main() -> None:
         args.openai,
         not args.no_placed_baseline,
         args.structured,
+        args.relay,
     )
     name = "structured" if args.structured else "openai" if args.openai else "cost"
     result["machine"] = {

@@ -44,9 +44,11 @@ class FakeWorker(inference_pb2_grpc.InferenceServiceServicer):
         with self._record.open("a") as record:
             line = {"delivered": delivered, "attempt": resumed.resume.attempt}
             record.write(json.dumps(line) + "\n")
-            # The deadline it was given (the caller's grpc-timeout, or what was left of it).
-            remaining = context.time_remaining()
-            record.write(json.dumps({"remaining_s": remaining}) + "\n")
+            # The deadline it was given (the caller's grpc-timeout, or what was left of it),
+            # and the workers the request named (the gateway's picks, less those that failed).
+            named = dict(context.invocation_metadata()).get("x-tokenmesh-worker")
+            record.write(json.dumps({"remaining_s": context.time_remaining(), "named": named}))
+            record.write("\n")
         total = request.sampling.max_tokens
         if total <= 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sampling.max_tokens: at least 1")

@@ -109,6 +109,7 @@ typedef struct {
   uint64_t deadline_ms;    /* the caller's deadline (grpc-timeout), monotonic; 0: none */
   char timeout_value[24];  /* a moved stream's grpc-timeout: what is left of the caller's */
   dm_hdr *timeout_header;  /* the request's grpc-timeout among headers, if it has one */
+  int named;               /* the index of x-tokenmesh-worker among headers; -1: none */
   uint64_t last_message_ms; /* when the last message went to the caller */
   int gap_pending;          /* a move is under way: the next message ends its gap */
 } filter;
@@ -200,6 +201,7 @@ void envoy_dynamic_module_on_http_filter_per_route_config_destroy(const void *c)
 const void *envoy_dynamic_module_on_http_filter_new(const void *cfg, dm_envoy envoy) {
   filter *f = calloc(1, sizeof *f);
   if (!f) return NULL;
+  f->named = -1;
   f->envoy = envoy;
   f->cfg = (const config *)cfg;
   return f;
@@ -324,6 +326,26 @@ static void start_worker_stream(filter *f) {
   f->live = 1;
 }
 
+/* The next worker the gateway named (x-tokenmesh-worker: "host:port,host:port", best first;
+   Envoy's override-host policy takes the first): the one that failed leaves the list, and with
+   the last one the header goes, so the cluster's own balancing picks among healthy workers. */
+static void next_named_worker(filter *f) {
+  if (f->named < 0) return;
+  dm_hdr *h = &f->headers[f->named];
+  const char *comma = memchr(h->v, ',', h->vl);
+  if (comma) {
+    size_t skip = (size_t)(comma + 1 - h->v);
+    h->v += skip;
+    h->vl -= skip;
+    while (h->vl && *h->v == ' ') h->v++, h->vl--;
+    return;
+  }
+  dm_hdr *last = &f->headers[--f->header_count];
+  if (f->timeout_header == last) f->timeout_header = h;
+  *h = *last;
+  f->named = -1;
+}
+
 /* The worker's stream failed: reset, Envoy's own reply (no worker answered), or UNAVAILABLE.
    A stream whose worker had answered and delivered something goes on at another worker (a
    move, at most max_resumptions); one whose attempt failed before its worker answered is
@@ -367,6 +389,7 @@ static void worker_failed(filter *f, const char *why, const char *cause) {
   }
   /* By the next turn of the event loop Envoy has taken the failed worker out (outlier
      detection) and closed its connection. */
+  next_named_worker(f);
   post(f, EVENT_NEXT_WORKER);
 }
 
@@ -420,6 +443,7 @@ int envoy_dynamic_module_on_http_filter_request_headers(dm_envoy envoy, const vo
   for (size_t i = 0; i < n && f->header_count < MAX_HEADERS; i++) {
     if (found[i].kl > 8 && !memcmp(found[i].k, "x-envoy-", 8)) continue;
     if (named(&found[i], ":path") && ends_with(&found[i], "/GenerateOpenAI")) f->openai = 1;
+    if (named(&found[i], "x-tokenmesh-worker")) f->named = (int)f->header_count;
     if (named(&found[i], "grpc-timeout")) {
       f->timeout_header = &f->headers[f->header_count];
       f->deadline_ms = now_ms() + grpc_timeout_ms(&found[i]);

@@ -18,6 +18,7 @@ from tests.support import ENVOY, ROOT
 from tokenmesh.common.processes import stop_process
 from tokenmesh.localmesh.mesh import LocalMesh, LocalMeshSettings, envoy_hosts
 from tokenmesh.localmesh.probes import free_port
+from tokenmesh.localmesh.relay_module import build_relay_module
 from tokenmesh.meshconfig.__main__ import render_yaml
 from tokenmesh.meshconfig.config import MeshSettings
 
@@ -90,6 +91,10 @@ def second_envoy(
     envoy = ENVOY or "envoy"
     # Its access log (stdout) and errors beside its config.
     log = (run_dir / f"envoy-{ports[0]}.log").open("w")
+    # With stream_relay, the relay built where this Envoy looks for it.
+    modules = run_dir / "envoy-modules"
+    if settings.stream_relay:
+        build_relay_module(local_mesh.files.relay_source, modules)
     # A session of its own, as the mesh's programs have under supervisord: scheduled apart
     # from the benchmark or test that started it (Linux's autogroups are per session).
     process = subprocess.Popen(
@@ -97,6 +102,7 @@ def second_envoy(
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        env={**os.environ, "ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(modules)},
     )
     try:
         deadline = time.monotonic() + 60

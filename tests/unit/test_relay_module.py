@@ -227,6 +227,10 @@ def relay(request: pytest.FixtureRequest, module_dir: Path, tmp_path: Path) -> I
             stop_process(worker, 10)
 
 
+# The workers a gateway named for the stream, best first.
+NAMED = "127.0.0.1:1001,127.0.0.1:1002"
+
+
 def generate(
     relay: Relay, max_tokens: int = TOKENS
 ) -> tuple[list[token_pb2.Token], grpc.RpcError | None]:
@@ -237,6 +241,7 @@ def generate(
                 prompt="p", sampling=inference_pb2.SamplingParams(max_tokens=max_tokens)
             ),
             timeout=30,
+            metadata=[("x-tokenmesh-worker", NAMED)],
         )
         tokens: list[token_pb2.Token] = []
         try:
@@ -260,10 +265,13 @@ def test_a_worker_killed_mid_stream_the_stream_goes_on_at_the_other(relay: Relay
         {"delivered": [[1000 + i for i in range(DIE_AFTER)]], "attempt": 1}
     ]
     # Within what was left of the caller's deadline (30 s), not the whole of it again.
-    first, moved = [
-        r["remaining_s"] for w in (0, 1) for r in relay.requests(w) if "remaining_s" in r
-    ]
-    assert 0 < moved < first <= 30, (first, moved)
+    first, moved = [r for w in (0, 1) for r in relay.requests(w) if "remaining_s" in r]
+    assert 0 < moved["remaining_s"] < first["remaining_s"] <= 30, (first, moved)
+    # The worker that failed leaves the gateway's named workers (Envoy's override-host policy
+    # takes the first): the next one is asked for, and with none left the cluster picks (an
+    # attempt refused by the dead worker before its ejection took the second out too).
+    assert first["named"] == NAMED
+    assert moved["named"] in ("127.0.0.1:1002", None)
     # Counted by cause, with the gap the caller saw.
     assert relay.metric("resumptions", 'cause="stream_reset"') == 1
     assert relay.metric_within("resumption_gap_ms_count", "", 1) == 1

@@ -120,16 +120,17 @@ def test_a_delivered_message_that_is_not_a_token_is_refused_naming_it() -> None:
 
 
 def test_relayed_openai_parts_read_as_the_tokens_they_carry() -> None:
-    """GenerateOpenAI's parts of a relayed answer each carry their Token (extensions[0]):
-    handed back, they read as those Tokens would; a part without one is refused, naming it."""
+    """GenerateOpenAI's parts of a relayed answer each carry their Token (RelayedPart): handed
+    back, they read as those Tokens would; a part without one is refused, naming it."""
     original = inference_pb2.InferenceRequest(
         prompt="p", sampling=inference_pb2.SamplingParams(max_tokens=9)
     )
     sent = [message(0, 0, [5]), message(0, 1, [6, 7])]
     parts = []
     for token in sent:
-        part = httpbody_pb2.HttpBody(content_type="text/event-stream", data=b"data: {}\n\n")
-        part.extensions.add().Pack(token)
+        part = inference_pb2.RelayedPart(
+            content_type="text/event-stream", data=b"data: {}\n\n", token=token
+        )
         parts.append(part.SerializeToString())
     received = inference_pb2.InferenceRequest()
     received.CopyFrom(original)

@@ -10,7 +10,6 @@ instead (delivered_messages), which the worker reads with `read_delivered`."""
 from __future__ import annotations
 
 import grpc
-from google.api import httpbody_pb2
 from google.protobuf.message import DecodeError
 from grpc import aio
 
@@ -106,16 +105,18 @@ def read_delivered(
 
 
 def delivered_token(message: bytes, part: bool, field: str) -> token_pb2.Token:
-    """The Token a delivered message holds: itself, or a relayed HttpBody part's extension."""
+    """The Token a delivered message holds: itself, or a relayed part's (RelayedPart)."""
     token = token_pb2.Token()
+    relayed = inference_pb2.RelayedPart()
     try:
         if not part:
             token.ParseFromString(message)
             return token
-        body = httpbody_pb2.HttpBody.FromString(message)
+        relayed.ParseFromString(message)
     except DecodeError as error:
-        kind = "google.api.HttpBody" if part else "tokenmesh.v1.Token"
+        kind = "tokenmesh.v1.RelayedPart" if part else "tokenmesh.v1.Token"
         raise InvalidArgument(field, f"not a {kind} message: {error}") from error
-    if not body.extensions or not body.extensions[0].Unpack(token):
+    if not relayed.HasField("token"):
         raise InvalidArgument(field, "an HttpBody part without its tokenmesh.v1.Token")
+    token.CopyFrom(relayed.token)
     return token

@@ -125,7 +125,8 @@ def http_ok(url: str) -> bool:
 
 def envoy_host_statuses(admin_port: int) -> Iterator[tuple[str, str, dict[str, Any]]]:
     """(cluster, address, host status from /clusters?format=json) of every host the Envoy whose
-    admin listens on admin_port knows; nothing when Envoy does not answer."""
+    admin listens on admin_port knows at a network address (not the stream relay's internal
+    listener); nothing when Envoy does not answer."""
     url = f"http://127.0.0.1:{admin_port}/clusters?format=json"
     try:
         with urllib.request.urlopen(url, timeout=2) as reply:
@@ -134,7 +135,9 @@ def envoy_host_statuses(admin_port: int) -> Iterator[tuple[str, str, dict[str, A
         return
     for cluster in statuses:
         for host in cluster.get("host_statuses", []):
-            address = host["address"]["socket_address"]
+            address = host["address"].get("socket_address")
+            if address is None:
+                continue
             yield cluster["name"], f"{address['address']}:{address['port_value']}", host
 
 

@@ -191,6 +191,16 @@ class OpenAIAnswer(_message.Message):
     relayed: bool
     def __init__(self, chat: _Optional[bool] = ..., id: _Optional[str] = ..., created: _Optional[int] = ..., model: _Optional[str] = ..., stream: _Optional[bool] = ..., include_usage: _Optional[bool] = ..., time_limit_seconds: _Optional[float] = ..., relayed: _Optional[bool] = ...) -> None: ...
 
+class RelayedPart(_message.Message):
+    __slots__ = ("content_type", "data", "token")
+    CONTENT_TYPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    content_type: str
+    data: bytes
+    token: _token_pb2.Token
+    def __init__(self, content_type: _Optional[str] = ..., data: _Optional[bytes] = ..., token: _Optional[_Union[_token_pb2.Token, _Mapping]] = ...) -> None: ...
+
 class ConversationMessage(_message.Message):
     __slots__ = ("role", "content", "tool_calls", "tool_call_id", "name")
     ROLE_FIELD_NUMBER: _ClassVar[int]

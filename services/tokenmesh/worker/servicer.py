@@ -216,10 +216,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                     # transcoder): before it, an error is still the call's status.
                     sent = True
                     await context.send_initial_metadata(presenter.headers())
-                part = httpbody_pb2.HttpBody(content_type=presenter.content_type, data=data)
                 if made_from:
-                    part.extensions.add().Pack(made_from.pop())
-                yield part
+                    yield relayed_part(presenter.content_type, data, made_from.pop())
+                else:
+                    yield httpbody_pb2.HttpBody(content_type=presenter.content_type, data=data)
 
     async def _generate(
         self,
@@ -325,6 +325,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         engine = self._engines.get()
         check_token_ids("tokens", request.tokens, engine.vocabulary_size, engine.max_model_len)
         return inference_pb2.DetokenizeResponse(prompt=engine.detokenize(request.tokens))
+
+
+def relayed_part(content_type: str, data: bytes, token: token_pb2.Token) -> httpbody_pb2.HttpBody:
+    """A part of a relayed answer: an HttpBody that also holds its Token (RelayedPart's field,
+    which HttpBody keeps as a field it does not know and sends on as it is)."""
+    part = inference_pb2.RelayedPart(content_type=content_type, data=data, token=token)
+    return httpbody_pb2.HttpBody.FromString(part.SerializeToString())
 
 
 async def noted(
