@@ -17,6 +17,7 @@ import pytest
 from grpc import aio
 
 from tests.harness.chaos import ScenarioMesh, clients_first, fetch, kill_an_engine
+from tests.integration.test_mesh_dashboards import panel_targets, series, substitute
 from tests.support import running_mesh
 from tokenmesh.common.tokens import token_count
 from tokenmesh.localmesh.mesh import LocalMeshSettings
@@ -66,6 +67,22 @@ async def test_a_killed_worker_moves_every_stream_of_both_protocols(
     moved = sum(row.notes["moved_grpc_openai"])
     # Every stream the relay moved is counted, by its cause (the dead worker's streams reset).
     assert relay_metric(relay_mesh, "resumptions") - moved_before >= moved > 0
+    # And the dashboards' panels of the relay's own series show the moves' gap (Prometheus
+    # scrapes this mesh's Envoy).
+    local_mesh = relay_mesh.local_mesh
+    if not local_mesh.tools.prometheus:
+        pytest.skip("no prometheus on PATH: install Debian's prometheus to check the panels")
+    targets = panel_targets(relay_only=True)
+    assert targets, "the dashboards show the relay's gap"
+
+    def gaps() -> list[float]:
+        found = [series(local_mesh, substitute(expr)) for _, _, expr in targets]
+        return [float(s["value"][1]) for result in found for s in result]
+
+    shown = await relay_mesh.wait_until(
+        lambda: len(gaps()) == len(targets) and all(0 < gap < 60 for gap in gaps()), 120, 2
+    )
+    assert shown is not None, (targets, gaps())
 
 
 @dataclass

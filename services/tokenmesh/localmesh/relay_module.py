@@ -7,18 +7,20 @@ import shutil
 import subprocess
 from pathlib import Path
 
-# The relay's source, relative to the repository.
-RELAY_SOURCE = Path("envoy") / "relay" / "tokenmesh_relay.c"
+# The relay's sources (every .c file there), relative to the repository.
+RELAY_SOURCE = Path("envoy") / "relay"
 # What Envoy loads for the module named tokenmesh_relay.
 RELAY_LIBRARY = "libtokenmesh_relay.so"
 FLAGS = ["-O2", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared"]
 
 
 def build_relay_module(source: Path, out_dir: Path) -> Path:
-    """The module built into out_dir (again only when the source is newer): the directory
-    Envoy's ENVOY_DYNAMIC_MODULES_SEARCH_PATH names."""
+    """The module built from the C files in `source` into out_dir (again only when a source
+    is newer): the directory Envoy's ENVOY_DYNAMIC_MODULES_SEARCH_PATH names."""
     library = out_dir / RELAY_LIBRARY
-    if library.exists() and library.stat().st_mtime >= source.stat().st_mtime:
+    files = sorted([*source.glob("*.c"), *source.glob("*.h")])
+    newest = max(path.stat().st_mtime for path in files)
+    if library.exists() and library.stat().st_mtime >= newest:
         return library
     compiler = shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
@@ -28,6 +30,7 @@ def build_relay_module(source: Path, out_dir: Path) -> Path:
         )
     out_dir.mkdir(parents=True, exist_ok=True)
     built = out_dir / (RELAY_LIBRARY + ".new")
-    subprocess.run([compiler, *FLAGS, "-o", str(built), str(source)], check=True)
+    sources = [str(path) for path in files if path.suffix == ".c"]
+    subprocess.run([compiler, *FLAGS, "-o", str(built), *sources], check=True)
     built.replace(library)  # whole: an Envoy starting meanwhile never loads half a file
     return library
