@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 import psutil
+import pytest
 
 from tests.timing import Unmeasured
 from tokenmesh.common.processes import stop_process
@@ -30,6 +31,7 @@ from tokenmesh.localmesh.probes import (
     health,
     series_values,
 )
+from tokenmesh.localmesh.relay_module import c_compiler
 from tokenmesh.meshconfig.access_logs import DIRECT_LOG_FLUSH_SECONDS
 
 if TYPE_CHECKING:
@@ -40,6 +42,21 @@ ROOT = Path(__file__).resolve().parent.parent
 # None without either.
 ENVOY = shutil.which("envoy", path=str(Path(sys.executable).parent)) or shutil.which("envoy")
 TINY_MODEL = ROOT / "models" / "tiny-llama"
+# The edge's stream relay's own series on Envoy's Prometheus page (Envoy's stats of its module).
+RELAY_SERIES = "envoy_dynamicmodulescustom_tokenmesh_relay_"
+
+
+def require_c_compiler() -> None:
+    """Skip, saying why, where no C compiler can build the edge's stream relay."""
+    if c_compiler() is None:
+        pytest.skip("no C compiler (gcc) on PATH: install gcc to build the edge's stream relay")
+
+
+def relay_metric(admin_port: int, name: str, **labels: str) -> float:
+    """The sum of the stream relay's series `name` (without RELAY_SERIES) with those labels, on
+    the Prometheus page of the Envoy whose admin listens on admin_port (0 where absent)."""
+    page = fetch_text(f"http://127.0.0.1:{admin_port}/stats/prometheus?filter=tokenmesh_relay")
+    return sum(series_values(page, RELAY_SERIES + name, **labels))
 
 
 async def eventually(condition: Callable[[], Any], within: float = 5.0) -> None:

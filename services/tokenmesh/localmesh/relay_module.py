@@ -14,6 +14,11 @@ RELAY_LIBRARY = "libtokenmesh_relay.so"
 FLAGS = ["-O2", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared"]
 
 
+def c_compiler() -> str | None:
+    """The C compiler that builds the relay (gcc, else cc), None without one on PATH."""
+    return shutil.which("gcc") or shutil.which("cc")
+
+
 def build_relay_module(source: Path, out_dir: Path) -> Path:
     """The module built from the C files in `source` into out_dir (again only when a source
     is newer): the directory Envoy's ENVOY_DYNAMIC_MODULES_SEARCH_PATH names."""
@@ -22,7 +27,7 @@ def build_relay_module(source: Path, out_dir: Path) -> Path:
     newest = max(path.stat().st_mtime for path in files)
     if library.exists() and library.stat().st_mtime >= newest:
         return library
-    compiler = shutil.which("gcc") or shutil.which("cc")
+    compiler = c_compiler()
     if compiler is None:
         raise RuntimeError(
             "stream_relay needs a C compiler (gcc or cc on PATH) to build the edge's relay "

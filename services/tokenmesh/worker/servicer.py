@@ -329,9 +329,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
 
 def relayed_part(content_type: str, data: bytes, token: token_pb2.Token) -> httpbody_pb2.HttpBody:
     """A part of a relayed answer: an HttpBody that also holds its Token (RelayedPart's field,
-    which HttpBody keeps as a field it does not know and sends on as it is)."""
-    part = inference_pb2.RelayedPart(content_type=content_type, data=data, token=token)
-    return httpbody_pb2.HttpBody.FromString(part.SerializeToString())
+    which HttpBody keeps as a field it does not know and sends on as it is). Only the Token's
+    field is encoded and merged in; the part's data is not copied through a parse."""
+    part = httpbody_pb2.HttpBody(content_type=content_type, data=data)
+    part.MergeFromString(inference_pb2.RelayedPart(token=token).SerializeToString())
+    return part
 
 
 async def noted(
