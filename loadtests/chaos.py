@@ -62,7 +62,17 @@ async def run_scenarios(local_mesh: LocalMesh, names: Sequence[str], short: bool
 
 
 def table(rows: Sequence[Row]) -> str:
-    header = ("scenario", "sent", "ok", "degraded", "failed by code", "hung", "recovery s", "")
+    header = (
+        "scenario",
+        "sent",
+        "ok",
+        "moved",
+        "degraded",
+        "failed by code",
+        "hung",
+        "recovery s",
+        "",
+    )
     lines = [header]
     for row in rows:
         failed = ", ".join(f"{code} {n}" for code, n in sorted(row.failed.items())) or "-"
@@ -72,6 +82,7 @@ def table(rows: Sequence[Row]) -> str:
                 row.scenario,
                 str(row.sent),
                 str(row.ok),
+                str(row.moved),
                 str(row.degraded),
                 failed,
                 str(row.hung),

@@ -30,6 +30,7 @@ each policy against least_request, with the issue's targets.
 
     python -m loadtests.prefix_routing [--quick] [--rounds N] [--out DIR] [--model DIR]
         [--workloads shared,few,uniform,skewed] [--policies least_request,prefix,picker]
+        [--relay]
     python -m loadtests.prefix_routing --model models/pressure-llama \
         --workloads pressure,uniform,skewed
     python -m loadtests bench --scenarios prefix
@@ -635,6 +636,11 @@ def markdown(rows: list[dict[str, Any]], verdicts: dict[str, Any], notes: dict[s
             or "the gateway's defaults"
         )
         + ".\n",
+        (
+            f"Through the edge's stream relay (stream_relay): {', '.join(notes['relayed'])}.\n"
+            if notes.get("relayed")
+            else ""
+        ),
         "Best possible: the hit ratio of one prefix cache of unbounded size that saw every "
         "request in the order sent, the most any routing could reach.\n",
         "| workload | policy | rate/s | req | err | hit ratio | best possible | TTFT p50 / p99 ms "
@@ -696,15 +702,24 @@ def _shares(values: dict[str, float]) -> str:
     return " / ".join(f"{value:.0%}" for _, value in sorted(values.items())) or "n/a"
 
 
-def open_edges(stack: ExitStack, local_mesh: LocalMesh, policies: Sequence[str]) -> list[Edge]:
+def open_edges(
+    stack: ExitStack, local_mesh: LocalMesh, policies: Sequence[str], relay: bool = False
+) -> list[Edge]:
     """An Envoy in `stack` for each policy, least_request's too, each started and placed
-    alike (the mesh's own Envoy, under supervisord, would be scheduled unlike the others)."""
+    alike (the mesh's own Envoy, under supervisord, would be scheduled unlike the others);
+    with relay, those of the policies the edge's stream relay can serve (all but prefix: a
+    stream the relay starts carries no route hash) route through it."""
     if not local_mesh.settings.direct_token_path:
         raise SystemExit("the mesh must route on the direct token path")
     edges = []
     for policy in policies:
         envoy, pid = stack.enter_context(
-            second_envoy(local_mesh, local_mesh.run_dir, worker_routing=policy)
+            second_envoy(
+                local_mesh,
+                local_mesh.run_dir,
+                worker_routing=policy,
+                stream_relay=relay and policy != "prefix",
+            )
         )
         edges.append(Edge(policy, f"127.0.0.1:{envoy.edge_port}", envoy.admin_port, pid))
     for edge in edges:
@@ -757,9 +772,10 @@ def prefix_routing(
     model: str = SMALL_MODEL,
     workloads: Sequence[str] = DEFAULT_WORKLOADS,
     policies: Sequence[str] = POLICIES,
+    relay: bool = False,
 ) -> dict[str, Any]:
     """Every workload through every policy's edge in interleaved rounds; the report's
-    figures."""
+    figures. With relay, every policy but prefix through the edge's stream relay."""
     if BASELINE not in policies:
         raise SystemExit(f"every policy is set against {BASELINE}: measure it too")
     if not (ROOT / model / "config.json").is_file():
@@ -780,7 +796,7 @@ def prefix_routing(
                 picker_feed="picker" in policies,
             )
         )
-        edges = open_edges(stack, local_mesh, policies)
+        edges = open_edges(stack, local_mesh, policies, relay)
         mesh = Mesh(local_mesh)
         capacity = mesh.kv_capacity()
         best = BestCache(tokenizer, mesh.block_size())
@@ -824,6 +840,8 @@ def prefix_routing(
         },
         "workers": WORKERS,
         "policies": list(policies),
+        # The policies whose edge routed through the stream relay.
+        "relayed": [policy for policy in policies if relay and policy != "prefix"],
         "rounds": rounds,
         "round_seconds": seconds,
         "kv_capacity_tokens": capacity,
@@ -859,6 +877,11 @@ def main() -> None:
         default=",".join(POLICIES),
         help=f"comma-separated worker_routing policies, of {','.join(POLICIES)}",
     )
+    parser.add_argument(
+        "--relay",
+        action="store_true",
+        help="the policies but prefix through the edge's stream relay (stream_relay)",
+    )
     args = parser.parse_args()
     try:
         workloads = selection(args.workloads, WORKLOADS)
@@ -867,7 +890,9 @@ def main() -> None:
         parser.error(str(error))
     stamp = datetime.now(UTC).strftime("%Y-%m-%d")
     bench = Bench(args.out or RESULTS / (stamp + ("-quick" if args.quick else "")), args.quick)
-    prefix_routing(bench, 1 if args.quick else args.rounds, args.model, workloads, policies)
+    prefix_routing(
+        bench, 1 if args.quick else args.rounds, args.model, workloads, policies, args.relay
+    )
     print((bench.out / SCENARIO / "summary.md").read_text())
     print(f"results in {bench.out / SCENARIO}", file=sys.stderr)
 

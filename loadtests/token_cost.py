@@ -122,6 +122,8 @@ class Route:
 MESH_LABEL = "edge gRPC"
 PATH_LABELS = {True: "edge gRPC, direct token path", False: "edge gRPC, gateway path"}
 RELAY_LABEL = "edge gRPC, stream relay"
+# With --relay: the router on the direct path behind a second Envoy started as the relay's is.
+ROUTER_LABEL = "edge gRPC, router, second Envoy"
 
 
 def mesh_path(local_mesh: LocalMesh) -> Route:
@@ -356,6 +358,15 @@ def cost(
                 ),
             )
         ) as (other, other_pid),
+        (
+            # With the relay, the router behind a second Envoy too: an Envoy started as the
+            # relay's is (its own session, outside supervisord's) is the like-for-like
+            # baseline; the mesh's own Envoy was not (see the relay's cost record of
+            # 2026-12-06).
+            second_envoy(local_mesh, local_mesh.run_dir, worker_routing="least_request")
+            if relay and not openai
+            else contextlib.nullcontext((None, 0))
+        ) as (router, router_pid),
         openai_server() as (address, server),
         openai_server(placed=True) if placed_baseline else contextlib.nullcontext(("", 0)) as (
             placed_address,
@@ -377,6 +388,8 @@ def cost(
         else:
             assert other is not None
             paths = [mesh, sse, other_path(mesh, other, other_pid)]
+            if router is not None:
+                paths.append(replace(other_path(mesh, router, router_pid), label=ROUTER_LABEL))
         if placed_baseline and not structured_outputs:
             paths.append(sse_path(placed_address, placed_server, placed=True))
         for c in concurrency:
