@@ -285,7 +285,7 @@ chart: $(SETUP_STAMP)
 # official envoyproxy/envoy image with the chart's ConfigMap.
 IMAGE_PREFIX ?= ghcr.io/tokenmesh
 IMAGE_TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
-IMAGES := gateway reranker controlplane
+IMAGES := gateway reranker controlplane envoy
 
 images:
 	@if ! command -v docker >/dev/null 2>&1 || ! docker info >/dev/null 2>&1; then \

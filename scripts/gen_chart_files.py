@@ -1,9 +1,9 @@
 """Copy what the Helm chart ships from the repository's sources of truth into
 helm/tokenmesh/files/ (a chart cannot read files outside its directory), or check the copies.
 
-- files/envoy.yaml, files/envoy-tls.yaml, files/envoy-mtls.yaml, files/envoy-tls-mtls.yaml:
-  `python -m tokenmesh.meshconfig --profile kubernetes[-tls][-mtls]`, i.e. the same renderer
-  as envoy/envoy.yaml and the local mesh.
+- files/envoy[-relay][-tls][-mtls].yaml:
+  `python -m tokenmesh.meshconfig --profile kubernetes[-relay][-tls][-mtls]`, i.e. the same
+  renderer as envoy/envoy.yaml and the local mesh.
 - files/sds/*.yaml: the SDS files that deliver Envoy's certificates in those profiles (the
   ConfigMap ships the ones its bootstrap names, next to it).
 - files/dashboards/*.json: dashboards/ (scripts/gen_dashboards.py).
@@ -16,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from tokenmesh.meshconfig.__main__ import render_profile, render_secret_files
+from tokenmesh.meshconfig.__main__ import PROFILES, render_profile, render_secret_files
 from tokenmesh.meshconfig.config import kubernetes_profile
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,12 +30,12 @@ SDS_HEADER = (
 def expected_files() -> dict[str, str]:
     """Path under files/ -> content."""
     files = {
-        "envoy.yaml": render_profile("kubernetes"),
-        "envoy-tls.yaml": render_profile("kubernetes-tls"),
-        "envoy-mtls.yaml": render_profile("kubernetes-mtls"),
-        "envoy-tls-mtls.yaml": render_profile("kubernetes-tls-mtls"),
-        "alerts.yml": (ROOT / "prometheus" / "alerts.yml").read_text(),
+        # kubernetes -> envoy.yaml, kubernetes-relay-tls -> envoy-relay-tls.yaml, ...
+        profile.replace("kubernetes", "envoy", 1) + ".yaml": render_profile(profile)
+        for profile in PROFILES
+        if profile.startswith("kubernetes")
     }
+    files["alerts.yml"] = (ROOT / "prometheus" / "alerts.yml").read_text()
     # Every profile's secrets are among the TLS and mTLS one's.
     secrets = render_secret_files(kubernetes_profile(tls=True, mtls=True), SDS_HEADER)
     for path, text in secrets.items():

@@ -18,7 +18,7 @@ from tests.support import ENVOY, ROOT
 from tokenmesh.common.processes import stop_process
 from tokenmesh.localmesh.mesh import LocalMesh, LocalMeshSettings, envoy_hosts
 from tokenmesh.localmesh.probes import free_port
-from tokenmesh.localmesh.relay_module import build_relay_module
+from tokenmesh.localmesh.relay_module import SEARCH_PATH, build_relay_module
 from tokenmesh.meshconfig.__main__ import render_yaml
 from tokenmesh.meshconfig.config import MeshSettings
 
@@ -102,7 +102,7 @@ def second_envoy(
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
-        env={**os.environ, "ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(modules)},
+        env={**os.environ, SEARCH_PATH: str(modules)},
     )
     try:
         deadline = time.monotonic() + 60

@@ -17,9 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.support import ROOT
 from tests.unit.test_locks import make_dry_run
+from tokenmesh.localmesh.relay_module import FLAGS, RELAY_LIBRARY, RELAY_SOURCE
 
 DOCKER = ROOT / "docker"
 # The final stage(s) of each Dockerfile, i.e. the images `make images` builds.
@@ -28,7 +30,12 @@ FINAL_STAGES = {
     "reranker": ["final"],
     "controlplane": ["final"],
     "worker": ["gpu", "cpu"],
+    "envoy": ["final"],
 }
+# The images of the Python services (pip, the lock, the project); the Envoy image has none.
+PYTHON_IMAGES = sorted(set(FINAL_STAGES) - {"envoy"})
+# The Envoy image's entrypoint: the official image's binary (not its entrypoint script).
+ENVOY_ENTRYPOINT = ["/usr/local/bin/envoy"]
 BUILD_TOOLS = re.compile(r"\b(gcc|g\+\+|clang|make|cmake|build-essential|git|[\w.+-]+-dev)\b")
 # Build tools a final stage needs at run time: Triton compiles its kernels' C launchers when
 # they are first used (a C compiler, libc's and Python's headers), on the GPU worker only.
@@ -125,10 +132,13 @@ def test_final_stages_run_a_real_module_as_non_root_without_build_tools(image: s
         user = users[-1].split(":")[0]
         assert user not in {"root", "0"}
         entrypoint = json.loads(stage.all("ENTRYPOINT")[-1])
-        assert entrypoint[:2] == ["python", "-m"]
-        module = entrypoint[2]
-        assert module == f"tokenmesh.{image}"
-        assert (ROOT / "services" / Path(*module.split(".")) / "__main__.py").is_file()
+        if image == "envoy":
+            assert entrypoint == ENVOY_ENTRYPOINT
+        else:
+            assert entrypoint[:2] == ["python", "-m"]
+            module = entrypoint[2]
+            assert module == f"tokenmesh.{image}"
+            assert (ROOT / "services" / Path(*module.split(".")) / "__main__.py").is_file()
         allowed = RUNTIME_COMPILER.get((image, name), set())
         for command in stage.all("RUN"):
             installs = " ".join(re.findall(r"apt-get install([^&;]*)", command))
@@ -159,7 +169,7 @@ def test_copy_sources_exist(image: str) -> None:
         earlier.add(stage.name)
 
 
-@pytest.mark.parametrize("image", ["gateway", "reranker", "controlplane"])
+@pytest.mark.parametrize("image", ["gateway", "reranker", "controlplane", "envoy"])
 def test_only_the_worker_gets_vllm_or_cuda(image: str) -> None:
     _, found = stages(DOCKER / f"{image}.Dockerfile")
     for stage in found:
@@ -185,7 +195,7 @@ def test_worker_gpu_image_is_cuda_with_pypi_vllm_and_the_cpu_image_is_not() -> N
 
 def test_make_images_builds_every_dockerfile() -> None:
     stdout = make_dry_run("images", "IMAGE_TAG=9.9.9")
-    for image in ("gateway", "reranker", "controlplane"):
+    for image in ("gateway", "reranker", "controlplane", "envoy"):
         assert re.search(rf"for image in [\w ]*\b{image}\b", stdout), image
     assert "--target gpu -t ghcr.io/tokenmesh/worker:9.9.9 ." in stdout
     assert "--target cpu -t ghcr.io/tokenmesh/worker:9.9.9-cpu ." in stdout
@@ -248,7 +258,7 @@ def made_from(stage: Stage, path: str, lock: str) -> str | None:
     return next((part for part in parts if lock in part and f"> {path}" in part), None)
 
 
-@pytest.mark.parametrize("image", sorted(FINAL_STAGES))
+@pytest.mark.parametrize("image", PYTHON_IMAGES)
 def test_every_package_is_pinned_by_the_lock(image: str) -> None:
     """Dependencies are installed under the stage's lock as constraints (or a file the same RUN
     makes from it), or --no-deps from a file made from the lock; the project itself with
@@ -326,7 +336,7 @@ def test_the_gpu_worker_extras_are_in_the_gpu_lock() -> None:
     assert set(" ".join(extras).split()) <= locked, locked
 
 
-@pytest.mark.parametrize("image", sorted(FINAL_STAGES))
+@pytest.mark.parametrize("image", PYTHON_IMAGES)
 def test_dependencies_are_installed_before_the_code_is_copied(image: str) -> None:
     """A code change reuses the dependency layers: each build stage copies pyproject.toml and
     the lock, installs the dependencies, and only then copies services/ (installed --no-deps)."""
@@ -431,3 +441,26 @@ def test_the_gpu_build_refuses_a_base_image_of_another_cuda_major(cuda_version: 
         timeout=60,
     )
     assert (result.returncode == 0) == (cuda_version == "lock"), result.stderr
+
+
+def test_the_envoy_image_is_the_charts_envoy_with_the_relay_built_as_localmesh_builds_it() -> None:
+    """The relay's module, compiled with localmesh's flags from every C file of envoy/relay, in
+    the directory the image's ENVOY_DYNAMIC_MODULES_SEARCH_PATH names, on the official image
+    of the Envoy version the chart runs by default (the module's ABI follows it)."""
+    args, found = stages(DOCKER / "envoy.Dockerfile")
+    by_name = {stage.name: stage for stage in found}
+    build = " ".join(by_name["build"].all("RUN"))
+    compile_command = re.search(r"gcc (-[^&;]*)", build)
+    assert compile_command, build
+    words = compile_command.group(1).split()
+    assert words[: len(FLAGS)] == FLAGS
+    assert words[len(FLAGS) : len(FLAGS) + 2] == ["-o", f"/out/{RELAY_LIBRARY}"]
+    assert words[len(FLAGS) + 2 :] == [f"{RELAY_SOURCE}/*.c"]
+    final = by_name["final"]
+    search = dict(env.split("=", 1) for env in final.all("ENV"))[
+        "ENVOY_DYNAMIC_MODULES_SEARCH_PATH"
+    ]
+    assert final.all("COPY") == [f"--from=build /out/{RELAY_LIBRARY} {search}/"]
+    values = yaml.safe_load((ROOT / "helm" / "tokenmesh" / "values.yaml").read_text())
+    image = values["envoy"]["image"]
+    assert final.base == f"{image['repository']}:{image['tag']}" == args["ENVOY_IMAGE"]

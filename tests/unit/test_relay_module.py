@@ -22,7 +22,7 @@ import pytest
 from tests.support import ENVOY, ROOT, relay_metric, require_c_compiler
 from tokenmesh.common.processes import stop_process
 from tokenmesh.localmesh.probes import free_port, http_ok
-from tokenmesh.localmesh.relay_module import RELAY_SOURCE, build_relay_module
+from tokenmesh.localmesh.relay_module import RELAY_SOURCE, SEARCH_PATH, build_relay_module
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
 
 SOURCE = ROOT / RELAY_SOURCE
@@ -201,7 +201,7 @@ def relay(request: pytest.FixtureRequest, module_dir: Path, tmp_path: Path) -> I
     log = (tmp_path / "envoy.log").open("w")
     envoy = subprocess.Popen(
         [ENVOY or "envoy", "-c", str(config), "--base-id", str(edge), "-l", "warning"],
-        env={**os.environ, "ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(module_dir)},
+        env={**os.environ, SEARCH_PATH: str(module_dir)},
         stdout=log,
         stderr=subprocess.STDOUT,
     )

@@ -506,7 +506,11 @@ workers' cluster gets tokenmesh.pickerPolicy in place of its lb_policy, as meshc
 picker_policy() renders it). Listener and admin ports are read from it, never repeated in values.
 */}}
 {{- define "tokenmesh.envoyConfig" -}}
-{{- $file := printf "files/envoy%s%s.yaml" (ternary "-tls" "" .Values.envoy.tls.enabled) (ternary "-mtls" "" .Values.mtls.enabled) }}
+{{- $relay := .Values.envoy.streamRelay.enabled }}
+{{- if and $relay (eq .Values.envoy.workerRouting.policy "prefix") }}
+{{- fail "envoy.streamRelay.enabled needs envoy.workerRouting.policy picker or least_request: a stream the relay starts carries no route hash, so prefix routing cannot place it" }}
+{{- end }}
+{{- $file := printf "files/envoy%s%s%s.yaml" (ternary "-relay" "" $relay) (ternary "-tls" "" .Values.envoy.tls.enabled) (ternary "-mtls" "" .Values.mtls.enabled) }}
 {{- $host := printf "%s.%s.svc.%s" (include "tokenmesh.headlessName" (dict "root" . "component" "controlplane")) .Release.Namespace .Values.clusterDomain }}
 {{- $checks := .Values.envoy.healthChecks }}
 {{- $routing := .Values.envoy.workerRouting }}

@@ -12,6 +12,7 @@ from tokenmesh.gateway.config import GatewaySettings
 from tokenmesh.localmesh.certs import ENVOY_CLIENT
 from tokenmesh.localmesh.environment import build, environment
 from tokenmesh.localmesh.layout import MeshFiles, Tools
+from tokenmesh.localmesh.relay_module import SEARCH_PATH
 from tokenmesh.localmesh.settings import LocalMeshSettings
 from tokenmesh.reranker.config import RerankerSettings
 from tokenmesh.worker.config import WorkerSettings
@@ -158,7 +159,7 @@ class ProcessTable:
             [*pinned, str(self.tools.bin_dir / "envoy"), "-c", str(self.files.envoy_config),
              "--base-id", str(self.settings.envoy_base_id), "--log-level", "warn"],
             # Where it finds the stream relay (stream_relay), built there by write_configs.
-            env={"ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(self.files.relay_module_dir)},
+            env={SEARCH_PATH: str(self.files.relay_module_dir)},
         )  # fmt: skip
 
     def _worker(self, i: int) -> Program:

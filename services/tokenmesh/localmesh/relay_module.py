@@ -11,6 +11,8 @@ from pathlib import Path
 RELAY_SOURCE = Path("envoy") / "relay"
 # What Envoy loads for the module named tokenmesh_relay.
 RELAY_LIBRARY = "libtokenmesh_relay.so"
+# The environment variable naming the directory Envoy loads dynamic modules from.
+SEARCH_PATH = "ENVOY_DYNAMIC_MODULES_SEARCH_PATH"
 FLAGS = ["-O2", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared"]
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, Self
+from typing import Any, Literal, Self
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -484,7 +484,7 @@ KUBERNETES_CONFIG_DIR = "/etc/envoy/config"
 KUBERNETES_STATS_PORT = 9902
 
 
-def kubernetes_profile(tls: bool = False, mtls: bool = False) -> MeshSettings:
+def kubernetes_profile(tls: bool = False, mtls: bool = False, relay: bool = False) -> MeshSettings:
     """The mesh as the Helm chart runs it: Envoy in its own pods, listening on every interface
     (the edge for clients, the internal listeners for gateways, the stats listener for probes
     and metrics; admin on 127.0.0.1 only: any pod could otherwise stop or drain Envoy), and
@@ -492,8 +492,15 @@ def kubernetes_profile(tls: bool = False, mtls: bool = False) -> MeshSettings:
     TLS with the certificate mounted at KUBERNETES_TLS_DIR; with mtls, Envoy reaches the
     services over mTLS with the client certificate mounted at KUBERNETES_MTLS_DIR, and its
     internal listeners speak TLS with the one at KUBERNETES_INTERNAL_TLS_DIR; the SDS files
-    that deliver them are in the ConfigMap, at KUBERNETES_CONFIG_DIR."""
+    that deliver them are in the ConfigMap, at KUBERNETES_CONFIG_DIR; with relay, the workers'
+    streams go through the edge's stream relay (a worker routing other than prefix: the chart
+    puts its picker's or least request's in)."""
+    # The chart's values choose the routing (placeholders); a relayed profile only needs one
+    # its relay can serve to pass the settings' check.
+    routing: dict[str, Any] = {"worker_routing": "least_request"} if relay else {}
     return MeshSettings(
+        stream_relay=relay,
+        **routing,
         edge_tls_cert_file=f"{KUBERNETES_TLS_DIR}/tls.crt" if tls else None,
         edge_tls_key_file=f"{KUBERNETES_TLS_DIR}/tls.key" if tls else None,
         upstream_tls_cert_file=f"{KUBERNETES_MTLS_DIR}/tls.crt" if mtls else None,
