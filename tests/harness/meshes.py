@@ -73,9 +73,14 @@ def second_envoy(
     the mesh's cores like the mesh's own, its config and log in run_dir: its settings and
     process id, once it has a healthy gateway and worker."""
     ports = [free_port() for _ in range(4)]
+    mesh = local_mesh.settings.mesh().model_dump()
+    if overrides.get("worker_routing") == "prefix":
+        # A stream the relay starts carries no route hash: a prefix-routing Envoy in front of
+        # a relayed mesh routes through Envoy's router, unless asked for the relay (refused).
+        mesh["stream_relay"] = False
     settings = MeshSettings(
         **{
-            **local_mesh.settings.mesh().model_dump(),
+            **mesh,
             "edge_port": ports[0],
             "admin_port": ports[1],
             "worker_listener_port": ports[2],
