@@ -1,10 +1,12 @@
 """A stand-in worker for the edge relay's unit test (tests/unit/test_relay_module.py): it serves
 InferenceService.Generate, reading a moved stream's delivered messages as the real worker does
 (common/resumption.read_delivered), and answers token i of a stream as id 1000 + i, text
-"t<i> " (N bytes longer for a prompt "pad:N"), one message per token, going on from what was
-delivered. It records each request it received (one JSON line: its delivered tokens and the
-move's attempt) and each stream its caller cancelled ({"ended": "cancelled"}), and with
-DIE_AFTER=k exits hard (os._exit, as a SIGKILLed worker) after its k-th message.
+"t<i> " (N bytes longer for a prompt "pad:N"; for "last:N:M" the last message M bytes longer,
+and its trailers LINGER seconds after it, as a busy worker's may come), one message per token,
+the last with the usage as the worker's, going on from what was delivered. It records each
+request it received (one JSON line: its delivered tokens and the move's attempt) and each
+stream its caller cancelled ({"ended": "cancelled"}), and with DIE_AFTER=k exits hard
+(os._exit, as a SIGKILLed worker) after its k-th message.
 
     python tests/relay_fake_worker.py PORT RECORD_FILE
 """
@@ -27,6 +29,8 @@ from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
 
 # Seconds between messages: slow enough that a stream is mid-way when the test acts on it.
 INTERVAL = 0.01
+# Seconds a "last:N" stream's trailers come after its last message.
+LINGER = 2.0
 
 
 class FakeWorker(inference_pb2_grpc.InferenceServiceServicer):
@@ -52,25 +56,32 @@ class FakeWorker(inference_pb2_grpc.InferenceServiceServicer):
         total = request.sampling.max_tokens
         if total <= 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sampling.max_tokens: at least 1")
-        # A prompt "pad:N" makes each message's text N bytes longer.
-        pad = int(request.prompt[4:]) if request.prompt.startswith("pad:") else 0
+        # A prompt "pad:N" makes each message's text N bytes longer, "last:N:M" the last M.
+        kind, *sizes = request.prompt.split(":")
+        pad = int(sizes[0]) if kind in ("pad", "last") else 0
+        last_pad = int(sizes[1]) if kind == "last" else pad
         finished: list[bool] = []
         context.add_callback(lambda: self._ended(finished))
         for i in range(start, total):
             time.sleep(INTERVAL)
             last = i == total - 1
             yield token_pb2.Token(
-                text=f"t{i} " + "x" * pad,
+                text=f"t{i} " + "x" * (last_pad if last else pad),
                 index=i,
                 token_id=1000 + i,
                 token_ids=[1000 + i],
                 resumed=resumed.resume.attempt if i == start and start else 0,
                 finish_reason=token_pb2.FINISH_REASON_LENGTH if last else 0,  # type: ignore[arg-type]
+                usage=token_pb2.Usage(prompt_tokens=1, completion_tokens=total) if last else None,
             )
             self._sent += 1
             if self._die_after and self._sent >= self._die_after:
+                if last:  # dies once its last message has gone, before its trailers
+                    time.sleep(0.2)
                 os._exit(1)
         finished.append(True)
+        if kind == "last":
+            time.sleep(LINGER)
 
     def _ended(self, finished: list[bool]) -> None:
         """When the stream ended: one that had not sent its last message was cancelled."""

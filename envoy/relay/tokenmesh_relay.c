@@ -5,8 +5,10 @@
    message's bytes. When the worker goes away mid-stream (its stream reset, or UNAVAILABLE in
    its trailers) it sends the request again with what was delivered appended to its bytes
    (InferenceRequest.delivered_messages, field 12; resume.attempt, field 11.2), so another
-   worker continues from the token where the stream stopped. It parses no protobuf: a
-   serialized message followed by more fields is the message with those fields merged in.
+   worker continues from the token where the stream stopped. It parses no protobuf (a
+   serialized message followed by more fields is the message with those fields merged in) but
+   for whether a message is the stream's last (ends_stream): after it, nothing is moved or
+   parked.
 
    A caller that reads slower than the worker writes: what the caller's connection cannot take
    is to wait here, up to max_held_bytes; past that the worker's stream is cancelled (its
@@ -72,6 +74,41 @@ static size_t varint(unsigned char *out, uint64_t value) {
   return n;
 }
 
+/* Reads a varint at *p (below end), moving *p past it; 0 when it runs past end. */
+static int read_varint(const unsigned char **p, const unsigned char *end, uint64_t *value) {
+  *value = 0;
+  for (int shift = 0; *p < end && shift < 64; shift += 7) {
+    unsigned char b = *(*p)++;
+    *value |= (uint64_t)(b & 0x7f) << shift;
+    if (!(b & 0x80)) return 1;
+  }
+  return 0;
+}
+
+/* Whether a message is the stream's last: a Token with its usage (field 7, which the worker
+   sets on the last message only), or for GenerateOpenAI a RelayedPart whose Token (field 15)
+   has it. The only field the relay reads: it walks the tags and skips what they hold. */
+static int ends_stream(const unsigned char *p, size_t n, int part) {
+  const unsigned char *end = p + n;
+  while (p < end) {
+    uint64_t key, length;
+    if (!read_varint(&p, end, &key)) return 0;
+    switch (key & 7) {
+      case 0: if (!read_varint(&p, end, &length)) return 0; break;
+      case 1: p += 8; break;
+      case 5: p += 4; break;
+      case 2:
+        if (!read_varint(&p, end, &length) || length > (uint64_t)(end - p)) return 0;
+        if (!part && key >> 3 == 7) return 1;
+        if (part && key >> 3 == 15) return ends_stream(p, (size_t)length, 0);
+        p += length;
+        break;
+      default: return 0;
+    }
+  }
+  return 0;
+}
+
 typedef struct {
   char cluster[128];
   int max_resumptions;
@@ -112,6 +149,8 @@ typedef struct {
   int named;               /* the index of x-tokenmesh-worker among headers; -1: none */
   uint64_t last_message_ms; /* when the last message went to the caller */
   int gap_pending;          /* a move is under way: the next message ends its gap */
+  int last_seen;            /* the stream's last message came (ends_stream): nothing is left
+                               to generate, only the worker's trailers to come */
 } filter;
 
 /* What the filter posts to a later turn of Envoy's event loop (the filter scheduler). Never
@@ -353,6 +392,13 @@ static void next_named_worker(filter *f) {
 static void worker_failed(filter *f, const char *why, const char *cause) {
   f->live = 0;
   if (f->done) return;
+  if (f->last_seen && !f->openai) {
+    /* Gone after the stream's last message (its trailers lost): the caller has every token
+       and the usage. An OpenAI answer still owes its closing parts, which only a worker
+       writes: that one goes on below, and the next worker says it cannot continue. */
+    end_with(f, "0", "");
+    return;
+  }
   if (f->answered && f->messages) {
     if (f->unresumable) {
       count(f, f->cfg->refused, "unkept");
@@ -577,6 +623,7 @@ void envoy_dynamic_module_on_http_filter_http_stream_data(dm_envoy envoy, const 
     const unsigned char *q = (const unsigned char *)f->partial.p + whole;
     size_t len = ((size_t)q[1] << 24) | ((size_t)q[2] << 16) | ((size_t)q[3] << 8) | q[4];
     if (f->partial.n - whole < 5 + len) break;
+    if (!f->last_seen && ends_stream(q + 5, len, f->openai)) f->last_seen = 1;
     whole += 5 + len;
     f->messages++;
   }
@@ -604,8 +651,10 @@ void envoy_dynamic_module_on_http_filter_http_stream_data(dm_envoy envoy, const 
     f->held.n = 0;
     return;
   }
-  if (f->held.n > f->cfg->max_held_bytes && !f->parking) {
-    /* The caller reads too slowly: cancel the worker's stream, continue once it has read. */
+  if (f->held.n > f->cfg->max_held_bytes && !f->parking && !f->last_seen) {
+    /* The caller reads too slowly: cancel the worker's stream, continue once it has read.
+       Not once the last message came: the engine is done, and a stream continued with
+       nothing left to generate would be refused. */
     f->parking = 1;
     post(f, EVENT_PARK);
     if (f->unresumable) /* it could not go on: it ends, and its worker stream with it */

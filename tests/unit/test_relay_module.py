@@ -355,6 +355,49 @@ def test_a_caller_that_stops_reading_parks_the_worker_and_gets_the_rest_once_it_
     assert relay.metric("resumptions", cause="stream_reset") == 0
 
 
+# Up to 150 kB held: more than the 20 first messages leave once the windows are full.
+HOLDING = "cluster=worker;max_resumptions=0;max_held_bytes=150000"
+
+
+@pytest.mark.parametrize("relay", [(HOLDING, 0)], indirect=True)
+def test_a_stream_whose_last_message_came_is_held_not_parked(relay: Relay) -> None:
+    """A caller that has not read when the worker's last message (the usage's) comes, the
+    worker's trailers still to follow: the relay holds it instead of cancelling the worker (the
+    engine is done; continued with nothing left to generate, the stream would be refused), and
+    the caller gets the whole stream and OK once it reads."""
+    options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", WINDOW)]
+    with grpc.insecure_channel(f"127.0.0.1:{relay.port}", options=options) as channel:
+        call = inference_pb2_grpc.InferenceServiceStub(channel).Generate(
+            # 20 messages of 8 kB fill the windows (64 KiB the caller's, as much in Envoy's
+            # codec) and leave less than max_held_bytes held; the last, of 300 kB, is held
+            # past it.
+            inference_pb2.InferenceRequest(
+                prompt="last:8000:300000", sampling=inference_pb2.SamplingParams(max_tokens=21)
+            ),
+            timeout=30,
+        )
+        # Nothing read until the worker has sent its last message (its trailers linger).
+        time.sleep(1.5)
+        tokens = list(call)
+        assert call.code() == grpc.StatusCode.OK, call.details()
+    assert [t.index for t in tokens] == list(range(21))
+    assert tokens[-1].usage.completion_tokens == 21
+    assert [r for r in relay.requests(0) if "delivered" in r] == [{"delivered": [], "attempt": 0}]
+    assert relay.metric("parks") == 0
+
+
+@pytest.mark.parametrize("relay", [("cluster=worker", TOKENS)], indirect=True)
+def test_a_worker_gone_after_its_last_message_ends_the_stream_ok(relay: Relay) -> None:
+    """Killed once its last message (the usage's) went, before its trailers: the caller has the
+    whole answer, so the stream ends OK, not moved to another worker that has nothing left to
+    generate."""
+    tokens, error = generate(relay)
+    assert error is None, error
+    assert [t.index for t in tokens] == list(range(TOKENS))
+    assert relay.requests(1) == []
+    assert relay.metric("resumptions", cause="stream_reset") == 0
+
+
 def test_a_workers_own_error_reaches_the_caller_as_it_is(relay: Relay) -> None:
     tokens, error = generate(relay, max_tokens=0)
     assert tokens == []
