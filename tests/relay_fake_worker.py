@@ -50,8 +50,14 @@ class FakeWorker(inference_pb2_grpc.InferenceServiceServicer):
             record.write(json.dumps(line) + "\n")
             # The deadline it was given (the caller's grpc-timeout, or what was left of it),
             # and the workers the request named (the gateway's picks, less those that failed).
+            # And the bytes of the delivered messages the relay sent: what it kept for a move.
             named = dict(context.invocation_metadata()).get("x-tokenmesh-worker")
-            record.write(json.dumps({"remaining_s": context.time_remaining(), "named": named}))
+            kept = sum(len(message) for message in request.delivered_messages)
+            record.write(
+                json.dumps(
+                    {"remaining_s": context.time_remaining(), "named": named, "kept_bytes": kept}
+                )
+            )
             record.write("\n")
         total = request.sampling.max_tokens
         if total <= 0:

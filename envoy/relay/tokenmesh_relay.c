@@ -1,14 +1,14 @@
 /* tokenmesh_relay: the edge's relay of a worker's token stream, as an Envoy HTTP filter in a
    dynamic module (envoy/relay/README.md). It replaces the router for a route to the workers: it
    sends the prepared request to the worker cluster as a stream of its own, passes the
-   worker's headers, whole gRPC messages and trailers to the caller, and keeps each delivered
-   message's bytes. When the worker goes away mid-stream (its stream reset, or UNAVAILABLE in
+   worker's headers, whole gRPC messages and trailers to the caller, and keeps what a move
+   needs of each delivered message. When the worker goes away mid-stream (its stream reset, or UNAVAILABLE in
    its trailers) it sends the request again with what was delivered appended to its bytes
    (InferenceRequest.delivered_messages, field 12; resume.attempt, field 11.2), so another
-   worker continues from the token where the stream stopped. It parses no protobuf (a
-   serialized message followed by more fields is the message with those fields merged in) but
-   for whether a message is the stream's last (ends_stream): after it, nothing is moved or
-   parked.
+   worker continues from the token where the stream stopped. It decodes no message (a
+   serialized message followed by more fields is the message with those fields merged in); it
+   walks a message's tags for whether it is the stream's last (ends_stream: after it nothing
+   is moved or parked) and to keep only the fields a move needs (needed).
 
    A caller that reads slower than the worker writes: what the caller's connection cannot take
    is to wait here, up to max_held_bytes; past that the worker's stream is cancelled (its
@@ -85,28 +85,68 @@ static int read_varint(const unsigned char **p, const unsigned char *end, uint64
   return 0;
 }
 
+/* One field of a message at *p (below end): its number and, when it is length-delimited, its
+   bytes (*value, *length; *value is NULL for the others); *p moves past it. 0 when malformed. */
+static int next_field(const unsigned char **p, const unsigned char *end, uint64_t *number,
+                      const unsigned char **value, uint64_t *length) {
+  uint64_t key;
+  *value = NULL;
+  *length = 0;
+  if (!read_varint(p, end, &key)) return 0;
+  *number = key >> 3;
+  switch (key & 7) {
+    case 0: return read_varint(p, end, length);
+    case 1: if (end - *p < 8) return 0; *p += 8; return 1;
+    case 5: if (end - *p < 4) return 0; *p += 4; return 1;
+    case 2:
+      if (!read_varint(p, end, length) || *length > (uint64_t)(end - *p)) return 0;
+      *value = *p;
+      *p += *length;
+      return 1;
+    default: return 0;
+  }
+}
+
 /* Whether a message is the stream's last: a Token with its usage (field 7, which the worker
    sets on the last message only), or for GenerateOpenAI a RelayedPart whose Token (field 15)
-   has it. The only field the relay reads: it walks the tags and skips what they hold. */
+   has it. */
 static int ends_stream(const unsigned char *p, size_t n, int part) {
-  const unsigned char *end = p + n;
+  const unsigned char *end = p + n, *value;
+  uint64_t number, length;
   while (p < end) {
-    uint64_t key, length;
-    if (!read_varint(&p, end, &key)) return 0;
-    switch (key & 7) {
-      case 0: if (!read_varint(&p, end, &length)) return 0; break;
-      case 1: p += 8; break;
-      case 5: p += 4; break;
-      case 2:
-        if (!read_varint(&p, end, &length) || length > (uint64_t)(end - p)) return 0;
-        if (!part && key >> 3 == 7) return 1;
-        if (part && key >> 3 == 15) return ends_stream(p, (size_t)length, 0);
-        p += length;
-        break;
-      default: return 0;
-    }
+    if (!next_field(&p, end, &number, &value, &length)) return 0;
+    if (value && !part && number == 7) return 1;
+    if (value && part && number == 15) return ends_stream(value, (size_t)length, 0);
   }
   return 0;
+}
+
+/* What a move needs of a delivered message (common/resumption.Delivered.add): of a Token its
+   token_id (3), finish_reason (4), usage (7), token_ids (10) and choice (13), as they came; of
+   a GenerateOpenAI part (RelayedPart) that of its Token (15) alone. The text, logprobs and
+   the part's body stay behind: a stream keeps a few bytes a token, not its answer's size.
+   Returns 0 for a message that is not one (it is then kept whole, and the worker names it). */
+static int needed(bytes *out, const unsigned char *p, size_t n, int part) {
+  const unsigned char *end = p + n, *value;
+  uint64_t number, length;
+  while (p < end) {
+    const unsigned char *field = p;
+    if (!next_field(&p, end, &number, &value, &length)) return 0;
+    if (part && number == 15 && value) {
+      bytes token = {0};
+      int ok = needed(&token, value, (size_t)length, 0);
+      unsigned char head[11] = {0x7a}; /* field 15, length-delimited */
+      size_t h = 1 + varint(head + 1, token.n);
+      if (ok) bytes_add(out, head, h);
+      if (ok && token.n) bytes_add(out, token.p, token.n);
+      bytes_free(&token);
+      if (!ok) return 0;
+    } else if (!part &&
+               (number == 3 || number == 4 || number == 7 || number == 10 || number == 13)) {
+      bytes_add(out, field, (size_t)(p - field));
+    }
+  }
+  return 1;
 }
 
 typedef struct {
@@ -611,6 +651,26 @@ void envoy_dynamic_module_on_http_filter_http_stream_headers(dm_envoy envoy, con
   }
 }
 
+/* Keeps what a move needs of a delivered message, framed as the worker framed it, within
+   max_delivered_bytes. */
+static void keep(filter *f, const unsigned char *message, size_t n) {
+  bytes body = {0};
+  if (!needed(&body, message, n, f->openai)) {
+    body.n = 0;
+    bytes_add(&body, message, n);
+  }
+  if (f->delivered.n + 5 + body.n > f->cfg->max_delivered_bytes) {
+    f->unresumable = 1; /* too long to keep: a failure from here on ends the stream */
+    bytes_free(&f->delivered);
+  } else {
+    unsigned char frame[5] = {0, (unsigned char)(body.n >> 24), (unsigned char)(body.n >> 16),
+                              (unsigned char)(body.n >> 8), (unsigned char)body.n};
+    bytes_add(&f->delivered, frame, 5);
+    if (body.n) bytes_add(&f->delivered, body.p, body.n);
+  }
+  bytes_free(&body);
+}
+
 void envoy_dynamic_module_on_http_filter_http_stream_data(dm_envoy envoy, const void *p,
                                                           uint64_t id, const dm_buf *data,
                                                           size_t count, bool end) {
@@ -634,11 +694,12 @@ void envoy_dynamic_module_on_http_filter_http_stream_data(dm_envoy envoy, const 
           envoy, f->cfg->gap_ms, NULL, 0, now - f->last_message_ms);
     f->gap_pending = 0;
     f->last_message_ms = now;
-    if (!f->unresumable && f->delivered.n + whole > f->cfg->max_delivered_bytes) {
-      f->unresumable = 1; /* too long to keep: a failure from here on ends the stream */
-      bytes_free(&f->delivered);
+    for (size_t at = 0; at < whole && !f->unresumable;) {
+      const unsigned char *q = (const unsigned char *)f->partial.p + at;
+      size_t len = ((size_t)q[1] << 24) | ((size_t)q[2] << 16) | ((size_t)q[3] << 8) | q[4];
+      keep(f, q + 5, len);
+      at += 5 + len;
     }
-    if (!f->unresumable) bytes_add(&f->delivered, f->partial.p, whole);
     send_or_hold(f, f->partial.p, whole);
     memmove(f->partial.p, f->partial.p + whole, f->partial.n - whole);
     f->partial.n -= whole;

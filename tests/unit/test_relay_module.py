@@ -386,6 +386,24 @@ def test_a_stream_whose_last_message_came_is_held_not_parked(relay: Relay) -> No
     assert relay.metric("parks") == 0
 
 
+def test_a_move_keeps_of_each_message_only_what_the_next_worker_needs(relay: Relay) -> None:
+    """Messages of ~4 kB (their text): the next worker gets the delivered token ids, and the
+    relay kept a few bytes of each message, not its text."""
+    with grpc.insecure_channel(f"127.0.0.1:{relay.port}") as channel:
+        call = inference_pb2_grpc.InferenceServiceStub(channel).Generate(
+            inference_pb2.InferenceRequest(
+                prompt="pad:4000", sampling=inference_pb2.SamplingParams(max_tokens=TOKENS)
+            ),
+            timeout=30,
+        )
+        tokens = list(call)
+    assert [t.index for t in tokens] == list(range(TOKENS))
+    assert len(tokens[0].text) > 4000
+    moved, kept = relay.requests(1)[:2]
+    assert moved["delivered"] == [[1000 + i for i in range(DIE_AFTER)]]
+    assert 0 < kept["kept_bytes"] <= 16 * DIE_AFTER, kept
+
+
 @pytest.mark.parametrize("relay", [("cluster=worker", TOKENS)], indirect=True)
 def test_a_worker_gone_after_its_last_message_ends_the_stream_ok(relay: Relay) -> None:
     """Killed once its last message (the usage's) went, before its trailers: the caller has the
