@@ -7,8 +7,8 @@
    (InferenceRequest.delivered_messages, field 12; resume.attempt, field 11.2), so another
    worker continues from the token where the stream stopped. It decodes no message (a
    serialized message followed by more fields is the message with those fields merged in); it
-   walks a message's tags for whether it is the stream's last (ends_stream: after it nothing
-   is moved or parked) and to keep only the fields a move needs (needed).
+   walks a message's tags once (walk) to keep only the fields a move needs and to see the
+   stream's last message (after it nothing is moved or parked).
 
    A caller that reads slower than the worker writes: what the caller's connection cannot take
    is to wait here, up to max_held_bytes; past that the worker's stream is cancelled (its
@@ -107,34 +107,26 @@ static int next_field(const unsigned char **p, const unsigned char *end, uint64_
   }
 }
 
-/* Whether a message is the stream's last: a Token with its usage (field 7, which the worker
-   sets on the last message only), or for GenerateOpenAI a RelayedPart whose Token (field 15)
-   has it. */
-static int ends_stream(const unsigned char *p, size_t n, int part) {
-  const unsigned char *end = p + n, *value;
-  uint64_t number, length;
-  while (p < end) {
-    if (!next_field(&p, end, &number, &value, &length)) return 0;
-    if (value && !part && number == 7) return 1;
-    if (value && part && number == 15) return ends_stream(value, (size_t)length, 0);
-  }
-  return 0;
-}
-
-/* What a move needs of a delivered message (common/resumption.Delivered.add): of a Token its
-   token_id (3), finish_reason (4), usage (7), token_ids (10) and choice (13), as they came; of
-   a GenerateOpenAI part (RelayedPart) that of its Token (15) alone. The text, logprobs and
-   the part's body stay behind: a stream keeps a few bytes a token, not its answer's size.
-   Returns 0 for a message that is not one (it is then kept whole, and the worker names it). */
-static int needed(bytes *out, const unsigned char *p, size_t n, int part) {
+/* Walks a delivered message's fields once: appends to out (unless NULL) what a move needs
+   (common/resumption.Delivered.add) -- of a Token its token_id (3), finish_reason (4), usage
+   (7), token_ids (10) and choice (13), as they came; of a GenerateOpenAI part (RelayedPart)
+   that of its Token (15) alone -- and sets *last when it is the stream's last message (a
+   Token with its usage, which the worker sets on the last message only). The text, logprobs
+   and the part's body stay behind: a stream keeps a few bytes a token, not its answer's
+   size. 0 for a message that is not one. */
+static int walk(bytes *out, const unsigned char *p, size_t n, int part, int *last) {
   const unsigned char *end = p + n, *value;
   uint64_t number, length;
   while (p < end) {
     const unsigned char *field = p;
     if (!next_field(&p, end, &number, &value, &length)) return 0;
     if (part && number == 15 && value) {
+      if (!out) {
+        if (!walk(NULL, value, (size_t)length, 0, last)) return 0;
+        continue;
+      }
       bytes token = {0};
-      int ok = needed(&token, value, (size_t)length, 0);
+      int ok = walk(&token, value, (size_t)length, 0, last);
       unsigned char head[11] = {0x7a}; /* field 15, length-delimited */
       size_t h = 1 + varint(head + 1, token.n);
       if (ok) bytes_add(out, head, h);
@@ -143,7 +135,8 @@ static int needed(bytes *out, const unsigned char *p, size_t n, int part) {
       if (!ok) return 0;
     } else if (!part &&
                (number == 3 || number == 4 || number == 7 || number == 10 || number == 13)) {
-      bytes_add(out, field, (size_t)(p - field));
+      if (number == 7 && value) *last = 1;
+      if (out) bytes_add(out, field, (size_t)(p - field));
     }
   }
   return 1;
@@ -169,7 +162,9 @@ typedef struct {
   bytes header_bytes;
   bytes request;     /* the request's body as it came: one gRPC message */
   int openai;        /* GenerateOpenAI: its parts carry their Token (OpenAIAnswer.relayed) */
-  bytes delivered;   /* every whole message sent to the caller, framed as it came */
+  bytes delivered;   /* what a move needs of every message sent to the caller, as the next
+                        request's delivered_messages fields (field 12 each) */
+  bytes scratch;     /* one message's kept fields, on their way into delivered */
   int unresumable;   /* delivered outgrew max_delivered_bytes: no longer kept */
   size_t messages;   /* how many */
   bytes partial;     /* the current worker's bytes of a message not yet whole */
@@ -189,7 +184,7 @@ typedef struct {
   int named;               /* the index of x-tokenmesh-worker among headers; -1: none */
   uint64_t last_message_ms; /* when the last message went to the caller */
   int gap_pending;          /* a move is under way: the next message ends its gap */
-  int last_seen;            /* the stream's last message came (ends_stream): nothing is left
+  int last_seen;            /* the stream's last message came (walk): nothing is left
                                to generate, only the worker's trailers to come */
 } filter;
 
@@ -292,6 +287,7 @@ void envoy_dynamic_module_on_http_filter_destroy(const void *p) {
   bytes_free(&f->header_bytes);
   bytes_free(&f->request);
   bytes_free(&f->delivered);
+  bytes_free(&f->scratch);
   bytes_free(&f->partial);
   bytes_free(&f->held);
   free(f);
@@ -348,16 +344,7 @@ static void next_request(filter *f, bytes *out) {
   bytes payload = {0};
   bytes_add(&payload, f->request.p + 5, f->request.n - 5);
   if (f->openai) bytes_add(&payload, relayed, sizeof relayed);
-  size_t at = 0;
-  while (at + 5 <= f->delivered.n) {
-    const unsigned char *q = (const unsigned char *)f->delivered.p + at;
-    size_t len = ((size_t)q[1] << 24) | ((size_t)q[2] << 16) | ((size_t)q[3] << 8) | q[4];
-    unsigned char head[11] = {0x62}; /* field 12, length-delimited */
-    size_t h = 1 + varint(head + 1, len);
-    bytes_add(&payload, head, h);
-    bytes_add(&payload, q + 5, len);
-    at += 5 + len;
-  }
+  bytes_add(&payload, f->delivered.p, f->delivered.n);
   if (f->moves) {
     unsigned char attempt[14] = {0x5a, 0, 0x10}; /* resume { attempt: moves } */
     size_t v = varint(attempt + 3, (uint64_t)f->moves);
@@ -651,24 +638,30 @@ void envoy_dynamic_module_on_http_filter_http_stream_headers(dm_envoy envoy, con
   }
 }
 
-/* Keeps what a move needs of a delivered message, framed as the worker framed it, within
-   max_delivered_bytes. */
+/* Keeps what a move needs of a delivered message (walk; the whole message if it is not one,
+   for the worker to name), as a delivered_messages field of the next request, within
+   max_delivered_bytes; sets f->last_seen at the stream's last message. */
 static void keep(filter *f, const unsigned char *message, size_t n) {
-  bytes body = {0};
-  if (!needed(&body, message, n, f->openai)) {
-    body.n = 0;
-    bytes_add(&body, message, n);
-  }
-  if (f->delivered.n + 5 + body.n > f->cfg->max_delivered_bytes) {
-    f->unresumable = 1; /* too long to keep: a failure from here on ends the stream */
-    bytes_free(&f->delivered);
+  int last = 0;
+  if (f->unresumable) {
+    walk(NULL, message, n, f->openai, &last);
   } else {
-    unsigned char frame[5] = {0, (unsigned char)(body.n >> 24), (unsigned char)(body.n >> 16),
-                              (unsigned char)(body.n >> 8), (unsigned char)body.n};
-    bytes_add(&f->delivered, frame, 5);
-    if (body.n) bytes_add(&f->delivered, body.p, body.n);
+    f->scratch.n = 0;
+    if (!walk(&f->scratch, message, n, f->openai, &last)) {
+      f->scratch.n = 0;
+      bytes_add(&f->scratch, message, n);
+    }
+    unsigned char head[11] = {0x62}; /* field 12, length-delimited */
+    size_t h = 1 + varint(head + 1, f->scratch.n);
+    if (f->delivered.n + h + f->scratch.n > f->cfg->max_delivered_bytes) {
+      f->unresumable = 1; /* too long to keep: a failure from here on ends the stream */
+      bytes_free(&f->delivered);
+    } else {
+      bytes_add(&f->delivered, head, h);
+      bytes_add(&f->delivered, f->scratch.p, f->scratch.n);
+    }
   }
-  bytes_free(&body);
+  if (last) f->last_seen = 1;
 }
 
 void envoy_dynamic_module_on_http_filter_http_stream_data(dm_envoy envoy, const void *p,
@@ -683,7 +676,7 @@ void envoy_dynamic_module_on_http_filter_http_stream_data(dm_envoy envoy, const 
     const unsigned char *q = (const unsigned char *)f->partial.p + whole;
     size_t len = ((size_t)q[1] << 24) | ((size_t)q[2] << 16) | ((size_t)q[3] << 8) | q[4];
     if (f->partial.n - whole < 5 + len) break;
-    if (!f->last_seen && ends_stream(q + 5, len, f->openai)) f->last_seen = 1;
+    keep(f, q + 5, len);
     whole += 5 + len;
     f->messages++;
   }
@@ -694,12 +687,6 @@ void envoy_dynamic_module_on_http_filter_http_stream_data(dm_envoy envoy, const 
           envoy, f->cfg->gap_ms, NULL, 0, now - f->last_message_ms);
     f->gap_pending = 0;
     f->last_message_ms = now;
-    for (size_t at = 0; at < whole && !f->unresumable;) {
-      const unsigned char *q = (const unsigned char *)f->partial.p + at;
-      size_t len = ((size_t)q[1] << 24) | ((size_t)q[2] << 16) | ((size_t)q[3] << 8) | q[4];
-      keep(f, q + 5, len);
-      at += 5 + len;
-    }
     send_or_hold(f, f->partial.p, whole);
     memmove(f->partial.p, f->partial.p + whole, f->partial.n - whole);
     f->partial.n -= whole;

@@ -2,75 +2,27 @@
    Envoy resolves every hook of the ABI when it loads a module, so each must be exported. */
 #include "abi.h"
 
+/* Each hook takes the ABI's parameters and uses none of them. */
+#pragma GCC diagnostic ignored "-Wunused-parameter"
+
 void envoy_dynamic_module_on_http_filter_http_callout_done(dm_envoy e, const void *p, uint64_t id,
                                                            int r, dm_hdr *h, size_t nh, dm_buf *b,
-                                                           size_t nb) {
-  (void)e;
-  (void)p;
-  (void)id;
-  (void)r;
-  (void)h;
-  (void)nh;
-  (void)b;
-  (void)nb;
-}
-void envoy_dynamic_module_on_http_filter_config_scheduled(void *ce, const void *c, uint64_t x) {
-  (void)ce;
-  (void)c;
-  (void)x;
-}
+                                                           size_t nb) {}
+void envoy_dynamic_module_on_http_filter_config_scheduled(void *ce, const void *c, uint64_t x) {}
 void envoy_dynamic_module_on_http_filter_config_http_callout_done(void *ce, const void *c,
                                                                   uint64_t id, int r, dm_hdr *h,
                                                                   size_t nh, dm_buf *b,
-                                                                  size_t nb) {
-  (void)ce;
-  (void)c;
-  (void)id;
-  (void)r;
-  (void)h;
-  (void)nh;
-  (void)b;
-  (void)nb;
-}
+                                                                  size_t nb) {}
 void envoy_dynamic_module_on_http_filter_config_http_stream_headers(void *ce, const void *c,
                                                                     uint64_t s, dm_hdr *h,
-                                                                    size_t n, bool e) {
-  (void)ce;
-  (void)c;
-  (void)s;
-  (void)h;
-  (void)n;
-  (void)e;
-}
+                                                                    size_t n, bool e) {}
 void envoy_dynamic_module_on_http_filter_config_http_stream_data(void *ce, const void *c,
                                                                  uint64_t s, const dm_buf *d,
-                                                                 size_t n, bool e) {
-  (void)ce;
-  (void)c;
-  (void)s;
-  (void)d;
-  (void)n;
-  (void)e;
-}
+                                                                 size_t n, bool e) {}
 void envoy_dynamic_module_on_http_filter_config_http_stream_trailers(void *ce, const void *c,
                                                                      uint64_t s, dm_hdr *h,
-                                                                     size_t n) {
-  (void)ce;
-  (void)c;
-  (void)s;
-  (void)h;
-  (void)n;
-}
+                                                                     size_t n) {}
 void envoy_dynamic_module_on_http_filter_config_http_stream_complete(void *ce, const void *c,
-                                                                     uint64_t s) {
-  (void)ce;
-  (void)c;
-  (void)s;
-}
+                                                                     uint64_t s) {}
 void envoy_dynamic_module_on_http_filter_config_http_stream_reset(void *ce, const void *c,
-                                                                  uint64_t s, int r) {
-  (void)ce;
-  (void)c;
-  (void)s;
-  (void)r;
-}
+                                                                  uint64_t s, int r) {}
