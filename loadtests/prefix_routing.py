@@ -69,6 +69,7 @@ from loadtests.workload import Lengths, RequestSpec, Workload
 from tests.harness.meshes import second_envoy
 from tokenmesh.gateway.config import GatewaySettings
 from tokenmesh.localmesh.mesh import LocalMesh, envoy_hosts
+from tokenmesh.meshconfig.config import relayable
 from tokenmesh.worker.placement import descendants
 
 SCENARIO = "prefix-routing"
@@ -718,7 +719,7 @@ def open_edges(
                 local_mesh,
                 local_mesh.run_dir,
                 worker_routing=policy,
-                stream_relay=relay and policy != "prefix",
+                stream_relay=relay and relayable(policy),
             )
         )
         edges.append(Edge(policy, f"127.0.0.1:{envoy.edge_port}", envoy.admin_port, pid))
@@ -841,7 +842,7 @@ def prefix_routing(
         "workers": WORKERS,
         "policies": list(policies),
         # The policies whose edge routed through the stream relay.
-        "relayed": [policy for policy in policies if relay and policy != "prefix"],
+        "relayed": [policy for policy in policies if relay and relayable(policy)],
         "rounds": rounds,
         "round_seconds": seconds,
         "kv_capacity_tokens": capacity,

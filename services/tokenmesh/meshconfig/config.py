@@ -429,7 +429,7 @@ class MeshSettings(BaseSettings):
                 "stream_relay needs direct_token_path (on the gateways' path the gateway "
                 "itself moves a stream)"
             )
-        if self.stream_relay and self.worker_routing == "prefix":
+        if self.stream_relay and not relayable(self.worker_routing):
             raise ValueError(
                 "stream_relay needs worker_routing picker or least_request: a stream the relay "
                 "starts cannot carry the route's prefix hash"
@@ -482,6 +482,12 @@ KUBERNETES_CONFIG_DIR = "/etc/envoy/config"
 # The stats listener's port in the Kubernetes profile (probes, Prometheus); the chart reads it
 # from the rendered file.
 KUBERNETES_STATS_PORT = 9902
+
+
+def relayable(worker_routing: str) -> bool:
+    """Whether the edge's stream relay can serve a worker routing: not prefix, whose Maglev
+    hash a stream the relay starts cannot carry."""
+    return worker_routing != "prefix"
 
 
 def kubernetes_profile(tls: bool = False, mtls: bool = False, relay: bool = False) -> MeshSettings:
