@@ -29,8 +29,8 @@ prefill time of a ~1,000-token prompt on each worker, uncached and cached. The s
 each policy against least_request, with the issue's targets.
 
     python -m loadtests.prefix_routing [--quick] [--rounds N] [--out DIR] [--model DIR]
-        [--workloads shared,few,uniform,skewed] [--policies least_request,prefix,picker]
-        [--relay]
+        [--workloads shared,few,uniform,skewed]
+        [--policies least_request,prefix,picker,prefix+relay,picker+relay,least_request+relay]
     python -m loadtests.prefix_routing --model models/pressure-llama \
         --workloads pressure,uniform,skewed
     python -m loadtests bench --scenarios prefix
@@ -69,7 +69,6 @@ from loadtests.workload import Lengths, RequestSpec, Workload
 from tests.harness.meshes import second_envoy
 from tokenmesh.gateway.config import GatewaySettings
 from tokenmesh.localmesh.mesh import LocalMesh, envoy_hosts
-from tokenmesh.meshconfig.config import relayable
 from tokenmesh.worker.placement import descendants
 
 SCENARIO = "prefix-routing"
@@ -82,6 +81,17 @@ WORKERS = 2
 # Every other policy is set against this one.
 BASELINE = "least_request"
 POLICIES = (BASELINE, "prefix", "picker")
+# A policy with this suffix: its edge sends the workers' streams through the edge's stream
+# relay (stream_relay) instead of Envoy's router.
+RELAYED = "+relay"
+CHOICES = POLICIES + tuple(policy + RELAYED for policy in POLICIES)
+
+
+def routing_of(policy: str) -> str:
+    """The worker_routing of a policy, relayed or not."""
+    return policy.removesuffix(RELAYED)
+
+
 WORKLOADS = ("shared", "few", "uniform", "skewed", "pressure")
 DEFAULT_WORKLOADS = ("shared", "few", "uniform", "skewed")
 # The pressure workload: prefixes whose tokens total this many times one worker's KV cache
@@ -703,13 +713,10 @@ def _shares(values: dict[str, float]) -> str:
     return " / ".join(f"{value:.0%}" for _, value in sorted(values.items())) or "n/a"
 
 
-def open_edges(
-    stack: ExitStack, local_mesh: LocalMesh, policies: Sequence[str], relay: bool = False
-) -> list[Edge]:
+def open_edges(stack: ExitStack, local_mesh: LocalMesh, policies: Sequence[str]) -> list[Edge]:
     """An Envoy in `stack` for each policy, least_request's too, each started and placed
     alike (the mesh's own Envoy, under supervisord, would be scheduled unlike the others);
-    with relay, those of the policies the edge's stream relay can serve (all but prefix: a
-    stream the relay starts carries no route hash) route through it."""
+    a policy ending in RELAYED routes through the edge's stream relay."""
     if not local_mesh.settings.direct_token_path:
         raise SystemExit("the mesh must route on the direct token path")
     edges = []
@@ -718,8 +725,8 @@ def open_edges(
             second_envoy(
                 local_mesh,
                 local_mesh.run_dir,
-                worker_routing=policy,
-                stream_relay=relay and relayable(policy),
+                worker_routing=routing_of(policy),
+                stream_relay=policy.endswith(RELAYED),
             )
         )
         edges.append(Edge(policy, f"127.0.0.1:{envoy.edge_port}", envoy.admin_port, pid))
@@ -750,7 +757,7 @@ def run_plan(
     for number in range(rounds):
         for edge in rotation(edges, number):
             seed = 100 * (WORKLOADS.index(plan.name) + 1) + number
-            text_seed = 10 * seed + POLICIES.index(edge.policy) + 1
+            text_seed = 10 * seed + CHOICES.index(edge.policy) + 1
             config = replace(plan.config(edge, plan.seconds or seconds, seed, text_seed), cpus=cpus)
             result = measured_round(config, edge, mesh, best)
             runs[edge.policy].append(result)
@@ -773,10 +780,9 @@ def prefix_routing(
     model: str = SMALL_MODEL,
     workloads: Sequence[str] = DEFAULT_WORKLOADS,
     policies: Sequence[str] = POLICIES,
-    relay: bool = False,
 ) -> dict[str, Any]:
     """Every workload through every policy's edge in interleaved rounds; the report's
-    figures. With relay, every policy but prefix through the edge's stream relay."""
+    figures."""
     if BASELINE not in policies:
         raise SystemExit(f"every policy is set against {BASELINE}: measure it too")
     if not (ROOT / model / "config.json").is_file():
@@ -794,10 +800,10 @@ def prefix_routing(
                 model=model,
                 worker_dtype=WORKER_DTYPE,
                 # The gateways name workers for the picker's Envoy (the others ignore them).
-                picker_feed="picker" in policies,
+                picker_feed=any(routing_of(policy) == "picker" for policy in policies),
             )
         )
-        edges = open_edges(stack, local_mesh, policies, relay)
+        edges = open_edges(stack, local_mesh, policies)
         mesh = Mesh(local_mesh)
         capacity = mesh.kv_capacity()
         best = BestCache(tokenizer, mesh.block_size())
@@ -842,7 +848,7 @@ def prefix_routing(
         "workers": WORKERS,
         "policies": list(policies),
         # The policies whose edge routed through the stream relay.
-        "relayed": [policy for policy in policies if relay and relayable(policy)],
+        "relayed": [policy for policy in policies if policy.endswith(RELAYED)],
         "rounds": rounds,
         "round_seconds": seconds,
         "kv_capacity_tokens": capacity,
@@ -876,24 +882,20 @@ def main() -> None:
     parser.add_argument(
         "--policies",
         default=",".join(POLICIES),
-        help=f"comma-separated worker_routing policies, of {','.join(POLICIES)}",
-    )
-    parser.add_argument(
-        "--relay",
-        action="store_true",
-        help="the policies but prefix through the edge's stream relay (stream_relay)",
+        help=(
+            f"comma-separated, of {','.join(CHOICES)}: worker_routing policies, through "
+            f"Envoy's router or ({RELAYED}) the edge's stream relay"
+        ),
     )
     args = parser.parse_args()
     try:
         workloads = selection(args.workloads, WORKLOADS)
-        policies = selection(args.policies, POLICIES)
+        policies = selection(args.policies, CHOICES)
     except ValueError as error:
         parser.error(str(error))
     stamp = datetime.now(UTC).strftime("%Y-%m-%d")
     bench = Bench(args.out or RESULTS / (stamp + ("-quick" if args.quick else "")), args.quick)
-    prefix_routing(
-        bench, 1 if args.quick else args.rounds, args.model, workloads, policies, args.relay
-    )
+    prefix_routing(bench, 1 if args.quick else args.rounds, args.model, workloads, policies)
     print((bench.out / SCENARIO / "summary.md").read_text())
     print(f"results in {bench.out / SCENARIO}", file=sys.stderr)
 

@@ -51,8 +51,6 @@ async def measure(args: argparse.Namespace) -> list[Row]:
     path = {
         "TOKENMESH_LOCALMESH_DIRECT_TOKEN_PATH": str(direct).lower(),
         "TOKENMESH_LOCALMESH_STREAM_RELAY": str(relay).lower(),
-        # The relay's streams take the gateway's named worker (it cannot hash a prefix).
-        **({"TOKENMESH_LOCALMESH_WORKER_ROUTING": "picker"} if relay else {}),
     }
     with environment(path), own_mesh(gateways=1, workers=2) as local_mesh:
         if local_mesh is None:

@@ -4,6 +4,9 @@ helm/tokenmesh/files/ (a chart cannot read files outside its directory), or chec
 - files/envoy[-relay][-tls][-mtls].yaml:
   `python -m tokenmesh.meshconfig --profile kubernetes[-relay][-tls][-mtls]`, i.e. the same
   renderer as envoy/envoy.yaml and the local mesh.
+- files/worker-balancing.yaml: the workers' load_balancing_policy for each envoy.workerRouting
+  policy (meshconfig's balancing.worker_balancing); the ConfigMap puts the chosen one in place
+  of the Envoy files' ${TOKENMESH_WORKER_BALANCING}.
 - files/sds/*.yaml: the SDS files that deliver Envoy's certificates in those profiles (the
   ConfigMap ships the ones its bootstrap names, next to it).
 - files/dashboards/*.json: dashboards/ (scripts/gen_dashboards.py).
@@ -16,8 +19,12 @@ import argparse
 import sys
 from pathlib import Path
 
+import yaml
+
 from tokenmesh.meshconfig.__main__ import PROFILES, render_profile, render_secret_files
+from tokenmesh.meshconfig.balancing import ROUTINGS, worker_balancing
 from tokenmesh.meshconfig.config import kubernetes_profile
+from tokenmesh.meshconfig.policy import CHART_PREFIX_BALANCE_FACTOR
 
 ROOT = Path(__file__).resolve().parent.parent
 FILES = ROOT / "helm" / "tokenmesh" / "files"
@@ -35,6 +42,12 @@ def expected_files() -> dict[str, str]:
         for profile in PROFILES
         if profile.startswith("kubernetes")
     }
+    balancing = {
+        routing: worker_balancing(routing, CHART_PREFIX_BALANCE_FACTOR) for routing in ROUTINGS
+    }
+    files["worker-balancing.yaml"] = SDS_HEADER.replace(
+        "meshconfig's secret_files, kubernetes_profile", "meshconfig's balancing.worker_balancing"
+    ) + str(yaml.safe_dump(balancing, sort_keys=False, width=100))
     files["alerts.yml"] = (ROOT / "prometheus" / "alerts.yml").read_text()
     # Every profile's secrets are among the TLS and mTLS one's.
     secrets = render_secret_files(kubernetes_profile(tls=True, mtls=True), SDS_HEADER)

@@ -20,7 +20,7 @@ from tokenmesh.localmesh.mesh import LocalMesh, LocalMeshSettings, envoy_hosts
 from tokenmesh.localmesh.probes import free_port
 from tokenmesh.localmesh.relay_module import SEARCH_PATH, build_relay_module
 from tokenmesh.meshconfig.__main__ import render_yaml
-from tokenmesh.meshconfig.config import MeshSettings, relayable
+from tokenmesh.meshconfig.config import MeshSettings
 
 
 def attached(run_dir: Path) -> LocalMesh:
@@ -74,10 +74,6 @@ def second_envoy(
     process id, once it has a healthy gateway and worker."""
     ports = [free_port() for _ in range(4)]
     mesh = local_mesh.settings.mesh().model_dump()
-    if not relayable(overrides.get("worker_routing", mesh["worker_routing"])):
-        # A stream the relay starts carries no route hash: a prefix-routing Envoy in front of
-        # a relayed mesh routes through Envoy's router, unless asked for the relay (refused).
-        mesh["stream_relay"] = False
     settings = MeshSettings(
         **{
             **mesh,

@@ -43,7 +43,7 @@ from tests.unit.test_meshconfig import envoy_validate
 from tokenmesh.gateway.config import GatewaySettings, PickerSettings
 from tokenmesh.localmesh.relay_module import RELAY_SOURCE, build_relay_module
 from tokenmesh.meshconfig import bootstrap
-from tokenmesh.meshconfig.clusters import picker_policy
+from tokenmesh.meshconfig.balancing import worker_balancing
 from tokenmesh.meshconfig.config import MeshSettings, kubernetes_profile
 from tokenmesh.meshconfig.stream_relay import RELAY
 
@@ -317,16 +317,19 @@ def test_health_check_values_reach_every_service_cluster_and_envoy_accepts_them(
 def test_worker_routing_comes_from_values_and_envoy_accepts_it(
     releases: dict[str, Release], tmp_path: Path
 ) -> None:
-    """Prefix by default, as the local mesh: Maglev on the affinity key, bounded by the factor,
-    on every route to the workers; least_request when asked."""
+    """Prefix by default, as the local mesh: the workers' cluster hashes the affinity key
+    (Maglev), bounded by the factor; least_request when asked."""
     default = {
         c["name"]: c for c in releases["defaults"].envoy_config()["static_resources"]["clusters"]
     }
     local = {c["name"]: c for c in bootstrap.render(MeshSettings())["static_resources"]["clusters"]}
-    assert default["worker"]["lb_policy"] == local["worker"]["lb_policy"] == "MAGLEV"
+    assert default["worker"]["load_balancing_policy"] == worker_balancing("prefix", 125)
+    assert default["worker"]["load_balancing_policy"] == local["worker"]["load_balancing_policy"]
     assert default["worker"]["common_lb_config"] == local["worker"]["common_lb_config"]
     least = Release(render({"envoy": {"workerRouting": {"policy": "least_request"}}}))
-    assert clusters_of(least.envoy_config())["worker"]["lb_policy"] == "LEAST_REQUEST"
+    assert clusters_of(least.envoy_config())["worker"]["load_balancing_policy"] == (
+        worker_balancing("least_request", 125)
+    )
     values = {"policy": "prefix", "prefixBalanceFactorPercent": 140}
     for tls in (False, True):
         release = Release(
@@ -339,10 +342,7 @@ def test_worker_routing_comes_from_values_and_envoy_accepts_it(
         )
         config = release.envoy_config()
         worker = {c["name"]: c for c in config["static_resources"]["clusters"]}["worker"]
-        assert worker["lb_policy"] == "MAGLEV"
-        assert worker["common_lb_config"]["consistent_hashing_lb_config"] == {
-            "hash_balance_factor": 140
-        }
+        assert worker["load_balancing_policy"] == worker_balancing("prefix", 140)
         text = release.get("ConfigMap", f"{PREFIX}-envoy")["data"]["envoy.yaml"]
         assert "${" not in text
         routes = [
@@ -357,7 +357,7 @@ def test_worker_routing_comes_from_values_and_envoy_accepts_it(
         # The gateways' (internal listener), and the edge's Generate and OpenAI direct routes.
         assert len(routes) == 3
         for route in routes:
-            assert route["hash_policy"] == [{"header": {"header_name": "x-tokenmesh-affinity"}}]
+            assert "hash_policy" not in route  # the cluster's
     path = tmp_path / "envoy.yaml"
     path.write_text(
         Release(render({"envoy": {"workerRouting": values}}))
@@ -377,12 +377,11 @@ def clusters_of(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def as_picker(config: dict[str, Any]) -> dict[str, Any]:
     """A least_request config with the workers' cluster as meshconfig renders it for
-    worker_routing picker: no lb_policy nor bounded load, the override-host policy instead."""
+    worker_routing picker: the override-host policy in place of least request's."""
     config = copy.deepcopy(config)
     worker = clusters_of(config)["worker"]
-    assert worker.pop("lb_policy") == "LEAST_REQUEST"
-    del worker["common_lb_config"]["consistent_hashing_lb_config"]
-    worker["load_balancing_policy"] = picker_policy()
+    assert worker["load_balancing_policy"] == worker_balancing("least_request", 125)
+    worker["load_balancing_policy"] = worker_balancing("picker", 125)
     return config
 
 
@@ -429,20 +428,21 @@ def test_picker_routing_renders_meshconfigs_worker_cluster(
 
 
 @pytest.mark.parametrize(
-    ("tls", "mtls"),
-    [(False, False), (True, True)],
-    ids=["plaintext", "tls-mtls"],
+    ("tls", "mtls", "routing"),
+    [(False, False, "prefix"), (False, False, "picker"), (True, True, "prefix")],
+    ids=["plaintext-prefix", "plaintext-picker", "tls-mtls-prefix"],
 )
 def test_the_stream_relay_renders_meshconfigs_relayed_profile(
-    tls: bool, mtls: bool, tmp_path: Path
+    tls: bool, mtls: bool, routing: str, tmp_path: Path
 ) -> None:
-    """envoy.streamRelay.enabled with picker: the chart's config is meshconfig's relayed
-    profile with the picker's workers' cluster, the edge's worker routes go to the relay's
-    internal listener, and Envoy accepts it with the relay's module built."""
+    """envoy.streamRelay.enabled: the chart's config is meshconfig's relayed profile with the
+    routing's workers' cluster (the relay's worker streams are placed by it, as the router's
+    are), the edge's worker routes go to the relay's internal listener, and Envoy accepts it
+    with the relay's module built."""
     values: dict[str, Any] = {
         "envoy": {
             "streamRelay": {"enabled": True},
-            "workerRouting": {"policy": "picker"},
+            "workerRouting": {"policy": routing},
             "tls": {"enabled": tls, "existingSecret": "edge-tls"},
         },
         "mtls": {"enabled": mtls, "existingSecret": "tokenmesh-mtls"},
@@ -450,7 +450,7 @@ def test_the_stream_relay_renders_meshconfigs_relayed_profile(
     release = Release(render(values))
     chart = release.envoy_config()
     profile = kubernetes_profile(tls=tls, mtls=mtls, relay=True)
-    relayed = bootstrap.render(profile.model_copy(update={"worker_routing": "picker"}))
+    relayed = bootstrap.render(profile.model_copy(update={"worker_routing": routing}))
     assert clusters_of(chart)["worker"] == clusters_of(relayed)["worker"]
     assert clusters_of(chart)[RELAY] == clusters_of(relayed)[RELAY]
     listeners = {listener["name"]: listener for listener in chart["static_resources"]["listeners"]}
@@ -481,11 +481,8 @@ def test_the_stream_relay_renders_meshconfigs_relayed_profile(
         assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_the_stream_relay_with_prefix_routing_is_refused_naming_both() -> None:
-    values = {"envoy": {"streamRelay": {"enabled": True}, "workerRouting": {"policy": "prefix"}}}
-    with pytest.raises(helm_python.HelmRenderError, match=r"streamRelay.*workerRouting\.policy"):
-        render(values)
-    # Off by default: the official Envoy image carries no module.
+def test_the_stream_relay_is_off_by_default() -> None:
+    # The official Envoy image carries no module.
     assert not clusters_of(Release(render({})).envoy_config()).get(RELAY)
 
 

@@ -89,14 +89,24 @@ def clusters(config: dict) -> dict[str, dict]:
 def with_health_checks(text: str, mesh: MeshSettings) -> str:
     """A chart file with its health-check and worker-balancing placeholders replaced by mesh's
     own (the chart replaces them with its values, whose defaults are MeshSettings')."""
-    for placeholders, numbers in (
-        (CHART_HEALTH_CHECKS, HealthCheckTiming.of(mesh)),
-        (CHART_WORKER_BALANCING, WorkerBalancing.of(mesh)),
-    ):
-        for field in dataclasses.fields(placeholders):
-            placeholder = str(getattr(placeholders, field.name))
-            text = text.replace(placeholder, str(getattr(numbers, field.name)))
-    return text
+    numbers = HealthCheckTiming.of(mesh)
+    for field in dataclasses.fields(CHART_HEALTH_CHECKS):
+        placeholder = str(getattr(CHART_HEALTH_CHECKS, field.name))
+        text = text.replace(placeholder, str(getattr(numbers, field.name)))
+    if str(CHART_WORKER_BALANCING.policy) not in text:  # an SDS file
+        return text
+    config = yaml.safe_load(text)
+    worker = clusters(config)["worker"]
+    assert worker["load_balancing_policy"] == CHART_WORKER_BALANCING.policy
+    worker["load_balancing_policy"] = WorkerBalancing.of(mesh).policy
+    return str(yaml.safe_dump(config, sort_keys=False))
+
+
+def worker_balancing(config: dict) -> tuple[str, dict]:
+    """The workers' typed load-balancing policy: its name and its config."""
+    (policy,) = clusters(config)["worker"]["load_balancing_policy"]["policies"]
+    extension = policy["typed_extension_config"]
+    return extension["name"], extension["typed_config"]
 
 
 def listeners(config: dict) -> dict[str, dict]:

@@ -6,7 +6,12 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from tests.unit.test_meshconfig import clusters, with_health_checks, worker_routes
+from tests.unit.test_meshconfig import (
+    clusters,
+    with_health_checks,
+    worker_balancing,
+    worker_routes,
+)
 from tokenmesh.meshconfig.__main__ import render_profile
 from tokenmesh.meshconfig.bootstrap import render
 from tokenmesh.meshconfig.config import MeshSettings
@@ -16,7 +21,8 @@ from tokenmesh.meshconfig.policy import (
 
 
 def test_service_clusters_are_health_checked_eds_clusters_named_after_services() -> None:
-    found = clusters(render(MeshSettings(health_check_interval_seconds=0.5)))
+    config = render(MeshSettings(health_check_interval_seconds=0.5))
+    found = clusters(config)
     assert set(found) == {
         "gateway",
         "worker",
@@ -42,7 +48,7 @@ def test_service_clusters_are_health_checked_eds_clusters_named_after_services()
         assert http2["initial_stream_window_size"] == 64 * 1024
         # A stream window for each of 1,024 stalled streams sharing the connection.
         assert http2["initial_connection_window_size"] == 1024 * 64 * 1024
-    assert found["worker"]["lb_policy"] == "MAGLEV"
+    assert worker_balancing(config)[0] == "envoy.load_balancing_policies.maglev"
     assert "outlier_detection" in found["reranker"]
     assert "retry_budget" in found["worker"]["circuit_breakers"]["thresholds"][0]
 
@@ -113,9 +119,9 @@ def test_picker_routing_sends_each_attempt_to_the_next_named_worker_then_least_r
 
 
 def test_prefix_is_the_default_and_refuses_a_balance_factor_below_100() -> None:
-    worker = clusters(render(MeshSettings()))["worker"]
-    assert worker["lb_policy"] == "MAGLEV"
-    assert worker["common_lb_config"]["consistent_hashing_lb_config"]["hash_balance_factor"] == 125
+    name, maglev = worker_balancing(render(MeshSettings()))
+    assert name == "envoy.load_balancing_policies.maglev"
+    assert maglev["consistent_hashing_lb_config"]["hash_balance_factor"] == 125
     with pytest.raises(ValidationError, match="prefix_balance_factor_percent"):
         MeshSettings(prefix_balance_factor_percent=99)
     with pytest.raises(ValidationError, match="worker_routing"):

@@ -7,14 +7,14 @@ import dataclasses
 
 import pytest
 
-from tokenmesh.common.tokens import AFFINITY_HEADER
+from tokenmesh.meshconfig.balancing import ROUTINGS, worker_balancing
 from tokenmesh.meshconfig.clusters import service_cluster
 from tokenmesh.meshconfig.config import MeshSettings
 from tokenmesh.meshconfig.listeners import internal_listener
 from tokenmesh.meshconfig.policy import (
     CHART_HEALTH_CHECKS,
     CHART_WORKER_BALANCING,
-    PICKER,
+    LEAST_REQUEST,
     Ejection,
     HealthCheckTiming,
     Services,
@@ -64,34 +64,39 @@ def test_the_grpc_services_are_checked_on_grpcs_health_service_under_their_own_n
         assert service.server_name == service.name
 
 
-def test_only_the_workers_hash_name_their_host_and_retry_an_overloaded_one() -> None:
+def test_only_the_workers_name_their_host_and_retry_an_overloaded_one() -> None:
     services = services_of(MeshSettings())
     worker = services.worker
-    assert worker.hash_header == AFFINITY_HEADER
     assert worker.names_upstream_host
     assert worker.retry_on == RETRY_ON + ",resource-exhausted"
     for other in (services.gateway, services.reranker):
-        assert other.hash_header is None and not other.names_upstream_host
+        assert not other.names_upstream_host
         assert other.retry_on == RETRY_ON
 
 
-@pytest.mark.parametrize(
-    ("routing", "lb_policy"),
-    [("least_request", "LEAST_REQUEST"), ("prefix", "MAGLEV"), ("picker", PICKER)],
-)
-def test_worker_routing_chooses_the_workers_lb_policy_only(routing: str, lb_policy: str) -> None:
+@pytest.mark.parametrize("routing", ROUTINGS)
+def test_worker_routing_chooses_the_workers_balancing_only(routing: str) -> None:
     mesh = MeshSettings(worker_routing=routing, prefix_balance_factor_percent=140)
     services = services_of(mesh)
-    assert (services.worker.lb_policy, services.worker.hash_balance_factor) == (lb_policy, 140)
+    assert services.worker.load_balancing == worker_balancing(routing, 140)
     for other in (services.gateway, services.reranker, services.openai):
         assert other is not None
-        assert (other.lb_policy, other.hash_balance_factor) == ("LEAST_REQUEST", None)
+        assert (other.lb_policy, other.load_balancing) == (LEAST_REQUEST, None)
+
+
+def test_each_routing_has_its_own_policy_and_an_unknown_one_is_refused() -> None:
+    names = {
+        worker_balancing(routing, 125)["policies"][0]["typed_extension_config"]["name"]
+        for routing in ROUTINGS
+    }
+    assert len(names) == len(ROUTINGS)
+    with pytest.raises(ValueError, match="round_robin"):
+        worker_balancing("round_robin", 125)
 
 
 def test_the_charts_placeholders_reach_the_policies() -> None:
     services = Services.of(MeshSettings(), CHART_HEALTH_CHECKS, CHART_WORKER_BALANCING)
-    assert services.worker.lb_policy == CHART_WORKER_BALANCING.lb_policy
-    assert services.worker.hash_balance_factor == CHART_WORKER_BALANCING.hash_balance_factor
+    assert services.worker.load_balancing == CHART_WORKER_BALANCING.policy
     assert all(service.health_check.timing == CHART_HEALTH_CHECKS for service in services.clusters)
 
 
@@ -123,7 +128,7 @@ def test_the_builders_read_the_policy_not_the_name() -> None:
     like_worker = dataclasses.replace(
         services.gateway,
         ejection=worker.ejection,
-        hash_header=worker.hash_header,
+        load_balancing=worker.load_balancing,
         retry_on=worker.retry_on,
         names_upstream_host=True,
         listener_port=17003,
@@ -131,8 +136,9 @@ def test_the_builders_read_the_policy_not_the_name() -> None:
     cluster = service_cluster(like_worker, mesh)
     assert cluster["name"] == "gateway"
     assert cluster["outlier_detection"] == service_cluster(worker, mesh)["outlier_detection"]
+    assert cluster["load_balancing_policy"] == worker.load_balancing
+    assert "lb_policy" not in cluster
     route = service_route(like_worker, mesh)["route"]
-    assert route["hash_policy"] == [{"header": {"header_name": AFFINITY_HEADER}}]
     assert "resource-exhausted" in route["retry_policy"]["retry_on"]
     listener = internal_listener(like_worker, mesh)
     manager = listener["filter_chains"][0]["filters"][0]["typed_config"]

@@ -1,10 +1,10 @@
-"""Routes: the edge's to the control plane, the gateways and OpenAI's API; the workers' hashed."""
+"""Routes: the edge's to the control plane, the gateways and OpenAI's API; the workers'."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.unit.test_meshconfig import clusters, listeners, worker_routes
+from tests.unit.test_meshconfig import clusters, listeners, worker_balancing, worker_routes
 from tokenmesh.meshconfig.bootstrap import render
 from tokenmesh.meshconfig.config import MeshSettings
 
@@ -19,16 +19,21 @@ def test_prefix_routing_hashes_the_affinity_key_onto_workers_under_bounded_load(
         )
     )
     worker = clusters(config)["worker"]
-    assert worker["lb_policy"] == "MAGLEV"
-    assert worker["common_lb_config"]["consistent_hashing_lb_config"] == {
-        "hash_balance_factor": 150
+    assert "lb_policy" not in worker
+    name, maglev = worker_balancing(config)
+    assert name == "envoy.load_balancing_policies.maglev"
+    # The hash is the cluster's, so whatever starts a worker stream (a route, the relay) is
+    # placed by the same key.
+    assert maglev["consistent_hashing_lb_config"] == {
+        "hash_balance_factor": 150,
+        "hash_policy": [{"header": {"header_name": "x-tokenmesh-affinity"}}],
     }
     routes = worker_routes(config)
     # The internal listener's (the gateways' calls), and with the direct token path the edge's
     # Generate and OpenAI routes.
     assert len(routes) == (3 if direct else 1)
     for route in routes:
-        assert route["hash_policy"] == [{"header": {"header_name": "x-tokenmesh-affinity"}}]
+        assert "hash_policy" not in route
         # A retry (a refused or dead worker) hashes again onto another host.
         assert route["retry_policy"]["retry_host_predicate"][0]["name"].endswith("previous_hosts")
     # The other services keep least-request balancing, and no key.

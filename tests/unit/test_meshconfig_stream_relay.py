@@ -1,7 +1,8 @@
 """The edge's stream relay in Envoy's config (stream_relay): the workers' methods go to the
 relay's internal listener, whose one filter is the relay (terminal, so Envoy tells it of its
-caller's flow control); the relay's limits follow the mesh's; combinations it cannot serve are
-refused naming the settings; and Envoy accepts the whole, with the module built."""
+caller's flow control); the relay's limits follow the mesh's; its worker streams are placed by
+the workers' cluster's own policy, prefix routing's hash included; the gateways' path is
+refused naming the setting; and Envoy accepts the whole, with the module built."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import yaml
 from pydantic import ValidationError
 
 from tests.support import ENVOY, ROOT, require_c_compiler
-from tests.unit.test_meshconfig import clusters, envoy_validate, listeners
+from tests.unit.test_meshconfig import clusters, envoy_validate, listeners, worker_balancing
 from tokenmesh.common.tokens import WORKER_GENERATE, WORKER_GENERATE_OPENAI
 from tokenmesh.localmesh.relay_module import RELAY_LIBRARY, RELAY_SOURCE, build_relay_module
 from tokenmesh.meshconfig.bootstrap import render
@@ -83,18 +84,31 @@ def test_the_relay_is_its_listeners_only_and_last_filter_with_the_meshs_limits()
     ]
 
 
-@pytest.mark.parametrize(
-    ("settings", "named"),
-    [
-        ({"worker_routing": "prefix"}, "worker_routing"),
-        ({"worker_routing": "picker", "direct_token_path": False}, "direct_token_path"),
-    ],
-)
-def test_what_the_relay_cannot_serve_is_refused_naming_the_setting(
-    settings: dict[str, object], named: str
-) -> None:
-    with pytest.raises(ValidationError, match=named):
-        MeshSettings(stream_relay=True, **settings)  # type: ignore[arg-type]
+def test_the_gateways_path_is_refused_naming_the_setting() -> None:
+    with pytest.raises(ValidationError, match="direct_token_path"):
+        MeshSettings(stream_relay=True, direct_token_path=False)
+
+
+@pytest.mark.parametrize("routing", ["prefix", "picker", "least_request"])
+def test_the_relays_worker_streams_are_placed_as_the_routers(routing: str) -> None:
+    """The relay starts its worker streams on the workers' cluster, whose policy places them
+    (prefix: the cluster hashes the affinity key, which the relay's streams carry); the
+    cluster is the one the router would use."""
+    relayed = render(MeshSettings(stream_relay=True, worker_routing=routing))
+    plain = render(MeshSettings(worker_routing=routing))
+    assert clusters(relayed)["worker"] == clusters(plain)["worker"]
+    name, config = worker_balancing(relayed)
+    if routing == "prefix":
+        hashing = config["consistent_hashing_lb_config"]["hash_policy"]
+        assert hashing == [{"header": {"header_name": "x-tokenmesh-affinity"}}]
+    assert (
+        name.rpartition(".")[2]
+        == {
+            "prefix": "maglev",
+            "picker": "override_host",
+            "least_request": "least_request",
+        }[routing]
+    )
 
 
 def test_envoy_accepts_the_relayed_config_with_the_module_built(tmp_path: Path) -> None:

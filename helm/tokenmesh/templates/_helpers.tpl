@@ -499,63 +499,34 @@ spec:
 
 {{/*
 Envoy's configuration, generated from services/tokenmesh/meshconfig (make chart): the edge
-with TLS when envoy.tls.enabled, mTLS to the services when mtls.enabled, the control plane's
+with TLS when envoy.tls.enabled, mTLS to the services when mtls.enabled, the workers' streams
+through the edge's stream relay when envoy.streamRelay.enabled, the control plane's
 placeholder host replaced by its headless Service, the health checks' placeholders by
-envoy.healthChecks and the workers' balancing by envoy.workerRouting (with picker, the
-workers' cluster gets tokenmesh.pickerPolicy in place of its lb_policy, as meshconfig's
-picker_policy() renders it). Listener and admin ports are read from it, never repeated in values.
+envoy.healthChecks and the workers' load_balancing_policy by envoy.workerRouting's, from
+files/worker-balancing.yaml (meshconfig's balancing.worker_balancing for each policy). Listener
+and admin ports are read from it, never repeated in values.
 */}}
 {{- define "tokenmesh.envoyConfig" -}}
 {{- $relay := .Values.envoy.streamRelay.enabled }}
-{{- if and $relay (eq .Values.envoy.workerRouting.policy "prefix") }}
-{{- fail "envoy.streamRelay.enabled needs envoy.workerRouting.policy picker or least_request: a stream the relay starts carries no route hash, so prefix routing cannot place it" }}
-{{- end }}
 {{- $file := printf "files/envoy%s%s%s.yaml" (ternary "-relay" "" $relay) (ternary "-tls" "" .Values.envoy.tls.enabled) (ternary "-mtls" "" .Values.mtls.enabled) }}
 {{- $host := printf "%s.%s.svc.%s" (include "tokenmesh.headlessName" (dict "root" . "component" "controlplane")) .Release.Namespace .Values.clusterDomain }}
 {{- $checks := .Values.envoy.healthChecks }}
 {{- $routing := .Values.envoy.workerRouting }}
 {{- $text := .Files.Get $file }}
-{{- if eq $routing.policy "picker" }}
-{{- /* The override-host policy is a typed extension, not an lb_policy value: it replaces the
-line, at that line's indentation, and the hashing policy's bounded load goes. */}}
-{{- $line := regexFind "(?m)^ *lb_policy: \\$\\{TOKENMESH_WORKER_LB_POLICY\\}$" $text }}
-{{- $hashing := regexFind "(?m)^ *consistent_hashing_lb_config:\\n *hash_balance_factor: \\$\\{TOKENMESH_PREFIX_BALANCE_FACTOR\\}\\n" $text }}
-{{- if or (not $line) (not $hashing) }}
-{{- fail (printf "%s has no worker lb_policy or bounded-load placeholder where envoy.workerRouting.policy=picker expects them: regenerate the chart files (make chart) or update tokenmesh.envoyConfig" $file) }}
+{{- $line := regexFind "(?m)^ *load_balancing_policy: \\$\\{TOKENMESH_WORKER_BALANCING\\}$" $text }}
+{{- $policies := .Files.Get "files/worker-balancing.yaml" | fromYaml }}
+{{- if or (not $line) (not (hasKey $policies $routing.policy)) }}
+{{- fail (printf "%s has no workers' balancing placeholder, or files/worker-balancing.yaml no policy %s: regenerate the chart files (make chart)" $file $routing.policy) }}
 {{- end }}
 {{- $indent := len (regexFind "^ *" $line) }}
-{{- $text = replace $line (printf "%sload_balancing_policy:%s" (repeat $indent " ") (include "tokenmesh.pickerPolicy" . | nindent (add $indent 2 | int))) $text | replace $hashing "" }}
-{{- end }}
+{{- $text = replace $line (printf "%sload_balancing_policy:%s" (repeat $indent " ") (get $policies $routing.policy | toYaml | nindent (add $indent 2 | int))) $text }}
 {{- $text | replace "${TOKENMESH_CONTROLPLANE_HOST}" $host
   | replace "${TOKENMESH_HEALTH_CHECK_TIMEOUT}" (include "tokenmesh.duration" $checks.timeoutSeconds)
   | replace "${TOKENMESH_HEALTH_CHECK_INTERVAL}" (include "tokenmesh.duration" $checks.intervalSeconds)
   | replace "${TOKENMESH_HEALTH_CHECK_UNHEALTHY_THRESHOLD}" (printf "%d" (int $checks.unhealthyThreshold))
   | replace "${TOKENMESH_HEALTH_CHECK_HEALTHY_THRESHOLD}" (printf "%d" (int $checks.healthyThreshold))
   | replace "${TOKENMESH_HEALTHY_PANIC_THRESHOLD_PERCENT}" (printf "%g" (float64 $checks.panicThresholdPercent))
-  | replace "${TOKENMESH_WORKER_LB_POLICY}" (get (dict "least_request" "LEAST_REQUEST" "prefix" "MAGLEV") $routing.policy)
   | replace "${TOKENMESH_PREFIX_BALANCE_FACTOR}" (printf "%d" (int $routing.prefixBalanceFactorPercent)) }}
-{{- end }}
-
-{{/*
-The workers' load_balancing_policy for envoy.workerRouting.policy=picker: each attempt goes to
-the next worker the gateway's endpoint picker named in x-tokenmesh-worker; with none named, or
-all tried, least request. The same structure as meshconfig's picker_policy() (bootstrap.py),
-which the generated files do not carry; tests/unit/test_helm_envoy.py compares the two.
-*/}}
-{{- define "tokenmesh.pickerPolicy" -}}
-policies:
-- typed_extension_config:
-    name: envoy.load_balancing_policies.override_host
-    typed_config:
-      '@type': type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost
-      override_host_sources:
-      - header: x-tokenmesh-worker
-      fallback_policy:
-        policies:
-        - typed_extension_config:
-            name: envoy.load_balancing_policies.least_request
-            typed_config:
-              '@type': type.googleapis.com/envoy.extensions.load_balancing_policies.least_request.v3.LeastRequest
 {{- end }}
 
 {{/* Seconds as an Envoy duration, as meshconfig writes them: 0.5 -> 0.5s, 1 -> 1s. */}}

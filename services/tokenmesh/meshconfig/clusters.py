@@ -3,11 +3,9 @@ policy says), and the control plane's fixed addresses."""
 
 from __future__ import annotations
 
-from tokenmesh.common.tokens import WORKER_HEADER
 from tokenmesh.meshconfig.config import MeshSettings
-from tokenmesh.meshconfig.constants import TYPE, Config, seconds
+from tokenmesh.meshconfig.constants import Config, seconds
 from tokenmesh.meshconfig.policy import (
-    PICKER,
     CircuitBreaker,
     Ejection,
     HealthCheck,
@@ -15,40 +13,6 @@ from tokenmesh.meshconfig.policy import (
 )
 from tokenmesh.meshconfig.protocols import grpc_upstream
 from tokenmesh.meshconfig.tls import upstream_tls
-
-
-def picker_policy() -> Config:
-    """The workers' load_balancing_policy for worker_routing picker: each attempt goes to the
-    next worker the gateway's endpoint picker named (WORKER_HEADER); with none named, or all
-    tried, least request."""
-    return {
-        "policies": [
-            {
-                "typed_extension_config": {
-                    "name": "envoy.load_balancing_policies.override_host",
-                    "typed_config": {
-                        "@type": TYPE
-                        + "envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
-                        "override_host_sources": [{"header": WORKER_HEADER}],
-                        "fallback_policy": {
-                            "policies": [
-                                {
-                                    "typed_extension_config": {
-                                        "name": "envoy.load_balancing_policies.least_request",
-                                        "typed_config": {
-                                            "@type": TYPE
-                                            + "envoy.extensions.load_balancing_policies."
-                                            "least_request.v3.LeastRequest"
-                                        },
-                                    }
-                                }
-                            ]
-                        },
-                    },
-                }
-            }
-        ]
-    }
 
 
 def health_check(check: HealthCheck) -> Config:
@@ -113,7 +77,6 @@ def circuit_breakers(breaker: CircuitBreaker) -> Config:
 def service_cluster(service: ServicePolicy, mesh: MeshSettings) -> Config:
     """A cluster named after its service, endpoints over ADS, actively health-checked, as its
     policy says."""
-    picker = service.lb_policy == PICKER
     lb_config: Config = {
         # With the default 50 %, Envoy sends to unhealthy hosts when most are down.
         "healthy_panic_threshold": {"value": service.health_check.timing.panic_threshold_percent},
@@ -122,19 +85,17 @@ def service_cluster(service: ServicePolicy, mesh: MeshSettings) -> Config:
         # had just passed its first check got no stream for a second while another died.
         "update_merge_window": "0s",
     }
-    if service.hash_balance_factor is not None and not picker:
-        # Bounded load, for the hashing policy (LEAST_REQUEST ignores it): a host with more than
-        # this percentage of the mean streams in flight is passed over for the next one.
-        lb_config["consistent_hashing_lb_config"] = {
-            "hash_balance_factor": service.hash_balance_factor
-        }
     cluster: Config = {
         "name": service.name,
         "type": "EDS",
         "eds_cluster_config": {"eds_config": {"ads": {}, "resource_api_version": "V3"}},
         "connect_timeout": "1s",
         "per_connection_buffer_limit_bytes": mesh.buffer_limit_bytes,
-        **({} if picker else {"lb_policy": service.lb_policy}),
+        **(
+            {"load_balancing_policy": service.load_balancing}
+            if service.load_balancing is not None
+            else {"lb_policy": service.lb_policy}
+        ),
         **(
             {
                 "typed_extension_protocol_options": grpc_upstream(
@@ -153,8 +114,6 @@ def service_cluster(service: ServicePolicy, mesh: MeshSettings) -> Config:
         "track_cluster_stats": {"per_endpoint_stats": True},
         "circuit_breakers": circuit_breakers(service.circuit_breaker),
     }
-    if picker:
-        cluster["load_balancing_policy"] = picker_policy()
     if mesh.upstream_mtls:
         cluster["transport_socket"] = upstream_tls(service, mesh)
     if service.ejection is not None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, Self
+from typing import Literal, Self
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -387,9 +387,9 @@ class MeshSettings(BaseSettings):
             "(envoy/relay, an Envoy dynamic module, behind an Envoy internal listener) "
             "instead of the router, so a stream whose worker goes away mid-stream (killed, "
             "its connection cut, its engine dead) goes on at another worker from the token "
-            "where it stopped. Needs worker_routing picker or least_request: a stream the "
-            "relay starts cannot carry the route's hash (prefix). Envoy loads the module "
-            "from ENVOY_DYNAMIC_MODULES_SEARCH_PATH (make setup builds it)."
+            "where it stopped; the relay's worker streams are placed as worker_routing says, "
+            "as the router's are. Envoy loads the module from "
+            "ENVOY_DYNAMIC_MODULES_SEARCH_PATH (make setup builds it)."
         ),
     )
     max_resumptions: int = Field(
@@ -428,11 +428,6 @@ class MeshSettings(BaseSettings):
             raise ValueError(
                 "stream_relay needs direct_token_path (on the gateways' path the gateway "
                 "itself moves a stream)"
-            )
-        if self.stream_relay and not relayable(self.worker_routing):
-            raise ValueError(
-                "stream_relay needs worker_routing picker or least_request: a stream the relay "
-                "starts cannot carry the route's prefix hash"
             )
         return self
 
@@ -484,12 +479,6 @@ KUBERNETES_CONFIG_DIR = "/etc/envoy/config"
 KUBERNETES_STATS_PORT = 9902
 
 
-def relayable(worker_routing: str) -> bool:
-    """Whether the edge's stream relay can serve a worker routing: not prefix, whose Maglev
-    hash a stream the relay starts cannot carry."""
-    return worker_routing != "prefix"
-
-
 def kubernetes_profile(tls: bool = False, mtls: bool = False, relay: bool = False) -> MeshSettings:
     """The mesh as the Helm chart runs it: Envoy in its own pods, listening on every interface
     (the edge for clients, the internal listeners for gateways, the stats listener for probes
@@ -499,14 +488,9 @@ def kubernetes_profile(tls: bool = False, mtls: bool = False, relay: bool = Fals
     services over mTLS with the client certificate mounted at KUBERNETES_MTLS_DIR, and its
     internal listeners speak TLS with the one at KUBERNETES_INTERNAL_TLS_DIR; the SDS files
     that deliver them are in the ConfigMap, at KUBERNETES_CONFIG_DIR; with relay, the workers'
-    streams go through the edge's stream relay (a worker routing other than prefix: the chart
-    puts its picker's or least request's in)."""
-    # The chart's values choose the routing (placeholders); a relayed profile only needs one
-    # its relay can serve to pass the settings' check.
-    routing: dict[str, Any] = {"worker_routing": "least_request"} if relay else {}
+    streams go through the edge's stream relay."""
     return MeshSettings(
         stream_relay=relay,
-        **routing,
         edge_tls_cert_file=f"{KUBERNETES_TLS_DIR}/tls.crt" if tls else None,
         edge_tls_key_file=f"{KUBERNETES_TLS_DIR}/tls.key" if tls else None,
         upstream_tls_cert_file=f"{KUBERNETES_MTLS_DIR}/tls.crt" if mtls else None,

@@ -1,5 +1,5 @@
 """Each service's policy as data, decided once from MeshSettings: how its cluster checks, balances
-and ejects hosts, how routes to it retry and hash, and what its internal listener adds. The
+and ejects hosts, how routes to it retry, and what its internal listener adds. The
 builders (clusters, routes, listeners, tls) read these fields; none asks a cluster's name."""
 
 from __future__ import annotations
@@ -7,9 +7,16 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from tokenmesh.common.tokens import AFFINITY_HEADER
+from tokenmesh.meshconfig.balancing import worker_balancing
 from tokenmesh.meshconfig.config import MeshSettings
-from tokenmesh.meshconfig.constants import GATEWAY, OPENAI_CLUSTER, RERANKER, WORKER, seconds
+from tokenmesh.meshconfig.constants import (
+    GATEWAY,
+    OPENAI_CLUSTER,
+    RERANKER,
+    WORKER,
+    Config,
+    seconds,
+)
 from tokenmesh.meshconfig.retries import NEVER_SENT, OVERLOADED, RETRY_ON
 
 # The path of the gateways' OpenAI API's HTTP health check.
@@ -49,35 +56,28 @@ CHART_HEALTH_CHECKS = HealthCheckTiming(
     panic_threshold_percent="${TOKENMESH_HEALTHY_PANIC_THRESHOLD_PERCENT}",
 )
 
-# Least outstanding requests, per stream: long and short generations even out.
+# Least outstanding requests, per stream: long and short generations even out. The services
+# other than the workers balance so; the workers as their routing says (balancing.py).
 LEAST_REQUEST = "LEAST_REQUEST"
-# Envoy's policy for each worker_routing setting. Maglev rather than a ring hash: one table
-# look-up per pick, and an even spread of keys over a few hosts (a ring of a few hosts needs
-# many points per host to be even); both move only a departed host's keys elsewhere.
-# picker is no enum value: the override-host policy is a typed extension (clusters.py).
-PICKER = "PICKER"
-WORKER_LB_POLICIES = {"least_request": LEAST_REQUEST, "prefix": "MAGLEV", "picker": PICKER}
 
 
 @dataclass(frozen=True)
 class WorkerBalancing:
-    """How the workers' cluster picks a host: Envoy's policy and the bounded load's factor, or
-    (CHART_WORKER_BALANCING) placeholders for the chart's values."""
+    """The workers' cluster's load_balancing_policy: Envoy's typed policy for the mesh's
+    worker_routing, or (CHART_WORKER_BALANCING) a placeholder, which the chart's ConfigMap
+    replaces with the one of its envoy.workerRouting (files/worker-balancing.yaml)."""
 
-    lb_policy: str
-    hash_balance_factor: int | str
+    policy: Config | str
 
     @classmethod
     def of(cls, mesh: MeshSettings) -> WorkerBalancing:
-        return cls(WORKER_LB_POLICIES[mesh.worker_routing], mesh.prefix_balance_factor_percent)
+        return cls(worker_balancing(mesh.worker_routing, mesh.prefix_balance_factor_percent))
 
 
-# The kubernetes profiles' worker balancing: the chart's ConfigMap puts its envoy.workerRouting
-# values in their place (tokenmesh.envoyConfig in _helpers.tpl).
-CHART_WORKER_BALANCING = WorkerBalancing(
-    lb_policy="${TOKENMESH_WORKER_LB_POLICY}",
-    hash_balance_factor="${TOKENMESH_PREFIX_BALANCE_FACTOR}",
-)
+CHART_WORKER_BALANCING = WorkerBalancing("${TOKENMESH_WORKER_BALANCING}")
+# The prefix policy's bounded load in the chart's worker-balancing.yaml: its ConfigMap puts
+# envoy.workerRouting.prefixBalanceFactorPercent in its place.
+CHART_PREFIX_BALANCE_FACTOR = "${TOKENMESH_PREFIX_BALANCE_FACTOR}"
 
 
 @dataclass(frozen=True)
@@ -125,8 +125,8 @@ class ServicePolicy:
     circuit_breaker: CircuitBreaker
     retry_on: str
     lb_policy: str = LEAST_REQUEST
-    hash_balance_factor: int | str | None = None  # bounded load, for a hashing lb_policy
-    hash_header: str | None = None  # what the routes to it hash a stream by
+    # A typed load-balancing policy in place of lb_policy (the workers': balancing.py).
+    load_balancing: Config | str | None = None
     ejection: Ejection | None = None
     listener_port: int | None = None  # the gateways' listener for it, if they call it
     names_upstream_host: bool = False  # its listener's answers say which host answered
@@ -175,11 +175,7 @@ class Services:
         worker = replace(
             grpc_service(WORKER, "tokenmesh.v1.InferenceService"),
             retry_on=RETRY_ON + OVERLOADED,
-            lb_policy=balancing.lb_policy,
-            hash_balance_factor=balancing.hash_balance_factor,
-            # What a hashing policy (worker_routing prefix) places a worker stream by: the
-            # gateway's prefix-affinity key. LEAST_REQUEST ignores it; a retry hashes again.
-            hash_header=AFFINITY_HEADER,
+            load_balancing=balancing.policy,
             # A worker whose connections fail (killed, its port closed) leaves the table at the
             # first failure, not at its next failed health check; a passing check brings it
             # back. Hashing under bounded load (worker_routing prefix) needs it: a dead worker

@@ -1,4 +1,4 @@
-"""Routes: to a service as its policy says (retries, hashing, the caller's deadline), and the
+"""Routes: to a service as its policy says (retries, the caller's deadline), and the
 edge's routes to the control plane's ops feed and page."""
 
 from __future__ import annotations
@@ -19,11 +19,10 @@ def route_to(
     prefix: str = "/",
     *,
     retry_on: str = RETRY_ON,
-    hash_header: str | None = None,
     grpc: bool = True,
 ) -> Config:
     """A route to cluster (by default catch-all), safe for long streams; a gRPC one honours the
-    caller's grpc-timeout, a hashing one hashes hash_header."""
+    caller's grpc-timeout. Hashing is the cluster's (balancing.py)."""
     route: Config = {
         "cluster": cluster,
         # The 15 s default route timeout would cut long generations: no overall timeout,
@@ -33,19 +32,16 @@ def route_to(
     if grpc:
         route["max_stream_duration"] = {"grpc_timeout_header_max": "0s"}
     route["retry_policy"] = retry_policy(retry_on, mesh)
-    if hash_header is not None:
-        route["hash_policy"] = [{"header": {"header_name": hash_header}}]
     return {"match": {"prefix": prefix}, "route": route}
 
 
 def service_route(service: ServicePolicy, mesh: MeshSettings, prefix: str = "/") -> Config:
-    """A route to a service's cluster, retried and hashed as its policy says."""
+    """A route to a service's cluster, retried as its policy says."""
     return route_to(
         service.name,
         mesh,
         prefix,
         retry_on=service.retry_on,
-        hash_header=service.hash_header,
         grpc=service.protocol == "grpc",
     )
 

@@ -108,6 +108,6 @@ def relayed(route: Config, mesh: MeshSettings) -> Config:
     action = {
         key: value
         for key, value in route["route"].items()
-        if key not in ("cluster", "retry_policy", "hash_policy")
+        if key not in ("cluster", "retry_policy")
     }
     return {**route, "route": {**action, "cluster": RELAY}}
