@@ -1,8 +1,9 @@
 """A stand-in worker for the edge relay's unit test (tests/unit/test_relay_module.py): it serves
 InferenceService.Generate, reading a moved stream's delivered messages as the real worker does
 (common/resumption.read_delivered), and answers token i of a stream as id 1000 + i, text
-"t<i> " (N bytes longer for a prompt "pad:N"; for "last:N:M" the last message M bytes longer,
-and its trailers LINGER seconds after it, as a busy worker's may come), one message per token,
+"t<i> " (N bytes longer for a prompt "pad:N", all at once for "burst:N"; for "last:N:M" the
+last message M bytes longer, and its trailers LINGER seconds after it, as a busy worker's may
+come), one message per token,
 the last with the usage as the worker's, going on from what was delivered. It records each
 request it received (one JSON line: its delivered tokens and the move's attempt) and each
 stream its caller cancelled ({"ended": "cancelled"}), and with DIE_AFTER=k exits hard
@@ -62,14 +63,16 @@ class FakeWorker(inference_pb2_grpc.InferenceServiceServicer):
         total = request.sampling.max_tokens
         if total <= 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sampling.max_tokens: at least 1")
-        # A prompt "pad:N" makes each message's text N bytes longer, "last:N:M" the last M.
+        # A prompt "pad:N" makes each message's text N bytes longer, "last:N:M" the last M;
+        # "burst:N" as "pad:N", every message at once (no interval).
         kind, *sizes = request.prompt.split(":")
-        pad = int(sizes[0]) if kind in ("pad", "last") else 0
+        pad = int(sizes[0]) if kind in ("pad", "last", "burst") else 0
         last_pad = int(sizes[1]) if kind == "last" else pad
         finished: list[bool] = []
         context.add_callback(lambda: self._ended(finished))
         for i in range(start, total):
-            time.sleep(INTERVAL)
+            if kind != "burst":
+                time.sleep(INTERVAL)
             last = i == total - 1
             yield token_pb2.Token(
                 text=f"t{i} " + "x" * (last_pad if last else pad),

@@ -34,6 +34,10 @@ int envoy_dynamic_module_callback_http_filter_start_http_stream(dm_envoy f, uint
 void envoy_dynamic_module_callback_http_filter_reset_http_stream(dm_envoy f, uint64_t stream_id);
 int envoy_dynamic_module_callback_http_filter_http_callout(dm_envoy f, uint64_t *callout_id_out, dm_buf cluster,
                                                           dm_hdr *h, size_t n, dm_buf body, uint64_t timeout_ms);
+void envoy_dynamic_module_callback_http_set_dynamic_metadata_string(dm_envoy f, dm_buf ns, dm_buf key,
+                                                                    dm_buf value);
+void envoy_dynamic_module_callback_http_set_dynamic_metadata_number(dm_envoy f, dm_buf ns, dm_buf key,
+                                                                    double value);
 void *envoy_dynamic_module_callback_http_filter_scheduler_new(dm_envoy f);
 void envoy_dynamic_module_callback_http_filter_scheduler_commit(void *scheduler, uint64_t event_id);
 void envoy_dynamic_module_callback_http_filter_scheduler_delete(void *scheduler);

@@ -32,6 +32,10 @@
 /* Why a stream moved, as the metrics label it (common/resumption.py's causes). */
 #define CAUSE_RESET "stream_reset"
 #define CAUSE_UNAVAILABLE "worker_unavailable"
+/* The workers' cluster names the worker that answered in this header (meshconfig's
+   names_upstream_host; the edge removes it for callers); the relay's dynamic metadata. */
+#define UPSTREAM_HEADER "x-tokenmesh-upstream"
+#define METADATA "tokenmesh.relay"
 
 typedef struct {
   char *p;
@@ -174,6 +178,9 @@ typedef struct {
   int parking;       /* the worker's stream is to be cancelled (EVENT_PARK is posted) */
   int parked;        /* it was: the next one starts once the caller has read */
   int moves;         /* times the stream went on at another worker */
+  int parks;         /* times its worker's stream was parked */
+  int discarded;     /* while parking, the current worker's messages were dropped, not held */
+  char worker[64];   /* the address of the worker that answered last (its cluster names it) */
   int retries;       /* worker streams that failed before their worker answered */
   uint64_t first_retry_ms; /* when the first of those failed (a monotonic clock) */
   int answered;      /* the current worker stream's worker answered (headers, not the end) */
@@ -298,10 +305,31 @@ void envoy_dynamic_module_on_http_filter_destroy(const void *p) {
 void envoy_dynamic_module_on_http_filter_stream_complete(dm_envoy envoy, const void *p) {
   filter *f = (filter *)p;
   f->done = 1;
+  /* For the relay listener's access log, which Envoy writes after this: the worker the
+     stream ended on, and how often it moved and was parked (dynamic metadata). */
+  dm_buf ns = {METADATA, strlen(METADATA)};
+  if (f->worker[0])
+    envoy_dynamic_module_callback_http_set_dynamic_metadata_string(
+        envoy, ns, (dm_buf){"worker", 6}, (dm_buf){f->worker, strlen(f->worker)});
+  envoy_dynamic_module_callback_http_set_dynamic_metadata_number(envoy, ns, (dm_buf){"moves", 5},
+                                                                 f->moves);
+  envoy_dynamic_module_callback_http_set_dynamic_metadata_number(envoy, ns, (dm_buf){"parks", 5},
+                                                                 f->parks);
   if (f->live) {
     f->live = 0;
     envoy_dynamic_module_callback_http_filter_reset_http_stream(envoy, f->stream);
   }
+}
+
+/* The worker's stream is over (cancelled, or it ended with messages the caller was not sent):
+   the stream goes on from what was delivered once the caller has read, or at once if it has. */
+static void park(filter *f) {
+  f->parking = 0;
+  f->live = 0;
+  f->parked = 1;
+  f->parks++;
+  count(f, f->cfg->parks, NULL);
+  if (!f->above_watermark) post(f, EVENT_DRAINED);
 }
 
 /* ---- towards the caller ----------------------------------------------------------------- */
@@ -378,6 +406,8 @@ static void start_worker_stream(filter *f) {
   else bytes_add(&body, f->request.p, f->request.n);
   f->partial.n = 0;
   f->answered = 0;
+  f->discarded = 0;
+  f->parking = 0;
   dm_buf cluster = {f->cfg->cluster, strlen(f->cfg->cluster)};
   uint64_t id = 0;
   int started = envoy_dynamic_module_callback_http_filter_start_http_stream(
@@ -609,6 +639,11 @@ void envoy_dynamic_module_on_http_filter_http_stream_headers(dm_envoy envoy, con
     return;
   }
   if (!end) f->answered = 1;
+  const dm_hdr *upstream = header(h, n, UPSTREAM_HEADER);
+  if (upstream && upstream->vl < sizeof f->worker) {
+    memcpy(f->worker, upstream->v, upstream->vl);
+    f->worker[upstream->vl] = 0;
+  }
   if (end && f->moves && header(h, n, "grpc-status") && !is(grpc_status, "0")) {
     /* The next worker refused to continue the stream (what it cannot carry over). */
     count(f, f->cfg->refused, "request");
@@ -671,25 +706,46 @@ void envoy_dynamic_module_on_http_filter_http_stream_data(dm_envoy envoy, const 
   if (id != f->stream || !f->live || f->done) return;
   for (size_t i = 0; i < count; i++) bytes_add(&f->partial, data[i].ptr, data[i].length);
   /* Whole gRPC messages only: 1 byte flags, 4 bytes big-endian length, the message. */
-  size_t whole = 0;
+  size_t whole = 0, passed = 0; /* bytes of whole messages read, and of those passed on */
+  int holding = f->above_watermark || f->held.n > 0;
   while (f->partial.n - whole >= 5) {
     const unsigned char *q = (const unsigned char *)f->partial.p + whole;
     size_t len = ((size_t)q[1] << 24) | ((size_t)q[2] << 16) | ((size_t)q[3] << 8) | q[4];
     if (f->partial.n - whole < 5 + len) break;
-    keep(f, q + 5, len);
     whole += 5 + len;
+    if (f->parking && !f->unresumable) {
+      /* The caller cannot take it and the worker's stream is being parked: not delivered,
+         not held (a stalled caller costs the relay at most max_held_bytes); the stream goes
+         on from what was delivered, and the next worker makes these again. */
+      f->discarded = 1;
+      continue;
+    }
+    keep(f, q + 5, len);
     f->messages++;
+    passed = whole;
+    if (holding && f->held.n + passed > f->cfg->max_held_bytes && !f->parking &&
+        !f->last_seen && !f->unresumable) {
+      /* The caller reads too slowly: cancel the worker's stream, continue once it has read.
+         Not once the last message came: the engine is done, and a stream continued with
+         nothing left to generate would be refused. */
+      f->parking = 1;
+      post(f, EVENT_PARK);
+    }
   }
-  if (whole) {
+  if (passed) {
     uint64_t now = now_ms();
     if (f->gap_pending && f->cfg->metrics)
       envoy_dynamic_module_callback_http_filter_record_histogram_value(
           envoy, f->cfg->gap_ms, NULL, 0, now - f->last_message_ms);
     f->gap_pending = 0;
     f->last_message_ms = now;
-    send_or_hold(f, f->partial.p, whole);
-    memmove(f->partial.p, f->partial.p + whole, f->partial.n - whole);
-    f->partial.n -= whole;
+    send_or_hold(f, f->partial.p, passed);
+  }
+  memmove(f->partial.p, f->partial.p + whole, f->partial.n - whole);
+  f->partial.n -= whole;
+  if (end && f->discarded) {
+    park(f); /* the worker is done, but what it made last never reached the caller */
+    return;
   }
   if (end) {
     f->live = 0;
@@ -699,15 +755,12 @@ void envoy_dynamic_module_on_http_filter_http_stream_data(dm_envoy envoy, const 
     f->held.n = 0;
     return;
   }
-  if (f->held.n > f->cfg->max_held_bytes && !f->parking && !f->last_seen) {
-    /* The caller reads too slowly: cancel the worker's stream, continue once it has read.
-       Not once the last message came: the engine is done, and a stream continued with
-       nothing left to generate would be refused. */
+  if (f->unresumable && f->held.n > f->cfg->max_held_bytes && !f->last_seen) {
+    /* It could not go on elsewhere: it ends, and its worker stream with it. */
     f->parking = 1;
     post(f, EVENT_PARK);
-    if (f->unresumable) /* it could not go on: it ends, and its worker stream with it */
-      end_with(f, "8", "relay: the caller reads too slowly, and the stream is too long to "
-                       "hold back (max_held_bytes, max_delivered_bytes)");
+    end_with(f, "8", "relay: the caller reads too slowly, and the stream is too long to "
+                     "hold back (max_held_bytes, max_delivered_bytes)");
   }
 }
 
@@ -718,6 +771,10 @@ void envoy_dynamic_module_on_http_filter_http_stream_trailers(dm_envoy envoy, co
   f->live = 0;
   if (is(header(t, n, "grpc-status"), GRPC_UNAVAILABLE)) {
     worker_failed(f, "worker: unavailable", CAUSE_UNAVAILABLE);
+    return;
+  }
+  if (f->discarded) {
+    park(f); /* its last messages never reached the caller: it goes on from the delivered */
     return;
   }
   if (f->held.n) {
@@ -765,7 +822,7 @@ void envoy_dynamic_module_on_http_filter_downstream_below_write_buffer_low_water
 /* The caller has read: what was held goes to it, and a parked stream goes on. */
 static void drained(filter *f) {
   if (f->above_watermark) return;
-  f->parking = 0; /* a park not yet made is not needed */
+  if (!f->discarded) f->parking = 0; /* a park not yet made is not needed, unless it dropped */
   if (f->held.n) {
     envoy_dynamic_module_callback_http_send_response_data(f->envoy, (dm_buf){f->held.p, f->held.n},
                                                           false);
@@ -781,11 +838,10 @@ void envoy_dynamic_module_on_http_filter_scheduled(dm_envoy envoy, const void *p
   filter *f = (filter *)p;
   if (event == EVENT_PARK) {
     if (!f->parking || !f->live) return;
-    f->parking = 0;
     f->live = 0;
-    f->parked = !f->done;
-    if (f->parked) count(f, f->cfg->parks, NULL);
     envoy_dynamic_module_callback_http_filter_reset_http_stream(envoy, f->stream);
+    if (!f->done) park(f);
+    else f->parking = 0;
     return;
   }
   if (f->done) return;

@@ -31,6 +31,7 @@ from tests.support import (
 )
 from tests.timing import within_budget
 from tokenmesh.localmesh.mesh import LocalMesh, Program
+from tokenmesh.meshconfig.stream_relay import RELAY
 from tokenmesh.v1 import llm_pb2, llm_pb2_grpc
 
 pytestmark = pytest.mark.integration
@@ -157,10 +158,22 @@ async def test_envoy_access_log_times_where_a_streams_first_token_waited(
     def ours() -> dict[str, dict[str, str]]:
         return {row["listener"]: row for row in lines() if int(row["bytes_sent"]) >= min_bytes}
 
-    # The direct token path: the edge takes the stream straight from a worker.
-    wait_until(lambda: "edge" in ours(), within=10)
-    by_hop = ours()
-    assert by_hop["edge"]["upstream_cluster"] == "worker", by_hop
+    if local_mesh.settings.stream_relay:
+        # Through the edge's stream relay: the edge's line sends the stream to the relay's
+        # listener, whose line names the worker it ended on (the relay is no router: Envoy's
+        # upstream timings are the edge's).
+        wait_until(lambda: {"edge", RELAY} <= set(ours()), within=10)
+        by_hop = ours()
+        relayed = by_hop.pop(RELAY)
+        assert by_hop["edge"]["upstream_cluster"] == RELAY, by_hop
+        workers = {p.address for p in local_mesh.programs if p.service == "worker"}
+        assert relayed["upstream_host"] in workers, (relayed, workers)
+        assert (relayed["upstream_cluster"], relayed["moves"]) == ("worker", 0), relayed
+    else:
+        # The direct token path: the edge takes the stream straight from a worker.
+        wait_until(lambda: "edge" in ours(), within=10)
+        by_hop = ours()
+        assert by_hop["edge"]["upstream_cluster"] == "worker", by_hop
     for hop, row in by_hop.items():
         sent, first, out, duration = (
             float(row[key])

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from tests.unit.test_meshconfig import listeners
+from tests.unit.test_meshconfig import clusters, listeners
 from tokenmesh.common.tokens import UPSTREAM_HEADER
 from tokenmesh.meshconfig.bootstrap import render
 from tokenmesh.meshconfig.config import MeshSettings, kubernetes_profile
+from tokenmesh.meshconfig.protocols import HTTP_OPTIONS
 
 
 def test_listeners_are_safe_for_long_streams_and_push_back() -> None:
@@ -29,15 +30,26 @@ def test_listeners_are_safe_for_long_streams_and_push_back() -> None:
     ]
 
 
-def test_only_the_internal_worker_listener_says_which_worker_answered() -> None:
-    found = listeners(render(MeshSettings()))
-    hosts = {name: manager["route_config"]["virtual_hosts"][0] for name, manager in found.items()
-             if "route_config" in manager}  # fmt: skip
-    (added,) = hosts["worker"]["response_headers_to_add"]
-    assert added["header"] == {"key": UPSTREAM_HEADER, "value": "%UPSTREAM_REMOTE_ADDRESS%"}
-    # Callers at the edge never learn the workers' addresses.
-    assert "response_headers_to_add" not in hosts["edge"]
-    assert "response_headers_to_add" not in hosts["reranker"]
+def test_the_workers_cluster_names_the_worker_that_answered_and_the_edge_hides_it() -> None:
+    """Whatever starts a worker stream (a route, the edge's stream relay), the workers'
+    cluster names the worker in its answer; the gateways read it through their listener, and
+    callers at the edge never learn the workers' addresses."""
+    config = render(MeshSettings(stream_relay=True))
+    found = clusters(config)
+    options = found["worker"]["typed_extension_protocol_options"][HTTP_OPTIONS]
+    naming, codec = options["http_filters"]
+    (added,) = naming["typed_config"]["mutations"]["response_mutations"]
+    assert added["append"]["header"] == {
+        "key": UPSTREAM_HEADER,
+        "value": "%UPSTREAM_REMOTE_ADDRESS%",
+    }
+    # A worker cannot name another.
+    assert added["append"]["append_action"] == "OVERWRITE_IF_EXISTS_OR_ADD"
+    assert codec["name"] == "envoy.filters.http.upstream_codec"
+    for name in ("gateway", "reranker"):
+        assert "http_filters" not in found[name]["typed_extension_protocol_options"][HTTP_OPTIONS]
+    edge = listeners(config)["edge"]["route_config"]["virtual_hosts"][0]
+    assert edge["response_headers_to_remove"] == [UPSTREAM_HEADER]
 
 
 def test_every_listener_bounds_request_headers() -> None:

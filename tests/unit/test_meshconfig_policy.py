@@ -20,6 +20,7 @@ from tokenmesh.meshconfig.policy import (
     Services,
     WorkerBalancing,
 )
+from tokenmesh.meshconfig.protocols import HTTP_OPTIONS, names_host
 from tokenmesh.meshconfig.retries import NEVER_SENT, RETRY_ON
 from tokenmesh.meshconfig.routes import service_route
 
@@ -140,8 +141,8 @@ def test_the_builders_read_the_policy_not_the_name() -> None:
     assert "lb_policy" not in cluster
     route = service_route(like_worker, mesh)["route"]
     assert "resource-exhausted" in route["retry_policy"]["retry_on"]
-    listener = internal_listener(like_worker, mesh)
-    manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
-    assert "response_headers_to_add" in manager["route_config"]["virtual_hosts"][0]
+    options = cluster["typed_extension_protocol_options"][HTTP_OPTIONS]
+    assert options["http_filters"] == names_host()
+    assert internal_listener(like_worker, mesh)["name"] == "gateway"
     as_http = service_cluster(dataclasses.replace(worker, protocol="http1"), mesh)
     assert "typed_extension_protocol_options" not in as_http

@@ -23,6 +23,8 @@ from tests.support import ENVOY, ROOT, relay_metric, require_c_compiler
 from tokenmesh.common.processes import stop_process
 from tokenmesh.localmesh.probes import free_port, http_ok
 from tokenmesh.localmesh.relay_module import RELAY_SOURCE, SEARCH_PATH, build_relay_module
+from tokenmesh.meshconfig.access_logs import relay_access_log
+from tokenmesh.meshconfig.protocols import HTTP_OPTIONS, names_host
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
 
 SOURCE = ROOT / RELAY_SOURCE
@@ -47,6 +49,17 @@ class Relay:
     port: int
     admin: int
     records: list[Path]
+    workers: list[int]  # the stand-in workers' ports
+    access_log: Path
+
+    def logged(self, seconds: float = 10) -> dict[str, object]:
+        """The access log's line of the one stream, once Envoy has written it."""
+        deadline = time.monotonic() + seconds
+        while not (self.access_log.exists() and self.access_log.read_text().strip()):
+            assert time.monotonic() < deadline, "no access-log line"
+            time.sleep(0.1)
+        (line,) = self.access_log.read_text().splitlines()
+        return dict(json.loads(line))
 
     def metric(self, name: str, **labels: str) -> float:
         """One of the relay's own metrics as Prometheus scrapes it from Envoy (0 if absent)."""
@@ -67,15 +80,26 @@ class Relay:
         return [json.loads(line) for line in lines]
 
 
-def envoy_config(port: int, admin: int, workers: list[int], relay_config: str) -> dict[str, object]:
-    """A listener whose only filter is the relay, over a worker cluster whose first worker has
-    priority (the second takes streams once the first is ejected: the mesh's outlier rule, a
-    worker out at its first failed connection)."""
+def envoy_config(
+    port: int, admin: int, workers: list[int], relay_config: str, log: Path
+) -> dict[str, object]:
+    """A listener whose only filter is the relay, logging as the mesh's relay listener does
+    (to log), over a worker cluster that names the worker that answered, as the mesh's does,
+    and whose first worker has priority (the second takes streams once the first is ejected:
+    the mesh's outlier rule, a worker out at its first failed connection)."""
     http2 = {
-        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-            "@type": TYPE + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+        HTTP_OPTIONS: {
+            "@type": TYPE + HTTP_OPTIONS,
             "explicit_http_config": {"http2_protocol_options": {}},
+            "http_filters": names_host(),
         }
+    }
+    (access_log,) = relay_access_log("relay")
+    access_log["name"] = "envoy.access_loggers.file"
+    access_log["typed_config"] = {
+        "@type": TYPE + "envoy.extensions.access_loggers.file.v3.FileAccessLog",
+        "path": str(log),
+        "log_format": access_log["typed_config"]["log_format"],
     }
     endpoint = lambda worker: {  # noqa: E731
         "endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": worker}}}
@@ -98,6 +122,7 @@ def envoy_config(port: int, admin: int, workers: list[int], relay_config: str) -
                                         "@type": HCM,
                                         "stat_prefix": "edge",
                                         "codec_type": "AUTO",
+                                        "access_log": [access_log],
                                         # The mesh's windows (stream_window_bytes). Envoy's
                                         # HTTP/2 codec holds up to a stream window of what the
                                         # caller has not taken before it tells the filters.
@@ -197,7 +222,8 @@ def relay(request: pytest.FixtureRequest, module_dir: Path, tmp_path: Path) -> I
         assert worker.stdout is not None and worker.stdout.readline().strip() == "serving"
     edge, admin = free_port(), free_port()
     config = tmp_path / "envoy.json"
-    config.write_text(json.dumps(envoy_config(edge, admin, ports, relay_config)))
+    log_path = tmp_path / "access.log"
+    config.write_text(json.dumps(envoy_config(edge, admin, ports, relay_config, log_path)))
     log = (tmp_path / "envoy.log").open("w")
     envoy = subprocess.Popen(
         [ENVOY or "envoy", "-c", str(config), "--base-id", str(edge), "-l", "warning"],
@@ -211,7 +237,7 @@ def relay(request: pytest.FixtureRequest, module_dir: Path, tmp_path: Path) -> I
             assert envoy.poll() is None, (tmp_path / "envoy.log").read_text()
             assert time.monotonic() < deadline, "Envoy not ready in 30 s"
             time.sleep(0.1)
-        yield Relay(edge, admin, records)
+        yield Relay(edge, admin, records, ports, log_path)
     finally:
         stop_process(envoy, 10)
         log.close()
@@ -268,6 +294,11 @@ def test_a_worker_killed_mid_stream_the_stream_goes_on_at_the_other(relay: Relay
     assert relay.metric("resumptions", cause="stream_reset") == 1
     assert relay.metric_within("resumption_gap_ms_count", 1) == 1
     assert relay.metric("parks") == 0
+    # The access log names the worker the stream ended on (its cluster's answer header, not
+    # the caller's view), and its move.
+    logged = relay.logged()
+    assert logged["upstream_host"] == f"127.0.0.1:{relay.workers[1]}", logged
+    assert (logged["upstream_cluster"], logged["moves"], logged["parks"]) == ("worker", 1, 0)
 
 
 @pytest.mark.parametrize(
@@ -353,6 +384,47 @@ def test_a_caller_that_stops_reading_parks_the_worker_and_gets_the_rest_once_it_
     assert again["delivered"] == [[1000 + i for i in range(parked_at)]]
     assert relay.metric("parks") == 1
     assert relay.metric("resumptions", cause="stream_reset") == 0
+    logged = relay.logged()
+    assert (logged["upstream_host"], logged["moves"], logged["parks"]) == (
+        f"127.0.0.1:{relay.workers[0]}",
+        0,
+        1,
+    )
+
+
+# A stream of 20 messages of ~16 kB that its worker sends as fast as it can.
+BURST_TOKENS = 20
+
+
+@pytest.mark.parametrize("relay", [(PARKING, 0)], indirect=True)
+def test_what_a_stalled_caller_cannot_take_is_dropped_and_made_again_not_held(
+    relay: Relay,
+) -> None:
+    """A worker that sends its whole stream at once to a caller that reads one message and
+    stops: past max_held_bytes the relay neither delivers nor holds the worker's messages (a
+    stalled caller costs it at most max_held_bytes); once the caller reads, the stream goes on
+    from what was delivered and a worker makes the dropped ones again, whole and in order."""
+    options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", WINDOW)]
+    with grpc.insecure_channel(f"127.0.0.1:{relay.port}", options=options) as channel:
+        call = inference_pb2_grpc.InferenceServiceStub(channel).Generate(
+            inference_pb2.InferenceRequest(
+                prompt="burst:16000",
+                sampling=inference_pb2.SamplingParams(max_tokens=BURST_TOKENS),
+            ),
+            timeout=60,
+        )
+        tokens = [next(call)]
+        deadline = time.monotonic() + 20
+        while relay.metric("parks") < 1:
+            assert time.monotonic() < deadline, relay.requests(0)
+            time.sleep(0.05)
+        tokens.extend(call)
+    assert [t.index for t in tokens] == list(range(BURST_TOKENS))
+    assert [t.token_id for t in tokens] == [1000 + i for i in range(BURST_TOKENS)]
+    first, again = [r for r in relay.requests(0) if "delivered" in r]
+    assert first == {"delivered": [], "attempt": 0}
+    delivered = len(again["delivered"][0])  # type: ignore[index]
+    assert 0 < delivered < BURST_TOKENS
 
 
 # Up to 150 kB held: more than the 20 first messages leave once the windows are full.

@@ -68,7 +68,7 @@ class LocalMeshSettings(BaseSettings):
     # How Envoy picks a worker for each stream (MeshSettings.worker_routing).
     worker_routing: Literal["least_request", "prefix", "picker"] = "prefix"
     # Worker streams go through the edge's stream relay, which moves a stream whose worker
-    # went away (MeshSettings.stream_relay; needs worker_routing picker or least_request).
+    # went away (MeshSettings.stream_relay).
     stream_relay: bool = False
     # The gateways' endpoint picker follows the workers' load (and names workers) even when
     # this mesh's Envoy does not route by it: for a second Envoy with worker_routing picker.

@@ -11,7 +11,7 @@ from tokenmesh.common.tokens import (
     WORKER_GENERATE_OPENAI,
 )
 from tokenmesh.meshconfig.config import MeshSettings
-from tokenmesh.meshconfig.constants import GATEWAY, TYPE, Config, seconds
+from tokenmesh.meshconfig.constants import GATEWAY, TYPE, WORKER, Config, seconds
 
 ACCESS_LOG_FIELDS = {
     "time": "%START_TIME%",
@@ -42,17 +42,37 @@ ACCESS_LOG_FIELDS = {
 DIRECT_LOG_FLUSH_SECONDS = 0.5
 
 
-def access_log(listener: str) -> list[Config]:
-    """A listener's log: one JSON line per stream on stdout."""
+# The edge's stream relay's dynamic metadata (envoy/relay): the worker a stream ended on, and
+# how often it moved to another worker and was parked while its caller did not read.
+RELAY_METADATA = "tokenmesh.relay"
+RELAY_FIELDS = {
+    "upstream_host": f"%DYNAMIC_METADATA({RELAY_METADATA}:worker)%",
+    "moves": f"%DYNAMIC_METADATA({RELAY_METADATA}:moves)%",
+    "parks": f"%DYNAMIC_METADATA({RELAY_METADATA}:parks)%",
+}
+
+
+def access_log(listener: str, fields: Config | None = None) -> list[Config]:
+    """A listener's log: one JSON line per stream on stdout; fields replace or add to the
+    common ones."""
     return [
         {
             "name": "envoy.access_loggers.stdout",
             "typed_config": {
                 "@type": TYPE + "envoy.extensions.access_loggers.stream.v3.StdoutAccessLog",
-                "log_format": {"json_format": {"listener": listener, **ACCESS_LOG_FIELDS}},
+                "log_format": {
+                    "json_format": {"listener": listener, **ACCESS_LOG_FIELDS, **(fields or {})}
+                },
             },
         }
     ]
+
+
+def relay_access_log(listener: str) -> list[Config]:
+    """The relay's listener's log: the edge's line says the stream went to the relay; this one
+    names the worker it ended on (the relay is no router: Envoy's upstream fields stay empty)
+    and its moves and parks."""
+    return access_log(listener, {"upstream_cluster": WORKER, **RELAY_FIELDS})
 
 
 def direct_stream_log(mesh: MeshSettings) -> list[Config]:

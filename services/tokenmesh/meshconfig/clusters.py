@@ -99,7 +99,7 @@ def service_cluster(service: ServicePolicy, mesh: MeshSettings) -> Config:
         **(
             {
                 "typed_extension_protocol_options": grpc_upstream(
-                    mesh, service.streams_per_connection
+                    mesh, service.streams_per_connection, service.names_upstream_host
                 )
             }
             if service.protocol == "grpc"

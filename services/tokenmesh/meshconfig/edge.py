@@ -3,6 +3,7 @@ OpenAI's API, the gateways), its filters, CORS, local replies, logs and TLS."""
 
 from __future__ import annotations
 
+from tokenmesh.common.tokens import UPSTREAM_HEADER
 from tokenmesh.meshconfig.access_logs import access_log, direct_stream_log
 from tokenmesh.meshconfig.config import MeshSettings
 from tokenmesh.meshconfig.constants import OPENAI_PREFIX, TOKENIZER_PATHS, Config
@@ -52,6 +53,8 @@ def edge_listener(mesh: MeshSettings, services: Services) -> Config:
         "domains": ["*"],
         "routes": edge_routes(mesh, services),
         "typed_per_filter_config": {**cors_policy(mesh), **processor_off(mesh)},
+        # The workers' answers name the worker (names_upstream_host): callers never learn it.
+        "response_headers_to_remove": [UPSTREAM_HEADER],
     }
     manager = connection_manager(
         EDGE,

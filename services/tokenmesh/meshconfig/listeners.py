@@ -4,8 +4,7 @@ the stream relay's Envoy internal listener."""
 
 from __future__ import annotations
 
-from tokenmesh.common.tokens import UPSTREAM_HEADER
-from tokenmesh.meshconfig.access_logs import access_log
+from tokenmesh.meshconfig.access_logs import access_log, relay_access_log
 from tokenmesh.meshconfig.config import MeshSettings
 from tokenmesh.meshconfig.constants import HCM, WORKER, Config, seconds
 from tokenmesh.meshconfig.filters import router_filter
@@ -91,13 +90,6 @@ def internal_listener(service: ServicePolicy, mesh: MeshSettings) -> Config:
         "domains": ["*"],
         "routes": [service_route(service, mesh)],
     }
-    if service.names_upstream_host:
-        virtual_host["response_headers_to_add"] = [
-            {
-                "header": {"key": UPSTREAM_HEADER, "value": "%UPSTREAM_REMOTE_ADDRESS%"},
-                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
-            }
-        ]
     manager = connection_manager(
         service.name,
         mesh,
@@ -137,12 +129,16 @@ def relay_listener(mesh: MeshSettings) -> list[Config]:
             "routes": [{"match": {"prefix": "/"}, "route": {"cluster": WORKER}}],
         },
         http_filters=[relay_filter(mesh)],
-        access_logs=[],
+        access_logs=relay_access_log(RELAY),
     )
     return [
         {
             "name": RELAY,
             "internal_listener": {},
+            # What Envoy queues towards the edge for one stream before it tells the relay its
+            # caller is behind: a stream window, as the router holds towards a slow caller,
+            # not the listeners' buffer limit (the relay reads request bodies itself).
+            "per_connection_buffer_limit_bytes": mesh.stream_window_bytes,
             "filter_chains": [connection_manager_chain(manager)],
         }
     ]

@@ -129,7 +129,9 @@ class ServicePolicy:
     load_balancing: Config | str | None = None
     ejection: Ejection | None = None
     listener_port: int | None = None  # the gateways' listener for it, if they call it
-    names_upstream_host: bool = False  # its listener's answers say which host answered
+    # Its hosts' answers say which host answered (UPSTREAM_HEADER, set by its cluster: whatever
+    # starts the stream, a route or the edge's stream relay); the edge removes it for callers.
+    names_upstream_host: bool = False
     # Streams one connection to a host carries before Envoy opens another (None: the mesh's).
     streams_per_connection: int | None = None
 
@@ -184,8 +186,8 @@ class Services:
             # eject it.
             ejection=Ejection("connection_failures", after=1, base_seconds=10),
             listener_port=mesh.worker_listener_port,
-            # Which worker took a gateway's call, for the gateway's span. Internal listener
-            # only: the edge never tells callers the workers' addresses.
+            # Which worker took a gateway's call (for the gateway's span) or a relayed stream
+            # (for the relay's access log). The edge never tells callers the workers' addresses.
             names_upstream_host=True,
             # A worker's front ends share its port and the kernel spreads connections over
             # them (worker/frontends.py): more connections as the streams grow.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tokenmesh.common.tokens import UPSTREAM_HEADER
 from tokenmesh.meshconfig.config import MeshSettings
 from tokenmesh.meshconfig.constants import TYPE, Config
 
@@ -26,13 +27,49 @@ def http2_options(mesh: MeshSettings, upstream: bool = False, streams: int | Non
     return options
 
 
-def grpc_upstream(mesh: MeshSettings, streams: int | None = None) -> Config:
+def names_host() -> list[Config]:
+    """A cluster's upstream filters that name the host that answered in its answer's headers
+    (UPSTREAM_HEADER: the address Envoy connected to, overwriting any the host sent)."""
+    return [
+        {
+            "name": "tokenmesh.names_upstream_host",
+            "typed_config": {
+                "@type": TYPE + "envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
+                "mutations": {
+                    "response_mutations": [
+                        {
+                            "append": {
+                                "header": {
+                                    "key": UPSTREAM_HEADER,
+                                    "value": "%UPSTREAM_REMOTE_ADDRESS%",
+                                },
+                                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+                            }
+                        }
+                    ]
+                },
+            },
+        },
+        {
+            "name": "envoy.filters.http.upstream_codec",
+            "typed_config": {
+                "@type": TYPE + "envoy.extensions.filters.http.upstream_codec.v3.UpstreamCodec"
+            },
+        },
+    ]
+
+
+def grpc_upstream(
+    mesh: MeshSettings, streams: int | None = None, names_upstream_host: bool = False
+) -> Config:
     """A gRPC cluster's protocol options: HTTP/2 with the upstream windows; streams: its bound
-    on one connection's streams, if it has one."""
+    on one connection's streams, if it has one; names_upstream_host: its answers name the host
+    that answered (names_host)."""
     options = http2_options(mesh, upstream=True, streams=streams)
-    return {
-        HTTP_OPTIONS: {
-            "@type": TYPE + HTTP_OPTIONS,
-            "explicit_http_config": {"http2_protocol_options": options},
-        }
+    protocol: Config = {
+        "@type": TYPE + HTTP_OPTIONS,
+        "explicit_http_config": {"http2_protocol_options": options},
     }
+    if names_upstream_host:
+        protocol["http_filters"] = names_host()
+    return {HTTP_OPTIONS: protocol}
