@@ -164,7 +164,7 @@ def other_path(mesh: Route, envoy: MeshSettings, envoy_pid: int) -> Route:
     to the caller (one Envoy hop); without it every token passes through the gateway (two)."""
     return replace(
         mesh,
-        label=RELAY_LABEL if envoy.stream_relay else PATH_LABELS[envoy.direct_token_path],
+        label=RELAY_LABEL if envoy.relays else PATH_LABELS[envoy.direct_token_path],
         address=f"127.0.0.1:{envoy.edge_port}",
         processes={**mesh.processes, "envoy": [envoy_pid]},
         hops={"envoy": 1 if envoy.direct_token_path else 2},

@@ -520,7 +520,7 @@ def streams_move(local_mesh: LocalMesh) -> bool:
     """Whether this mesh moves a dead worker's streams to another worker: the edge's stream
     relay does, and so do the gateways on the gateway path; Envoy's router alone cannot."""
     settings = local_mesh.settings
-    return settings.stream_relay or not settings.direct_token_path
+    return settings.mesh().relays or not settings.direct_token_path
 
 
 async def worker_kill(mesh: ScenarioMesh, short: bool) -> Row:

@@ -94,7 +94,7 @@ def second_envoy(
     log = (run_dir / f"envoy-{ports[0]}.log").open("w")
     # With stream_relay, the relay built where this Envoy looks for it.
     modules = run_dir / "envoy-modules"
-    if settings.stream_relay:
+    if settings.relays:
         build_relay_module(local_mesh.files.relay_source, modules)
     # A session of its own, as the mesh's programs have under supervisord: scheduled apart
     # from the benchmark or test that started it (Linux's autogroups are per session).

@@ -49,7 +49,7 @@ async def test_slow_reader_stops_the_senders_and_bounds_memory(slow_mesh: LocalM
     assert result.gateway_sent_fraction < 0.5
     # Per stream and hop Envoy holds at most the window it granted upstream plus the buffer
     # towards the slow side, about two windows; three leaves room for framing and headers.
-    hops = HOPS + (1 if slow_mesh.settings.stream_relay else 0)
+    hops = HOPS + (1 if slow_mesh.settings.mesh().relays else 0)
     assert result.envoy_growth_bytes < STREAMS * hops * 3 * WINDOW < result.output_bytes
 
 

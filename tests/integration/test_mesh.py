@@ -158,7 +158,7 @@ async def test_envoy_access_log_times_where_a_streams_first_token_waited(
     def ours() -> dict[str, dict[str, str]]:
         return {row["listener"]: row for row in lines() if int(row["bytes_sent"]) >= min_bytes}
 
-    if local_mesh.settings.stream_relay:
+    if local_mesh.settings.mesh().relays:
         # Through the edge's stream relay: the edge's line sends the stream to the relay's
         # listener, whose line names the worker it ended on (the relay is no router: Envoy's
         # upstream timings are the edge's).

@@ -463,4 +463,7 @@ def test_the_envoy_image_is_the_charts_envoy_with_the_relay_built_as_localmesh_b
     assert final.all("COPY") == [f"--from=build /out/{RELAY_LIBRARY} {search}/"]
     values = yaml.safe_load((ROOT / "helm" / "tokenmesh" / "values.yaml").read_text())
     image = values["envoy"]["image"]
-    assert final.base == f"{image['repository']}:{image['tag']}" == args["ENVOY_IMAGE"]
+    # The chart runs this image (the stream relay is on by default), built on the official
+    # image of its Envoy tag.
+    assert image["repository"] == "ghcr.io/tokenmesh/envoy"
+    assert final.base == f"envoyproxy/envoy:{image['tag']}" == args["ENVOY_IMAGE"]

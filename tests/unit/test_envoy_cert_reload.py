@@ -4,6 +4,7 @@ Secret brings, without a restart."""
 
 from __future__ import annotations
 
+import os
 import socket
 import ssl
 import subprocess
@@ -15,11 +16,13 @@ import pytest
 import yaml
 
 from tests.support import ENVOY, ROOT
+from tests.unit.test_meshconfig import built_relay
 from tests.unit.test_reloading_credentials import MountedSecret
 from tokenmesh.common.processes import stop_process
 from tokenmesh.localmesh.certs import EDGE, CertMaker, CertPaths, CertSettings
 from tokenmesh.localmesh.mesh import LocalMesh, LocalMeshSettings
 from tokenmesh.localmesh.probes import free_port
+from tokenmesh.localmesh.relay_module import SEARCH_PATH
 from tokenmesh.meshconfig.bootstrap import render, secret_files
 from tokenmesh.meshconfig.config import MeshSettings
 
@@ -110,6 +113,7 @@ def running_envoy(
             [envoy_binary, "-c", str(config), "--disable-hot-restart", "--log-level", "warn"],
             stdout=out,
             stderr=subprocess.STDOUT,
+            env={**os.environ, SEARCH_PATH: str(built_relay())},
         )
     try:
         yield envoy, edge_port, secret, tmp_path
@@ -156,5 +160,7 @@ def test_the_local_mesh_writes_the_sds_files_its_envoy_config_names(
         text=True,
         timeout=120,
         check=False,
+        # Where the mesh's Envoy finds the stream relay localmesh built.
+        env={**os.environ, SEARCH_PATH: str(mesh.files.relay_module_dir)},
     )
     assert result.returncode == 0, result.stdout + result.stderr

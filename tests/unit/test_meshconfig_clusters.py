@@ -28,6 +28,7 @@ def test_service_clusters_are_health_checked_eds_clusters_named_after_services()
         "worker",
         "reranker",
         "openai",
+        "worker_relay",  # the edge's stream relay's internal listener (on by default)
         "xds_cluster",
         "ops",
         "ops_page",

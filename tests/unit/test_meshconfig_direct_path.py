@@ -5,6 +5,7 @@ from __future__ import annotations
 from tests.unit.test_meshconfig import listeners
 from tokenmesh.meshconfig.bootstrap import render
 from tokenmesh.meshconfig.config import MeshSettings
+from tokenmesh.meshconfig.stream_relay import RELAY
 
 
 def test_the_direct_token_path_processes_generate_only_and_routes_it_to_workers() -> None:
@@ -46,7 +47,8 @@ def test_the_direct_token_path_processes_generate_only_and_routes_it_to_workers(
     by_path = {r["match"].get("path"): r for r in host["routes"] if "path" in r["match"]}
     generate = by_path["/tokenmesh.v1.LLMService/Generate"]
     worker = by_path["/tokenmesh.v1.InferenceService/Generate"]
-    assert generate["route"]["cluster"] == "gateway" and worker["route"]["cluster"] == "worker"
+    # The workers' method through the edge's stream relay (on by default), which sends it on.
+    assert generate["route"]["cluster"] == "gateway" and worker["route"]["cluster"] == RELAY
     for route in (generate, worker):
         assert "disabled" not in route["typed_per_filter_config"]["envoy.filters.http.ext_proc"]
     # The caller's own deadline ends a direct stream (DEADLINE_EXCEEDED), not Envoy's reset.

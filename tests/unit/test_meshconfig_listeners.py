@@ -7,6 +7,7 @@ from tokenmesh.common.tokens import UPSTREAM_HEADER
 from tokenmesh.meshconfig.bootstrap import render
 from tokenmesh.meshconfig.config import MeshSettings, kubernetes_profile
 from tokenmesh.meshconfig.protocols import HTTP_OPTIONS
+from tokenmesh.meshconfig.stream_relay import RELAY
 
 
 def test_listeners_are_safe_for_long_streams_and_push_back() -> None:
@@ -71,7 +72,7 @@ def test_edge_connections_are_limited_but_internal_listeners_and_admin_are_not()
         listener["name"]: listener["ignore_global_conn_limit"]
         for listener in config["static_resources"]["listeners"]
     }
-    assert ignored == {"edge": False, "worker": True, "reranker": True}
+    assert ignored == {"edge": False, "worker": True, "reranker": True, RELAY: True}
     assert config["admin"]["ignore_global_conn_limit"] is True
 
 

@@ -10,6 +10,7 @@ from pydantic import ValidationError
 from tests.unit.test_meshconfig import listeners
 from tokenmesh.meshconfig.bootstrap import render
 from tokenmesh.meshconfig.config import MeshSettings
+from tokenmesh.meshconfig.stream_relay import RELAY
 
 
 def test_flow_control_limits_reach_every_listener_and_cluster() -> None:
@@ -17,7 +18,9 @@ def test_flow_control_limits_reach_every_listener_and_cluster() -> None:
     resources = config["static_resources"]
     clusters = [c for c in resources["clusters"] if c["type"] != "STATIC"]
     for item in resources["listeners"] + clusters:
-        assert item["per_connection_buffer_limit_bytes"] == 32768, item["name"]
+        # The relay's listener tells the relay of a slow caller at a stream window.
+        limit = 65536 if item["name"] == RELAY else 32768
+        assert item["per_connection_buffer_limit_bytes"] == limit, item["name"]
     for cluster in clusters:
         if cluster["name"] == "openai":
             continue  # HTTP/1.1: a connection per request in flight

@@ -15,7 +15,10 @@ def test_prefix_routing_hashes_the_affinity_key_onto_workers_under_bounded_load(
 ) -> None:
     config = render(
         MeshSettings(
-            worker_routing="prefix", prefix_balance_factor_percent=150, direct_token_path=direct
+            worker_routing="prefix",
+            prefix_balance_factor_percent=150,
+            direct_token_path=direct,
+            stream_relay=False,  # the router's routes (the relay's: test_meshconfig_stream_relay)
         )
     )
     worker = clusters(config)["worker"]

@@ -1,8 +1,8 @@
 """The edge's stream relay in Envoy's config (stream_relay): the workers' methods go to the
 relay's internal listener, whose one filter is the relay (terminal, so Envoy tells it of its
-caller's flow control); the relay's limits follow the mesh's; its worker streams are placed by
-the workers' cluster's own policy, prefix routing's hash included; the gateways' path is
-refused naming the setting; and Envoy accepts the whole, with the module built."""
+caller's flow control), on by default on the direct token path; the relay's limits follow the
+mesh's; its worker streams are placed by the workers' cluster's own policy, prefix routing's
+hash included; and Envoy accepts the whole, with the module built."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from pydantic import ValidationError
 
 from tests.support import ENVOY, ROOT, require_c_compiler
 from tests.unit.test_meshconfig import clusters, envoy_validate, listeners, worker_balancing
@@ -31,10 +30,12 @@ def worker_routes(config: dict) -> dict[str, dict]:
     return {r["match"]["path"]: r for r in routes if r["match"].get("path") in paths}
 
 
-def test_the_workers_methods_go_through_the_relay_and_only_with_it() -> None:
-    plain = worker_routes(render(MeshSettings(worker_routing="picker")))
+def test_the_workers_methods_go_through_the_relay_by_default_and_only_with_it() -> None:
+    off = MeshSettings(stream_relay=False)
+    plain = worker_routes(render(off))
     assert {r["route"]["cluster"] for r in plain.values()} == {"worker"}
-    assert RELAY not in listeners(render(MeshSettings(worker_routing="picker")))
+    assert RELAY not in listeners(render(off))
+    assert MeshSettings().relays
     config = render(RELAYED)
     relayed = worker_routes(config)
     assert set(relayed) == {WORKER_GENERATE, WORKER_GENERATE_OPENAI}
@@ -84,9 +85,14 @@ def test_the_relay_is_its_listeners_only_and_last_filter_with_the_meshs_limits()
     ]
 
 
-def test_the_gateways_path_is_refused_naming_the_setting() -> None:
-    with pytest.raises(ValidationError, match="direct_token_path"):
-        MeshSettings(stream_relay=True, direct_token_path=False)
+def test_on_the_gateways_path_the_edge_has_no_worker_stream_to_relay() -> None:
+    """There the gateway moves a stream itself (common/relay.py): no relay listener, and
+    the edge routes no worker method."""
+    gateways = MeshSettings(stream_relay=True, direct_token_path=False)
+    assert not gateways.relays
+    config = render(gateways)
+    assert RELAY not in listeners(config) and RELAY not in clusters(config)
+    assert not worker_routes(config)
 
 
 @pytest.mark.parametrize("routing", ["prefix", "picker", "least_request"])

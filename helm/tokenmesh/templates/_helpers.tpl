@@ -508,6 +508,9 @@ and admin ports are read from it, never repeated in values.
 */}}
 {{- define "tokenmesh.envoyConfig" -}}
 {{- $relay := .Values.envoy.streamRelay.enabled }}
+{{- if and $relay (hasPrefix "envoyproxy/envoy" .Values.envoy.image.repository) }}
+{{- fail (printf "envoy.streamRelay.enabled needs an Envoy image that carries the relay's module, and %s has none: use ghcr.io/tokenmesh/envoy (docker/envoy.Dockerfile), or set envoy.streamRelay.enabled=false" .Values.envoy.image.repository) }}
+{{- end }}
 {{- $file := printf "files/envoy%s%s%s.yaml" (ternary "-relay" "" $relay) (ternary "-tls" "" .Values.envoy.tls.enabled) (ternary "-mtls" "" .Values.mtls.enabled) }}
 {{- $host := printf "%s.%s.svc.%s" (include "tokenmesh.headlessName" (dict "root" . "component" "controlplane")) .Release.Namespace .Values.clusterDomain }}
 {{- $checks := .Values.envoy.healthChecks }}

@@ -103,7 +103,7 @@ class LocalMesh:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.files.supervisord_config.write_text(self.supervisord_config())
         mesh = self.settings.mesh(self.certs if self.tls else None)
-        if mesh.stream_relay:
+        if mesh.relays:
             build_relay_module(self.files.relay_source, self.files.relay_module_dir)
         self.envoy_config_path.write_text(yaml.safe_dump(render(mesh), sort_keys=False))
         for path, secret in secret_files(mesh).items():

@@ -69,7 +69,7 @@ class LocalMeshSettings(BaseSettings):
     worker_routing: Literal["least_request", "prefix", "picker"] = "prefix"
     # Worker streams go through the edge's stream relay, which moves a stream whose worker
     # went away (MeshSettings.stream_relay).
-    stream_relay: bool = False
+    stream_relay: bool = True
     # The gateways' endpoint picker follows the workers' load (and names workers) even when
     # this mesh's Envoy does not route by it: for a second Envoy with worker_routing picker.
     picker_feed: bool = False

@@ -381,15 +381,17 @@ class MeshSettings(BaseSettings):
         ),
     )
     stream_relay: bool = Field(
-        default=False,
+        default=True,
         description=(
-            "With direct_token_path: each worker stream goes through the edge's stream relay "
-            "(envoy/relay, an Envoy dynamic module, behind an Envoy internal listener) "
-            "instead of the router, so a stream whose worker goes away mid-stream (killed, "
-            "its connection cut, its engine dead) goes on at another worker from the token "
-            "where it stopped; the relay's worker streams are placed as worker_routing says, "
-            "as the router's are. Envoy loads the module from "
-            "ENVOY_DYNAMIC_MODULES_SEARCH_PATH (make setup builds it)."
+            "Each worker stream the edge takes goes through the edge's stream relay "
+            "(envoy/relay, an Envoy dynamic module, behind an Envoy internal listener) instead "
+            "of the router, so a stream whose worker goes away mid-stream (killed, its "
+            "connection cut, its engine dead) goes on at another worker from the token where "
+            "it stopped; its worker streams are placed as worker_routing says, as the "
+            "router's are. Envoy loads the module from ENVOY_DYNAMIC_MODULES_SEARCH_PATH "
+            "(localmesh builds it with gcc; the chart's Envoy image carries it). On the "
+            "gateways' path (direct_token_path off) the gateway moves a stream itself and the "
+            "edge has no worker stream to relay."
         ),
     )
     max_resumptions: int = Field(
@@ -423,15 +425,6 @@ class MeshSettings(BaseSettings):
     )
 
     @model_validator(mode="after")
-    def _stream_relay_routes_as_it_can(self) -> Self:
-        if self.stream_relay and not self.direct_token_path:
-            raise ValueError(
-                "stream_relay needs direct_token_path (on the gateways' path the gateway "
-                "itself moves a stream)"
-            )
-        return self
-
-    @model_validator(mode="after")
     def _tls_files_come_in_pairs(self) -> Self:
         if (self.edge_tls_cert_file is None) != (self.edge_tls_key_file is None):
             raise ValueError("edge_tls_cert_file and edge_tls_key_file go together")
@@ -450,6 +443,12 @@ class MeshSettings(BaseSettings):
         if self.sds_dir is None and any(path is not None for path in tls):
             raise ValueError("TLS files need sds_dir, where Envoy reads their SDS files")
         return self
+
+    @property
+    def relays(self) -> bool:
+        """The edge's routes to the workers go through the stream relay: stream_relay, on the
+        direct token path."""
+        return self.stream_relay and self.direct_token_path
 
     @property
     def upstream_mtls(self) -> bool:

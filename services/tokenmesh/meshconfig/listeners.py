@@ -116,7 +116,7 @@ def internal_listener(service: ServicePolicy, mesh: MeshSettings) -> Config:
 def relay_listener(mesh: MeshSettings) -> list[Config]:
     """With stream_relay: the relay's Envoy internal listener (meshconfig/stream_relay.py),
     every stream to the relay."""
-    if not mesh.stream_relay:
+    if not mesh.relays:
         return []
     manager = connection_manager(
         RELAY,
@@ -139,6 +139,9 @@ def relay_listener(mesh: MeshSettings) -> list[Config]:
             # caller is behind: a stream window, as the router holds towards a slow caller,
             # not the listeners' buffer limit (the relay reads request bodies itself).
             "per_connection_buffer_limit_bytes": mesh.stream_window_bytes,
+            # Only callers' connections count towards max_edge_connections: the edge's own
+            # connections to the relay are not refused when the edge is full.
+            "ignore_global_conn_limit": True,
             "filter_chains": [connection_manager_chain(manager)],
         }
     ]

@@ -41,7 +41,7 @@ def relay_config(mesh: MeshSettings) -> str:
 
 def bootstrap_extensions(mesh: MeshSettings) -> list[Config]:
     """Envoy's internal listeners, which the relay's listener is."""
-    if not mesh.stream_relay:
+    if not mesh.relays:
         return []
     return [
         {
@@ -71,7 +71,7 @@ def relay_filter(mesh: MeshSettings) -> Config:
 def relay_cluster(mesh: MeshSettings, services: Services) -> list[Config]:
     """The edge's way to the relay: the internal listener, over HTTP/2 with the mesh's windows
     (the caller's backpressure reaches the relay through them), bounded as the workers are."""
-    if not mesh.stream_relay:
+    if not mesh.relays:
         return []
     return [
         {
@@ -103,7 +103,7 @@ def relay_cluster(mesh: MeshSettings, services: Services) -> list[Config]:
 def relayed(route: Config, mesh: MeshSettings) -> Config:
     """A route to the workers, sent through the relay with stream_relay: the relay retries a
     stream its worker failed before answering, and moves one it failed later, itself."""
-    if not mesh.stream_relay:
+    if not mesh.relays:
         return route
     action = {
         key: value
