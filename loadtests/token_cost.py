@@ -122,7 +122,8 @@ class Route:
 MESH_LABEL = "edge gRPC"
 PATH_LABELS = {True: "edge gRPC, direct token path", False: "edge gRPC, gateway path"}
 RELAY_LABEL = "edge gRPC, stream relay"
-# With --relay: the router on the direct path behind a second Envoy started as the relay's is.
+# With --relay: the router on the direct path (the stream relay off) behind a second Envoy
+# started as the relay's is.
 ROUTER_LABEL = "edge gRPC, router, second Envoy"
 
 
@@ -350,9 +351,8 @@ def cost(
                 local_mesh,
                 local_mesh.run_dir,
                 **(
-                    # The direct path through the edge's stream relay (one worker: any
-                    # routing the relay can serve picks it).
-                    {"stream_relay": True, "worker_routing": "least_request"}
+                    # The direct path through the edge's stream relay (the default).
+                    {"stream_relay": True, "direct_token_path": True}
                     if relay
                     else {"direct_token_path": not local_mesh.settings.direct_token_path}
                 ),
@@ -363,7 +363,9 @@ def cost(
             # relay's is (its own session, outside supervisord's) is the like-for-like
             # baseline; the mesh's own Envoy was not (see the relay's cost record of
             # 2026-12-06).
-            second_envoy(local_mesh, local_mesh.run_dir, worker_routing="least_request")
+            second_envoy(
+                local_mesh, local_mesh.run_dir, stream_relay=False, direct_token_path=True
+            )
             if relay and not openai
             else contextlib.nullcontext((None, 0))
         ) as (router, router_pid),

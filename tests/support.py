@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -31,7 +33,12 @@ from tokenmesh.localmesh.probes import (
     health,
     series_values,
 )
-from tokenmesh.localmesh.relay_module import c_compiler
+from tokenmesh.localmesh.relay_module import (
+    RELAY_SOURCE,
+    SEARCH_PATH,
+    build_relay_module,
+    c_compiler,
+)
 from tokenmesh.meshconfig.access_logs import DIRECT_LOG_FLUSH_SECONDS
 
 if TYPE_CHECKING:
@@ -50,6 +57,20 @@ def require_c_compiler() -> None:
     """Skip, saying why, where no C compiler can build the edge's stream relay."""
     if c_compiler() is None:
         pytest.skip("no C compiler (gcc) on PATH: install gcc to build the edge's stream relay")
+
+
+@functools.cache
+def relay_modules() -> Path:
+    """Where this test session's build of the edge's stream relay is (built once): an Envoy
+    that loads a mesh's config (stream_relay is on by default) looks there (envoy_env)."""
+    require_c_compiler()
+    built = Path(tempfile.mkdtemp(prefix="tokenmesh-relay-")) / "modules"
+    return build_relay_module(ROOT / RELAY_SOURCE, built).parent
+
+
+def envoy_env() -> dict[str, str]:
+    """The environment of an Envoy the test starts on a rendered mesh config: the relay's."""
+    return {**os.environ, SEARCH_PATH: str(relay_modules())}
 
 
 def relay_metric(admin_port: int, name: str, **labels: str) -> float:

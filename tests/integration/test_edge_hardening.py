@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from tests.support import ENVOY, free_port, health_status
+from tests.support import ENVOY, envoy_env, free_port, health_status
 from tokenmesh.common.processes import stop_process
 from tokenmesh.localmesh.mesh import LocalMesh, envoy_hosts
 from tokenmesh.meshconfig.__main__ import render_yaml
@@ -327,6 +327,7 @@ def test_edge_rate_limit_refuses_grpc_with_resource_exhausted(
          "--log-level", "error"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        env=envoy_env(),
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 60

@@ -169,11 +169,13 @@ async def test_envoy_access_log_times_where_a_streams_first_token_waited(
         workers = {p.address for p in local_mesh.programs if p.service == "worker"}
         assert relayed["upstream_host"] in workers, (relayed, workers)
         assert (relayed["upstream_cluster"], relayed["moves"]) == ("worker", 0), relayed
+        assert by_hop["edge"]["worker"] == relayed["upstream_host"], by_hop
     else:
         # The direct token path: the edge takes the stream straight from a worker.
         wait_until(lambda: "edge" in ours(), within=10)
         by_hop = ours()
         assert by_hop["edge"]["upstream_cluster"] == "worker", by_hop
+        assert by_hop["edge"]["worker"] == by_hop["edge"]["upstream_host"], by_hop
     for hop, row in by_hop.items():
         sent, first, out, duration = (
             float(row[key])

@@ -32,6 +32,7 @@ from tests.support import (
     ServiceProcess,
     controlplane_process,
     direct_logs_delivered,
+    envoy_env,
     free_port,
     gateway_process,
     metric_value,
@@ -771,6 +772,7 @@ def edge_of_its_own(
                  "--base-id", str(random.randint(60_001, 65_000)), "--log-level", "warn"],
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                env=envoy_env(),
             )  # fmt: skip
         try:
             yield edge

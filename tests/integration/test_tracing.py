@@ -24,6 +24,7 @@ from tests.otlp_collector import OtlpCollector, ReceivedSpan
 from tests.support import (
     ServiceProcess,
     controlplane_process,
+    envoy_env,
     free_port,
     gateway_process,
     metric_value,
@@ -96,7 +97,7 @@ def traced_mesh(
             envoy = subprocess.Popen(
                 [str(ENVOY), "-c", str(config), "--base-id", str(random.randint(10_000, 60_000)),
                  "--concurrency", "1", "--log-level", "warn"],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=envoy_env(),
             )  # fmt: skip
         controlplane.wait_serving(60)
         gateway.wait_serving(60)

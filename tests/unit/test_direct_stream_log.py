@@ -17,6 +17,8 @@ from prometheus_client import CollectorRegistry
 from tokenmesh.common.metrics import StreamMetrics
 from tokenmesh.common.tokens import (
     AFFINITY_HEADER,
+    EDGE_METADATA,
+    EDGE_WORKER,
     ROUTE_HEADER,
     USAGE_TRAILER,
     WORKER_GENERATE_OPENAI,
@@ -273,3 +275,17 @@ def test_the_span_names_the_affinity_key_and_the_worker_envoy_chose() -> None:
     assert first.attributes["tokenmesh.worker"] == "10.1.2.3:50061"
     assert "tokenmesh.affinity_key" not in second.attributes
     assert "tokenmesh.worker" not in second.attributes
+
+
+def test_through_the_stream_relay_the_span_names_the_worker_the_edge_kept() -> None:
+    """The edge's upstream is the relay's internal listener (no socket address): the worker
+    is the one its answer named, which the edge keeps in its metadata."""
+    log, exporter = traced_log()
+    relayed = entry(trailers={"grpc-status": "0"})
+    relayed.common_properties.metadata.filter_metadata[EDGE_METADATA].fields[
+        EDGE_WORKER
+    ].string_value = "10.1.2.4:50062"
+    log.record(relayed)
+    (span,) = exporter.get_finished_spans()
+    assert span.attributes is not None
+    assert span.attributes["tokenmesh.worker"] == "10.1.2.4:50062"

@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.support import ENVOY, ROOT
-from tests.unit.test_meshconfig import built_relay
+from tests.support import ENVOY, ROOT, envoy_env
 from tests.unit.test_reloading_credentials import MountedSecret
 from tokenmesh.common.processes import stop_process
 from tokenmesh.localmesh.certs import EDGE, CertMaker, CertPaths, CertSettings
@@ -113,7 +112,7 @@ def running_envoy(
             [envoy_binary, "-c", str(config), "--disable-hot-restart", "--log-level", "warn"],
             stdout=out,
             stderr=subprocess.STDOUT,
-            env={**os.environ, SEARCH_PATH: str(built_relay())},
+            env=envoy_env(),
         )
     try:
         yield envoy, edge_port, secret, tmp_path

@@ -5,17 +5,15 @@ each concern's tests are in test_meshconfig_<concern>.py."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import subprocess
-import tempfile
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.support import ENVOY, ROOT, require_c_compiler
-from tokenmesh.localmesh.relay_module import RELAY_SOURCE, SEARCH_PATH, build_relay_module
+from tests.support import ENVOY, ROOT, relay_modules
+from tokenmesh.localmesh.relay_module import SEARCH_PATH
 from tokenmesh.meshconfig.__main__ import render_yaml
 from tokenmesh.meshconfig.bootstrap import render
 from tokenmesh.meshconfig.config import MeshSettings, kubernetes_profile
@@ -30,14 +28,6 @@ from tokenmesh.meshconfig.stream_relay import RELAY
 COMMITTED = ROOT / "envoy" / "envoy.yaml"
 
 
-@functools.cache
-def built_relay() -> Path:
-    """Where this test session's build of the edge's stream relay is (built once): the mesh's
-    configs load it (stream_relay is on by default)."""
-    require_c_compiler()
-    return build_relay_module(ROOT / RELAY_SOURCE, Path(tempfile.mkdtemp()) / "modules").parent
-
-
 def envoy_validate(config: Path, modules: Path | None = None) -> subprocess.CompletedProcess[str]:
     """Envoy's own check of a config, with the relay's module where it loads dynamic modules
     (modules, or this session's build)."""
@@ -48,7 +38,7 @@ def envoy_validate(config: Path, modules: Path | None = None) -> subprocess.Comp
         text=True,
         timeout=120,
         check=False,
-        env={**os.environ, SEARCH_PATH: str(modules or built_relay())},
+        env={**os.environ, SEARCH_PATH: str(modules or relay_modules())},
     )
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tests.unit.test_meshconfig import clusters, listeners
-from tokenmesh.common.tokens import UPSTREAM_HEADER
+from tokenmesh.common.tokens import EDGE_WORKER, UPSTREAM_HEADER
 from tokenmesh.meshconfig.bootstrap import render
 from tokenmesh.meshconfig.config import MeshSettings, kubernetes_profile
 from tokenmesh.meshconfig.protocols import HTTP_OPTIONS
@@ -49,8 +49,13 @@ def test_the_workers_cluster_names_the_worker_that_answered_and_the_edge_hides_i
     assert codec["name"] == "envoy.filters.http.upstream_codec"
     for name in ("gateway", "reranker"):
         assert "http_filters" not in found[name]["typed_extension_protocol_options"][HTTP_OPTIONS]
-    edge = listeners(config)["edge"]["route_config"]["virtual_hosts"][0]
-    assert edge["response_headers_to_remove"] == [UPSTREAM_HEADER]
+    # The edge keeps it in its metadata for its access logs, and removes it.
+    (kept,) = [
+        f for f in listeners(config)["edge"]["http_filters"] if f["name"].endswith("to_metadata")
+    ]
+    (rule,) = kept["typed_config"]["response_rules"]
+    assert (rule["header"], rule["remove"]) == (UPSTREAM_HEADER, True)
+    assert rule["on_header_present"]["key"] == EDGE_WORKER
 
 
 def test_every_listener_bounds_request_headers() -> None:

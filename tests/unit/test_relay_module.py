@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -349,6 +349,40 @@ def test_a_caller_that_goes_away_ends_the_workers_stream(relay: Relay) -> None:
 PARKED_TOKENS = 100
 
 
+def read_after_a_stall(
+    relay: Relay, prompt: str, max_tokens: int, stalled: Callable[[], bool]
+) -> list[int]:
+    """A caller that reads one message, then nothing until `stalled` holds (within 20 s),
+    then the rest (its window stays at 64 KiB: no BDP probing to grow it): it gets the whole
+    stream, in order, which went on from what had been delivered each time it was parked (a
+    burst may outrun the caller again); how many tokens had been, each time."""
+    options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", WINDOW)]
+    with grpc.insecure_channel(f"127.0.0.1:{relay.port}", options=options) as channel:
+        call = inference_pb2_grpc.InferenceServiceStub(channel).Generate(
+            inference_pb2.InferenceRequest(
+                prompt=prompt, sampling=inference_pb2.SamplingParams(max_tokens=max_tokens)
+            ),
+            timeout=60,
+        )
+        tokens = [next(call)]
+        deadline = time.monotonic() + 20
+        while not stalled():
+            assert time.monotonic() < deadline, relay.requests(0)
+            time.sleep(0.05)
+        tokens.extend(call)
+    assert [t.index for t in tokens] == list(range(max_tokens))
+    assert [t.token_id for t in tokens] == [1000 + i for i in range(max_tokens)]
+    first, *again = [r for r in relay.requests(0) if "delivered" in r]
+    assert first == {"delivered": [], "attempt": 0}
+    assert again, "the stream was never parked"
+    counts = [len(r["delivered"][0]) for r in again]  # type: ignore[index]
+    for request, count in zip(again, counts, strict=True):
+        assert request["delivered"] == [[1000 + i for i in range(count)]]
+    assert counts[0] > 0 and counts == sorted(counts) and counts[-1] < max_tokens
+    assert relay.metric("parks") == len(counts)
+    return counts
+
+
 # A park is not a move (the worker was not at fault): it is made with no moves allowed.
 PARKING = "cluster=worker;max_resumptions=0;max_held_bytes=16384"
 
@@ -360,35 +394,18 @@ def test_a_caller_that_stops_reading_parks_the_worker_and_gets_the_rest_once_it_
     """Messages of ~4 KB to a caller that reads one and stops: once the relay holds more than
     max_held_bytes, the worker's stream is cancelled (its engine request aborted); once the
     caller reads again, the stream goes on from what was delivered, whole and in order."""
-    # The caller's window stays at 64 KiB: no BDP probing to grow it.
-    options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", WINDOW)]
-    with grpc.insecure_channel(f"127.0.0.1:{relay.port}", options=options) as channel:
-        call = inference_pb2_grpc.InferenceServiceStub(channel).Generate(
-            inference_pb2.InferenceRequest(
-                prompt="pad:4000", sampling=inference_pb2.SamplingParams(max_tokens=PARKED_TOKENS)
-            ),
-            timeout=60,
-        )
-        tokens = [next(call)]
-        deadline = time.monotonic() + 20
-        while not any(r.get("ended") == "cancelled" for r in relay.requests(0)):
-            assert time.monotonic() < deadline, relay.requests(0)
-            time.sleep(0.05)
-        tokens.extend(call)
-    assert [t.index for t in tokens] == list(range(PARKED_TOKENS))
-    assert [t.token_id for t in tokens] == [1000 + i for i in range(PARKED_TOKENS)]
-    first, again = [r for r in relay.requests(0) if "delivered" in r]
-    assert first == {"delivered": [], "attempt": 0}
-    parked_at = len(again["delivered"][0])  # type: ignore[index]
-    assert 0 < parked_at < PARKED_TOKENS
-    assert again["delivered"] == [[1000 + i for i in range(parked_at)]]
-    assert relay.metric("parks") == 1
+    parks = read_after_a_stall(
+        relay,
+        "pad:4000",
+        PARKED_TOKENS,
+        lambda: any(r.get("ended") == "cancelled" for r in relay.requests(0)),
+    )
     assert relay.metric("resumptions", cause="stream_reset") == 0
     logged = relay.logged()
     assert (logged["upstream_host"], logged["moves"], logged["parks"]) == (
         f"127.0.0.1:{relay.workers[0]}",
         0,
-        1,
+        len(parks),
     )
 
 
@@ -404,27 +421,7 @@ def test_what_a_stalled_caller_cannot_take_is_dropped_and_made_again_not_held(
     stops: past max_held_bytes the relay neither delivers nor holds the worker's messages (a
     stalled caller costs it at most max_held_bytes); once the caller reads, the stream goes on
     from what was delivered and a worker makes the dropped ones again, whole and in order."""
-    options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", WINDOW)]
-    with grpc.insecure_channel(f"127.0.0.1:{relay.port}", options=options) as channel:
-        call = inference_pb2_grpc.InferenceServiceStub(channel).Generate(
-            inference_pb2.InferenceRequest(
-                prompt="burst:16000",
-                sampling=inference_pb2.SamplingParams(max_tokens=BURST_TOKENS),
-            ),
-            timeout=60,
-        )
-        tokens = [next(call)]
-        deadline = time.monotonic() + 20
-        while relay.metric("parks") < 1:
-            assert time.monotonic() < deadline, relay.requests(0)
-            time.sleep(0.05)
-        tokens.extend(call)
-    assert [t.index for t in tokens] == list(range(BURST_TOKENS))
-    assert [t.token_id for t in tokens] == [1000 + i for i in range(BURST_TOKENS)]
-    first, again = [r for r in relay.requests(0) if "delivered" in r]
-    assert first == {"delivered": [], "attempt": 0}
-    delivered = len(again["delivered"][0])  # type: ignore[index]
-    assert 0 < delivered < BURST_TOKENS
+    read_after_a_stall(relay, "burst:16000", BURST_TOKENS, lambda: relay.metric("parks") >= 1)
 
 
 # Up to 150 kB held: more than the 20 first messages leave once the windows are full.

@@ -47,8 +47,9 @@ AFFINITY_HEADER = "x-tokenmesh-affinity"
 # IP:port"): with worker_routing picker, Envoy's override-host policy sends each attempt to the
 # next of them, then falls back to least request.
 WORKER_HEADER = "x-tokenmesh-worker"
-# The worker Envoy's internal worker listener sent a gateway's call to (IP:port), in the
-# answer's headers: the gateway records its routing decision on its span.
+# The worker that answered (IP:port), in the answer's headers, set by the workers' Envoy
+# cluster: a gateway records its routing decision on its span; the edge keeps it in its
+# metadata (EDGE_WORKER) for its access logs and removes it.
 UPSTREAM_HEADER = "x-tokenmesh-upstream"
 # Why the edge answered itself when the external processor answered a worker's refusal of an
 # OpenAI completion (in OpenAI's shape already: the edge's OpenAI reply mappers keep it).
@@ -57,6 +58,8 @@ WORKER_REFUSED = "worker_refused"
 # request's is rewritten to gRPC before it runs).
 EDGE_METADATA = "tokenmesh.edge"
 CALLER_CONTENT_TYPE = "content-type"
+# And the worker a direct stream ended on (UPSTREAM_HEADER of the worker's answer).
+EDGE_WORKER = "worker"
 
 
 def usage_trailer(prompt_tokens: int, completion_tokens: int, messages: int) -> str:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from tokenmesh.common.tokens import (
     AFFINITY_HEADER,
+    EDGE_METADATA,
+    EDGE_WORKER,
     ROUTE_HEADER,
     USAGE_TRAILER,
     WORKER_GENERATE,
@@ -42,6 +44,9 @@ ACCESS_LOG_FIELDS = {
 DIRECT_LOG_FLUSH_SECONDS = 0.5
 
 
+# The edge's line also names the worker a direct stream ended on (its answer's UPSTREAM_HEADER,
+# which the edge keeps in its metadata: direct_path.caller_content_type), relayed or not.
+EDGE_FIELDS = {"worker": f"%DYNAMIC_METADATA({EDGE_METADATA}:{EDGE_WORKER})%"}
 # The edge's stream relay's dynamic metadata (envoy/relay): the worker a stream ended on, and
 # how often it moved to another worker and was parked while its caller did not read.
 RELAY_METADATA = "tokenmesh.relay"

@@ -6,9 +6,11 @@ from __future__ import annotations
 from tokenmesh.common.tokens import (
     CALLER_CONTENT_TYPE,
     EDGE_METADATA,
+    EDGE_WORKER,
     LLM_GENERATE,
     OPENAI_CHAT_COMPLETIONS,
     OPENAI_COMPLETIONS,
+    UPSTREAM_HEADER,
     WORKER_GENERATE,
     WORKER_GENERATE_OPENAI,
 )
@@ -27,7 +29,10 @@ def caller_content_type(mesh: MeshSettings) -> list[Config]:
     """With direct_token_path: the caller's content-type, kept in the stream's metadata for the
     external processor before the gRPC-Web filter rewrites it to gRPC. That filter moves a
     stream's trailers into its body, so Envoy's access log would get neither its status nor its
-    usage: gRPC-Web streams take the gateway's path."""
+    usage: gRPC-Web streams take the gateway's path. And the worker a direct stream ended on
+    (UPSTREAM_HEADER, from the workers' cluster, through the stream relay or not), kept there
+    for the access logs (the gateways' span of the stream) and removed: callers never learn
+    the workers' addresses."""
     if not mesh.direct_token_path:
         return []
     return [
@@ -43,6 +48,17 @@ def caller_content_type(mesh: MeshSettings) -> list[Config]:
                             "key": CALLER_CONTENT_TYPE,
                             "type": "STRING",
                         },
+                    }
+                ],
+                "response_rules": [
+                    {
+                        "header": UPSTREAM_HEADER,
+                        "on_header_present": {
+                            "metadata_namespace": EDGE_METADATA,
+                            "key": EDGE_WORKER,
+                            "type": "STRING",
+                        },
+                        "remove": True,
                     }
                 ],
             },

@@ -3,8 +3,7 @@ OpenAI's API, the gateways), its filters, CORS, local replies, logs and TLS."""
 
 from __future__ import annotations
 
-from tokenmesh.common.tokens import UPSTREAM_HEADER
-from tokenmesh.meshconfig.access_logs import access_log, direct_stream_log
+from tokenmesh.meshconfig.access_logs import EDGE_FIELDS, access_log, direct_stream_log
 from tokenmesh.meshconfig.config import MeshSettings
 from tokenmesh.meshconfig.constants import OPENAI_PREFIX, TOKENIZER_PATHS, Config
 from tokenmesh.meshconfig.direct_path import direct_routes, processor_off
@@ -53,8 +52,6 @@ def edge_listener(mesh: MeshSettings, services: Services) -> Config:
         "domains": ["*"],
         "routes": edge_routes(mesh, services),
         "typed_per_filter_config": {**cors_policy(mesh), **processor_off(mesh)},
-        # The workers' answers name the worker (names_upstream_host): callers never learn it.
-        "response_headers_to_remove": [UPSTREAM_HEADER],
     }
     manager = connection_manager(
         EDGE,
@@ -62,7 +59,7 @@ def edge_listener(mesh: MeshSettings, services: Services) -> Config:
         codec="AUTO",
         virtual_host=virtual_host,
         http_filters=edge_filters(mesh),
-        access_logs=access_log(EDGE) + direct_stream_log(mesh),
+        access_logs=access_log(EDGE, EDGE_FIELDS) + direct_stream_log(mesh),
         local_replies=edge_local_replies(mesh),
     )
     return traffic_listener(

@@ -19,6 +19,8 @@ from tokenmesh.common.metrics import StreamMetrics
 from tokenmesh.common.outcome import Deadline, ended
 from tokenmesh.common.tokens import (
     AFFINITY_HEADER,
+    EDGE_METADATA,
+    EDGE_WORKER,
     LLM_GENERATE,
     ROUTE_HEADER,
     USAGE_TRAILER,
@@ -191,7 +193,13 @@ def routed(entry: accesslog_pb2.HTTPAccessLogEntry) -> dict[str, str]:
     key = entry.request.request_headers.get(AFFINITY_HEADER)
     if key:
         attributes["tokenmesh.affinity_key"] = key
+    # The edge keeps the worker its answer named (through the stream relay, whose address is
+    # the edge's upstream, as through the router).
+    edge = entry.common_properties.metadata.filter_metadata.get(EDGE_METADATA)
+    worker = edge.fields[EDGE_WORKER].string_value if edge and EDGE_WORKER in edge.fields else ""
     upstream = entry.common_properties.upstream_remote_address.socket_address
-    if upstream.address:
+    if worker:
+        attributes["tokenmesh.worker"] = worker
+    elif upstream.address:
         attributes["tokenmesh.worker"] = f"{upstream.address}:{upstream.port_value}"
     return attributes
