@@ -363,9 +363,7 @@ def cost(
             # relay's is (its own session, outside supervisord's) is the like-for-like
             # baseline; the mesh's own Envoy was not (see the relay's cost record of
             # 2026-12-06).
-            second_envoy(
-                local_mesh, local_mesh.run_dir, stream_relay=False, direct_token_path=True
-            )
+            second_envoy(local_mesh, local_mesh.run_dir, stream_relay=False, direct_token_path=True)
             if relay and not openai
             else contextlib.nullcontext((None, 0))
         ) as (router, router_pid),
