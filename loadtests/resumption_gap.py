@@ -11,9 +11,9 @@ tokens through the edge, the engine core of the worker with more of them SIGKILL
 generate) in interleaved rounds, cold then warm, each with prompts of its own of about
 `prompt-words` words; each round waits for the killed worker to rejoin. `--kill worker` kills
 the worker itself instead, which moves streams on the gateway path (the gateways relay them)
-and on `--path relay` (the direct path through the edge's stream relay, stream_relay, with
-worker_routing picker); on the plain direct path they break. All traffic goes to 127.0.0.1;
-every stream has a deadline.
+and on `--path relay` (the direct path through the edge's stream relay, stream_relay, the
+default; the mesh's default routing); on the direct path without it they break. All traffic
+goes to 127.0.0.1; every stream has a deadline.
 """
 
 from __future__ import annotations
