@@ -68,9 +68,10 @@ def relay_modules() -> Path:
     return build_relay_module(ROOT / RELAY_SOURCE, built).parent
 
 
-def envoy_env() -> dict[str, str]:
-    """The environment of an Envoy the test starts on a rendered mesh config: the relay's."""
-    return {**os.environ, SEARCH_PATH: str(relay_modules())}
+def envoy_env(modules: Path | None = None) -> dict[str, str]:
+    """The environment of an Envoy the test starts on a rendered mesh config: where it finds
+    the relay's module (modules, or this session's build)."""
+    return {**os.environ, SEARCH_PATH: str(modules or relay_modules())}
 
 
 def relay_metric(admin_port: int, name: str, **labels: str) -> float:

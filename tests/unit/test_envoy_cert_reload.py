@@ -4,7 +4,6 @@ Secret brings, without a restart."""
 
 from __future__ import annotations
 
-import os
 import socket
 import ssl
 import subprocess
@@ -21,7 +20,6 @@ from tokenmesh.common.processes import stop_process
 from tokenmesh.localmesh.certs import EDGE, CertMaker, CertPaths, CertSettings
 from tokenmesh.localmesh.mesh import LocalMesh, LocalMeshSettings
 from tokenmesh.localmesh.probes import free_port
-from tokenmesh.localmesh.relay_module import SEARCH_PATH
 from tokenmesh.meshconfig.bootstrap import render, secret_files
 from tokenmesh.meshconfig.config import MeshSettings
 
@@ -160,6 +158,6 @@ def test_the_local_mesh_writes_the_sds_files_its_envoy_config_names(
         timeout=120,
         check=False,
         # Where the mesh's Envoy finds the stream relay localmesh built.
-        env={**os.environ, SEARCH_PATH: str(mesh.files.relay_module_dir)},
+        env=envoy_env(mesh.files.relay_module_dir),
     )
     assert result.returncode == 0, result.stdout + result.stderr

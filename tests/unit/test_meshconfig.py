@@ -5,15 +5,13 @@ each concern's tests are in test_meshconfig_<concern>.py."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.support import ENVOY, ROOT, relay_modules
-from tokenmesh.localmesh.relay_module import SEARCH_PATH
+from tests.support import ENVOY, ROOT, envoy_env
 from tokenmesh.meshconfig.__main__ import render_yaml
 from tokenmesh.meshconfig.bootstrap import render
 from tokenmesh.meshconfig.config import MeshSettings, kubernetes_profile
@@ -38,7 +36,7 @@ def envoy_validate(config: Path, modules: Path | None = None) -> subprocess.Comp
         text=True,
         timeout=120,
         check=False,
-        env={**os.environ, SEARCH_PATH: str(modules or relay_modules())},
+        env=envoy_env(modules),
     )
 
 
