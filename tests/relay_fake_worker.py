@@ -1,13 +1,14 @@
 """A stand-in worker for the edge relay's unit test (tests/unit/test_relay_module.py): it serves
-InferenceService.Generate, reading a moved stream's delivered messages as the real worker does
-(common/resumption.read_delivered), and answers token i of a stream as id 1000 + i, text
-"t<i> " (N bytes longer for a prompt "pad:N", all at once for "burst:N"; for "last:N:M" the
-last message M bytes longer, and its trailers LINGER seconds after it, as a busy worker's may
-come), one message per token,
-the last with the usage as the worker's, going on from what was delivered. It records each
-request it received (one JSON line: its delivered tokens and the move's attempt) and each
-stream its caller cancelled ({"ended": "cancelled"}), and with DIE_AFTER=k exits hard
-(os._exit, as a SIGKILLed worker) after its k-th message.
+InferenceService.Generate (and GenerateOpenAI: each message a relayed Server-Sent Events part
+that carries its Token, the last with [DONE], as the worker makes them), reading a moved
+stream's delivered messages as the real worker does (common/resumption.read_delivered), and
+answers token i of a stream as id 1000 + i, text "t<i> " (N bytes longer for a prompt "pad:N",
+all at once for "burst:N"; for "last:N:M" the last message M bytes longer, and its trailers
+LINGER seconds after it, as a busy worker's may come), one message per token, the last with
+the usage as the worker's, going on from what was delivered. It records each request it
+received (one JSON line: its delivered tokens and the move's attempt) and each stream its
+caller cancelled ({"ended": "cancelled"}), and with DIE_AFTER=k exits hard (os._exit, as a
+SIGKILLed worker) after its k-th message.
 
     python tests/relay_fake_worker.py PORT RECORD_FILE
 """
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from google.api import httpbody_pb2
 
 from tokenmesh.common.resumption import read_delivered
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, token_pb2
@@ -43,7 +45,25 @@ class FakeWorker(inference_pb2_grpc.InferenceServiceServicer):
     def Generate(
         self, request: inference_pb2.InferenceRequest, context: Any
     ) -> Iterator[token_pb2.Token]:
-        resumed = read_delivered(request)
+        return self._tokens(read_delivered(request), request, context)
+
+    def GenerateOpenAI(
+        self, request: inference_pb2.InferenceRequest, context: Any
+    ) -> Iterator[httpbody_pb2.HttpBody]:
+        for token in self._tokens(read_delivered(request, parts=True), request, context):
+            data = f"data: {json.dumps({'text': token.text})}\n\n"
+            if token.HasField("usage"):
+                data += "data: [DONE]\n\n"
+            part = httpbody_pb2.HttpBody(content_type="text/event-stream", data=data.encode())
+            part.MergeFromString(inference_pb2.RelayedPart(token=token).SerializeToString())
+            yield part
+
+    def _tokens(
+        self,
+        resumed: inference_pb2.InferenceRequest,
+        request: inference_pb2.InferenceRequest,
+        context: Any,
+    ) -> Iterator[token_pb2.Token]:
         delivered = [list(c.token_ids) for c in resumed.resume.choices]
         start = len(delivered[0]) if delivered else 0
         with self._record.open("a") as record:

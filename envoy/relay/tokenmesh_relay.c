@@ -42,10 +42,12 @@ typedef struct {
   size_t n, cap;
 } bytes;
 
+/* Grows by doubling while small, then by a quarter: what a buffer allocates stays close to
+   what it holds (a stream parked with a window held costs that window, not twice it). */
 static void bytes_add(bytes *b, const void *p, size_t n) {
   if (b->n + n > b->cap) {
     size_t cap = b->cap ? b->cap : 256;
-    while (cap < b->n + n) cap *= 2;
+    while (cap < b->n + n) cap += cap < 16384 ? cap : cap / 4;
     char *grown = realloc(b->p, cap);
     if (!grown) abort(); /* out of memory: nothing sensible is left to do */
     b->p = grown;
@@ -59,6 +61,17 @@ static void bytes_free(bytes *b) {
   free(b->p);
   b->p = NULL;
   b->n = b->cap = 0;
+}
+
+/* Drops what b has read (the first used bytes), keeping the rest; its memory goes back once
+   it is empty, so an idle or parked stream holds none between the worker's data. */
+static void bytes_consume(bytes *b, size_t used) {
+  if (used >= b->n) {
+    bytes_free(b);
+    return;
+  }
+  memmove(b->p, b->p + used, b->n - used);
+  b->n -= used;
 }
 
 static uint64_t now_ms(void) {
@@ -328,11 +341,20 @@ static void park(filter *f) {
   f->live = 0;
   f->parked = 1;
   f->parks++;
+  bytes_free(&f->partial); /* what was not whole of the cancelled stream is not delivered */
   count(f, f->cfg->parks, NULL);
   if (!f->above_watermark) post(f, EVENT_DRAINED);
 }
 
 /* ---- towards the caller ----------------------------------------------------------------- */
+
+/* Sends the caller what was held (end: and ends its body), and frees it. */
+static void send_held(filter *f, bool end) {
+  if (f->held.n || end)
+    envoy_dynamic_module_callback_http_send_response_data(f->envoy, (dm_buf){f->held.p, f->held.n},
+                                                          end);
+  bytes_free(&f->held);
+}
 
 static void end_with(filter *f, const char *status, const char *message) {
   f->done = 1;
@@ -347,11 +369,7 @@ static void end_with(filter *f, const char *status, const char *message) {
     envoy_dynamic_module_callback_http_send_response_headers(f->envoy, h, 4, true);
     return;
   }
-  if (f->held.n) {
-    envoy_dynamic_module_callback_http_send_response_data(f->envoy, (dm_buf){f->held.p, f->held.n},
-                                                          false);
-    f->held.n = 0;
-  }
+  send_held(f, false);
   envoy_dynamic_module_callback_http_send_response_trailers(f->envoy, trailers, 2);
 }
 
@@ -404,7 +422,7 @@ static void start_worker_stream(filter *f) {
   bytes body = {0};
   if (f->messages || f->openai) next_request(f, &body);
   else bytes_add(&body, f->request.p, f->request.n);
-  f->partial.n = 0;
+  bytes_free(&f->partial);
   f->answered = 0;
   f->discarded = 0;
   f->parking = 0;
@@ -449,10 +467,9 @@ static void next_named_worker(filter *f) {
 static void worker_failed(filter *f, const char *why, const char *cause) {
   f->live = 0;
   if (f->done) return;
-  if (f->last_seen && !f->openai) {
+  if (f->last_seen) {
     /* Gone after the stream's last message (its trailers lost): the caller has every token
-       and the usage. An OpenAI answer still owes its closing parts, which only a worker
-       writes: that one goes on below, and the next worker says it cannot continue. */
+       and the usage (an OpenAI answer's last part holds its usage chunk and [DONE] too). */
     end_with(f, "0", "");
     return;
   }
@@ -741,8 +758,7 @@ void envoy_dynamic_module_on_http_filter_http_stream_data(dm_envoy envoy, const 
     f->last_message_ms = now;
     send_or_hold(f, f->partial.p, passed);
   }
-  memmove(f->partial.p, f->partial.p + whole, f->partial.n - whole);
-  f->partial.n -= whole;
+  bytes_consume(&f->partial, whole);
   if (end && f->discarded) {
     park(f); /* the worker is done, but what it made last never reached the caller */
     return;
@@ -750,9 +766,7 @@ void envoy_dynamic_module_on_http_filter_http_stream_data(dm_envoy envoy, const 
   if (end) {
     f->live = 0;
     f->done = 1;
-    envoy_dynamic_module_callback_http_send_response_data(envoy, (dm_buf){f->held.p, f->held.n},
-                                                          true);
-    f->held.n = 0;
+    send_held(f, true);
     return;
   }
   if (f->unresumable && f->held.n > f->cfg->max_held_bytes && !f->last_seen) {
@@ -777,11 +791,7 @@ void envoy_dynamic_module_on_http_filter_http_stream_trailers(dm_envoy envoy, co
     park(f); /* its last messages never reached the caller: it goes on from the delivered */
     return;
   }
-  if (f->held.n) {
-    envoy_dynamic_module_callback_http_send_response_data(envoy, (dm_buf){f->held.p, f->held.n},
-                                                          false);
-    f->held.n = 0;
-  }
+  send_held(f, false);
   f->done = 1;
   envoy_dynamic_module_callback_http_send_response_trailers(envoy, t, n);
 }
@@ -823,11 +833,7 @@ void envoy_dynamic_module_on_http_filter_downstream_below_write_buffer_low_water
 static void drained(filter *f) {
   if (f->above_watermark) return;
   if (!f->discarded) f->parking = 0; /* a park not yet made is not needed, unless it dropped */
-  if (f->held.n) {
-    envoy_dynamic_module_callback_http_send_response_data(f->envoy, (dm_buf){f->held.p, f->held.n},
-                                                          false);
-    f->held.n = 0;
-  }
+  send_held(f, false);
   if (f->parked && !f->above_watermark) {
     f->parked = 0;
     start_worker_stream(f);

@@ -485,6 +485,27 @@ def test_a_worker_gone_after_its_last_message_ends_the_stream_ok(relay: Relay) -
     assert relay.metric("resumptions", cause="stream_reset") == 0
 
 
+@pytest.mark.parametrize("relay", [("cluster=worker", TOKENS)], indirect=True)
+def test_an_openai_stream_whose_worker_went_after_its_last_part_ends_ok(relay: Relay) -> None:
+    """The same for GenerateOpenAI: its last part holds the usage and [DONE], so the caller has
+    the whole answer; the stream ends OK and no other worker is asked for what is left."""
+    with grpc.insecure_channel(f"127.0.0.1:{relay.port}") as channel:
+        call = inference_pb2_grpc.InferenceServiceStub(channel).GenerateOpenAI(
+            inference_pb2.InferenceRequest(
+                prompt="p",
+                sampling=inference_pb2.SamplingParams(max_tokens=TOKENS),
+                openai=inference_pb2.OpenAIAnswer(stream=True, relayed=True),
+            ),
+            timeout=30,
+        )
+        parts = [inference_pb2.RelayedPart.FromString(part.SerializeToString()) for part in call]
+        assert call.code() == grpc.StatusCode.OK, call.details()
+    assert [part.token.index for part in parts] == list(range(TOKENS))
+    assert parts[-1].data.endswith(b"data: [DONE]\n\n")
+    assert relay.requests(1) == []
+    assert relay.metric("resumptions", cause="stream_reset") == 0
+
+
 def test_a_workers_own_error_reaches_the_caller_as_it_is(relay: Relay) -> None:
     tokens, error = generate(relay, max_tokens=0)
     assert tokens == []
