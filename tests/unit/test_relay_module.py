@@ -33,6 +33,10 @@ TYPE = "type.googleapis.com/"
 HCM = TYPE + "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 DYNAMIC_MODULE = TYPE + "envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter"
 STRING = TYPE + "google.protobuf.StringValue"
+HEADER_MUTATION = TYPE + "envoy.extensions.filters.http.header_mutation.v3.HeaderMutation"
+EARLY_HEADER_MUTATION = (
+    TYPE + "envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation"
+)
 TOKENS = 40
 DIE_AFTER = 15
 WINDOW = 65536
@@ -80,18 +84,53 @@ class Relay:
         return [json.loads(line) for line in lines]
 
 
+def header_mutation(name: str, mutations: dict[str, object]) -> dict[str, object]:
+    return {"name": name, "typed_config": {"@type": HEADER_MUTATION, "mutations": mutations}}
+
+
 def envoy_config(
-    port: int, admin: int, workers: list[int], relay_config: str, log: Path
+    port: int,
+    admin: int,
+    workers: list[int],
+    relay_config: str,
+    log: Path,
+    grpc_timeout: str | None = None,
 ) -> dict[str, object]:
     """A listener whose only filter is the relay, logging as the mesh's relay listener does
     (to log), over a worker cluster that names the worker that answered, as the mesh's does,
     and whose first worker has priority (the second takes streams once the first is ejected:
-    the mesh's outlier rule, a worker out at its first failed connection)."""
+    the mesh's outlier rule, a worker out at its first failed connection). With grpc_timeout
+    the relay sees that deadline instead of the caller's, and the workers none: the relay's
+    own deadline is then the only one that can pass."""
+    names = names_host()
+    early: list[dict[str, object]] = []
+    if grpc_timeout is not None:
+        header = {"key": "grpc-timeout", "value": grpc_timeout}
+        early = [
+            {
+                "name": "deadline",
+                "typed_config": {
+                    "@type": EARLY_HEADER_MUTATION,
+                    "mutations": [
+                        {
+                            "append": {
+                                "header": header,
+                                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+                            }
+                        }
+                    ],
+                },
+            }
+        ]
+        names = [
+            header_mutation("no_deadline", {"request_mutations": [{"remove": "grpc-timeout"}]}),
+            *names,
+        ]
     http2 = {
         HTTP_OPTIONS: {
             "@type": TYPE + HTTP_OPTIONS,
             "explicit_http_config": {"http2_protocol_options": {}},
-            "http_filters": names_host(),
+            "http_filters": names,
         }
     }
     (access_log,) = relay_access_log("relay")
@@ -122,6 +161,7 @@ def envoy_config(
                                         "@type": HCM,
                                         "stat_prefix": "edge",
                                         "codec_type": "AUTO",
+                                        "early_header_mutation_extensions": early,
                                         "access_log": [access_log],
                                         # The mesh's windows (stream_window_bytes). Envoy's
                                         # HTTP/2 codec holds up to a stream window of what the
@@ -203,7 +243,7 @@ def relay(request: pytest.FixtureRequest, module_dir: Path, tmp_path: Path) -> I
     """Two stand-in workers (the first dies after its DIE_AFTER-th message) behind an Envoy
     with the relay; the test's parameter, if any, is the relay's config and when the first
     worker dies (0: never)."""
-    relay_config, die_after = getattr(request, "param", ("cluster=worker", DIE_AFTER))
+    relay_config, die_after, *deadline = getattr(request, "param", ("cluster=worker", DIE_AFTER))
     ports = [free_port() for _ in range(2)]
     records = [tmp_path / f"worker-{i}.jsonl" for i in range(2)]
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'services'}:{ROOT}"}
@@ -223,7 +263,9 @@ def relay(request: pytest.FixtureRequest, module_dir: Path, tmp_path: Path) -> I
     edge, admin = free_port(), free_port()
     config = tmp_path / "envoy.json"
     log_path = tmp_path / "access.log"
-    config.write_text(json.dumps(envoy_config(edge, admin, ports, relay_config, log_path)))
+    config.write_text(
+        json.dumps(envoy_config(edge, admin, ports, relay_config, log_path, *deadline))
+    )
     log = (tmp_path / "envoy.log").open("w")
     envoy = subprocess.Popen(
         [ENVOY or "envoy", "-c", str(config), "--base-id", str(edge), "-l", "warning"],
@@ -324,6 +366,19 @@ def test_past_the_limit_the_stream_ends_unavailable_saying_how_far_it_got(
     assert relay.metric("resumptions_refused", reason=reason) == 1
     assert relay.metric("resumptions", cause="stream_reset") == 0
     assert [t.index for t in tokens] == list(range(DIE_AFTER))
+    assert relay.requests(1) == []
+
+
+# The relay's deadline (50 ms) passes before the first worker dies (15 messages 10 ms apart).
+@pytest.mark.parametrize("relay", [("cluster=worker", DIE_AFTER, "50m")], indirect=True)
+def test_a_stream_whose_worker_goes_away_past_its_deadline_ends_deadline_exceeded(
+    relay: Relay,
+) -> None:
+    tokens, error = generate(relay)
+    assert error is not None and error.code() == grpc.StatusCode.DEADLINE_EXCEEDED, error
+    assert "deadline passed before the stream could go on" in (error.details() or "")
+    assert [t.index for t in tokens] == list(range(DIE_AFTER))
+    assert relay.metric("resumptions_refused", reason="deadline") == 1
     assert relay.requests(1) == []
 
 

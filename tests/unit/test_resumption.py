@@ -240,12 +240,12 @@ def relay(stub: FakeStub, max_resumptions: int = 2) -> Relay:
 RESET = Failed(grpc.StatusCode.INTERNAL, "Received RST_STREAM with error code 2")
 
 
-def run(stub: FakeStub, max_resumptions: int = 2) -> list[token_pb2.Token]:
+def run(stub: FakeStub, max_resumptions: int = 2, seconds: float = 30.0) -> list[token_pb2.Token]:
     async def read() -> list[token_pb2.Token]:
         request = inference_pb2.InferenceRequest(
             prompt="p", sampling=inference_pb2.SamplingParams(max_tokens=5)
         )
-        stream = relay(stub, max_resumptions).stream(request, Deadline(30.0), Delivered(1))
+        stream = relay(stub, max_resumptions).stream(request, Deadline(seconds), Delivered(1))
         return [t async for t in stream]
 
     return asyncio.run(read())
@@ -285,6 +285,15 @@ def test_past_the_limit_or_before_a_token_the_workers_error_ends_the_stream() ->
     with pytest.raises(DependencyError):
         run(wrong)
     assert len(wrong.requests) == 1
+
+
+def test_a_stream_whose_worker_goes_away_past_its_deadline_ends_deadline_exceeded() -> None:
+    stub = FakeStub(FakeCall([message(0, 0, [1])], RESET), FakeCall([message(0, 1, [2])], None))
+    with pytest.raises(DependencyError) as ended:
+        run(stub, seconds=0.0)
+    assert ended.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "deadline exceeded after 1 tokens" in str(ended.value)
+    assert len(stub.requests) == 1
 
 
 def test_a_continuation_the_next_worker_refuses_ends_the_stream_naming_why() -> None:
