@@ -44,8 +44,8 @@ help:
 	@echo "make images  build the container images (needs docker; IMAGE_PREFIX, IMAGE_TAG)"
 	@echo "make docs    regenerate docs/settings.md's tables from the settings classes"
 
-setup: $(SETUP_STAMP) $(TOOLS_STAMP) $(TINY_MODEL)/tokenmesh-tiny.json prometheus ops-page \
-  crd-validator
+setup: $(SETUP_STAMP) $(TOOLS_STAMP) $(TINY_MODEL)/tokenmesh-tiny.json \
+  $(TINY_MODEL)-lora/tokenmesh-lora.json prometheus ops-page crd-validator
 
 # The live ops page (ops/): TypeScript, its gRPC-Web client generated from ops.proto by
 # protoc-gen-es (npm) through grpc_tools' protoc, bundled by esbuild into ops/dist, which the
@@ -134,6 +134,10 @@ lock-tools:
 
 $(TINY_MODEL)/tokenmesh-tiny.json: scripts/make_tiny_model.py | $(SETUP_STAMP)
 	$(BIN)/python scripts/make_tiny_model.py $(TINY_MODEL) --force
+
+# The tiny model's LoRA adapter (random low-rank weights): `make up` serves it beside the model.
+$(TINY_MODEL)-lora/tokenmesh-lora.json: scripts/make_tiny_lora.py $(TINY_MODEL)/tokenmesh-tiny.json
+	$(BIN)/python scripts/make_tiny_lora.py $(TINY_MODEL) $(TINY_MODEL)-lora --force
 
 # Rebuilt when the script changes (the file rule) or the shape does (the script compares the
 # shape with the model's marker).
@@ -260,7 +264,7 @@ lock-gpu:
 	$(LOCK_GPU_VENV)/bin/python scripts/check_gpu_lock.py --refresh
 
 clean: down
-	rm -rf $(VENV) $(TINY_MODEL) $(SMALL_MODEL) $(PRESSURE_MODEL) .run build ops/dist ops/node_modules ops/src/gen \
+	rm -rf $(VENV) $(TINY_MODEL) $(TINY_MODEL)-lora $(SMALL_MODEL) $(PRESSURE_MODEL) .run build ops/dist ops/node_modules ops/src/gen \
 	  tests/crds/node_modules
 
 dashboards: $(SETUP_STAMP)

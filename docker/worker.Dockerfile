@@ -59,8 +59,10 @@ RUN python docker/requirements.py worker-cpu controlplane > /tmp/requirements.tx
         --extra-index-url https://download.pytorch.org/whl/cpu \
         -r /tmp/requirements.txt setuptools wheel
 # The model needs torch and transformers only, not the code.
-COPY scripts/make_tiny_model.py scripts/
-RUN /opt/venv/bin/python scripts/make_tiny_model.py /opt/tokenmesh/models/tiny-llama --force
+COPY scripts/make_tiny_model.py scripts/make_tiny_lora.py scripts/
+RUN /opt/venv/bin/python scripts/make_tiny_model.py /opt/tokenmesh/models/tiny-llama --force \
+    && /opt/venv/bin/python scripts/make_tiny_lora.py /opt/tokenmesh/models/tiny-llama \
+        /opt/tokenmesh/models/tiny-llama-lora --force
 COPY README.md ./
 COPY services services
 RUN /opt/venv/bin/pip install --no-deps --no-build-isolation .

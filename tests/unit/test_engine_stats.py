@@ -14,6 +14,7 @@ from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
 
 from tokenmesh.common.metrics import StreamMetrics
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
+from tokenmesh.worker.adapters import Adapters
 from tokenmesh.worker.app import aborted_counter, features_counter
 from tokenmesh.worker.config import WorkerSettings
 from tokenmesh.worker.engine import EngineLoad, EngineSlot, _LoadStatLogger
@@ -49,7 +50,10 @@ async def inference() -> AsyncIterator[inference_pb2_grpc.InferenceServiceStub]:
     """The worker's servicer on a real port, over an engine that has reported some load."""
     load = EngineLoad(running=2, waiting=1, prefix_cache_queries=4096, prefix_cache_hits=3072)
     slot = EngineSlot()
-    slot.set(SimpleNamespace(load=load, model_name="tiny", max_model_len=2048))  # type: ignore[arg-type]
+    engine = SimpleNamespace(
+        load=load, model_name="tiny", max_model_len=2048, adapters=Adapters("tiny", {})
+    )
+    slot.set(engine)  # type: ignore[arg-type]
     registry = CollectorRegistry()
     servicer = InferenceServicer(
         slot,

@@ -88,7 +88,8 @@ class Prepared:
         self.selector = Selector(warnings)
         self.metered = metered
         picker = Picker(picked) if picked else None
-        self.preparer = Preparer(self.selector, GatewaySettings(), picker)  # type: ignore[arg-type]
+        # No catalog: these requests name no model.
+        self.preparer = Preparer(self.selector, GatewaySettings(), None, picker)  # type: ignore[arg-type]
 
     @property
     def remaining(self) -> list[float | None]:

@@ -47,6 +47,9 @@ class Catalog:
             raise ModelNotFound(f"the model {requested!r} does not exist")
         return MODEL
 
+    def adapter(self, name: str) -> str:
+        return ""
+
 
 def body(fields: dict[str, Any]) -> ext_proc.ProcessingRequest:
     caller = httpbody_pb2.HttpBody(

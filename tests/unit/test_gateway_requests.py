@@ -150,7 +150,7 @@ def test_chat_history_drops_oldest_turns_past_the_token_bound() -> None:
 def test_prompts_are_logged_only_when_log_prompts_is_on(
     enabled: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
-    preparer = Preparer(None, GatewaySettings(log_prompts=enabled))  # type: ignore[arg-type]
+    preparer = Preparer(None, GatewaySettings(log_prompts=enabled), None)  # type: ignore[arg-type]
     with caplog.at_level(logging.DEBUG):
         preparer.call("the secret prompt", inference_pb2.SamplingParams(max_tokens=1))
     logged = [getattr(record, "prompt", "") for record in caplog.records]

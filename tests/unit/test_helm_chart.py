@@ -158,6 +158,7 @@ VALUE_SETS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
                 "engineArgs": {"kv_cache_dtype": "fp8", "enable_prefix_caching": True},
                 "model": {
                     "name": "Llama-3.1-70B-Instruct",
+                    "loraModules": {"sql": "adapters/sql"},
                     "storage": {"type": "existingClaim", "existingClaim": {"claimName": "models"}},
                     "hfToken": {"secretName": "hf", "secretKey": "token"},
                 },
@@ -599,6 +600,8 @@ def test_multi_gpu_workers_shard_the_model_from_a_volume(releases: dict[str, Rel
         "enable_prefix_caching": True,
     }
     assert env["TOKENMESH_WORKER_MODEL"] == "/models/Llama-3.1-70B-Instruct"
+    # Adapters from the same volume, as the worker's settings read them.
+    assert json.loads(env["TOKENMESH_WORKER_LORA_MODULES"]) == {"sql": "/models/adapters/sql"}
     assert env["HF_TOKEN"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
     pod = release.deployment("worker")["spec"]["template"]["spec"]
     volumes = {v["name"]: v for v in pod["volumes"]}
@@ -623,6 +626,10 @@ def test_cpu_profile_runs_the_tiny_model_from_the_cpu_image(releases: dict[str, 
     worker = release.container("worker")
     assert worker["image"].endswith(":0.1.0-cpu")
     assert release.env("worker")["TOKENMESH_WORKER_MODEL"] == "/opt/tokenmesh/models/tiny-llama"
+    assert json.loads(release.env("worker")["TOKENMESH_WORKER_LORA_MODULES"]) == {
+        "tiny-llama-lora": "/opt/tokenmesh/models/tiny-llama-lora"
+    }
+    assert "TOKENMESH_WORKER_LORA_MODULES" not in releases["defaults"].env("worker")
     assert "tolerations" not in release.deployment("worker")["spec"]["template"]["spec"]
     assert releases["defaults"].container("worker")["image"].endswith(":0.1.0")
 

@@ -80,6 +80,7 @@ class FakeCatalog:
     """The workers' served model, as the LLM's catalog answers it."""
 
     max_model_len = 2048
+    adapters: tuple[str, ...] = ()
 
     async def name(self) -> str:
         return LLM

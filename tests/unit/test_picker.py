@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry
 
 from tokenmesh.common.tokens import AFFINITY_HEADER, WORKER_HEADER
 from tokenmesh.gateway.config import GatewaySettings, PickerSettings
+from tokenmesh.gateway.core.catalog import ModelCatalog
 from tokenmesh.gateway.core.documents import DocumentSelector
 from tokenmesh.gateway.core.picker import EndpointPicker, PickerMetrics, WorkerLoad, loads, ranking
 from tokenmesh.gateway.core.pipeline import Pipeline
@@ -169,7 +170,9 @@ class Worker:
 def test_the_gateways_own_worker_call_names_the_picked_workers() -> None:
     worker = Worker()
     chooser = picker()
-    preparer = Preparer(cast(DocumentSelector, None), GatewaySettings(), chooser)
+    preparer = Preparer(
+        cast(DocumentSelector, None), GatewaySettings(), cast(ModelCatalog, None), chooser
+    )
     pipeline = Pipeline(cast(WorkerClient, worker), GatewaySettings())
     sampling = inference_pb2.SamplingParams(max_tokens=1)
     pipeline.stream(preparer.call("a prompt", sampling), None)

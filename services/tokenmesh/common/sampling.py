@@ -38,6 +38,9 @@ class SamplingLimits(BaseModel):
     max_tokens_cap: int = Field(
         default=4096, ge=1, description="`max_tokens`: 1..this (every call shape)."
     )
+    max_model_name_bytes: int = Field(
+        default=256, ge=1, description="`model` (the model or adapter a request names): 0..this."
+    )
     max_stop_sequences: int = Field(default=8, ge=0, description="`stop`: at most this many.")
     max_stop_sequence_bytes: int = Field(
         default=256, ge=1, description="Each of `stop`: 1..this many bytes (UTF-8)."

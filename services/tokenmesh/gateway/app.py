@@ -119,9 +119,12 @@ async def serve(settings: GatewaySettings) -> int:
             ).run(),
             "worker-feed",
         )
+    # The model and adapters the workers serve, as requests name them.
+    catalog = ModelCatalog(worker, settings.connect_timeout_seconds)
     preparer = Preparer(
         DocumentSelector(reranker, breaker, metrics, settings, host.tracing.tracer),
         settings,
+        catalog,
         picker,
     )
     pipeline = Pipeline(
@@ -155,7 +158,6 @@ async def serve(settings: GatewaySettings) -> int:
     start = None
     openai = None
     if settings.openai_port >= 0:
-        catalog = ModelCatalog(worker, settings.connect_timeout_seconds)
         openai = OpenAIPreparer(preparer, catalog, settings)
         # /v1/embeddings and /v1/rerank: the reranker's model, called as HTTP requests are
         # timed (no caller deadline); its description for /v1/models within a rerank's time.

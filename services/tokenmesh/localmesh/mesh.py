@@ -263,6 +263,13 @@ class LocalMesh:
             f"  curl -N{curl_tls}{header} -H 'content-type: application/json' -d '{body}' "
             f"{scheme}://{edge}/v1/chat/completions"
         )
+        for adapter in s.adapters():
+            # The same through a LoRA adapter of the model: `model` names it.
+            print(
+                f"  curl{curl_tls}{header} -H 'content-type: application/json' -d "
+                + shlex.quote(json.dumps({"model": adapter, "prompt": "hello", "max_tokens": 16}))
+                + f" {scheme}://{edge}/v1/completions"
+            )
         print(
             f"  (grpcurl is in {self.tools.bin_dir}; `source .venv/bin/activate` puts it on PATH)"
         )

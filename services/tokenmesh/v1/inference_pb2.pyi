@@ -108,7 +108,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., stream_interval: _Optional[int] = ..., max_tokens_within_context: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., bad_words: _Optional[_Iterable[str]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., include_stop_str_in_output: _Optional[bool] = ..., structured_outputs: _Optional[_Union[_token_pb2.StructuredOutputs, _Mapping]] = ..., n: _Optional[int] = ..., echo: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class InferenceRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "sampling", "warnings", "messages", "openai", "degraded", "tools", "prompts", "prompt_token_ids", "resume", "delivered_messages")
+    __slots__ = ("request_id", "prompt", "sampling", "warnings", "messages", "openai", "degraded", "tools", "prompts", "prompt_token_ids", "resume", "delivered_messages", "model")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +121,7 @@ class InferenceRequest(_message.Message):
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
     DELIVERED_MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     sampling: SamplingParams
@@ -133,7 +134,8 @@ class InferenceRequest(_message.Message):
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     resume: Resumption
     delivered_messages: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., warnings: _Optional[_Iterable[str]] = ..., messages: _Optional[_Iterable[_Union[ConversationMessage, _Mapping]]] = ..., openai: _Optional[_Union[OpenAIAnswer, _Mapping]] = ..., degraded: _Optional[str] = ..., tools: _Optional[_Union[ToolCalling, _Mapping]] = ..., prompts: _Optional[_Iterable[_Union[PromptInput, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., resume: _Optional[_Union[Resumption, _Mapping]] = ..., delivered_messages: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    model: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., warnings: _Optional[_Iterable[str]] = ..., messages: _Optional[_Iterable[_Union[ConversationMessage, _Mapping]]] = ..., openai: _Optional[_Union[OpenAIAnswer, _Mapping]] = ..., degraded: _Optional[str] = ..., tools: _Optional[_Union[ToolCalling, _Mapping]] = ..., prompts: _Optional[_Iterable[_Union[PromptInput, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., resume: _Optional[_Union[Resumption, _Mapping]] = ..., delivered_messages: _Optional[_Iterable[bytes]] = ..., model: _Optional[str] = ...) -> None: ...
 
 class Resumption(_message.Message):
     __slots__ = ("choices", "attempt")
@@ -220,7 +222,7 @@ class EngineStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("running_requests", "waiting_requests", "kv_cache_usage", "reported_unix_nanos", "model", "max_model_len", "prefix_cache_queries", "prefix_cache_hits")
+    __slots__ = ("running_requests", "waiting_requests", "kv_cache_usage", "reported_unix_nanos", "model", "max_model_len", "prefix_cache_queries", "prefix_cache_hits", "adapters")
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -229,6 +231,7 @@ class EngineStats(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     running_requests: int
     waiting_requests: int
     kv_cache_usage: float
@@ -237,4 +240,5 @@ class EngineStats(_message.Message):
     max_model_len: int
     prefix_cache_queries: int
     prefix_cache_hits: int
-    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., reported_unix_nanos: _Optional[int] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
+    adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., reported_unix_nanos: _Optional[int] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ...) -> None: ...

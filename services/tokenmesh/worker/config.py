@@ -29,6 +29,18 @@ class WorkerSettings(ServiceSettings, SamplingLimits, ToolLimits):
     served_model_name: str | None = Field(
         default=None, description="Name reported in stats and logs; defaults to the model path."
     )
+    lora_modules: dict[str, Path] = Field(
+        default_factory=dict,
+        description=(
+            "LoRA adapters of the model the worker serves, as a JSON object {name: directory} "
+            "(PEFT's adapter_config.json and weights, as `vllm serve --lora-modules` takes "
+            "them): a request naming one as its `model` is answered with it. Each loads as the "
+            "worker starts (a bad one stops it, named). Non-empty turns vLLM's enable_lora on "
+            "and, unless engine_args sets it, max_lora_rank to fit the largest adapter; "
+            "max_loras (adapters in one batch, vLLM's default 1) and max_cpu_loras are "
+            "engine_args."
+        ),
+    )
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         default="auto",
         description=(
@@ -289,6 +301,22 @@ class WorkerSettings(ServiceSettings, SamplingLimits, ToolLimits):
                 "structured_outputs_disable_any_whitespace needs structured_outputs_backend "
                 f"xgrammar or guidance, not {self.structured_outputs_backend}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _adapters_are_named_apart_from_the_model(self) -> WorkerSettings:
+        for name, directory in self.lora_modules.items():
+            if not name.strip() or name != name.strip():
+                raise ValueError(f"lora_modules: {name!r} is not a name (empty or spaced)")
+            if name in (self.model_name, self.model):
+                raise ValueError(f"lora_modules.{name}: the model's own name, not an adapter's")
+            if not (directory / "adapter_config.json").is_file():
+                raise ValueError(
+                    f"lora_modules.{name}: {directory} has no adapter_config.json (a PEFT "
+                    "LoRA adapter's directory)"
+                )
+        if self.lora_modules and self.engine_args.get("enable_lora") is False:
+            raise ValueError("lora_modules needs LoRA: engine_args.enable_lora is false")
         return self
 
     @model_validator(mode="after")

@@ -26,6 +26,7 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 
 from tokenmesh.common.errors import Internal, InvalidArgument, Unavailable
 from tokenmesh.v1 import inference_pb2, token_pb2
+from tokenmesh.worker.adapters import Adapters
 from tokenmesh.worker.config import WorkerSettings
 from tokenmesh.worker.continuation import ContinuedText, continue_choice
 from tokenmesh.worker.engine_state import EngineLoad, EngineShare
@@ -156,6 +157,8 @@ class VllmEngine:
         # same activity), for the stall watchdog.
         self.activity = activity or EngineActivity()
         self.model_name = settings.model_name
+        # The model's LoRA adapters, by the names requests give them.
+        self.adapters = Adapters.of(settings)
         # The context and batch vLLM settled on (the settings' or its defaults).
         self.max_model_len: int = llm.model_config.max_model_len
         self.max_num_seqs: int = llm.vllm_config.scheduler_config.max_num_seqs
@@ -228,6 +231,7 @@ class VllmEngine:
             thread.stop()
             raise
         engine = cls(llm, load, settings, thread, activity)
+        await thread.call(engine.adapters.load(llm))
         await engine.warm_up()
         # As vLLM's own server does once started: the start-up heap (torch, transformers, the
         # model's Python objects) leaves the collector's view, so a full collection no longer
@@ -458,7 +462,8 @@ class VllmEngine:
             positions[first_choice] = len(delivered)
             text = ContinuedText(self._tokenizer, engine_id, prompt_ids, params)
             text.delivered(delivered)
-        async for output in self._llm.generate(engine_input, params, engine_id):
+        lora = self.adapters.for_model(spec.model)
+        async for output in self._llm.generate(engine_input, params, engine_id, lora_request=lora):
             # The prompt's logprobs come with the first output that has any.
             if (
                 continuation is None
@@ -535,6 +540,7 @@ class VllmEngine:
         keeps up, and the outputs that arrived while it was busy (writing the last message)
         merged, up to max_message_tokens a message. Closing or cancelling the iterator before
         the end aborts the engine request, and calls on_abort once."""
+        self.adapters.for_model(spec.model)  # an unknown name is NOT_FOUND before the engine
         inbox = Inbox(self._server_loop)
         producer = self._thread.submit(self._produce(spec, partial(self._handoff.post, inbox)))
         pending: deque[Item] = deque()

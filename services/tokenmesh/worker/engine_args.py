@@ -12,6 +12,7 @@ from typing import Any
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+from tokenmesh.worker.adapters import lora_engine_args
 from tokenmesh.worker.config import WorkerSettings
 
 
@@ -47,6 +48,7 @@ def shortcut_args(settings: WorkerSettings) -> dict[str, Any]:
         named["max_model_len"] = settings.max_model_len
     if settings.max_num_seqs is not None:
         named["max_num_seqs"] = settings.max_num_seqs
+    named.update(lora_engine_args(settings))
     return named
 
 

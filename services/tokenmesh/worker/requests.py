@@ -107,6 +107,9 @@ class EngineRequest:
     echo_only: bool = False
     # A stream another worker began: its choices continue after what they delivered.
     resumed: Resumed | None = None
+    # The model the request names (InferenceRequest.model): empty or the worker's model, or one
+    # of its LoRA adapters (the engine's Adapters resolve it).
+    model: str = ""
 
     @property
     def engine_ids(self) -> tuple[str, ...]:
@@ -169,6 +172,7 @@ def validate(request: inference_pb2.InferenceRequest, settings: WorkerSettings) 
     for warning in request.warnings:
         check_text("warnings", warning, settings.max_warning_bytes)
     check_text("degraded", request.degraded, settings.max_warning_bytes, required=False)
+    check_text("model", request.model, settings.max_model_name_bytes, required=False)
     if request.HasField("tools"):
         if not messages:
             raise InvalidArgument("tools", "need messages (tools are for conversations)")
@@ -206,6 +210,7 @@ def validate(request: inference_pb2.InferenceRequest, settings: WorkerSettings) 
             sampling.prompt_logprobs if sampling.HasField("prompt_logprobs") else None
         ),
         resumed=resumed,
+        model=request.model,
     )
 
 

@@ -302,6 +302,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             reported_unix_nanos=load.reported_unix_nanos,
             model=engine.model_name,
             max_model_len=engine.max_model_len,
+            adapters=engine.adapters.names,
         )
 
     async def Tokenize(

@@ -1,4 +1,5 @@
-"""The model the workers serve, as the OpenAI API names and lists it."""
+"""The model the workers serve and its LoRA adapters, as requests name them and the OpenAI API
+lists them."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ class ModelNotFound(NotFound):
 
 
 class ModelCatalog:
-    """The model the workers serve (their served_model_name), asked of a worker through the
-    mesh and cached: what /v1/models lists and what a request's `model` must name."""
+    """The model the workers serve (their served_model_name) and its adapters, asked of a worker
+    through the mesh and cached: what /v1/models lists and what a request's `model` must
+    name."""
 
     def __init__(self, worker: Dependency, timeout: float) -> None:
         self._stub = inference_pb2_grpc.InferenceServiceStub(worker.channel)
@@ -28,6 +30,7 @@ class ModelCatalog:
         self._name: str | None = None
         self._asked = 0.0
         self._max_model_len = 0
+        self._adapters: tuple[str, ...] = ()
 
     async def name(self) -> str:
         if self._name is None or time.monotonic() - self._asked > MODEL_NAME_TTL_SECONDS:
@@ -43,15 +46,27 @@ class ModelCatalog:
                 ) from exc
             self._name, self._asked = stats.model, time.monotonic()
             self._max_model_len = stats.max_model_len
+            self._adapters = tuple(stats.adapters)
         return self._name
 
     async def check(self, requested: str) -> str:
+        """The name a request gives, if the mesh serves it (the model, or one of its adapters);
+        ModelNotFound naming what it serves otherwise."""
         served = await self.name()
-        if requested != served:
-            raise ModelNotFound(
-                f"the model {requested!r} does not exist; this mesh serves {served!r}"
-            )
-        return served
+        if requested != served and requested not in self._adapters:
+            names = ", ".join(repr(name) for name in (served, *self._adapters))
+            raise ModelNotFound(f"the model {requested!r} does not exist; this mesh serves {names}")
+        return requested
+
+    def adapter(self, name: str) -> str:
+        """The adapter a checked name is (the worker's InferenceRequest.model), or "" for the
+        model itself."""
+        return name if name in self._adapters else ""
+
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        """The adapters, as the workers last listed them (name() asks)."""
+        return self._adapters
 
     @property
     def max_model_len(self) -> int:

@@ -12,6 +12,8 @@ _ROLE_END = "\x1f"
 _MESSAGE_END = "\x1e"
 # Before a prompt of token ids: no text prompt's key is the same.
 _IDS = "\x1d"
+# After an adapter's name: its prompts' keys are not the model's.
+_ADAPTER_END = "\x1c"
 
 
 def affinity_text(prompt: str | Conversation | PromptBatch, prefix_chars: int) -> str:
@@ -39,8 +41,13 @@ def _opening(conversation: Conversation) -> str:
     return "".join(parts)
 
 
-def affinity_key(prompt: str | Conversation | PromptBatch, prefix_chars: int) -> str:
-    """A short digest of affinity_text (a header value; Envoy hashes it again onto its ring).
-    BLAKE2b from the standard library: one call of a few microseconds per request."""
+def affinity_key(
+    prompt: str | Conversation | PromptBatch, prefix_chars: int, adapter: str = ""
+) -> str:
+    """A short digest of affinity_text (a header value; Envoy hashes it again onto its ring),
+    after the adapter's name for an adapter's request (its prefix cache is its own). BLAKE2b
+    from the standard library: one call of a few microseconds per request."""
     text = affinity_text(prompt, prefix_chars)
+    if adapter:
+        text = adapter + _ADAPTER_END + text
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()

@@ -14,6 +14,7 @@ from opentelemetry import trace
 
 from tokenmesh.common.tokens import AFFINITY_HEADER, WORKER_HEADER
 from tokenmesh.gateway.config import GatewaySettings
+from tokenmesh.gateway.core.catalog import ModelCatalog
 from tokenmesh.gateway.core.documents import ContextPrompt, DocumentSelector, Prompt
 from tokenmesh.gateway.core.picker import EndpointPicker, header_value
 from tokenmesh.gateway.core.prefix_key import affinity_key
@@ -60,9 +61,11 @@ class Preparer:
         self,
         selector: DocumentSelector,
         settings: GatewaySettings,
+        catalog: ModelCatalog,
         picker: EndpointPicker | None = None,
     ) -> None:
         self._selector = selector
+        self._catalog = catalog
         # Names the workers for each request (worker_routing picker); None: Envoy alone picks.
         self._picker = picker
         self._affinity_chars = settings.affinity_prefix_chars
@@ -82,8 +85,12 @@ class Preparer:
         )
 
     async def question(self, question: Question, remaining: float | None) -> PreparedCall:
+        """A gRPC question: its model (empty: the mesh's model) checked, then prepared."""
+        adapter = ""
+        if question.model:
+            adapter = self._catalog.adapter(await self._catalog.check(question.model))
         context = await self.context(question, remaining)
-        return self.call(context.prompt, question.sampling, context)
+        return self.call(context.prompt, question.sampling, context, model=adapter)
 
     def call(
         self,
@@ -91,11 +98,13 @@ class Preparer:
         sampling: inference_pb2.SamplingParams,
         context: ContextPrompt | None = None,
         openai: inference_pb2.OpenAIAnswer | None = None,
+        model: str = "",
     ) -> PreparedCall:
         """The call for a prompt (or a conversation, which the worker renders with the model's
-        chat template) and its context's warnings; logged when log_prompts is on."""
+        chat template) and its context's warnings, answered by the adapter `model` names (""
+        for the model itself); logged when log_prompts is on."""
         request = inference_pb2.InferenceRequest(
-            request_id=uuid.uuid4().hex[:16], sampling=sampling, openai=openai
+            request_id=uuid.uuid4().hex[:16], sampling=sampling, openai=openai, model=model
         )
         if isinstance(prompt, str):
             request.prompt = prompt
@@ -121,7 +130,8 @@ class Preparer:
             self._prompt_log.info(
                 "prompt", extra={"request_id": request.request_id, "prompt": logged}
             )
-        key = affinity_key(prompt, self._affinity_chars)
+        # An adapter's prefix cache is its own in vLLM: its key differs from the model's.
+        key = affinity_key(prompt, self._affinity_chars, model)
         span = trace.get_current_span()
         span.set_attribute("tokenmesh.affinity_key", key)
         workers = () if self._picker is None else tuple(self._picker.pick(key))

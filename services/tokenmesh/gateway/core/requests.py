@@ -19,6 +19,8 @@ class Question:
     documents: tuple[str, ...]
     top_k_documents: int
     sampling: inference_pb2.SamplingParams
+    # The model or adapter it names (empty: the mesh's model), checked as it is prepared.
+    model: str = ""
 
 
 def sampling_params(
@@ -38,6 +40,7 @@ def question(
     request: llm_pb2.GenerateRequest | llm_pb2.Query, settings: GatewaySettings
 ) -> Question:
     check_text("prompt", request.prompt, settings.max_prompt_bytes)
+    check_text("model", request.model, settings.max_model_name_bytes, required=False)
     sampling = sampling_params(request, settings)
     check_count("documents", len(request.documents), settings.max_documents, "documents")
     for position, document in enumerate(request.documents):
@@ -54,4 +57,5 @@ def question(
         documents=tuple(request.documents),
         top_k_documents=top_k,
         sampling=sampling,
+        model=request.model,
     )

@@ -177,10 +177,21 @@ class OpenAIApi:
         finally:
             if release is not None:
                 release()
-        card = {"id": name, "object": "model", "created": 0, "owned_by": "tokenmesh"}
+        card: dict[str, object] = {
+            "id": name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "tokenmesh",
+            "root": name,
+            "parent": None,
+        }
         if self._catalog.max_model_len:
             card["max_model_len"] = self._catalog.max_model_len
-        cards = [card]
+        # Each LoRA adapter as vLLM's server lists one: its parent is the model it adapts.
+        cards = [
+            card,
+            *({**card, "id": a, "root": a, "parent": name} for a in self._catalog.adapters),
+        ]
         if self._pooling is not None and (embedding := await self._pooling.model_card()):
             cards.append(embedding)
         return JSONResponse({"object": "list", "data": cards})

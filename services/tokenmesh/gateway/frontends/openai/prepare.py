@@ -29,6 +29,7 @@ class OpenAIPreparer:
     async def prepare(self, body: CompletionRequest | ChatCompletionRequest) -> PreparedCall:
         settings = self._settings
         model = await self._catalog.check(body.model)
+        adapter = self._catalog.adapter(model)
         generate = body.generate_request(settings.max_tokens_cap)
         if isinstance(body, ChatCompletionRequest):
             # Named as the caller wrote them, before the last user message is checked as the
@@ -57,7 +58,9 @@ class OpenAIPreparer:
             sampling = sampling_params(generate, settings)
             if batch.prompts:
                 check_batch(batch.prompts, sampling.n, settings, settings.max_prompt_bytes)
-            return self._preparer.call(batch, sampling, None, answer_of(body, model, limit))
+            return self._preparer.call(
+                batch, sampling, None, answer_of(body, model, limit), model=adapter
+            )
         asked = question(generate, settings)
         context = await self._preparer.context(asked, limit)
         prompt: Prompt = context.prompt
@@ -69,7 +72,9 @@ class OpenAIPreparer:
             )
             # Without a limit, as vLLM's server: up to what the context leaves.
             asked.sampling.max_tokens_within_context = body.max_tokens_named is None
-        return self._preparer.call(prompt, asked.sampling, context, answer_of(body, model, limit))
+        return self._preparer.call(
+            prompt, asked.sampling, context, answer_of(body, model, limit), model=adapter
+        )
 
 
 def answer_of(

@@ -1,0 +1,134 @@
+"""LoRA adapters on the session mesh, whose workers serve the tiny model's generated adapter as
+`make up` does: /v1/models lists it with its parent; a request naming it as its `model` (the
+OpenAI SDK at the edge, or gRPC Generate's `model`) is answered by it, its greedy answer
+different from the model's and the same as vLLM's own server's with the same adapter; an
+unknown name is 404 / NOT_FOUND naming what the mesh serves."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import openai
+import pytest
+
+from tests.support import ROOT, TINY_MODEL
+from tokenmesh.common.processes import stop_process
+from tokenmesh.localmesh.mesh import LocalMesh
+from tokenmesh.localmesh.probes import free_port
+from tokenmesh.v1 import llm_pb2, llm_pb2_grpc
+
+pytestmark = pytest.mark.integration
+
+MODEL = TINY_MODEL.name
+ADAPTER = f"{MODEL}-lora"
+ADAPTER_DIR = TINY_MODEL.parent / ADAPTER
+PROMPTS = ["The colour of the sky is", "def main():", "Once upon a time"]
+GREEDY: dict[str, Any] = {"temperature": 0.0, "max_tokens": 16}
+
+
+def sdk(port: int) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def edge(mesh: LocalMesh) -> openai.OpenAI:
+    if not (ADAPTER_DIR / "adapter_config.json").exists():
+        pytest.skip(f"no adapter at {ADAPTER_DIR}: `make setup` generates it")
+    return sdk(mesh.settings.edge_port)
+
+
+@pytest.fixture(scope="module")
+def vllm_server(edge: openai.OpenAI, tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    """vLLM's own OpenAI server on the tiny model with the same adapter (`--lora-modules`):
+    its port. Its engine binds no core (the mesh's engines bind theirs)."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("vllm") / "server.log"
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(TINY_MODEL), "--served-model-name", MODEL,
+        "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
+        "--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"{ADAPTER}={ADAPTER_DIR}",
+    ]  # fmt: skip
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    with log.open("w") as output:
+        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=output, stderr=output)
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert process.poll() is None, log.read_text()[-4000:]
+            assert time.monotonic() < deadline, "vLLM's server not up in 600 s"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                    break
+            except OSError:
+                time.sleep(1)
+        yield port
+    finally:
+        stop_process(process, 60)
+
+
+def completions(client: openai.OpenAI, model: str) -> list[str]:
+    return [
+        client.completions.create(model=model, prompt=prompt, **GREEDY).choices[0].text
+        for prompt in PROMPTS
+    ]
+
+
+def test_models_lists_the_adapter_under_its_model(edge: openai.OpenAI) -> None:
+    cards = {card.id: card for card in edge.models.list().data}
+    assert MODEL in cards and ADAPTER in cards
+    assert cards[ADAPTER].model_extra is not None
+    assert cards[ADAPTER].model_extra["parent"] == MODEL
+    assert cards[MODEL].model_extra is not None and cards[MODEL].model_extra["parent"] is None
+
+
+def test_the_adapter_answers_as_vllms_own_server_answers_with_it(
+    edge: openai.OpenAI, vllm_server: int
+) -> None:
+    own = sdk(vllm_server)
+    adapted = completions(edge, ADAPTER)
+    assert adapted == completions(own, ADAPTER)
+    # The adapter changed the answers: they are not the model's.
+    base = completions(edge, MODEL)
+    assert base == completions(own, MODEL)
+    assert adapted != base
+    # A conversation too, and the answer names the adapter as its model.
+    chat = edge.chat.completions.create(
+        model=ADAPTER, messages=[{"role": "user", "content": PROMPTS[0]}], **GREEDY
+    )
+    theirs = own.chat.completions.create(
+        model=ADAPTER, messages=[{"role": "user", "content": PROMPTS[0]}], **GREEDY
+    )
+    assert chat.model == ADAPTER
+    assert chat.choices[0].message.content == theirs.choices[0].message.content
+
+
+async def test_grpc_generate_names_the_adapter_and_unknown_models_are_not_found(
+    mesh: LocalMesh, edge: openai.OpenAI
+) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{mesh.settings.edge_port}") as channel:
+        stub = llm_pb2_grpc.LLMServiceStub(channel)
+
+        async def text(model: str) -> str:
+            request = llm_pb2.GenerateRequest(
+                prompt=PROMPTS[0], max_tokens=16, temperature=0.0, model=model
+            )
+            return "".join([token.text async for token in stub.Generate(request, timeout=60)])
+
+        streamed = await text(ADAPTER)
+        assert streamed == completions(edge, ADAPTER)[0]
+        assert await text("") == await text(MODEL) != streamed
+        with pytest.raises(grpc.aio.AioRpcError) as unknown:
+            await text("no-such-model")
+    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+    assert ADAPTER in (unknown.value.details() or ""), unknown.value.details()
+    with pytest.raises(openai.NotFoundError) as missing:
+        edge.completions.create(model="no-such-model", prompt="x", max_tokens=1)
+    assert ADAPTER in str(missing.value) and MODEL in str(missing.value)
