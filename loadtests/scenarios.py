@@ -114,12 +114,10 @@ class Bench:
 @contextmanager
 def private_mesh(**overrides: Any) -> Iterator[LocalMesh]:
     """1 gateway and 1 worker (every hop on the same engine), reranker, control plane, Envoy;
-    other LocalMeshSettings in overrides (e.g. workers=2, model=...). Its workers serve no LoRA
-    adapter unless overrides name some: vLLM's server, the baseline, runs none, and on CPU an
-    engine with LoRA on runs eagerly (uncompiled) at about half the tokens a second."""
+    other LocalMeshSettings in overrides (e.g. workers=2, model=...)."""
     with tempfile.TemporaryDirectory(prefix="loadtest-mesh-") as run_dir:
         settings = LocalMeshSettings.on_free_ports(
-            Path(run_dir), **{"gateways": 1, "workers": 1, "lora_modules": {}, **overrides}
+            Path(run_dir), **{"gateways": 1, "workers": 1, **overrides}
         )
         local_mesh = LocalMesh(settings, root=ROOT)
         try:

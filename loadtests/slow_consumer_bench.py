@@ -39,8 +39,7 @@ def measure(
         slow_consumer_env(stream_window, connection_window),
     ):
         local_mesh = LocalMesh(
-            LocalMeshSettings.on_free_ports(Path(run_dir), gateways=1, workers=1, lora_modules={}),
-            root=ROOT,
+            LocalMeshSettings.on_free_ports(Path(run_dir), gateways=1, workers=1), root=ROOT
         )
         try:
             if local_mesh.up() != 0:

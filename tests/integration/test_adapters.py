@@ -1,8 +1,10 @@
-"""LoRA adapters on the session mesh, whose workers serve the tiny model's generated adapter as
-`make up` does: /v1/models lists it with its parent; a request naming it as its `model` (the
-OpenAI SDK at the edge, or gRPC Generate's `model`) is answered by it, its greedy answer
-different from the model's and the same as vLLM's own server's with the same adapter; an
-unknown name is 404 / NOT_FOUND naming what the mesh serves."""
+"""LoRA adapters on a mesh whose worker serves the tiny model's generated adapter
+(TOKENMESH_LOCALMESH_LORA_MODULES, as a user turns it on): /v1/models lists it with its
+parent; a request naming it as its `model` (the OpenAI SDK at the edge, or gRPC Generate's
+`model`) is answered by it, its greedy answer different from the model's and the same as
+vLLM's own server's with the same adapter; an unknown name is 404 / NOT_FOUND naming what
+the mesh serves; prompt logprobs, which vLLM's engine fails with LoRA on, are refused naming
+the field instead of ending the engine."""
 
 from __future__ import annotations
 
@@ -18,9 +20,9 @@ import grpc
 import openai
 import pytest
 
-from tests.support import ROOT, TINY_MODEL
+from tests.support import ROOT, TINY_MODEL, running_mesh
 from tokenmesh.common.processes import stop_process
-from tokenmesh.localmesh.mesh import LocalMesh
+from tokenmesh.localmesh.mesh import LocalMesh, LocalMeshSettings
 from tokenmesh.localmesh.probes import free_port
 from tokenmesh.v1 import llm_pb2, llm_pb2_grpc
 
@@ -38,9 +40,22 @@ def sdk(port: int) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def edge(mesh: LocalMesh) -> openai.OpenAI:
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalMesh]:
+    """1 gateway and 1 worker serving the adapter beside the model."""
     if not (ADAPTER_DIR / "adapter_config.json").exists():
         pytest.skip(f"no adapter at {ADAPTER_DIR}: `make setup` generates it")
+    settings = LocalMeshSettings.on_free_ports(
+        tmp_path_factory.mktemp("lora"),
+        gateways=1,
+        workers=1,
+        lora_modules={ADAPTER: str(ADAPTER_DIR)},
+    )
+    with running_mesh(settings) as local_mesh:
+        yield local_mesh
+
+
+@pytest.fixture(scope="module")
+def edge(mesh: LocalMesh) -> openai.OpenAI:
     return sdk(mesh.settings.edge_port)
 
 
@@ -132,3 +147,21 @@ async def test_grpc_generate_names_the_adapter_and_unknown_models_are_not_found(
     with pytest.raises(openai.NotFoundError) as missing:
         edge.completions.create(model="no-such-model", prompt="x", max_tokens=1)
     assert ADAPTER in str(missing.value) and MODEL in str(missing.value)
+
+
+def test_prompt_logprobs_are_refused_naming_the_field_and_the_engine_lives(
+    mesh: LocalMesh, edge: openai.OpenAI
+) -> None:
+    with pytest.raises(openai.BadRequestError) as asked:
+        edge.completions.create(
+            model=MODEL, prompt=PROMPTS[0], max_tokens=2, extra_body={"prompt_logprobs": 1}
+        )
+    assert "prompt_logprobs" in str(asked.value) and "LoRA" in str(asked.value)
+    with pytest.raises(openai.BadRequestError) as echoed:
+        edge.completions.create(
+            model=ADAPTER, prompt=PROMPTS[0], max_tokens=2, echo=True, logprobs=1
+        )
+    assert "echo" in str(echoed.value), echoed.value
+    # Both choices of a stream beside it: the engine still answers.
+    answer = edge.completions.create(model=ADAPTER, prompt=PROMPTS[1], n=2, max_tokens=8)
+    assert len(answer.choices) == 2 and answer.choices[0].text

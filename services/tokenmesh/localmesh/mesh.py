@@ -263,7 +263,7 @@ class LocalMesh:
             f"  curl -N{curl_tls}{header} -H 'content-type: application/json' -d '{body}' "
             f"{scheme}://{edge}/v1/chat/completions"
         )
-        for adapter in s.adapters():
+        for adapter in s.lora_modules:
             # The same through a LoRA adapter of the model: `model` names it.
             print(
                 f"  curl{curl_tls}{header} -H 'content-type: application/json' -d "

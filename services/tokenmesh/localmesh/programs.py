@@ -171,7 +171,7 @@ class ProcessTable:
             model=s.model,
             # What OpenAI clients name as `model`: the model directory's name.
             served_model_name=Path(s.model).name,
-            lora_modules=s.adapters(),
+            lora_modules=s.lora_modules,
             kv_cache_space_gib=s.worker_kv_cache_space_gib,
             max_model_len=s.worker_max_model_len,
             max_num_seqs=s.worker_max_num_seqs,

@@ -57,9 +57,9 @@ class LocalMeshSettings(BaseSettings):
     run_dir: Path = Path(".run")
     model: str = "models/tiny-llama"
     # LoRA adapters the workers serve on the model ({name: directory}, WorkerSettings'
-    # lora_modules). Unset: the adapter `make setup` generates beside a model of its own
-    # making (<model>-lora, named so), when it is there.
-    lora_modules: dict[str, str] | None = None
+    # lora_modules), e.g. {"tiny-llama-lora": "models/tiny-llama-lora"}, which `make setup`
+    # generates. None by default: a worker with LoRA on refuses prompt logprobs (decision 0032).
+    lora_modules: dict[str, str] = {}
     gateways: int = Field(default=2, ge=1, le=16)
     # 0 means: 2, or 1 when the machine has too little free memory for two.
     workers: int = Field(default=0, ge=0, le=16)
@@ -141,15 +141,6 @@ class LocalMeshSettings(BaseSettings):
     # Extra DNS names or IP addresses on the edge certificate (JSON list), for clients that
     # reach the edge by another name than localhost or 127.0.0.1.
     tls_edge_names: tuple[str, ...] = ()
-
-    def adapters(self) -> dict[str, str]:
-        """The workers' LoRA adapters: lora_modules, or the model's generated one."""
-        if self.lora_modules is not None:
-            return self.lora_modules
-        generated = Path(f"{self.model.rstrip('/')}-lora")
-        if (generated / "tokenmesh-lora.json").exists():
-            return {generated.name: str(generated)}
-        return {}
 
     @classmethod
     def on_free_ports(cls, run_dir: Path, **overrides: Any) -> LocalMeshSettings:

@@ -38,7 +38,8 @@ class WorkerSettings(ServiceSettings, SamplingLimits, ToolLimits):
             "worker starts (a bad one stops it, named). Non-empty turns vLLM's enable_lora on "
             "and, unless engine_args sets it, max_lora_rank to fit the largest adapter; "
             "max_loras (adapters in one batch, vLLM's default 1) and max_cpu_loras are "
-            "engine_args."
+            "engine_args. A worker with LoRA on refuses prompt logprobs (prompt_logprobs, echo "
+            "with logprobs): vLLM's engine fails them (decision 0032)."
         ),
     )
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(

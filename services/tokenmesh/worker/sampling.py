@@ -123,6 +123,10 @@ class EngineSampling:
     def __init__(self, llm: Any, defaults: dict[str, Any]) -> None:
         self._model_config = llm.model_config
         self._structured_outputs_config = llm.vllm_config.structured_outputs_config
+        # An engine with LoRA on fails a batch step that computes prompt logprobs (its
+        # logits' LoRA layer is indexed by the sampled sequences, not the prompt's tokens:
+        # vllm-project/vllm#16668, #29955), and dies with every stream on it.
+        self._lora = getattr(llm.vllm_config, "lora_config", None) is not None
         self._tokenizer = llm.renderer.tokenizer
         # Where a request leaves a field unset (vLLM's default_sampling_params).
         self._defaults = defaults
@@ -136,6 +140,12 @@ class EngineSampling:
             params = options.to_sampling_params(max_tokens, self._defaults)
             if prompt_logprobs is not None:
                 params.prompt_logprobs = prompt_logprobs
+            if self._lora and params.prompt_logprobs is not None:
+                raise InvalidArgument(
+                    "prompt_logprobs" if prompt_logprobs is not None else "echo",
+                    "prompt logprobs are not available on a worker that serves LoRA adapters "
+                    "(vLLM's engine fails them: vllm-project/vllm#16668)",
+                )
             # vLLM checks these again as it adds the request, but there a constraint that does
             # not compile (a plain ValueError) becomes an EngineGenerateError, an internal
             # error; checked here first, every refusal is the caller's, naming the field.
