@@ -115,8 +115,8 @@ async def test_the_catalog_serves_the_model_and_the_adapters_a_worker_lists(
     worker: Dependency,
 ) -> None:
     catalog = ModelCatalog(worker, timeout=5.0)
-    assert await catalog.check("base") == "base" and catalog.adapter("base") == ""
-    assert await catalog.check("sql") == "sql" and catalog.adapter("sql") == "sql"
+    assert await catalog.check("base") == "base" and await catalog.adapter_of("base") == ""
+    assert await catalog.check("sql") == "sql" and await catalog.adapter_of("sql") == "sql"
     assert catalog.adapters == ("sql", "chat")
     with pytest.raises(ModelNotFound) as unknown:
         await catalog.check("other")

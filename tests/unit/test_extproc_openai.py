@@ -47,7 +47,8 @@ class Catalog:
             raise ModelNotFound(f"the model {requested!r} does not exist")
         return MODEL
 
-    def adapter(self, name: str) -> str:
+    async def adapter_of(self, requested: str) -> str:
+        await self.check(requested)
         return ""
 
 

@@ -58,10 +58,11 @@ class ModelCatalog:
             raise ModelNotFound(f"the model {requested!r} does not exist; this mesh serves {names}")
         return requested
 
-    def adapter(self, name: str) -> str:
-        """The adapter a checked name is (the worker's InferenceRequest.model), or "" for the
-        model itself."""
-        return name if name in self._adapters else ""
+    async def adapter_of(self, requested: str) -> str:
+        """The adapter a request's `model` names (the worker's InferenceRequest.model), "" for
+        the model itself; checked as check() checks it."""
+        await self.check(requested)
+        return requested if requested in self._adapters else ""
 
     @property
     def adapters(self) -> tuple[str, ...]:

@@ -86,9 +86,7 @@ class Preparer:
 
     async def question(self, question: Question, remaining: float | None) -> PreparedCall:
         """A gRPC question: its model (empty: the mesh's model) checked, then prepared."""
-        adapter = ""
-        if question.model:
-            adapter = self._catalog.adapter(await self._catalog.check(question.model))
+        adapter = await self._catalog.adapter_of(question.model) if question.model else ""
         context = await self.context(question, remaining)
         return self.call(context.prompt, question.sampling, context, model=adapter)
 

@@ -28,8 +28,8 @@ class OpenAIPreparer:
 
     async def prepare(self, body: CompletionRequest | ChatCompletionRequest) -> PreparedCall:
         settings = self._settings
-        model = await self._catalog.check(body.model)
-        adapter = self._catalog.adapter(model)
+        model = body.model
+        adapter = await self._catalog.adapter_of(model)
         generate = body.generate_request(settings.max_tokens_cap)
         if isinstance(body, ChatCompletionRequest):
             # Named as the caller wrote them, before the last user message is checked as the
