@@ -33,10 +33,16 @@ ATTEMPT_FAILED = pytest.StashKey[bool]()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests that stop the shared worker run after all others, in their file order; an
+    """Tests that stop the shared worker run after all others, in their file order, and those
+    that end the shared mesh's workers right after its other tests (the mesh then stops); an
     integration test that fails while the machine itself stalled (stolen CPU time, a kernel
     lockup) runs once more (pytest-rerunfailures, reported as a rerun)."""
     items.sort(key=lambda item: item.get_closest_marker("stops_worker") is not None)
+    ending = [item for item in items if item.get_closest_marker("ends_mesh") is not None]
+    rest = [item for item in items if item.get_closest_marker("ends_mesh") is None]
+    users = [i for i, item in enumerate(rest) if "mesh" in getattr(item, "fixturenames", ())]
+    after = users[-1] + 1 if users else len(rest)
+    items[:] = rest[:after] + ending + rest[after:]
     for item in items:
         if item.get_closest_marker("integration") is not None:
             item.add_marker(pytest.mark.flaky(reruns=1, condition=functools.partial(stalled, item)))
@@ -56,6 +62,7 @@ def stalled(item: pytest.Item) -> bool:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "stops_worker: ends the session's shared worker process")
+    config.addinivalue_line("markers", "ends_mesh: ends the shared mesh's workers")
     watch = StallWatch()
     watch.start()
     config.stash[STALL_WATCH] = watch

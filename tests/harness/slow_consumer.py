@@ -1,7 +1,7 @@
 """A client that stops reading N token streams through a mesh's edge, then reads them all:
-how much Envoy (its allocator's own count) and the gateway (RSS) grew meanwhile, what share of
-the tokens the gateway and the worker sent before HTTP/2 flow control stopped them, and whether
-every stream still arrived whole. Run by tests/integration/test_backpressure.py and, against
+how much Envoy (its allocator's own count) and the gateways (RSS) grew meanwhile, what share of
+the tokens the gateways and the workers sent before HTTP/2 flow control stopped them, and
+whether every stream still arrived whole. Run by tests/integration/test_backpressure.py and, against
 several windows, by `python -m loadtests.slow_consumer_bench`.
 """
 
@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.harness.meshes import environment
 from tokenmesh.common.tokens import token_count
-from tokenmesh.localmesh.mesh import LocalMesh, Program
+from tokenmesh.localmesh.mesh import LocalMesh
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, llm_pb2, llm_pb2_grpc
 
 # A reader that never reads: a fixed 64 KiB window per stream (gRPC's BDP probing off).
@@ -34,14 +34,15 @@ class SlowConsumerResult:
     tokens_per_stream: int
     # What the streams carried in all, measured once the client finally read them.
     output_bytes: int
-    # Share of all tokens each service had sent while the client read nothing.
+    # Share of all tokens each service (its replicas together) had sent while the client read
+    # nothing.
     gateway_sent_fraction: float
     worker_sent_fraction: float
     envoy_growth_bytes: int
     gateway_rss_growth_bytes: int
     # Every stream arrived whole, in order, once read.
     complete: bool
-    # Tokens another client streamed meanwhile (on its own connection, same gateway and worker):
+    # Tokens another client streamed meanwhile (on its own connection, through the same mesh):
     # the slow reader must not stall anyone else.
     bystander_tokens: int
     seconds_to_stall: float
@@ -78,16 +79,8 @@ class SlowConsumerProbe:
 
     def __init__(self, local_mesh: LocalMesh) -> None:
         self._local_mesh = local_mesh
-        self._gateway = self._single("gateway")
-        self._worker = self._single("worker")
-
-    @property
-    def worker_address(self) -> str:
-        return self._worker.address
-
-    def _single(self, service: str) -> Program:
-        (program,) = [p for p in self._local_mesh.programs if p.service == service]
-        return program
+        self._gateways = local_mesh.replicas("gateway")
+        self._workers = local_mesh.replicas("worker")
 
     def envoy_allocated(self) -> int:
         """Bytes Envoy's allocator holds (admin /memory), steadier than RSS."""
@@ -96,19 +89,24 @@ class SlowConsumerProbe:
             return int(json.loads(reply.read())["allocated"])
 
     async def engine_done(self) -> bool:
-        """vLLM has made every token asked of it (it does not wait for slow readers)."""
-        async with aio.insecure_channel(self._worker.address) as channel:
-            try:
-                stats = await inference_pb2_grpc.InferenceServiceStub(channel).GetEngineStats(
-                    inference_pb2.EngineStatsRequest(), timeout=5
-                )
-            except aio.AioRpcError as error:
-                # A worker busy making 20 logprobs a token can be slow to answer on a loaded
-                # machine: busy is not done, and the caller's loop asks again within its bound.
-                if error.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
-                    return False
-                raise
-        return stats.running_requests + stats.waiting_requests == 0
+        """vLLM has made every token asked of it, in every worker (it does not wait for slow
+        readers)."""
+        for worker in self._workers:
+            async with aio.insecure_channel(worker.address) as channel:
+                try:
+                    stats = await inference_pb2_grpc.InferenceServiceStub(channel).GetEngineStats(
+                        inference_pb2.EngineStatsRequest(), timeout=5
+                    )
+                except aio.AioRpcError as error:
+                    # A worker busy making 20 logprobs a token can be slow to answer on a
+                    # loaded machine: busy is not done, and the caller's loop asks again
+                    # within its bound.
+                    if error.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                        return False
+                    raise
+            if stats.running_requests + stats.waiting_requests:
+                return False
+        return True
 
     @staticmethod
     async def bystander(edge: str, tokens: int, limit: float) -> int:
@@ -120,16 +118,20 @@ class SlowConsumerProbe:
             return sum([token_count(token) async for token in stream])
 
     def sent(self) -> tuple[float, float]:
+        """Tokens the gateways, and the workers, have sent in all."""
         return (
-            tokens_sent(self._gateway.metrics_port or 0),
-            tokens_sent(self._worker.metrics_port or 0),
+            sum(tokens_sent(gateway.metrics_port or 0) for gateway in self._gateways),
+            sum(tokens_sent(worker.metrics_port or 0) for worker in self._workers),
         )
+
+    def gateways_rss(self, processes: list[psutil.Process]) -> int:
+        return sum(process.memory_info().rss for process in processes)
 
     async def run(
         self, streams: int, max_tokens: int, settle_seconds: float = 3.0, limit: float = 120.0
     ) -> SlowConsumerResult:
-        gateway = psutil.Process(self._local_mesh.pid(self._gateway.name))
-        envoy_before, rss_before = self.envoy_allocated(), gateway.memory_info().rss
+        gateways = [psutil.Process(self._local_mesh.pid(g.name)) for g in self._gateways]
+        envoy_before, rss_before = self.envoy_allocated(), self.gateways_rss(gateways)
         gateway_before, worker_before = self.sent()
         edge = f"127.0.0.1:{self._local_mesh.settings.edge_port}"
         async with aio.insecure_channel(edge, options=SLOW_CLIENT_OPTIONS) as channel:
@@ -162,7 +164,7 @@ class SlowConsumerProbe:
                 assert time.monotonic() - started < limit, "the mesh never stopped sending"
                 await asyncio.sleep(0.25)
                 envoy_peak = max(envoy_peak, self.envoy_allocated())
-                rss_peak = max(rss_peak, gateway.memory_info().rss)
+                rss_peak = max(rss_peak, self.gateways_rss(gateways))
                 now = self.sent()
                 if now != last:
                     last, stalled_at = now, time.monotonic()

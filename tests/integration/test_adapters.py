@@ -4,10 +4,15 @@ parent; a request naming it as its `model` (the OpenAI SDK at the edge, or gRPC 
 `model`) is answered by it, its greedy answer different from the model's and the same as
 vLLM's own server's with the same adapter; an unknown name is 404 / NOT_FOUND naming what
 the mesh serves; prompt logprobs, which vLLM's engine fails with LoRA on, are refused naming
-the field instead of ending the engine."""
+the field instead of ending the engine. Routing by adapter, over two workers whose engines hold
+one adapter at a time (vLLM's default max_loras and max_cpu_loras, 1): a second name for the
+same adapter goes, whatever the prompt, to one worker, which loads it on first use in place of
+the first; under load it spills to the other worker, which loads it too (the workers' metrics
+and engine stats say so)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -20,17 +25,19 @@ import grpc
 import openai
 import pytest
 
-from tests.support import ROOT, TINY_MODEL, running_mesh
+from tests.support import ROOT, TINY_MODEL, metric_value, running_mesh, scrape_metrics
 from tokenmesh.common.processes import stop_process
-from tokenmesh.localmesh.mesh import LocalMesh, LocalMeshSettings
+from tokenmesh.localmesh.mesh import LocalMesh, LocalMeshSettings, Program
 from tokenmesh.localmesh.probes import free_port
-from tokenmesh.v1 import llm_pb2, llm_pb2_grpc
+from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, llm_pb2, llm_pb2_grpc
 
 pytestmark = pytest.mark.integration
 
 MODEL = TINY_MODEL.name
 ADAPTER = f"{MODEL}-lora"
 ADAPTER_DIR = TINY_MODEL.parent / ADAPTER
+# The same weights under a second name: a second adapter to the engine (its own id).
+SECOND = f"{ADAPTER}-2"
 PROMPTS = ["The colour of the sky is", "def main():", "Once upon a time"]
 GREEDY: dict[str, Any] = {"temperature": 0.0, "max_tokens": 16}
 
@@ -41,14 +48,14 @@ def sdk(port: int) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalMesh]:
-    """1 gateway and 1 worker serving the adapter beside the model."""
+    """1 gateway and 2 workers serving the adapter (under two names) beside the model."""
     if not (ADAPTER_DIR / "adapter_config.json").exists():
         pytest.skip(f"no adapter at {ADAPTER_DIR}: `make setup` generates it")
     settings = LocalMeshSettings.on_free_ports(
         tmp_path_factory.mktemp("lora"),
         gateways=1,
-        workers=1,
-        lora_modules={ADAPTER: str(ADAPTER_DIR)},
+        workers=2,
+        lora_modules={ADAPTER: str(ADAPTER_DIR), SECOND: str(ADAPTER_DIR)},
     )
     with running_mesh(settings) as local_mesh:
         yield local_mesh
@@ -165,3 +172,81 @@ def test_prompt_logprobs_are_refused_naming_the_field_and_the_engine_lives(
     # Both choices of a stream beside it: the engine still answers.
     answer = edge.completions.create(model=ADAPTER, prompt=PROMPTS[1], n=2, max_tokens=8)
     assert len(answer.choices) == 2 and answer.choices[0].text
+
+
+def adapter_counts(worker: Program, name: str, adapter: str) -> float:
+    page = scrape_metrics(worker.metrics_port or 0)
+    return metric_value(page, f"tokenmesh_worker_adapter_{name}_total", 0.0, adapter=adapter)
+
+
+def finished(worker: Program) -> float:
+    """Requests the worker's engine has finished (vLLM's count)."""
+    page = scrape_metrics(worker.metrics_port or 0)
+    return metric_value(page, "vllm:request_success_total", 0.0)
+
+
+async def held(worker: Program) -> list[str]:
+    async with grpc.aio.insecure_channel(worker.address) as channel:
+        stats = await inference_pb2_grpc.InferenceServiceStub(channel).GetEngineStats(
+            inference_pb2.EngineStatsRequest(), timeout=10
+        )
+    return list(stats.held_adapters)
+
+
+async def test_an_adapters_requests_go_to_one_worker_which_loads_it_on_first_use(
+    mesh: LocalMesh, edge: openai.OpenAI
+) -> None:
+    workers = mesh.replicas("worker")
+    # Each engine held the first adapter from its start (its cache holds one).
+    assert [await held(worker) for worker in workers] == [[ADAPTER], [ADAPTER]]
+    assert [adapter_counts(w, "loads", SECOND) for w in workers] == [0, 0]
+    before = [finished(worker) for worker in workers]
+    # Prompts that share nothing: the adapter, not the prompt, decides the worker.
+    answers = [
+        edge.completions.create(model=SECOND, prompt=f"{i} {prompt}", **GREEDY).choices[0].text
+        for i, prompt in enumerate(PROMPTS * 3)
+    ]
+    assert all(answers), answers
+    served = [finished(worker) - was for worker, was in zip(workers, before, strict=True)]
+    assert sorted(served) == [0, len(answers)], served
+    chosen, other = (workers[0], workers[1]) if served[0] else (workers[1], workers[0])
+    # It loaded the adapter for the first of them, in place of the one it held.
+    assert adapter_counts(chosen, "loads", SECOND) == 1
+    assert adapter_counts(chosen, "evictions", ADAPTER) == 1
+    assert await held(chosen) == [SECOND] and await held(other) == [ADAPTER]
+    page = scrape_metrics(chosen.metrics_port or 0)
+    assert metric_value(page, "tokenmesh_worker_adapter_load_seconds_count", adapter=SECOND) == 1
+
+
+async def test_a_hot_adapter_spills_to_the_other_worker_which_loads_it(
+    mesh: LocalMesh, edge: openai.OpenAI
+) -> None:
+    workers = mesh.replicas("worker")
+    before = [finished(worker) for worker in workers]
+    loads = [adapter_counts(worker, "loads", SECOND) for worker in workers]
+    holding = [SECOND in await held(worker) for worker in workers]
+    streams = 16
+
+    client = openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{mesh.settings.edge_port}/v1", api_key="-", max_retries=0
+    )
+
+    async def one(i: int) -> int:
+        answer = await client.completions.create(
+            model=SECOND, prompt=f"hot {i}", max_tokens=200, extra_body={"ignore_eos": True}
+        )
+        return answer.usage.completion_tokens if answer.usage else 0
+
+    async with client:
+        tokens = await asyncio.gather(*(one(i) for i in range(streams)))
+    assert tokens == [200] * streams
+    served = [finished(worker) - was for worker, was in zip(workers, before, strict=True)]
+    # Over the bound (125 % of the mean streams a worker has in flight) the adapter's streams
+    # go to the next worker on the ring; most stay where the adapter was.
+    assert sum(served) == streams and min(served) > 0, served
+    assert max(served) >= streams / 2, served
+    # The worker that held it (the first test's) loaded nothing; the other loaded it once, for
+    # its first.
+    assert sorted(holding) == [False, True], holding
+    grew = [adapter_counts(w, "loads", SECOND) - n for w, n in zip(workers, loads, strict=True)]
+    assert grew == [0 if holds else 1 for holds in holding], (grew, holding)

@@ -1,13 +1,16 @@
 """Failure behaviour that needs small limits: overload and a client that stops reading, the short
 version of their `make chaos` scenarios (tests/harness/chaos.py) on a mesh of their own (1 gateway,
-1 worker admitting 4 running + 4 waiting streams, a 5 s stream idle timeout)."""
+1 worker admitting 4 running + 4 waiting streams, a 5 s stream idle timeout); and, the suite's
+one-worker mesh, where such a mesh's processes run."""
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import asdict
 
+import psutil
 import pytest
 
 from tests.harness.chaos import SMALL_MESH_ENV, SMALL_SCENARIOS, Row, ScenarioMesh
@@ -30,6 +33,26 @@ async def run(mesh: ScenarioMesh, name: str) -> Row:
     assert row.hung == 0, f"{row.hung} requests hung"
     assert not row.violations, row.violations
     return row
+
+
+def test_the_mesh_runs_off_the_engines_core(small_mesh: ScenarioMesh) -> None:
+    """A 1-worker mesh on a machine with more cores: Envoy, the gateway and the worker's own
+    threads run on the cores its engine does not bind (the engine binds core 0)."""
+    cores = os.cpu_count() or 1
+    if cores < 2:
+        pytest.skip(f"needs 2 cores to keep the mesh off the engine's, this machine has {cores}")
+    mesh = set(range(1, cores))
+    for name in ("envoy", "gateway-0", "worker-0"):
+        process = psutil.Process(small_mesh.local_mesh.pid(name))
+        threads = {thread.id: os.sched_getaffinity(thread.id) for thread in process.threads()}
+        assert all(allowed == mesh for allowed in threads.values()), (name, threads)
+    # The engine's processes, all of them (the engine core that schedules and busy-waits, as
+    # well as the runner vLLM binds), keep to the engine's core 0.
+    worker = psutil.Process(small_mesh.local_mesh.pid("worker-0"))
+    engine = [child for child in worker.children(recursive=True) if "VLLM" in child.name()]
+    assert {child.name() for child in engine} >= {"VLLM::EngineCore", "VLLM::Worker"}, engine
+    placed = {(c.name(), t.id): os.sched_getaffinity(t.id) for c in engine for t in c.threads()}
+    assert all(allowed == {0} for allowed in placed.values()), placed
 
 
 async def test_overload_is_refused_fast_with_resource_exhausted(small_mesh: ScenarioMesh) -> None:

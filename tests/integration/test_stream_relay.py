@@ -1,8 +1,8 @@
-"""The edge's stream relay on a real mesh (stream_relay, worker_routing picker; envoy/relay): a
+"""The edge's stream relay (envoy/relay) on the session's shared mesh, which relays by default: a
 worker SIGKILLed while 16 gRPC and 16 OpenAI streams of 1,000 tokens run through the edge, and
 every stream completes whole, the moved ones counted by the relay; greedy streams moved that
 way say exactly what the same requests say on the undisturbed mesh; with no worker left, every
-stream ends with a clear error."""
+stream ends with a clear error (the last of the shared mesh's tests: it leaves no worker)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from grpc import aio
 
 from tests.harness.chaos import ScenarioMesh, clients_first, kill_an_engine
 from tests.integration.test_mesh_dashboards import panel_targets, series, substitute
-from tests.support import relay_metric, require_c_compiler, running_mesh
+from tests.support import relay_metric
 from tokenmesh.common.tokens import token_count
-from tokenmesh.localmesh.mesh import LocalMeshSettings
+from tokenmesh.localmesh.mesh import LocalMesh
 from tokenmesh.v1 import llm_pb2, llm_pb2_grpc
 
 pytestmark = pytest.mark.integration
@@ -28,17 +28,12 @@ GREEDY_STREAMS, GREEDY_TOKENS = 4, 400
 
 
 @pytest.fixture(scope="module")
-def relay_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ScenarioMesh]:
-    require_c_compiler()
-    settings = LocalMeshSettings.on_free_ports(
-        tmp_path_factory.mktemp("relay"),
-        gateways=1,
-        workers=2,
-        stream_relay=True,
-        worker_routing="picker",
-    )
-    with running_mesh(settings) as local_mesh, clients_first(local_mesh):
-        yield ScenarioMesh(local_mesh)
+def relay_mesh(mesh: LocalMesh) -> Iterator[ScenarioMesh]:
+    """The session's shared mesh (tests/integration/conftest.py), behind this module's clients
+    on the machine's cores while it runs (clients_first)."""
+    assert mesh.settings.mesh().relays, "the shared mesh relays streams (stream_relay)"
+    with clients_first(mesh):
+        yield ScenarioMesh(mesh)
 
 
 async def test_a_killed_worker_moves_every_stream_of_both_protocols(
@@ -130,6 +125,8 @@ async def test_greedy_streams_moved_by_the_relay_equal_the_undisturbed_ones(
     assert [g.text for g in disturbed] == [g.text for g in undisturbed]
 
 
+# Both workers end: it runs after every other test of the shared mesh, which then stops.
+@pytest.mark.ends_mesh
 async def test_with_no_worker_left_every_stream_ends_with_a_clear_error(
     relay_mesh: ScenarioMesh,
 ) -> None:
@@ -169,4 +166,4 @@ async def test_with_no_worker_left_every_stream_ends_with_a_clear_error(
     for err in errors:
         assert err is not None and err.code().name == "UNAVAILABLE", err
         assert err.details(), err
-    # (Their return is chaos' engines_all_dead's to check; the mesh stops after this module.)
+    # (Their return is chaos' engines_all_dead's to check; the mesh stops after this test.)

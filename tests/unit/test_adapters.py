@@ -1,11 +1,15 @@
 """LoRA adapters by name: the worker's settings, the engine arguments they need (through vLLM's
 own parser), the adapter a request's `model` picks and the NOT_FOUND naming what is served;
-the gateway's catalog learning them from a worker (a gRPC server in the test), and the prefix
-key an adapter's requests get. tests/integration/test_adapters.py runs them on real engines."""
+which adapters a worker loads when, and what it counts of that (against a stand-in for vLLM's
+adapter cache: its add_lora, list_loras and least-recently-used eviction); the gateway's
+catalog learning them from a worker (a gRPC server in the test), and the key an adapter's
+requests get. tests/integration/test_adapters.py runs them on real engines."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -13,15 +17,16 @@ from typing import Any
 import grpc
 import pytest
 from grpc import aio
+from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 from tokenmesh.common.channels import Dependency
-from tokenmesh.common.errors import NotFound
+from tokenmesh.common.errors import Internal, NotFound
 from tokenmesh.gateway.core.catalog import ModelCatalog, ModelNotFound
 from tokenmesh.gateway.core.prefix_key import affinity_key
 from tokenmesh.localmesh.probes import free_port
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
-from tokenmesh.worker.adapters import Adapters, lora_engine_args
+from tokenmesh.worker.adapters import AdapterMetrics, Adapters, lora_engine_args
 from tokenmesh.worker.config import WorkerSettings
 from tokenmesh.worker.engine_args import engine_args
 
@@ -85,12 +90,103 @@ def test_bad_adapter_settings_stop_the_worker_naming_them(
         settings(paths, **more)
 
 
-def test_an_adapters_prompts_get_keys_of_their_own() -> None:
+class AdapterCache:
+    """vLLM's engine as adapters see it: add_lora loads one (after a moment), evicting the least
+    recently used past `capacity`, and says False for one it holds (touching it)."""
+
+    def __init__(self, capacity: int, broken: str = "") -> None:
+        self.capacity, self.broken = capacity, broken
+        self.held: OrderedDict[int, str] = OrderedDict()
+        self.adds = 0
+
+    async def list_loras(self) -> list[int]:
+        return list(self.held)  # a list, as vLLM's
+
+    async def add_lora(self, request: Any) -> bool:
+        self.adds += 1
+        await asyncio.sleep(0.01)
+        if request.lora_name == self.broken:
+            raise ValueError("adapter_model.safetensors: no such file")
+        if request.lora_int_id in self.held:
+            self.held.move_to_end(request.lora_int_id)
+            return False
+        if len(self.held) >= self.capacity:
+            self.held.popitem(last=False)
+        self.held[request.lora_int_id] = request.lora_name
+        return True
+
+
+def counted(registry: CollectorRegistry, name: str, adapter: str) -> float:
+    return registry.get_sample_value(name, {"adapter": adapter}) or 0.0
+
+
+async def test_adapters_load_where_used_and_count_loads_and_evictions(tmp_path: Path) -> None:
+    names = ("a", "b", "c")
+    registry = CollectorRegistry()
+    adapters = Adapters(
+        "base",
+        {name: adapter_dir(tmp_path, name) for name in names},
+        AdapterMetrics.register(registry),
+    )
+    engine = AdapterCache(capacity=2)
+    # At start: as many as the engine's cache holds, in settings order.
+    await adapters.load(engine, 2)
+    assert await adapters.held(engine) == ("a", "b")
+    assert [counted(registry, "tokenmesh_worker_adapter_loads_total", n) for n in names] == [
+        1,
+        1,
+        0,
+    ]
+    # The base model and a held adapter: no load.
+    assert await adapters.ensure(engine, "base") is None
+    held = await adapters.ensure(engine, "b")
+    assert held is not None and held.lora_name == "b" and engine.adds == 2
+    # Three requests at once for one the engine does not hold: one load, and the least
+    # recently used adapter ("a") makes room.
+    loaded = await asyncio.gather(*(adapters.ensure(engine, "c") for _ in range(3)))
+    assert {request.lora_name for request in loaded if request} == {"c"}
+    assert engine.adds == 3
+    assert await adapters.held(engine) == ("b", "c")
+    assert counted(registry, "tokenmesh_worker_adapter_loads_total", "c") == 1
+    assert counted(registry, "tokenmesh_worker_adapter_evictions_total", "a") == 1
+    assert counted(registry, "tokenmesh_worker_adapter_evictions_total", "b") == 0
+    assert counted(registry, "tokenmesh_worker_adapter_load_seconds_count", "c") == 1
+    assert counted(registry, "tokenmesh_worker_adapter_load_seconds_sum", "c") >= 0.01
+    # Asked again, "a" loads again.
+    await adapters.ensure(engine, "a")
+    assert counted(registry, "tokenmesh_worker_adapter_loads_total", "a") == 2
+
+
+async def test_an_adapter_that_fails_to_load_is_an_internal_error_naming_it(
+    tmp_path: Path,
+) -> None:
+    adapters = Adapters("base", {"good": adapter_dir(tmp_path, "good"), "gone": tmp_path / "gone"})
+    engine = AdapterCache(capacity=2, broken="gone")
+    failures = await asyncio.gather(
+        *(adapters.ensure(engine, "gone") for _ in range(2)), return_exceptions=True
+    )
+    # Both callers get the one load's failure, which names the adapter and its directory; none
+    # is told to retry.
+    assert engine.adds == 1
+    for failure in failures:
+        assert isinstance(failure, Internal), failure
+        assert "'gone'" in str(failure) and str(tmp_path / "gone") in str(failure)
+    # The next request tries again (the files may be back).
+    with pytest.raises(Internal):
+        await adapters.ensure(engine, "gone")
+    assert engine.adds == 2
+    assert await adapters.ensure(engine, "good") is not None
+
+
+def test_an_adapters_requests_share_one_key_of_their_own() -> None:
     plain = affinity_key("the same prompt", 256)
     assert affinity_key("the same prompt", 256, "") == plain
     sql = affinity_key("the same prompt", 256, "sql")
     assert sql != plain and sql != affinity_key("the same prompt", 256, "chat")
-    assert sql == affinity_key("the same prompt", 256, "sql")
+    # Whatever the prompt: the adapter's requests go where the adapter is held.
+    assert sql == affinity_key("another prompt altogether", 256, "sql")
+    # No prompt keys as an adapter does.
+    assert affinity_key("sql", 256) != sql
 
 
 class Stats(inference_pb2_grpc.InferenceServiceServicer):

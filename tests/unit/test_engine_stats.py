@@ -50,8 +50,17 @@ async def inference() -> AsyncIterator[inference_pb2_grpc.InferenceServiceStub]:
     """The worker's servicer on a real port, over an engine that has reported some load."""
     load = EngineLoad(running=2, waiting=1, prefix_cache_queries=4096, prefix_cache_hits=3072)
     slot = EngineSlot()
+    adapters = Adapters("tiny", {})
+
+    async def held_adapters() -> tuple[str, ...]:
+        return ("sql",)
+
     engine = SimpleNamespace(
-        load=load, model_name="tiny", max_model_len=2048, adapters=Adapters("tiny", {})
+        load=load,
+        model_name="tiny",
+        max_model_len=2048,
+        adapters=adapters,
+        held_adapters=held_adapters,
     )
     slot.set(engine)  # type: ignore[arg-type]
     registry = CollectorRegistry()
@@ -78,3 +87,5 @@ async def test_engine_stats_carry_the_prefix_cache_counts(
     assert (stats.running_requests, stats.waiting_requests) == (2, 1)
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (4096, 3072)
     assert (stats.model, stats.max_model_len) == ("tiny", 2048)
+    # The adapters the engine holds, as it reports them.
+    assert list(stats.held_adapters) == ["sql"]

@@ -222,7 +222,7 @@ class EngineStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("running_requests", "waiting_requests", "kv_cache_usage", "reported_unix_nanos", "model", "max_model_len", "prefix_cache_queries", "prefix_cache_hits", "adapters")
+    __slots__ = ("running_requests", "waiting_requests", "kv_cache_usage", "reported_unix_nanos", "model", "max_model_len", "prefix_cache_queries", "prefix_cache_hits", "adapters", "held_adapters")
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -232,6 +232,7 @@ class EngineStats(_message.Message):
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    HELD_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     running_requests: int
     waiting_requests: int
     kv_cache_usage: float
@@ -241,4 +242,5 @@ class EngineStats(_message.Message):
     prefix_cache_queries: int
     prefix_cache_hits: int
     adapters: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., reported_unix_nanos: _Optional[int] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+    held_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., reported_unix_nanos: _Optional[int] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ..., held_adapters: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -3,18 +3,29 @@ request gives in `model` picks one, and vLLM's engine answers with it (its LoRAR
 
 Each adapter's id is its place in the settings (1, 2, ...): every front end of a worker, over
 one engine, names an adapter by the same id (vLLM's own server counts them the same way, from
-1, in `--lora-modules` order)."""
+1, in `--lora-modules` order).
+
+An adapter is loaded where it is used: at start the engine gets as many as its CPU cache holds
+(max_cpu_loras), in settings order, and any other the first time a request names it; vLLM's
+cache then evicts its least recently used adapter. The engine's own list of the adapters it
+holds (list_loras, one answer for every front end) decides whether a request loads one, so the
+loads, evictions and load times the worker counts are the engine's, whichever front end asked.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from vllm.lora.request import LoRARequest
 
-from tokenmesh.common.errors import NotFound
+from tokenmesh.common.errors import Internal, NotFound
 from tokenmesh.worker.config import WorkerSettings
 
 # vLLM's max_lora_rank choices (vllm/config/lora.py).
@@ -45,19 +56,69 @@ def lora_engine_args(settings: WorkerSettings) -> dict[str, Any]:
     return args
 
 
-class Adapters:
-    """The adapters by name, and the model they adapt."""
+# Loading an adapter reads its weights from disk and builds its tensors: milliseconds for a
+# small one on local disk, seconds for a large one on network storage.
+LOAD_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
-    def __init__(self, model: str, directories: Mapping[str, Path]) -> None:
+
+@dataclass(frozen=True)
+class AdapterMetrics:
+    """What loading adapters costs the engine, by adapter."""
+
+    loads: Counter
+    evictions: Counter
+    load_seconds: Histogram
+
+    @classmethod
+    def register(cls, registry: CollectorRegistry) -> AdapterMetrics:
+        return cls(
+            Counter(
+                "tokenmesh_worker_adapter_loads",
+                "LoRA adapters loaded into the engine (at start, or for the first request that "
+                "named one the engine did not hold), by adapter.",
+                ["adapter"],
+                registry=registry,
+            ),
+            Counter(
+                "tokenmesh_worker_adapter_evictions",
+                "LoRA adapters the engine dropped from its cache (max_cpu_loras) to load "
+                "another, by the adapter dropped.",
+                ["adapter"],
+                registry=registry,
+            ),
+            Histogram(
+                "tokenmesh_worker_adapter_load_seconds",
+                "Seconds a LoRA adapter took to load into the engine, by adapter.",
+                ["adapter"],
+                buckets=LOAD_SECONDS_BUCKETS,
+                registry=registry,
+            ),
+        )
+
+
+class Adapters:
+    """The adapters by name, the model they adapt, and which of them the engine holds."""
+
+    def __init__(
+        self,
+        model: str,
+        directories: Mapping[str, Path],
+        metrics: AdapterMetrics | None = None,
+    ) -> None:
         self.model = model
         self._requests = {
             name: LoRARequest(name, index, str(path), base_model_name=model)
             for index, (name, path) in enumerate(directories.items(), start=1)
         }
+        self._names = {request.lora_int_id: name for name, request in self._requests.items()}
+        self._metrics = metrics
+        # Loads under way on the engine's loop, by adapter id: requests for the same adapter
+        # meanwhile wait for that one load.
+        self._loading: dict[int, asyncio.Future[None]] = {}
 
     @classmethod
-    def of(cls, settings: WorkerSettings) -> Adapters:
-        return cls(settings.model_name, settings.lora_modules)
+    def of(cls, settings: WorkerSettings, metrics: AdapterMetrics | None = None) -> Adapters:
+        return cls(settings.model_name, settings.lora_modules, metrics)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -73,13 +134,67 @@ class Adapters:
             raise NotFound(f"model: {model!r} is not served here; served: {served}")
         return found
 
-    async def load(self, llm: Any) -> None:
-        """Loads every adapter into the engine now (vLLM's add_lora), as `vllm serve` loads
-        its --lora-modules: a missing or malformed adapter stops the worker, named."""
-        for name, request in self._requests.items():
+    async def held(self, llm: Any) -> tuple[str, ...]:
+        """The adapters the engine holds now, in settings order."""
+        ids = set(await llm.list_loras())
+        return tuple(name for id_, name in self._names.items() if id_ in ids)
+
+    async def load(self, llm: Any, capacity: int) -> None:
+        """At start: loads the first `capacity` adapters (the engine's max_cpu_loras) into the
+        engine now (vLLM's add_lora), as `vllm serve` loads its --lora-modules; a missing or
+        malformed one stops the worker, named. The others load on first use."""
+        for request in list(self._requests.values())[:capacity]:
             try:
-                await llm.add_lora(request)
+                await self._add(llm, request, set())
             except Exception as error:
                 raise RuntimeError(
-                    f"lora_modules.{name}: vLLM could not load {request.lora_path}: {error}"
+                    f"lora_modules.{request.lora_name}: vLLM could not load "
+                    f"{request.lora_path}: {error}"
                 ) from error
+
+    async def ensure(self, llm: Any, model: str) -> LoRARequest | None:
+        """The adapter a request's `model` names, held by the engine once this returns (loaded
+        now if it was not); None for the model itself. Runs on the engine's loop."""
+        request = self.for_model(model)
+        if request is None:
+            return None
+        held = set(await llm.list_loras())
+        if request.lora_int_id in held:
+            return request
+        loading = self._loading.get(request.lora_int_id)
+        if loading is not None:
+            await asyncio.shield(loading)
+            return request
+        done = asyncio.get_running_loop().create_future()
+        self._loading[request.lora_int_id] = done
+        try:
+            await self._add(llm, request, held)
+        except Exception as error:
+            # Not the caller's to fix, nor to retry: the adapter's files on this worker.
+            failed = Internal(
+                f"model: adapter {request.lora_name!r} could not be loaded from "
+                f"{request.lora_path}: {error}"
+            )
+            done.set_exception(failed)
+            done.exception()  # retrieved here: a waiter, if any, raises it too
+            raise failed from error
+        else:
+            done.set_result(None)
+        finally:
+            del self._loading[request.lora_int_id]
+        return request
+
+    async def _add(self, llm: Any, request: LoRARequest, held: set[int]) -> None:
+        """Loads one adapter and counts what it cost: the load, its time, and the adapters the
+        engine's cache dropped for it (held: the ones it held before)."""
+        begun = time.perf_counter()
+        added = await llm.add_lora(request)
+        seconds = time.perf_counter() - begun
+        if not added or self._metrics is None:
+            return  # another front end loaded it first (vLLM's add_lora says False)
+        self._metrics.loads.labels(request.lora_name).inc()
+        self._metrics.load_seconds.labels(request.lora_name).observe(seconds)
+        if held:
+            for dropped in held - set(await llm.list_loras()):
+                if dropped in self._names:
+                    self._metrics.evictions.labels(self._names[dropped]).inc()

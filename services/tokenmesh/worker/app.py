@@ -17,6 +17,7 @@ from tokenmesh.common.host import ServiceHost
 from tokenmesh.common.metrics import StreamMetrics
 from tokenmesh.common.relay import Relay, ResumptionMetrics
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
+from tokenmesh.worker.adapters import AdapterMetrics
 from tokenmesh.worker.admission import Admission
 from tokenmesh.worker.config import WorkerSettings
 from tokenmesh.worker.engine import EngineSlot, VllmEngine
@@ -186,7 +187,9 @@ async def serve(
     async def start() -> None:
         if share is not None:
             share.metrics_ports[share.index] = host.ports["metrics_port"]
-        engine = await VllmEngine.start(settings, arguments, share)
+        engine = await VllmEngine.start(
+            settings, arguments, share, AdapterMetrics.register(host.registry)
+        )
         # Closed once the server has stopped: in-flight streams get the grace period, then are
         # cancelled, which aborts their engine requests.
         host.on_stop(lambda: asyncio.to_thread(engine.close))

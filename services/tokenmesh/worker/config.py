@@ -34,12 +34,15 @@ class WorkerSettings(ServiceSettings, SamplingLimits, ToolLimits):
         description=(
             "LoRA adapters of the model the worker serves, as a JSON object {name: directory} "
             "(PEFT's adapter_config.json and weights, as `vllm serve --lora-modules` takes "
-            "them): a request naming one as its `model` is answered with it. Each loads as the "
-            "worker starts (a bad one stops it, named). Non-empty turns vLLM's enable_lora on "
-            "and, unless engine_args sets it, max_lora_rank to fit the largest adapter; "
-            "max_loras (adapters in one batch, vLLM's default 1) and max_cpu_loras are "
-            "engine_args. A worker with LoRA on refuses prompt logprobs (prompt_logprobs, echo "
-            "with logprobs): vLLM's engine fails them (decision 0032)."
+            "them): a request naming one as its `model` is answered with it. As many as the "
+            "engine holds (max_cpu_loras) load as the worker starts, in this order (a bad one "
+            "stops it, named); any other on first use, the engine then dropping its least "
+            "recently used (decision 0033). Non-empty turns vLLM's enable_lora on and, unless "
+            "engine_args sets it, max_lora_rank to fit the largest adapter; max_loras "
+            "(adapters in one batch, vLLM's default 1) and max_cpu_loras (adapters held, "
+            "default max_loras) are engine_args. A worker with LoRA on refuses prompt "
+            "logprobs (prompt_logprobs, echo with logprobs): vLLM's engine fails them "
+            "(decision 0032)."
         ),
     )
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(

@@ -26,7 +26,7 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 
 from tokenmesh.common.errors import Internal, InvalidArgument, Unavailable
 from tokenmesh.v1 import inference_pb2, token_pb2
-from tokenmesh.worker.adapters import Adapters
+from tokenmesh.worker.adapters import AdapterMetrics, Adapters
 from tokenmesh.worker.config import WorkerSettings
 from tokenmesh.worker.continuation import ContinuedText, continue_choice
 from tokenmesh.worker.engine_state import EngineLoad, EngineShare
@@ -144,6 +144,7 @@ class VllmEngine:
         settings: WorkerSettings,
         thread: EngineThread,
         activity: EngineActivity | None = None,
+        adapters: Adapters | None = None,
     ) -> None:
         self._llm = llm
         self._thread = thread
@@ -158,7 +159,7 @@ class VllmEngine:
         self.activity = activity or EngineActivity()
         self.model_name = settings.model_name
         # The model's LoRA adapters, by the names requests give them.
-        self.adapters = Adapters.of(settings)
+        self.adapters = adapters if adapters is not None else Adapters.of(settings)
         # The context and batch vLLM settled on (the settings' or its defaults).
         self.max_model_len: int = llm.model_config.max_model_len
         self.max_num_seqs: int = llm.vllm_config.scheduler_config.max_num_seqs
@@ -191,7 +192,11 @@ class VllmEngine:
 
     @classmethod
     async def start(
-        cls, settings: WorkerSettings, arguments: AsyncEngineArgs, share: EngineShare | None = None
+        cls,
+        settings: WorkerSettings,
+        arguments: AsyncEngineArgs,
+        share: EngineShare | None = None,
+        adapter_metrics: AdapterMetrics | None = None,
     ) -> VllmEngine:
         """Load the model on the engine's thread (the server keeps answering health checks
         meanwhile) and warm up; arguments: the engine's (worker/engine_args.py). share: this
@@ -230,8 +235,12 @@ class VllmEngine:
         except BaseException:
             thread.stop()
             raise
-        engine = cls(llm, load, settings, thread, activity)
-        await thread.call(engine.adapters.load(llm))
+        adapters = Adapters.of(settings, adapter_metrics)
+        engine = cls(llm, load, settings, thread, activity, adapters)
+        if llm.vllm_config.lora_config is not None:
+            # vLLM sets max_cpu_loras (max_loras unless given) as it builds the engine.
+            capacity = llm.vllm_config.lora_config.max_cpu_loras or 1
+            await thread.call(adapters.load(llm, capacity))
         await engine.warm_up()
         # As vLLM's own server does once started: the start-up heap (torch, transformers, the
         # model's Python objects) leaves the collector's view, so a full collection no longer
@@ -462,7 +471,7 @@ class VllmEngine:
             positions[first_choice] = len(delivered)
             text = ContinuedText(self._tokenizer, engine_id, prompt_ids, params)
             text.delivered(delivered)
-        lora = self.adapters.for_model(spec.model)
+        lora = await self.adapters.ensure(self._llm, spec.model)
         async for output in self._llm.generate(engine_input, params, engine_id, lora_request=lora):
             # The prompt's logprobs come with the first output that has any.
             if (
@@ -532,6 +541,12 @@ class VllmEngine:
             params.prompt_logprobs or 0,
             lambda token_id: self.detokenize([token_id]),
         )
+
+    async def held_adapters(self) -> tuple[str, ...]:
+        """The adapters the engine holds now (none without adapters: no call to the engine)."""
+        if not self.adapters.names:
+            return ()
+        return await self._thread.call(self.adapters.held(self._llm))
 
     async def stream(
         self, spec: EngineRequest, on_abort: Callable[[], None] | None = None

@@ -303,6 +303,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             model=engine.model_name,
             max_model_len=engine.max_model_len,
             adapters=engine.adapters.names,
+            held_adapters=await engine.held_adapters(),
         )
 
     async def Tokenize(

@@ -1,4 +1,5 @@
-"""The prefix-affinity key: prompts that start alike get one key, and so one worker."""
+"""The affinity key: prompts that start alike get one key, and so one worker; an adapter's
+requests, whatever their prompts, one key of their own."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ _ROLE_END = "\x1f"
 _MESSAGE_END = "\x1e"
 # Before a prompt of token ids: no text prompt's key is the same.
 _IDS = "\x1d"
-# After an adapter's name: its prompts' keys are not the model's.
-_ADAPTER_END = "\x1c"
+# BLAKE2b's personalisation of an adapter's key: no prompt hashes as an adapter does.
+_ADAPTER = b"tokenmesh-lora"
 
 
 def affinity_text(prompt: str | Conversation | PromptBatch, prefix_chars: int) -> str:
@@ -44,10 +45,14 @@ def _opening(conversation: Conversation) -> str:
 def affinity_key(
     prompt: str | Conversation | PromptBatch, prefix_chars: int, adapter: str = ""
 ) -> str:
-    """A short digest of affinity_text (a header value; Envoy hashes it again onto its ring),
-    after the adapter's name for an adapter's request (its prefix cache is its own). BLAKE2b
-    from the standard library: one call of a few microseconds per request."""
-    text = affinity_text(prompt, prefix_chars)
+    """A short digest (a header value; Envoy hashes it again onto its ring) of affinity_text,
+    or, for an adapter's request, of the adapter's name alone: all of an adapter's requests go
+    to the worker that holds it, and only the load bound (prefix routing's balance factor, or
+    the picker's slack) spills a hot adapter to a second worker, which loads it too. Its
+    prefixes are cached there as well (vLLM keeps an adapter's prefix cache apart from the
+    model's), so adapter affinity is prefix affinity for its requests; keying by adapter and
+    prompt would spread one adapter's prompts over every worker, each loading it (docs/
+    decisions/0033). BLAKE2b from the standard library: a few microseconds a request."""
     if adapter:
-        text = adapter + _ADAPTER_END + text
-    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+        return hashlib.blake2b(adapter.encode(), digest_size=8, person=_ADAPTER).hexdigest()
+    return hashlib.blake2b(affinity_text(prompt, prefix_chars).encode(), digest_size=8).hexdigest()
