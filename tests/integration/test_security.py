@@ -2,7 +2,8 @@
 session's real worker (vLLM) and reranker: refusals and their messages, open health and
 reflection, rate and concurrency limits with retry-after-ms, a token quota that ends a stream
 and frees the engine, a key added to the file while the gateway runs, the tenant seen by the
-worker (its server span) whatever the caller claims, and no key in the gateway's log.
+worker (its server span) whatever the caller claims, a tenant limited to models refused any
+other, and no key in the gateway's log.
 Each behaviour has a tenant of its own in the keys file, so their limits do not meet."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from grpc import aio
 from tests.conftest import LOG_DIR, OTLP_ENV
 from tests.otlp_collector import OtlpCollector
 from tests.support import (
+    TINY_MODEL,
     ServiceProcess,
     aborted_since,
     aborted_total,
@@ -45,7 +47,11 @@ KEYS = {
     "narrow": "tm_narrow-integration-key-0123456789",
     "metered": "tm_metered-integration-key-0123456789",
     "chatty": "tm_chatty-integration-key-0123456789",
+    "scoped": "tm_scoped-integration-key-0123456789",
+    "served": "tm_served-integration-key-0123456789",
 }
+# What the session's worker serves (tests/support.py, worker_process): its model's path.
+SERVED = str(TINY_MODEL)
 QUOTA = 20
 CHAT_QUOTA = 10
 # A fixed quota window far longer than the test (epoch-aligned: the current one ends in 2033).
@@ -64,6 +70,8 @@ def keys_document() -> dict[str, object]:
         "narrow": {"max_concurrent_streams": 1},
         "metered": {"tokens_per_window": QUOTA, "window_seconds": FOREVER_SECONDS},
         "chatty": {"tokens_per_window": CHAT_QUOTA, "window_seconds": FOREVER_SECONDS},
+        "scoped": {"models": ["an-adapter-elsewhere"]},
+        "served": {"models": [SERVED, "an-adapter-elsewhere"]},
     }
     return {
         "defaults": {},
@@ -308,3 +316,23 @@ def test_the_log_names_tenants_and_never_a_key(secured: ServiceProcess) -> None:
     assert any(line["grpc_code"] == "UNAUTHENTICATED" and "tenant" not in line for line in rpcs)
     text = secured.log_path.read_text()
     assert not [name for name, key in KEYS.items() if key in text]
+
+
+async def test_a_tenant_limited_to_other_models_is_permission_denied_naming_its_own(llm) -> None:
+    with pytest.raises(aio.AioRpcError) as denied:
+        await read_rest(llm.Generate(generate(), metadata=bearer("scoped"), timeout=30))
+    assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    details = denied.value.details() or ""
+    assert "'an-adapter-elsewhere'" in details and repr(SERVED) in details, details
+    # Named explicitly, the same; a name the mesh does not serve is still NOT_FOUND first.
+    named = llm_pb2.GenerateRequest(prompt="hello", max_tokens=2, model=SERVED)
+    with pytest.raises(aio.AioRpcError) as denied:
+        await read_rest(llm.Generate(named, metadata=bearer("scoped"), timeout=30))
+    assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    unknown = llm_pb2.GenerateRequest(prompt="hello", max_tokens=2, model="no-such-model")
+    with pytest.raises(aio.AioRpcError) as missing:
+        await read_rest(llm.Generate(unknown, metadata=bearer("scoped"), timeout=30))
+    assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+    # A tenant whose models include the served one streams as any other.
+    tokens = [t async for t in llm.Generate(generate(4), metadata=bearer("served"), timeout=60)]
+    assert positions(tokens) == list(range(4))

@@ -22,8 +22,9 @@ from pydantic import ValidationError
 
 from tokenmesh.common.channels import Dependency
 from tokenmesh.common.errors import Internal, NotFound
-from tokenmesh.gateway.core.catalog import ModelCatalog, ModelNotFound
+from tokenmesh.gateway.core.catalog import ModelCatalog, ModelDenied, ModelNotFound
 from tokenmesh.gateway.core.prefix_key import affinity_key
+from tokenmesh.gateway.core.tenancy.auth import KeysFile
 from tokenmesh.localmesh.probes import free_port
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
 from tokenmesh.worker.adapters import AdapterMetrics, Adapters, lora_engine_args
@@ -218,3 +219,39 @@ async def test_the_catalog_serves_the_model_and_the_adapters_a_worker_lists(
         await catalog.check("other")
     assert "this mesh serves 'base', 'sql', 'chat'" in str(unknown.value)
     assert unknown.value.code == grpc.StatusCode.NOT_FOUND
+
+
+async def test_a_tenant_limited_to_some_models_is_denied_the_others(worker: Dependency) -> None:
+    catalog = ModelCatalog(worker, timeout=5.0)
+    allowed = frozenset({"sql", "elsewhere"})
+    assert await catalog.adapter_of("sql", allowed) == "sql"
+    # The model itself, named or by an empty name, is not among them.
+    for requested in ("base", ""):
+        with pytest.raises(ModelDenied) as denied:
+            await catalog.adapter_of(requested, allowed)
+        assert denied.value.code == grpc.StatusCode.PERMISSION_DENIED
+        assert "may not use the model 'base'; it may use 'elsewhere', 'sql'" in str(denied.value)
+    # What the mesh does not serve is NOT_FOUND whoever asks.
+    with pytest.raises(ModelNotFound):
+        await catalog.check("other", allowed)
+    # /v1/models lists what the tenant may use of what is served.
+    assert catalog.visible(allowed) == ["sql"]
+    assert catalog.visible(None) == ["base", "sql", "chat"]
+
+
+def test_a_keys_files_models_are_a_limit_a_tenant_overrides() -> None:
+    keys = KeysFile.model_validate(
+        {
+            "defaults": {"models": ["base"]},
+            "tenants": {
+                "plain": {},
+                "sql-only": {"limits": {"models": ["sql"]}},
+                "any": {"limits": {"models": None}},
+            },
+        }
+    )
+    assert keys.resolved("plain").limits.models == {"base"}
+    assert keys.resolved("sql-only").limits.models == {"sql"}
+    assert keys.resolved("any").limits.models is None
+    with pytest.raises(ValidationError, match="models"):
+        KeysFile.model_validate({"defaults": {"models": []}})

@@ -85,6 +85,9 @@ class FakeCatalog:
     async def name(self) -> str:
         return LLM
 
+    def visible(self, allowed: object) -> list[str]:
+        return [LLM]
+
 
 @dataclass
 class Gateway:

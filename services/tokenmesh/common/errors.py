@@ -52,6 +52,12 @@ class Unauthenticated(ServiceError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
+class PermissionDenied(ServiceError):
+    """An authenticated caller asked for what its tenant may not use."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class Unavailable(ServiceError):
     code = grpc.StatusCode.UNAVAILABLE
 

@@ -34,6 +34,9 @@ class Limits(BaseModel):
     # gateway replica's windows start together), charged as each token streams.
     tokens_per_window: int | None = Field(default=None, ge=1)
     window_seconds: float = Field(default=60.0, gt=0)
+    # The models and adapters (by the names requests give them) the tenant may use; None: all
+    # the mesh serves. Others are PERMISSION_DENIED (403), and /v1/models lists only these.
+    models: frozenset[str] | None = Field(default=None, min_length=1)
 
     @property
     def bucket_size(self) -> int | None:
@@ -65,3 +68,9 @@ def enter_tenant(tenant: Tenant) -> None:
     a task (so a contextvars Context) of its own: nothing leaks into other RPCs."""
     _CURRENT.set(tenant)
     trace.get_current_span().set_attribute(TENANT_ATTRIBUTE, tenant.id)
+
+
+def tenant_models() -> frozenset[str] | None:
+    """The models the current RPC's tenant may use; None: any (all of them, or auth off)."""
+    tenant = current_tenant()
+    return None if tenant is None else tenant.limits.models

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from opentelemetry import trace
 
+from tokenmesh.common.tenants import tenant_models
 from tokenmesh.common.tokens import AFFINITY_HEADER, WORKER_HEADER
 from tokenmesh.gateway.config import GatewaySettings
 from tokenmesh.gateway.core.catalog import ModelCatalog
@@ -85,8 +86,11 @@ class Preparer:
         )
 
     async def question(self, question: Question, remaining: float | None) -> PreparedCall:
-        """A gRPC question: its model (empty: the mesh's model) checked, then prepared."""
-        adapter = await self._catalog.adapter_of(question.model) if question.model else ""
+        """A gRPC question: its model (empty: the mesh's model) checked, for the tenant too,
+        then prepared."""
+        allowed = tenant_models()
+        named = question.model or allowed is not None  # else the mesh's model, for anyone
+        adapter = await self._catalog.adapter_of(question.model, allowed) if named else ""
         context = await self.context(question, remaining)
         return self.call(context.prompt, question.sampling, context, model=adapter)
 

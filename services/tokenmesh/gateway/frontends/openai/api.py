@@ -23,6 +23,7 @@ from starlette.types import Send
 from tokenmesh.common.metrics import StreamMetrics
 from tokenmesh.common.openai_answers import error_response
 from tokenmesh.common.presentation import OpenAIPresenter
+from tokenmesh.common.tenants import tenant_models
 from tokenmesh.common.tracing import extract
 from tokenmesh.gateway.config import GatewaySettings
 from tokenmesh.gateway.core.catalog import ModelCatalog
@@ -187,10 +188,11 @@ class OpenAIApi:
         }
         if self._catalog.max_model_len:
             card["max_model_len"] = self._catalog.max_model_len
-        # Each LoRA adapter as vLLM's server lists one: its parent is the model it adapts.
+        # Each LoRA adapter as vLLM's server lists one: its parent is the model it adapts. A
+        # tenant limited to some models sees those.
         cards = [
-            card,
-            *({**card, "id": a, "root": a, "parent": name} for a in self._catalog.adapters),
+            card if served == name else {**card, "id": served, "root": served, "parent": name}
+            for served in self._catalog.visible(tenant_models())
         ]
         if self._pooling is not None and (embedding := await self._pooling.model_card()):
             cards.append(embedding)

@@ -6,6 +6,8 @@ from __future__ import annotations
 from tokenmesh.common.errors import InvalidArgument
 from tokenmesh.common.openai_answers import Shape
 from tokenmesh.common.sampling import check_batch, check_tools
+from tokenmesh.common.tenants import tenant_models
+from tokenmesh.common.validation import check_text
 from tokenmesh.gateway.config import GatewaySettings
 from tokenmesh.gateway.core.catalog import ModelCatalog
 from tokenmesh.gateway.core.documents import Prompt
@@ -29,7 +31,9 @@ class OpenAIPreparer:
     async def prepare(self, body: CompletionRequest | ChatCompletionRequest) -> PreparedCall:
         settings = self._settings
         model = body.model
-        adapter = await self._catalog.adapter_of(model)
+        # Before the catalog, whose refusal would repeat the name.
+        check_text("model", model, settings.max_model_name_bytes, required=False)
+        adapter = await self._catalog.adapter_of(model, tenant_models())
         generate = body.generate_request(settings.max_tokens_cap)
         if isinstance(body, ChatCompletionRequest):
             # Named as the caller wrote them, before the last user message is checked as the

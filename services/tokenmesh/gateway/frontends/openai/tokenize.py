@@ -19,6 +19,7 @@ from starlette.requests import Request
 from tokenmesh.common.channels import Dependency
 from tokenmesh.common.errors import InvalidArgument
 from tokenmesh.common.sampling import ToolLimits, check_tools
+from tokenmesh.common.tenants import tenant_models
 from tokenmesh.gateway.core.catalog import ModelCatalog
 from tokenmesh.gateway.core.tenancy.http import HttpTenancy
 from tokenmesh.gateway.frontends.openai.http import Answer, Outcome
@@ -102,7 +103,7 @@ class TokenizeApi:
         return await unary_answer(request, outcome, self._tenancy, DetokenizeRequest, self._text)
 
     async def _tokens(self, body: TokenizeRequest) -> dict[str, Any]:
-        await self._catalog.check(body.model)
+        await self._catalog.check(body.model, tenant_models())
         reply = await self._call(self._stub.Tokenize, body.call(self._limits))
         answer: dict[str, Any] = {
             "count": len(reply.tokens),
@@ -113,7 +114,7 @@ class TokenizeApi:
         return answer
 
     async def _text(self, body: DetokenizeRequest) -> dict[str, Any]:
-        await self._catalog.check(body.model)
+        await self._catalog.check(body.model, tenant_models())
         for position, token in enumerate(body.tokens):
             if not 0 <= token < 2**31:
                 raise InvalidArgument(
