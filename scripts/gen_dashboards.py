@@ -30,6 +30,10 @@ WORKER_STREAMS = (
     'service="worker",grpc_service="tokenmesh.v1.InferenceService",'
     'grpc_method=~"Generate|GenerateOpenAI"'
 )
+# The workers' own series (their token streams, by model with a `model` label).
+WORKER_SERVICE = 'service="worker"'
+# The workers' LoRA adapter series: data only where adapters are served.
+ADAPTER_SERIES = "tokenmesh_worker_adapter_"
 CIRCUIT_STATES = {0: ("closed", "green"), 1: ("half-open", "orange"), 2: ("open", "red")}
 
 
@@ -350,6 +354,57 @@ SERVING = Dashboard(
                 ),
             ),
             unit="reqps",
+        ),
+        Panel(
+            "Tokens/s by model",
+            "Tokens the workers sent, by the model or LoRA adapter each stream named (its "
+            "`model`), whichever path brought it.",
+            (
+                Query(
+                    rate("tokenmesh_tokens_generated_total", "model", WORKER_SERVICE), "{{model}}"
+                ),
+            ),
+        ),
+        Panel(
+            "Streams/s by model and code",
+            "Token streams the workers ended, by model or adapter and gRPC status code: a "
+            "model's errors show as codes other than OK.",
+            (
+                Query(
+                    rate(
+                        "tokenmesh_request_duration_seconds_count",
+                        "model, grpc_code",
+                        WORKER_SERVICE,
+                    ),
+                    "{{model}} {{grpc_code}}",
+                ),
+            ),
+            unit="reqps",
+        ),
+        Panel(
+            "TTFT by model (at the workers)",
+            "Time from a worker receiving a stream to sending its first token, by model or "
+            "adapter: an adapter's first request on a worker includes loading it.",
+            quantiles("tokenmesh_ttft_seconds", "model", WORKER_SERVICE),
+            unit="s",
+        ),
+        Panel(
+            "Adapter loads and evictions/s",
+            "LoRA adapters loaded into the engines (at start, or for a request naming one its "
+            "engine did not hold), and dropped from an engine's cache (max_cpu_loras) to make "
+            "room, by adapter. Loads that keep recurring: more adapters asked of a worker than "
+            "its engine holds.",
+            (
+                Query(rate(f"{ADAPTER_SERIES}loads_total", "adapter"), "{{adapter}} loads"),
+                Query(rate(f"{ADAPTER_SERIES}evictions_total", "adapter"), "{{adapter}} evictions"),
+            ),
+            unit="reqps",
+        ),
+        Panel(
+            "Adapter load time",
+            "Seconds a LoRA adapter took to load into an engine, by adapter.",
+            quantiles(f"{ADAPTER_SERIES}load_seconds", "adapter", ""),
+            unit="s",
         ),
     ),
 )

@@ -25,6 +25,7 @@ import grpc
 import openai
 import pytest
 
+from tests.integration.test_mesh_dashboards import ADAPTER_ONLY, panel_targets, series, substitute
 from tests.support import ROOT, TINY_MODEL, metric_value, running_mesh, scrape_metrics
 from tokenmesh.common.processes import stop_process
 from tokenmesh.localmesh.mesh import LocalMesh, LocalMeshSettings, Program
@@ -250,3 +251,18 @@ async def test_a_hot_adapter_spills_to_the_other_worker_which_loads_it(
     assert sorted(holding) == [False, True], holding
     grew = [adapter_counts(w, "loads", SECOND) - n for w, n in zip(workers, loads, strict=True)]
     assert grew == [0 if holds else 1 for holds in holding], (grew, holding)
+
+
+def test_the_dashboards_adapter_panels_show_the_loads(mesh: LocalMesh) -> None:
+    """Every panel query of the adapters' series has data on this mesh's Prometheus (the
+    shared mesh's dashboards test leaves them out: it serves no adapter)."""
+    if not mesh.tools.prometheus:
+        pytest.skip("no prometheus on PATH: install Debian's prometheus to check the panels")
+    targets = panel_targets(ADAPTER_ONLY)
+    assert len(targets) >= 3, targets
+    deadline = time.monotonic() + 120
+    missing = [expr for _, _, expr in targets]
+    while missing and time.monotonic() < deadline:
+        time.sleep(2)
+        missing = [expr for expr in missing if not series(mesh, substitute(expr))]
+    assert not missing, missing

@@ -191,16 +191,20 @@ def test_alert_rules_are_loaded_and_evaluate_without_errors(scraped_traffic: Loc
 # Series only a mesh with the edge's stream relay has (Envoy's stats of its module): the
 # panels' queries of them alone are proven on such a mesh (test_stream_relay.py).
 RELAY_ONLY = RELAY_SERIES + "resumption_gap"
+# The workers' LoRA adapter series (tests/integration/test_adapters.py checks their panels).
+ADAPTER_ONLY = "tokenmesh_worker_adapter_"
 
 
-def panel_targets(relay_only: bool = False) -> list[tuple[str, str, str]]:
-    """(dashboard file, panel title, expr) of every panel target; with relay_only, those that
-    query only the stream relay's series, else the others."""
+def panel_targets(only: str | None = None) -> list[tuple[str, str, str]]:
+    """(dashboard file, panel title, expr) of every panel target: with `only` (RELAY_ONLY or
+    ADAPTER_ONLY), those that query that feature's series; else those that query none of them
+    (each feature's panels are checked on a mesh that has it)."""
     found = []
     for path in DASHBOARDS:
         for panel in json.loads(path.read_text())["panels"]:
             for target in panel["targets"]:
-                if (RELAY_ONLY in target["expr"]) == relay_only:
+                features = {f for f in (RELAY_ONLY, ADAPTER_ONLY) if f in target["expr"]}
+                if features == ({only} if only else set()):
                     found.append((path.name, panel["title"], target["expr"]))
     return found
 

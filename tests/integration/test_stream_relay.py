@@ -16,7 +16,7 @@ import pytest
 from grpc import aio
 
 from tests.harness.chaos import ScenarioMesh, clients_first, kill_an_engine
-from tests.integration.test_mesh_dashboards import panel_targets, series, substitute
+from tests.integration.test_mesh_dashboards import RELAY_ONLY, panel_targets, series, substitute
 from tests.support import relay_metric
 from tokenmesh.common.tokens import token_count
 from tokenmesh.localmesh.mesh import LocalMesh
@@ -57,7 +57,7 @@ async def test_a_killed_worker_moves_every_stream_of_both_protocols(
     local_mesh = relay_mesh.local_mesh
     if not local_mesh.tools.prometheus:
         pytest.skip("no prometheus on PATH: install Debian's prometheus to check the panels")
-    targets = panel_targets(relay_only=True)
+    targets = panel_targets(RELAY_ONLY)
     assert targets, "the dashboards show the relay's gap"
 
     def gaps() -> list[float]:

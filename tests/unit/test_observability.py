@@ -349,3 +349,32 @@ def test_local_mesh_sends_the_otlp_endpoint_to_every_traced_service(tmp_path: Pa
     }
     untraced = LocalMesh(LocalMeshSettings(workers=1), root=tmp_path)
     assert not any("OTLP" in key for program in untraced.programs for key in program.env)
+
+
+def test_stream_metrics_by_model_label_each_streams_series_with_its_model() -> None:
+    registry = CollectorRegistry()
+    metrics = StreamMetrics(registry, by_model=True)
+    for model, tokens in (("base", 3), ("sql", 2), ("sql", 4)):
+        timer = metrics.timer(model=model)
+        for _ in range(tokens - 1):
+            timer.sent(token_pb2.Token(text="x"))
+        timer.sent(
+            token_pb2.Token(
+                text="x",
+                finish_reason=token_pb2.FINISH_REASON_LENGTH,
+                usage=token_pb2.Usage(prompt_tokens=5),
+            )
+        )
+
+    def value(name: str, model: str) -> float | None:
+        return registry.get_sample_value(name, {"model": model})
+
+    assert value("tokenmesh_tokens_generated_total", "base") == 3
+    assert value("tokenmesh_tokens_generated_total", "sql") == 6
+    assert value("tokenmesh_prompt_tokens_total", "sql") == 10
+    assert value("tokenmesh_ttft_seconds_count", "sql") == 2
+    assert value("tokenmesh_ttft_seconds_count", "base") == 1
+    # Without the label, the same series unlabelled.
+    plain = CollectorRegistry()
+    StreamMetrics(plain).timer().sent(token_pb2.Token(text="x"))
+    assert plain.get_sample_value("tokenmesh_tokens_generated_total") == 1

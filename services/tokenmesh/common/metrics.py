@@ -138,34 +138,43 @@ class StreamMetrics:
         registry: CollectorRegistry,
         tracer: Tracer | None = None,
         log_tokens: bool = False,
+        by_model: bool = False,
     ) -> None:
+        # by_model: every series has a `model` label, the model or adapter a stream names (the
+        # workers', where every stream ends up whatever its path; bounded by what they serve).
+        model = ["model"] if by_model else []
+        self.by_model = by_model
         self.ttft = Histogram(
             "tokenmesh_ttft_seconds",
             "Time from receiving a request to sending its first token.",
+            model,
             buckets=TTFT_BUCKETS,
             registry=registry,
         )
         self.itl = Histogram(
             "tokenmesh_inter_token_latency_seconds",
             "Time between consecutive tokens sent on one stream.",
+            model,
             buckets=ITL_BUCKETS,
             registry=registry,
         )
         self.tokens = Counter(
             "tokenmesh_tokens_generated",
             "Tokens sent to callers.",
+            model,
             registry=registry,
         )
         self.prompt_tokens = Counter(
             "tokenmesh_prompt_tokens",
             "Prompt tokens of token streams (the worker counts them as a request's first token "
             "is sent; the gateway from the usage reported on a stream's last token).",
+            model,
             registry=registry,
         )
         self.duration = Histogram(
             "tokenmesh_request_duration_seconds",
             "Time from receiving a token-stream request to its end, by gRPC status code.",
-            ["grpc_code"],
+            ["grpc_code", *model],
             buckets=RPC_BUCKETS,
             registry=registry,
         )
@@ -176,10 +185,37 @@ class StreamMetrics:
             # The setting asks for these lines whatever the service's log level.
             self._token_log.setLevel(logging.DEBUG)
 
-    def timer(self, context: aio.ServicerContext[Any, Any] | None = None) -> StreamTimer:
-        """Start timing one stream (now is when its request arrived). With the RPC's context,
-        the stream's duration and end are recorded when the RPC ends, however it ends."""
-        return StreamTimer(self, context, self._tracer, self._token_log)
+    def timer(
+        self, context: aio.ServicerContext[Any, Any] | None = None, model: str = ""
+    ) -> StreamTimer:
+        """Start timing one stream (now is when its request arrived) of `model` (with
+        by_model). With the RPC's context, the stream's duration and end are recorded when the
+        RPC ends, however it ends."""
+        return StreamTimer(self, context, self._tracer, self._token_log, model)
+
+    def series(self, model: str) -> _Series:
+        """The series one stream of `model` adds to, resolved once."""
+        if not self.by_model:
+            return _Series(self.ttft, self.itl, self.tokens, self.prompt_tokens, ())
+        return _Series(
+            self.ttft.labels(model),
+            self.itl.labels(model),
+            self.tokens.labels(model),
+            self.prompt_tokens.labels(model),
+            (model,),
+        )
+
+
+@dataclass(frozen=True)
+class _Series:
+    """One stream's series: its model's, or the unlabelled ones."""
+
+    ttft: Histogram
+    itl: Histogram
+    tokens: Counter
+    prompt_tokens: Counter
+    # The duration's labels after its grpc_code.
+    model: tuple[str, ...]
 
 
 class StreamTimer:
@@ -196,6 +232,7 @@ class StreamTimer:
         "_parent",
         "_phase",
         "_prompt_counted",
+        "_series",
         "_start",
         "_token_log",
         "_tracer",
@@ -207,8 +244,10 @@ class StreamTimer:
         context: aio.ServicerContext[Any, Any] | None = None,
         tracer: Tracer | None = None,
         token_log: logging.Logger | None = None,
+        model: str = "",
     ) -> None:
         self._metrics = metrics
+        self._series = metrics.series(model)
         self._start = time.perf_counter()
         self._last: float | None = None
         self._prompt_counted = False
@@ -231,9 +270,10 @@ class StreamTimer:
         """A message of `count` tokens was sent: the gap since the last message is its first
         token's, and the tokens that came with it follow at no gap."""
         now = time.perf_counter()
-        itl = self._metrics.itl
+        series = self._series
+        itl = series.itl
         if self._last is None:
-            self._metrics.ttft.observe(now - self._start)
+            series.ttft.observe(now - self._start)
             if self._tracer is not None:
                 self._next_phase()
         else:
@@ -242,7 +282,7 @@ class StreamTimer:
             itl.observe(0.0)
         self._last = now
         self._completion_tokens += count
-        self._metrics.tokens.inc(count)
+        series.tokens.inc(count)
         if self._token_log is not None:
             self._token_log.debug(
                 "token sent",
@@ -264,7 +304,7 @@ class StreamTimer:
             prompt_tokens = token.usage.prompt_tokens
         if prompt_tokens is not None and not self._prompt_counted:
             self._prompt_counted = True
-            self._metrics.prompt_tokens.inc(prompt_tokens)
+            self._series.prompt_tokens.inc(prompt_tokens)
             if self._phase is not None:
                 self._phase.set_attribute("tokenmesh.prompt_tokens", prompt_tokens)
         count = token_count(token) if tokens is None else tokens
@@ -292,7 +332,8 @@ class StreamTimer:
         outcome = final_code(
             context, self._deadline, cut_short=context.cancelled() or not self._finished
         )
-        self._metrics.duration.labels(outcome).observe(time.perf_counter() - self._start)
+        duration = self._metrics.duration.labels(outcome, *self._series.model)
+        duration.observe(time.perf_counter() - self._start)
         if self._phase is not None:
             self._phase.set_attribute("tokenmesh.completion_tokens", self._completion_tokens)
             if outcome in INTERRUPTED:

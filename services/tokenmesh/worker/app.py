@@ -166,7 +166,9 @@ async def serve(
     )
     host.add_collector(VllmMetricsCollector())
     # With tracing on, each stream's queue_prefill and decode spans too.
-    stream_metrics = StreamMetrics(host.registry, host.tracer, log_tokens=settings.log_tokens)
+    stream_metrics = StreamMetrics(
+        host.registry, host.tracer, log_tokens=settings.log_tokens, by_model=True
+    )
     slot = EngineSlot()
     handover = Handover(handover_relay(settings, host.registry))
     # The tenant the gateway named (x-tenant-id) goes on each RPC's log line and span.

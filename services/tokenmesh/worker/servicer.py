@@ -228,7 +228,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         context: aio.ServicerContext[Any, Any],
         time_limit: float,
     ) -> AsyncGenerator[token_pb2.Token, None]:
-        timer = self._stream_metrics.timer(context)
+        # By the model or adapter it names; a name the worker does not serve (refused
+        # NOT_FOUND below) counts as the model's: the label's values are what it serves.
+        model = spec.model if spec.model in engine.adapters.names else engine.model_name
+        timer = self._stream_metrics.timer(context, model)
         deadline = Deadline.of(context)
         counted = False
         expired = False
