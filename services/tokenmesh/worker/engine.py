@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMValidationError
+from vllm.lora.request import LoRARequest
 from vllm.renderers import ChatParams
 from vllm.renderers.chat_utils import ChatTemplateResolutionError
 from vllm.usage.usage_lib import UsageContext
@@ -144,7 +145,7 @@ class VllmEngine:
         settings: WorkerSettings,
         thread: EngineThread,
         activity: EngineActivity | None = None,
-        adapters: Adapters | None = None,
+        adapter_metrics: AdapterMetrics | None = None,
     ) -> None:
         self._llm = llm
         self._thread = thread
@@ -159,7 +160,7 @@ class VllmEngine:
         self.activity = activity or EngineActivity()
         self.model_name = settings.model_name
         # The model's LoRA adapters, by the names requests give them.
-        self.adapters = adapters if adapters is not None else Adapters.of(settings)
+        self.adapters = Adapters.of(settings, adapter_metrics)
         # The context and batch vLLM settled on (the settings' or its defaults).
         self.max_model_len: int = llm.model_config.max_model_len
         self.max_num_seqs: int = llm.vllm_config.scheduler_config.max_num_seqs
@@ -235,12 +236,11 @@ class VllmEngine:
         except BaseException:
             thread.stop()
             raise
-        adapters = Adapters.of(settings, adapter_metrics)
-        engine = cls(llm, load, settings, thread, activity, adapters)
+        engine = cls(llm, load, settings, thread, activity, adapter_metrics)
         if llm.vllm_config.lora_config is not None:
             # vLLM sets max_cpu_loras (max_loras unless given) as it builds the engine.
             capacity = llm.vllm_config.lora_config.max_cpu_loras or 1
-            await thread.call(adapters.load(llm, capacity))
+            await thread.call(engine.adapters.load(llm, capacity))
         await engine.warm_up()
         # As vLLM's own server does once started: the start-up heap (torch, transformers, the
         # model's Python objects) leaves the collector's view, so a full collection no longer
@@ -394,6 +394,9 @@ class VllmEngine:
                 ]
             else:
                 inputs = [await self._tokenize(spec)]
+            # The adapter it names, held by the engine (loaded now if need be): once for every
+            # prompt and choice of the request.
+            lora = await self.adapters.ensure(self._llm, spec.model)
             run = _Run(
                 post,
                 prompt_tokens=sum(len(made["prompt_token_ids"]) for made, _ in inputs),
@@ -415,13 +418,22 @@ class VllmEngine:
                         engine_input, max_tokens = inputs[position]
                         group.create_task(
                             self._generate(
-                                spec, run, position, engine_input, max_tokens, None, continuation
+                                spec,
+                                run,
+                                position,
+                                engine_input,
+                                max_tokens,
+                                lora,
+                                None,
+                                continuation,
                             )
                         )
                 else:
                     for position, (engine_input, max_tokens) in enumerate(inputs):
                         group.create_task(
-                            self._generate(spec, run, position, engine_input, max_tokens, parsing)
+                            self._generate(
+                                spec, run, position, engine_input, max_tokens, lora, parsing
+                            )
                         )
             post(None)
         except asyncio.CancelledError:
@@ -440,6 +452,7 @@ class VllmEngine:
         position: int,
         engine_input: Any,
         max_tokens: int,
+        lora: LoRARequest | None,
         parsing: Any,
         continuation: Continuation | None = None,
     ) -> None:
@@ -471,7 +484,6 @@ class VllmEngine:
             positions[first_choice] = len(delivered)
             text = ContinuedText(self._tokenizer, engine_id, prompt_ids, params)
             text.delivered(delivered)
-        lora = await self.adapters.ensure(self._llm, spec.model)
         async for output in self._llm.generate(engine_input, params, engine_id, lora_request=lora):
             # The prompt's logprobs come with the first output that has any.
             if (
