@@ -8,6 +8,7 @@ BIN := $(VENV)/bin
 VLLM_TARGET ?= cpu
 LOCK := requirements/lock-$(VLLM_TARGET).txt
 TINY_MODEL := models/tiny-llama
+SECOND_MODEL := models/tiny-llama-b
 # A larger random Llama for the prefix-routing benchmark (loadtests/prefix_routing.py): its
 # prefill of a ~1,000-token prompt takes long enough for a prefix-cache hit to show in TTFT
 # (float32: the CPU backend computes bfloat16 natively only with AVX-512).
@@ -45,7 +46,7 @@ help:
 	@echo "make docs    regenerate docs/settings.md's tables from the settings classes"
 
 setup: $(SETUP_STAMP) $(TOOLS_STAMP) $(TINY_MODEL)/tokenmesh-tiny.json \
-  $(TINY_MODEL)-lora/tokenmesh-lora.json prometheus ops-page crd-validator
+  $(TINY_MODEL)-lora/tokenmesh-lora.json $(SECOND_MODEL)/tokenmesh-tiny.json prometheus ops-page crd-validator
 
 # The live ops page (ops/): TypeScript, its gRPC-Web client generated from ops.proto by
 # protoc-gen-es (npm) through grpc_tools' protoc, bundled by esbuild into ops/dist, which the
@@ -134,6 +135,11 @@ lock-tools:
 
 $(TINY_MODEL)/tokenmesh-tiny.json: scripts/make_tiny_model.py | $(SETUP_STAMP)
 	$(BIN)/python scripts/make_tiny_model.py $(TINY_MODEL) --force
+
+# A second base model, the tiny model's shape with other weights: a further worker pool's
+# (TOKENMESH_LOCALMESH_POOLS), as the tests run one.
+$(SECOND_MODEL)/tokenmesh-tiny.json: scripts/make_tiny_model.py | $(SETUP_STAMP)
+	$(BIN)/python scripts/make_tiny_model.py $(SECOND_MODEL) --seed 2 --force
 
 # The tiny model's LoRA adapter (random low-rank weights): `make up` serves it beside the model.
 $(TINY_MODEL)-lora/tokenmesh-lora.json: scripts/make_tiny_lora.py $(TINY_MODEL)/tokenmesh-tiny.json

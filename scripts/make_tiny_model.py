@@ -130,13 +130,14 @@ def build_tokenizer(out_dir: Path, shape: Shape) -> None:
     fast.save_pretrained(out_dir, save_jinja_files=False)
 
 
-def build_model(out_dir: Path, shape: Shape) -> None:
-    """Save a randomly initialised Llama whose vocabulary matches the tokenizer."""
+def build_model(out_dir: Path, shape: Shape, seed: int = SEED) -> None:
+    """Save a randomly initialised Llama whose vocabulary matches the tokenizer (its weights
+    drawn from `seed`: another seed, another model of the same shape)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(out_dir)
-    torch.manual_seed(SEED)
+    torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=shape.hidden_size,
@@ -165,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--intermediate-size", type=int, default=INTERMEDIATE_SIZE)
     parser.add_argument("--max-positions", type=int, default=MAX_POSITIONS)
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default=DTYPE)
+    parser.add_argument(
+        "--seed", type=int, default=SEED, help="another seed: another model of the same shape"
+    )
     args = parser.parse_args(argv)
     shape = Shape(
         args.hidden_size,
@@ -178,14 +182,15 @@ def main(argv: list[str] | None = None) -> int:
     if shape.hidden_size % shape.heads or shape.hidden_size // shape.heads < 64:
         parser.error("hidden size must split into heads of at least 64")
     marker = args.out_dir / "tokenmesh-tiny.json"
-    text = json.dumps(shape.marker(), indent=2)
+    recorded = shape.marker() | ({"seed": args.seed} if args.seed != SEED else {})
+    text = json.dumps(recorded, indent=2)
     # A model of other sizes at the same place is rebuilt.
     if marker.exists() and marker.read_text() == text and not args.force:
         print(f"model already at {args.out_dir}")
         return 0
     args.out_dir.mkdir(parents=True, exist_ok=True)
     build_tokenizer(args.out_dir, shape)
-    build_model(args.out_dir, shape)
+    build_model(args.out_dir, shape, args.seed)
     marker.write_text(text)
     print(
         f"model written to {args.out_dir}: KV cache {shape.kv_bytes_per_token():,} bytes a "

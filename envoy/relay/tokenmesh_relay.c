@@ -17,9 +17,10 @@
    to the stream's window (initial_stream_window_size), before Envoy calls the watermark
    hooks.
 
-   Config (the filter's StringValue): "cluster=worker;max_resumptions=2;max_retries=100;
-   retry_ms=2000;max_held_bytes=4194304;max_delivered_bytes=16777216;timeout_ms=600000", each
-   optional. A stream whose messages outgrow max_delivered_bytes is relayed on but no longer
+   Config (the filter's StringValue): "cluster=worker;pool_header=x-tokenmesh-pool;
+   max_resumptions=2;max_retries=100;retry_ms=2000;max_held_bytes=4194304;
+   max_delivered_bytes=16777216;timeout_ms=600000", each optional. A request whose pool_header
+   names a pool goes to the cluster "<cluster>-<pool>" (common/pools.py), any other to cluster. A stream whose messages outgrow max_delivered_bytes is relayed on but no longer
    kept: it cannot move. */
 #include "abi.h"
 #include <stdio.h>
@@ -159,8 +160,12 @@ static int walk(bytes *out, const unsigned char *p, size_t n, int part, int *las
   return 1;
 }
 
+/* A pool's name as common/pools.py allows it: a DNS label of at most 32 characters. */
+#define MAX_POOL 32
+
 typedef struct {
   char cluster[128];
+  char pool_header[64]; /* the header naming a request's pool; empty: every request to cluster */
   int max_resumptions;
   int max_retries;
   uint64_t retry_ms;
@@ -206,6 +211,7 @@ typedef struct {
   int gap_pending;          /* a move is under way: the next message ends its gap */
   int last_seen;            /* the stream's last message came (walk): nothing is left
                                to generate, only the worker's trailers to come */
+  char cluster[128 + 1 + MAX_POOL]; /* the cluster of the request's pool */
 } filter;
 
 /* What the filter posts to a later turn of Envoy's event loop (the filter scheduler). Never
@@ -229,6 +235,7 @@ static void parse_config(config *c, const char *s, size_t n) {
   memcpy(text, s, n);
   text[n] = 0;
   snprintf(c->cluster, sizeof c->cluster, "worker");
+  c->pool_header[0] = 0;
   c->max_resumptions = 2;
   c->max_retries = 100;
   c->retry_ms = 2000;
@@ -242,6 +249,8 @@ static void parse_config(config *c, const char *s, size_t n) {
     *eq = 0;
     const char *value = eq + 1;
     if (!strcmp(item, "cluster")) snprintf(c->cluster, sizeof c->cluster, "%s", value);
+    else if (!strcmp(item, "pool_header"))
+      snprintf(c->pool_header, sizeof c->pool_header, "%s", value);
     else if (!strcmp(item, "max_resumptions")) c->max_resumptions = atoi(value);
     else if (!strcmp(item, "max_retries")) c->max_retries = atoi(value);
     else if (!strcmp(item, "retry_ms")) c->retry_ms = strtoull(value, NULL, 10);
@@ -426,7 +435,7 @@ static void start_worker_stream(filter *f) {
   f->answered = 0;
   f->discarded = 0;
   f->parking = 0;
-  dm_buf cluster = {f->cfg->cluster, strlen(f->cfg->cluster)};
+  dm_buf cluster = {f->cluster, strlen(f->cluster)};
   uint64_t id = 0;
   int started = envoy_dynamic_module_callback_http_filter_start_http_stream(
       f->envoy, &id, cluster, f->headers, f->header_count, (dm_buf){body.p, body.n}, true,
@@ -541,6 +550,16 @@ static uint64_t grpc_timeout_ms(const dm_hdr *h) {
   return ms ? ms : 1;
 }
 
+/* A pool's name: lower-case letters, digits and '-', neither first nor last, 1 to MAX_POOL. */
+static int pool_name(const dm_hdr *h) {
+  if (!h->vl || h->vl > MAX_POOL || h->v[0] == '-' || h->v[h->vl - 1] == '-') return 0;
+  for (size_t i = 0; i < h->vl; i++) {
+    char c = h->v[i];
+    if (!((c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '-')) return 0;
+  }
+  return 1;
+}
+
 static void request_complete(filter *f) {
   if (f->request.n < 5) {
     end_with(f, "13", "relay: the request has no gRPC message");
@@ -560,10 +579,14 @@ int envoy_dynamic_module_on_http_filter_request_headers(dm_envoy envoy, const vo
   f->header_bytes.p = malloc(total ? total : 1); /* one block: the pointers below stay valid */
   if (!f->header_bytes.p) abort();
   f->header_bytes.cap = total ? total : 1;
+  snprintf(f->cluster, sizeof f->cluster, "%s", f->cfg->cluster);
   for (size_t i = 0; i < n && f->header_count < MAX_HEADERS; i++) {
     if (found[i].kl > 8 && !memcmp(found[i].k, "x-envoy-", 8)) continue;
     if (named(&found[i], ":path") && ends_with(&found[i], "/GenerateOpenAI")) f->openai = 1;
     if (named(&found[i], "x-tokenmesh-worker")) f->named = (int)f->header_count;
+    if (f->cfg->pool_header[0] && named(&found[i], f->cfg->pool_header) && pool_name(&found[i]))
+      snprintf(f->cluster, sizeof f->cluster, "%s-%.*s", f->cfg->cluster, (int)found[i].vl,
+               found[i].v);
     if (named(&found[i], "grpc-timeout")) {
       f->timeout_header = &f->headers[f->header_count];
       f->deadline_ms = now_ms() + grpc_timeout_ms(&found[i]);

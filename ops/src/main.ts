@@ -134,6 +134,10 @@ function render(snapshot: DashboardSnapshot): void {
     row.dataset.address = worker.address;
     row.dataset.serving = String(worker.serving);
     cell(row, worker.address, "address");
+    // The base model its engine serves, and its pool when it is a further pool's.
+    const model = cell(row, worker.model || "–", "model", worker.model);
+    model.dataset.pool = worker.pool;
+    if (worker.pool) model.append(` (pool ${worker.pool})`);
     cell(row, worker.serving ? "SERVING" : "NOT SERVING", "health");
     cell(row, String(worker.runningRequests), "running", String(worker.runningRequests));
     cell(row, String(worker.waitingRequests), "waiting", String(worker.waitingRequests));

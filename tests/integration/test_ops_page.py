@@ -19,7 +19,7 @@ import pytest
 from grpc import aio
 
 from tests.integration.test_mesh_dashboards import answer, circuit_states, wait_until
-from tests.support import ROOT
+from tests.support import ROOT, TINY_MODEL
 from tokenmesh.localmesh.mesh import LocalMesh
 from tokenmesh.localmesh.probes import serving
 from tokenmesh.v1 import llm_pb2, llm_pb2_grpc, ops_pb2, ops_pb2_grpc, token_pb2
@@ -211,6 +211,11 @@ async def test_ops_page_follows_load_and_shows_the_circuit_opening(
                         "a prefix-cache hit ratio for every worker, one above 0",
                     )
                     await snapshot(page, tmp_path / "ops-page-load.png")
+                    # Each worker's row names the model its engine serves (the default pool's).
+                    models = page.locator('#workers tbody td[data-name="model"]')
+                    assert await models.evaluate_all(
+                        "c => c.map(e => [e.dataset.value, e.dataset.pool])"
+                    ) == [[TINY_MODEL.name, ""]] * len(workers)
 
                     # The reranker stopped: reranked answers fail over to degraded ones until
                     # the gateways' breakers open, and the page shows it.

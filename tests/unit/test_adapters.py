@@ -21,8 +21,16 @@ from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 from tokenmesh.common.channels import Dependency
-from tokenmesh.common.errors import Internal, NotFound
-from tokenmesh.gateway.core.catalog import ModelCatalog, ModelDenied, ModelNotFound
+from tokenmesh.common.errors import DependencyError, Internal, NotFound
+from tokenmesh.common.pools import POOL_HEADER
+from tokenmesh.gateway.core.catalog import (
+    MISS_REFRESH_SECONDS,
+    ModelCard,
+    ModelCatalog,
+    ModelDenied,
+    ModelNotFound,
+    Served,
+)
 from tokenmesh.gateway.core.prefix_key import affinity_key
 from tokenmesh.gateway.core.tenancy.auth import KeysFile
 from tokenmesh.localmesh.probes import free_port
@@ -191,52 +199,123 @@ def test_an_adapters_requests_share_one_key_of_their_own() -> None:
 
 
 class Stats(inference_pb2_grpc.InferenceServiceServicer):
+    """Two pools' workers behind one address, told apart by the pool header as Envoy's routes
+    tell them apart: the default pool's "base" with two adapters, the pool "code"'s "coder"
+    with one; the pool "down" never answers. Counts the asks by pool."""
+
+    def __init__(self) -> None:
+        self.asked: dict[str, int] = {}
+        self.adapters = ["sql", "chat"]
+
     async def GetEngineStats(self, request: Any, context: Any) -> inference_pb2.EngineStats:
-        return inference_pb2.EngineStats(model="base", adapters=["sql", "chat"], max_model_len=64)
+        pool = dict(context.invocation_metadata()).get(POOL_HEADER, "")
+        self.asked[pool] = self.asked.get(pool, 0) + 1
+        if pool == "down":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy upstream")
+        if pool == "code":
+            return inference_pb2.EngineStats(model="coder", adapters=["sql"], max_model_len=128)
+        return inference_pb2.EngineStats(model="base", adapters=self.adapters, max_model_len=64)
 
 
 @pytest.fixture
-async def worker() -> AsyncIterator[Dependency]:
+async def stats() -> AsyncIterator[tuple[Stats, Dependency]]:
     server = aio.server()
-    inference_pb2_grpc.add_InferenceServiceServicer_to_server(Stats(), server)
+    servicer = Stats()
+    inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, server)
     port = free_port()
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     try:
-        yield Dependency("worker", f"127.0.0.1:{port}", 1 << 20)
+        yield servicer, Dependency("worker", f"127.0.0.1:{port}", 1 << 20)
     finally:
         await server.stop(None)
 
 
-async def test_the_catalog_serves_the_model_and_the_adapters_a_worker_lists(
-    worker: Dependency,
+async def test_the_catalog_knows_which_pool_serves_each_model_and_adapter(
+    stats: tuple[Stats, Dependency],
 ) -> None:
-    catalog = ModelCatalog(worker, timeout=5.0)
-    assert await catalog.check("base") == "base" and await catalog.adapter_of("base") == ""
-    assert await catalog.check("sql") == "sql" and await catalog.adapter_of("sql") == "sql"
-    assert catalog.adapters == ("sql", "chat")
+    servicer, worker = stats
+    catalog = ModelCatalog(worker, timeout=5.0, pools=("code",))
+    assert await catalog.resolve("base") == Served("base", "", "")
+    assert await catalog.resolve("chat") == Served("chat", "", "chat")
+    assert await catalog.resolve("coder") == Served("coder", "code", "")
+    # A name two pools serve is the first pool's.
+    assert await catalog.resolve("sql") == Served("sql", "", "sql")
+    # An empty name is the mesh's model, the default pool's.
+    assert await catalog.resolve("") == Served("")
+    assert await catalog.resolve("", frozenset({"base"})) == Served("base")
+    assert Served("coder", "code").metadata() == ((POOL_HEADER, "code"),)
+    assert Served("base").metadata() == ()
     with pytest.raises(ModelNotFound) as unknown:
-        await catalog.check("other")
-    assert "this mesh serves 'base', 'sql', 'chat'" in str(unknown.value)
+        await catalog.resolve("other")
+    assert "this mesh serves 'base', 'sql', 'chat', 'coder'" in str(unknown.value)
     assert unknown.value.code == grpc.StatusCode.NOT_FOUND
+    assert await catalog.cards(None) == [
+        ModelCard("base", None, 64),
+        ModelCard("sql", "base", 64),
+        ModelCard("chat", "base", 64),
+        ModelCard("coder", None, 128),
+    ]
+    # Each pool was asked once (within the TTL), and its own workers were.
+    assert servicer.asked == {"": 1, "code": 1}
 
 
-async def test_a_tenant_limited_to_some_models_is_denied_the_others(worker: Dependency) -> None:
+async def test_a_name_no_pool_serves_asks_the_pools_again_at_most_once_a_second(
+    stats: tuple[Stats, Dependency],
+) -> None:
+    servicer, worker = stats
     catalog = ModelCatalog(worker, timeout=5.0)
-    allowed = frozenset({"sql", "elsewhere"})
-    assert await catalog.adapter_of("sql", allowed) == "sql"
-    # The model itself, named or by an empty name, is not among them.
+    await catalog.resolve("base")
+    # An adapter loaded since the last ask is found at once, not after the TTL.
+    servicer.adapters = ["sql", "chat", "new"]
+    await asyncio.sleep(MISS_REFRESH_SECONDS)
+    assert await catalog.resolve("new") == Served("new", "", "new")
+    asked = servicer.asked[""]
+    # Unknown names, many at once and again at once: no more asks.
+    for _ in range(2):
+        results = await asyncio.gather(
+            *(catalog.resolve("other") for _ in range(5)), return_exceptions=True
+        )
+        assert all(isinstance(result, ModelNotFound) for result in results)
+    assert servicer.asked[""] == asked
+
+
+async def test_a_pool_that_never_answered_makes_an_unknown_name_unavailable_not_absent(
+    stats: tuple[Stats, Dependency],
+) -> None:
+    _, worker = stats
+    catalog = ModelCatalog(worker, timeout=5.0, pools=("down",))
+    # What the answering pools serve is served.
+    assert await catalog.resolve("chat") == Served("chat", "", "chat")
+    # Any other name might be the silent pool's: UNAVAILABLE naming it, not NOT_FOUND.
+    with pytest.raises(DependencyError) as unknown:
+        await catalog.resolve("other")
+    assert unknown.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "no worker of worker-down answered" in str(unknown.value)
+    assert [card.name for card in await catalog.cards(None)] == ["base", "sql", "chat"]
+
+
+async def test_a_tenant_limited_to_some_models_is_denied_the_others(
+    stats: tuple[Stats, Dependency],
+) -> None:
+    _, worker = stats
+    catalog = ModelCatalog(worker, timeout=5.0, pools=("code",))
+    allowed = frozenset({"sql", "coder", "elsewhere"})
+    assert await catalog.resolve("sql", allowed) == Served("sql", "", "sql")
+    assert await catalog.resolve("coder", allowed) == Served("coder", "code")
+    # The mesh's model, named or by an empty name, is not among them.
     for requested in ("base", ""):
         with pytest.raises(ModelDenied) as denied:
-            await catalog.adapter_of(requested, allowed)
+            await catalog.resolve(requested, allowed)
         assert denied.value.code == grpc.StatusCode.PERMISSION_DENIED
-        assert "may not use the model 'base'; it may use 'elsewhere', 'sql'" in str(denied.value)
+        assert "may not use the model 'base'; it may use 'coder', 'elsewhere', 'sql'" in str(
+            denied.value
+        )
     # What the mesh does not serve is NOT_FOUND whoever asks.
     with pytest.raises(ModelNotFound):
-        await catalog.check("other", allowed)
+        await catalog.resolve("other", allowed)
     # /v1/models lists what the tenant may use of what is served.
-    assert catalog.visible(allowed) == ["sql"]
-    assert catalog.visible(None) == ["base", "sql", "chat"]
+    assert [card.name for card in await catalog.cards(allowed)] == ["sql", "coder"]
 
 
 def test_a_keys_files_models_are_a_limit_a_tenant_overrides() -> None:

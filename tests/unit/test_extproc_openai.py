@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from tests.unit.test_extproc import Prepared, headers, set_headers
 from tokenmesh.common.errors import InvalidArgument
+from tokenmesh.common.pools import POOL_HEADER
 from tokenmesh.common.presentation import answer_extra
 from tokenmesh.common.tokens import (
     OPENAI_CHAT_COMPLETIONS,
@@ -26,7 +27,7 @@ from tokenmesh.common.tokens import (
     WORKER_REFUSED,
 )
 from tokenmesh.gateway.config import GatewaySettings
-from tokenmesh.gateway.core.catalog import ModelNotFound
+from tokenmesh.gateway.core.catalog import ModelNotFound, Served
 from tokenmesh.gateway.frontends.extproc import (
     DirectMetrics,
     ExternalProcessor,
@@ -45,14 +46,10 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
 class Catalog:
     """The served model's name, without a worker to ask."""
 
-    async def check(self, requested: str, allowed: Any = None) -> str:
+    async def resolve(self, requested: str, allowed: Any = None) -> Served:
         if requested != MODEL:
             raise ModelNotFound(f"the model {requested!r} does not exist")
-        return MODEL
-
-    async def adapter_of(self, requested: str, allowed: Any = None) -> str:
-        await self.check(requested)
-        return ""
+        return Served(MODEL)
 
 
 def body(fields: dict[str, Any]) -> ext_proc.ProcessingRequest:
@@ -107,7 +104,7 @@ async def test_a_chat_is_prepared_for_a_worker_to_answer_in_openais_shape() -> N
     assert rewritten[ROUTE_HEADER] == "/v1/chat/completions"
     limit = GatewaySettings().http_request_timeout_seconds
     assert rewritten["grpc-timeout"] == f"{int(limit) + 5}S"
-    assert list(common.header_mutation.remove_headers) == [WORKER_HEADER]
+    assert list(common.header_mutation.remove_headers) == [WORKER_HEADER, POOL_HEADER]
     data = single_message(common.body_mutation.body)
     assert data is not None
     worker = inference_pb2.InferenceRequest.FromString(data)

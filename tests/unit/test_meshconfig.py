@@ -55,6 +55,8 @@ def test_committed_config_is_the_rendered_one() -> None:
         MeshSettings(stats_port=19902),
         MeshSettings(worker_routing="prefix"),
         MeshSettings(worker_routing="picker"),
+        MeshSettings(worker_pools=("code", "chat-2")),
+        MeshSettings(worker_pools=("code",), stream_relay=False),
     ],
     ids=[
         "defaults",
@@ -63,6 +65,8 @@ def test_committed_config_is_the_rendered_one() -> None:
         "stats listener",
         "prefix routing",
         "endpoint picker",
+        "worker pools",
+        "worker pools without the relay",
     ],
 )
 def test_envoy_accepts_the_rendered_config(settings: MeshSettings, tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from pydantic import ValidationError
 
 from tests.unit.test_meshconfig import (
     clusters,
+    listeners,
     with_health_checks,
     worker_balancing,
     worker_routes,
@@ -141,3 +142,46 @@ def test_envoy_opens_a_connection_to_a_worker_per_its_bound_of_streams() -> None
 
     assert streams("worker") == 48
     assert streams("gateway") == streams("reranker") == MeshSettings().max_concurrent_streams
+
+
+@pytest.mark.parametrize("relay", [True, False], ids=["relayed", "routed"])
+def test_each_worker_pool_is_a_cluster_of_workers_reached_by_its_header(relay: bool) -> None:
+    config = render(MeshSettings(worker_pools=("code", "chat-2"), stream_relay=relay))
+    found = clusters(config)
+    worker = found["worker"]
+    for pool in ("code", "chat-2"):
+        # The workers' cluster in all but its name: checks, balancing, ejection, breakers.
+        assert {**found[f"worker-{pool}"], "name": "worker"} == worker
+    routes = {
+        name: manager["route_config"]["virtual_hosts"][0]["routes"]
+        for name, manager in listeners(config).items()
+    }
+
+    def pools_of(route_list: list[dict], path: str) -> list[tuple[str | None, str]]:
+        """(the pool header a route matches, its cluster) for the routes of a path."""
+        return [
+            (
+                next((h["string_match"]["exact"] for h in r["match"].get("headers", [])), None),
+                r["route"]["cluster"],
+            )
+            for r in route_list
+            if r["match"].get("path", r["match"].get("prefix")) == path
+        ]
+
+    by_pool = [("code", "worker-code"), ("chat-2", "worker-chat-2"), (None, "worker")]
+    # The gateways' calls: to the pool their header names, else the default pool.
+    assert pools_of(routes["worker"], "/") == by_pool
+    generate = "/tokenmesh.v1.InferenceService/Generate"
+    if relay:
+        # The relay picks the pool's cluster by the same header.
+        assert pools_of(routes["edge"], generate) == [(None, "worker_relay")]
+        assert "pool_header=x-tokenmesh-pool" in str(config)
+    else:
+        assert pools_of(routes["edge"], generate) == by_pool
+        assert pools_of(routes["edge"], "/tokenmesh.v1.InferenceService/GenerateOpenAI") == by_pool
+
+
+def test_a_pool_name_must_be_a_short_dns_label_named_once() -> None:
+    for bad in (("Code",), ("-code",), ("code", "code"), ("a" * 33,), ("",)):
+        with pytest.raises(ValidationError, match="pool name"):
+            MeshSettings(worker_pools=bad)

@@ -143,6 +143,6 @@ def test_the_builders_read_the_policy_not_the_name() -> None:
     assert "resource-exhausted" in route["retry_policy"]["retry_on"]
     options = cluster["typed_extension_protocol_options"][HTTP_OPTIONS]
     assert options["http_filters"] == names_host()
-    assert internal_listener(like_worker, mesh)["name"] == "gateway"
+    assert internal_listener(like_worker, services, mesh)["name"] == "gateway"
     as_http = service_cluster(dataclasses.replace(worker, protocol="http1"), mesh)
     assert "typed_extension_protocol_options" not in as_http

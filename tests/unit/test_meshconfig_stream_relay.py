@@ -64,6 +64,7 @@ def test_the_relay_is_its_listeners_only_and_last_filter_with_the_meshs_limits()
     settings = dict(item.split("=") for item in module["filter_config"]["value"].split(";"))
     assert settings == {
         "cluster": "worker",
+        "pool_header": "x-tokenmesh-pool",
         "max_resumptions": "3",
         "max_held_bytes": "131072",
         "max_delivered_bytes": str(16 * 1024 * 1024),

@@ -33,6 +33,7 @@ from tokenmesh.common.interceptors import standard_interceptors
 from tokenmesh.gateway.app import Tenancy
 from tokenmesh.gateway.client_interceptors import TraceContextClientInterceptor, for_every_arity
 from tokenmesh.gateway.config import GatewaySettings
+from tokenmesh.gateway.core.catalog import ModelCard
 from tokenmesh.gateway.core.tenancy.auth import hash_key
 from tokenmesh.gateway.core.tenancy.http import HttpTenancy
 from tokenmesh.gateway.frontends.openai.api import OpenAIApi
@@ -79,14 +80,8 @@ def count_words(texts: list[str]) -> list[int]:
 class FakeCatalog:
     """The workers' served model, as the LLM's catalog answers it."""
 
-    max_model_len = 2048
-    adapters: tuple[str, ...] = ()
-
-    async def name(self) -> str:
-        return LLM
-
-    def visible(self, allowed: object) -> list[str]:
-        return [LLM]
+    async def cards(self, allowed: object) -> list[ModelCard]:
+        return [ModelCard(LLM, None, 2048)]
 
 
 @dataclass

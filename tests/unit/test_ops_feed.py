@@ -26,6 +26,8 @@ from tests.support import free_port
 from tokenmesh.common.errors import InvalidArgument
 from tokenmesh.common.interceptors import standard_interceptors
 from tokenmesh.common.server import Health
+from tokenmesh.controlplane.app import worker_addresses
+from tokenmesh.controlplane.endpoints import Endpoint
 from tokenmesh.controlplane.ops import (
     DASHBOARD_INTERVAL,
     SHARED_ROUND_SECONDS,
@@ -44,6 +46,7 @@ from tokenmesh.controlplane.ops import (
     interval_seconds,
 )
 from tokenmesh.controlplane.page import NOT_BUILT, PageServer
+from tokenmesh.controlplane.snapshots import SnapshotCache
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, ops_pb2, ops_pb2_grpc
 
 QUERIES = FleetQueries(rate_window="30s")
@@ -174,7 +177,11 @@ async def test_snapshot_joins_worker_figures_with_prometheus_fleet_figures() -> 
         {W0: WorkerFigures(W0, True, running_requests=3, waiting_requests=1, kv_cache_usage=0.25)}
     )
     dashboard = Dashboard(
-        lambda: [W1, W0], probe, FakePrometheus(PROMETHEUS_ANSWERS), QUERIES, clock=lambda: 12.0
+        lambda: dict.fromkeys([W1, W0], ""),
+        probe,
+        FakePrometheus(PROMETHEUS_ANSWERS),
+        QUERIES,
+        clock=lambda: 12.0,
     )
     snapshot = await dashboard.snapshot()
     assert snapshot.taken_unix_millis == 12_000
@@ -207,7 +214,9 @@ async def test_snapshot_joins_worker_figures_with_prometheus_fleet_figures() -> 
 
 async def test_no_traffic_yet_gives_zero_rates_nan_latency_and_unknown_circuit() -> None:
     empty: dict[str, list[Sample]] = {key: [] for key in PROMETHEUS_ANSWERS}
-    dashboard = Dashboard(lambda: [W0], FakeProbe({}), FakePrometheus(empty), QUERIES)
+    dashboard = Dashboard(
+        lambda: dict.fromkeys([W0], ""), FakeProbe({}), FakePrometheus(empty), QUERIES
+    )
     snapshot = await dashboard.snapshot()
     assert snapshot.requests_per_second == 0 and snapshot.tokens_per_second == 0
     assert math.isnan(snapshot.ttft_p50_seconds) and math.isnan(snapshot.ttft_p99_seconds)
@@ -217,7 +226,9 @@ async def test_no_traffic_yet_gives_zero_rates_nan_latency_and_unknown_circuit()
 
 async def test_one_failing_query_is_a_warning_and_the_rest_still_arrive() -> None:
     answers = {k: v for k, v in PROMETHEUS_ANSWERS.items() if "histogram" not in k}
-    dashboard = Dashboard(lambda: [W0], FakeProbe({}), FakePrometheus(answers), QUERIES)
+    dashboard = Dashboard(
+        lambda: dict.fromkeys([W0], ""), FakeProbe({}), FakePrometheus(answers), QUERIES
+    )
     snapshot = await dashboard.snapshot()
     assert snapshot.tokens_per_second == 20.0
     assert math.isnan(snapshot.ttft_p99_seconds)
@@ -226,7 +237,7 @@ async def test_one_failing_query_is_a_warning_and_the_rest_still_arrive() -> Non
 
 async def test_without_prometheus_workers_still_stream_with_a_warning() -> None:
     probe = FakeProbe({W0: WorkerFigures(W0, True, running_requests=2)})
-    snapshot = await Dashboard(lambda: [W0], probe, None, QUERIES).snapshot()
+    snapshot = await Dashboard(lambda: dict.fromkeys([W0], ""), probe, None, QUERIES).snapshot()
     assert snapshot.workers[0].running_requests == 2
     assert snapshot.tokens_per_second == 0
     assert any("no Prometheus configured" in w for w in snapshot.warnings), snapshot.warnings
@@ -238,7 +249,9 @@ async def test_unreachable_prometheus_is_one_warning_not_a_hang() -> None:
         prometheus = PrometheusHttp(session, url, timeout_seconds=1.0)
         probe = FakeProbe({W0: WorkerFigures(W0, True, running_requests=1)})
         started = time.monotonic()
-        snapshot = await Dashboard(lambda: [W0], probe, prometheus, QUERIES, url).snapshot()
+        snapshot = await Dashboard(
+            lambda: dict.fromkeys([W0], ""), probe, prometheus, QUERIES, url
+        ).snapshot()
     assert time.monotonic() - started < 1.0 + SLACK
     assert snapshot.workers[0].running_requests == 1
     assert len(snapshot.warnings) == 1 and url in snapshot.warnings[0], snapshot.warnings
@@ -262,7 +275,7 @@ async def test_slow_prometheus_times_out_into_a_warning() -> None:
             prometheus = PrometheusHttp(session, url, timeout_seconds=0.3)
             started = time.monotonic()
             snapshot = await Dashboard(
-                lambda: [], FakeProbe({}), prometheus, QUERIES, url
+                lambda: dict.fromkeys([], ""), FakeProbe({}), prometheus, QUERIES, url
             ).snapshot()
         assert time.monotonic() - started < 0.3 + SLACK
         assert any("no answer within 0.3s" in w for w in snapshot.warnings), snapshot.warnings
@@ -360,7 +373,7 @@ async def test_snapshots_carry_each_workers_hit_ratio_over_the_rate_window() -> 
     figures = WorkerFigures(W0, True, prefix_cache_queries=1000, prefix_cache_hits=100)
     probe = FakeProbe({W0: figures})
     dashboard = Dashboard(
-        lambda: [W0, W1],
+        lambda: dict.fromkeys([W0, W1], ""),
         probe,
         None,
         QUERIES,
@@ -394,7 +407,7 @@ async def test_workers_snapshot_carries_each_workers_load_and_asks_prometheus_no
     )
     prometheus = FakePrometheus(PROMETHEUS_ANSWERS)
     dashboard = Dashboard(
-        lambda: [W1, W0],
+        lambda: dict.fromkeys([W1, W0], ""),
         probe,
         prometheus,
         QUERIES,
@@ -497,7 +510,7 @@ async def ops() -> AsyncIterator[Ops]:
     """OpsService behind the standard interceptors, on a real port: W0 answers, W1 does not."""
     probe = FakeProbe({W0: WorkerFigures(W0, True, running_requests=1, waiting_requests=2)})
     prometheus = FakePrometheus(PROMETHEUS_ANSWERS)
-    dashboard = Dashboard(lambda: [W0, W1], probe, prometheus, QUERIES)
+    dashboard = Dashboard(lambda: dict.fromkeys([W0, W1], ""), probe, prometheus, QUERIES)
     registry = CollectorRegistry()
     server = aio.server(interceptors=standard_interceptors(registry))
     ops_pb2_grpc.add_OpsServiceServicer_to_server(OpsServicer(dashboard), server)
@@ -542,7 +555,7 @@ async def test_workers_stream_carries_every_workers_load_at_the_asked_interval(o
 
 async def test_subscribers_at_one_moment_share_a_round_of_probes() -> None:
     probe = FakeProbe({W0: WorkerFigures(W0, True, running_requests=1)})
-    dashboard = Dashboard(lambda: [W0, W1], probe, None, QUERIES)
+    dashboard = Dashboard(lambda: dict.fromkeys([W0, W1], ""), probe, None, QUERIES)
     first, second = await asyncio.gather(dashboard.workers_snapshot(), dashboard.workers_snapshot())
     assert first == second and probe.calls == 2  # each worker once, not once per subscriber
     await asyncio.sleep(SHARED_ROUND_SECONDS * 2)
@@ -629,3 +642,31 @@ async def test_page_server_serves_the_built_page_and_says_how_to_build_it(tmp_pa
     finally:
         for server in servers:
             await server.stop()
+
+
+async def test_every_pools_workers_are_probed_and_named_with_their_pool_and_model() -> None:
+    probe = FakeProbe(
+        {W0: WorkerFigures(W0, True, model="tiny"), W1: WorkerFigures(W1, True, model="other")}
+    )
+    dashboard = Dashboard(lambda: {W1: "b", W0: ""}, probe, None, QUERIES)
+    snapshot = await dashboard.snapshot()
+    # The default pool first, then each further pool's, by address within a pool.
+    assert [(w.address, w.pool, w.model) for w in snapshot.workers] == [
+        (W0, "", "tiny"),
+        (W1, "b", "other"),
+    ]
+    feed = await dashboard.workers_snapshot()
+    assert [(w.address, w.pool) for w in feed.workers] == [(W0, ""), (W1, "b")]
+
+
+def test_the_workers_are_every_worker_pools_endpoints_and_no_other_clusters() -> None:
+    cache = SnapshotCache()
+    cache.update(
+        {
+            "worker": [Endpoint("10.0.0.1", 50061)],
+            "worker-b": [Endpoint("10.0.0.2", 50061)],
+            "gateway": [Endpoint("10.0.0.3", 50051)],
+            "worker_relay": [Endpoint("10.0.0.4", 1)],
+        }
+    )
+    assert worker_addresses(cache) == {"10.0.0.1:50061": "", "10.0.0.2:50061": "b"}

@@ -149,6 +149,23 @@ def test_a_report_of_a_worker_that_did_not_answer_counts_it_not_serving() -> Non
     assert loads(snapshot) == [WorkerLoad(A, True, 5), WorkerLoad(B, False, 0)]
 
 
+def test_a_request_is_placed_among_its_pools_workers_only() -> None:
+    chooser = picker()
+    # The pool "b" has one idle worker; the default pool's two are busy.
+    chooser.update(
+        [WorkerLoad(A, True, 30), WorkerLoad(B, True, 40), WorkerLoad(C, True, 0, pool="b")]
+    )
+    for number in range(20):
+        assert chooser.pick(f"key {number}", "b") == [C]
+        assert set(chooser.pick(f"key {number}")) == {A, B}
+    # A pool none of whose workers serves (or an unknown one): Envoy's own balancing.
+    assert chooser.pick("key", "c") == []
+    snapshot = ops_pb2.WorkersSnapshot(
+        workers=[ops_pb2.WorkerSnapshot(address=C, serving=True, pool="b", model="other")]
+    )
+    assert loads(snapshot) == [WorkerLoad(C, True, 0, pool="b")]
+
+
 class Worker:
     """A WorkerClient that records the metadata of each call and streams nothing."""
 

@@ -14,6 +14,7 @@ from tokenmesh.common.backoff import Backoff
 from tokenmesh.common.consul_http import consul_client
 from tokenmesh.common.credentials import ReloadingChannelCredentials
 from tokenmesh.common.host import ServiceHost
+from tokenmesh.common.pools import pool_of_cluster
 from tokenmesh.controlplane.config import ControlPlaneSettings
 from tokenmesh.controlplane.consul_source import ConsulSource
 from tokenmesh.controlplane.dns_source import DnsSource
@@ -81,10 +82,18 @@ async def feed(source: EndpointSource, cache: SnapshotCache, first: asyncio.Even
             log.info("first endpoint snapshot", extra={"clusters": sorted(snapshot)})
 
 
-def worker_addresses(cache: SnapshotCache) -> list[str]:
-    """The worker cluster's addresses in the current endpoint snapshot (none before it)."""
+def worker_addresses(cache: SnapshotCache) -> dict[str, str]:
+    """Every worker pool's addresses in the current endpoint snapshot, each with its pool ("":
+    the default pool's cluster `worker`); none before the first snapshot."""
     current = cache.current
-    return [str(endpoint) for endpoint in current.clusters.get("worker", ())] if current else []
+    if current is None:
+        return {}
+    return {
+        str(endpoint): pool
+        for cluster, endpoints in current.clusters.items()
+        if (pool := pool_of_cluster(cluster)) is not None
+        for endpoint in endpoints
+    }
 
 
 async def serve(settings: ControlPlaneSettings) -> int:

@@ -265,6 +265,7 @@ class WorkerFigures:
     # found there.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    model: str = ""
     error: str = ""
 
 
@@ -386,6 +387,7 @@ class GrpcWorkerProbe:
             kv_cache_usage=stats_reply.kv_cache_usage,
             prefix_cache_queries=stats_reply.prefix_cache_queries,
             prefix_cache_hits=stats_reply.prefix_cache_hits,
+            model=stats_reply.model,
         )
 
     async def retain(self, addresses: Sequence[str]) -> None:
@@ -405,7 +407,7 @@ class Dashboard:
 
     def __init__(
         self,
-        workers: Callable[[], Sequence[str]],
+        workers: Callable[[], Mapping[str, str]],
         probe: WorkerProbe,
         prometheus: Prometheus | None,
         queries: FleetQueries,
@@ -428,7 +430,9 @@ class Dashboard:
         self._workers_round: asyncio.Future[ops_pb2.WorkersSnapshot] | None = None
         self._workers_round_at = -math.inf
 
-    async def _probe_worker(self, address: str, hit_ratio: bool) -> ops_pb2.WorkerSnapshot:
+    async def _probe_worker(
+        self, address: str, pool: str, hit_ratio: bool
+    ) -> ops_pb2.WorkerSnapshot:
         """A worker's figures; with hit_ratio, its prefix-cache hit ratio too, its counts taken
         as they arrive (so concurrent subscriptions' readings go in in the order they were
         made), else NaN and its counts left out of the window."""
@@ -448,16 +452,20 @@ class Dashboard:
             prefix_cache_hit_ratio=ratio,
             prefix_cache_queries=worker.prefix_cache_queries,
             prefix_cache_hits=worker.prefix_cache_hits,
+            pool=pool,
+            model=worker.model,
         )
 
     async def _probe_workers(
-        self, addresses: Sequence[str], hit_ratios: bool
+        self, pools: Mapping[str, str], hit_ratios: bool
     ) -> list[ops_pb2.WorkerSnapshot]:
-        """Every worker (sorted addresses) probed at once; those gone from the fleet forgotten."""
+        """Every worker (by address: its pool) probed at once, by pool and address; those gone
+        from the fleet forgotten."""
+        addresses = sorted(pools, key=lambda address: (pools[address], address))
         await self._probe.retain(addresses)
         self._prefix_cache.retain(addresses)
         return await asyncio.gather(
-            *(self._probe_worker(address, hit_ratios) for address in addresses)
+            *(self._probe_worker(address, pools[address], hit_ratios) for address in addresses)
         )
 
     async def workers_snapshot(self) -> ops_pb2.WorkersSnapshot:
@@ -476,11 +484,11 @@ class Dashboard:
         return await asyncio.shield(round_)
 
     async def _take_workers(self) -> ops_pb2.WorkersSnapshot:
-        workers = await self._probe_workers(sorted(self._workers()), hit_ratios=False)
+        workers = await self._probe_workers(self._workers(), hit_ratios=False)
         return ops_pb2.WorkersSnapshot(taken_unix_millis=int(self._clock() * 1000), workers=workers)
 
     async def snapshot(self) -> ops_pb2.DashboardSnapshot:
-        addresses = sorted(self._workers())
+        addresses = self._workers()
         fleet, workers = await asyncio.gather(
             query_fleet(self._prometheus, self._queries, self._prometheus_url),
             self._probe_workers(addresses, hit_ratios=True),

@@ -7,6 +7,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
+from tokenmesh.common.pools import pool_names
 from tokenmesh.common.sampling import SamplingLimits, ToolLimits
 from tokenmesh.common.settings import MIB, ServiceSettings
 
@@ -153,6 +154,21 @@ class GatewaySettings(ServiceSettings, SamplingLimits, ToolLimits):
         default="127.0.0.1:50061",
         description="Where the workers are reached (an Envoy listener in the full mesh).",
     )
+    worker_pools: tuple[str, ...] = Field(
+        default=(),
+        description=(
+            "Further pools of workers beside the default pool (Envoy's worker_pools, the "
+            "same names): each serves a base model of its own and its adapters. The catalog "
+            "asks each pool what it serves, and a request naming one of those goes to its "
+            "pool (x-tokenmesh-pool). JSON in TOKENMESH_GATEWAY_WORKER_POOLS."
+        ),
+    )
+
+    @field_validator("worker_pools")
+    @classmethod
+    def _pool_names(cls, names: tuple[str, ...]) -> tuple[str, ...]:
+        return pool_names(names)
+
     reranker_address: str = Field(
         default="127.0.0.1:50071",
         description="Where the reranker is reached (an Envoy listener in the full mesh).",

@@ -30,8 +30,8 @@ def endpoints(programs: Sequence[Program]) -> dict[str, dict[str, list[str]]]:
     clusters: dict[str, list[str]] = {"gateway": [], "worker": [], "reranker": []}
     openai = []
     for program in programs:
-        if program.service in clusters:
-            clusters[program.service].append(program.address)
+        if program.service in clusters and program.cluster is not None:
+            clusters.setdefault(program.cluster, []).append(program.address)
         if program.openai_port is not None:
             openai.append(f"127.0.0.1:{program.openai_port}")
     if openai:

@@ -127,8 +127,8 @@ class LocalMesh:
         return next(program for program in self.programs if program.name == name)
 
     def replicas(self, service: str) -> list[Program]:
-        """The programs of one service (its Envoy cluster), in order."""
-        return [program for program in self.programs if program.service == service]
+        """The programs of one Envoy cluster (a service's; a worker pool's), in order."""
+        return [program for program in self.programs if program.cluster == service]
 
     def pid(self, name: str) -> int:
         """The program's pid from supervisord; 0 when it is not running."""

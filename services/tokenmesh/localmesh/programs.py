@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from tokenmesh.common.pools import pool_cluster
 from tokenmesh.common.settings import ServiceSettings
 from tokenmesh.controlplane.config import ControlPlaneSettings
 from tokenmesh.gateway.config import GatewaySettings
@@ -13,7 +14,7 @@ from tokenmesh.localmesh.certs import ENVOY_CLIENT
 from tokenmesh.localmesh.environment import build, environment
 from tokenmesh.localmesh.layout import MeshFiles, Tools
 from tokenmesh.localmesh.relay_module import SEARCH_PATH
-from tokenmesh.localmesh.settings import LocalMeshSettings
+from tokenmesh.localmesh.settings import LocalMeshSettings, WorkerPool
 from tokenmesh.reranker.config import RerankerSettings
 from tokenmesh.worker.config import WorkerSettings
 
@@ -39,6 +40,13 @@ class Program:
     openai_port: int | None = None
     # A tokenmesh service's settings, which `env` is written from.
     settings: ServiceSettings | None = None
+    # A worker's pool ("": the default pool, the cluster `worker`).
+    pool: str = ""
+
+    @property
+    def cluster(self) -> str | None:
+        """The Envoy cluster it is an endpoint of: its service's (a worker's pool's)."""
+        return pool_cluster(self.pool) if self.service == "worker" else self.service
 
     @property
     def address(self) -> str:
@@ -80,7 +88,11 @@ class ProcessTable:
         self.settings = settings
         self.files = files
         self.tools = tools
-        self.workers = settings.worker_count()
+        # Every pool's workers, one after the other: (pool, its settings) each.
+        self.worker_pools = [
+            (pool, spec) for pool, spec in settings.worker_pools() for _ in range(spec.workers)
+        ]
+        self.workers = len(self.worker_pools)
         self.cores = mesh_cores(settings, self.workers, tools.cores)
         self.consul_address = f"127.0.0.1:{settings.consul_http_port}"
         self.prometheus_url = f"http://127.0.0.1:{settings.prometheus_port}"
@@ -90,7 +102,7 @@ class ProcessTable:
             *self._consul(),
             self._controlplane(),
             self._envoy(),
-            *(self._worker(i) for i in range(self.workers)),
+            *(self._worker(i, *pool) for i, pool in enumerate(self.worker_pools)),
             self._reranker(),
             *(self._gateway(i) for i in range(self.settings.gateways)),
             *self._prometheus(),
@@ -162,24 +174,25 @@ class ProcessTable:
             env={SEARCH_PATH: str(self.files.relay_module_dir)},
         )  # fmt: skip
 
-    def _worker(self, i: int) -> Program:
+    def _worker(self, i: int, pool: str, spec: WorkerPool) -> Program:
         s, cores = self.settings, self.tools.cores
         settings = build(
             WorkerSettings,
             port=s.worker_port + i,
             metrics_port=s.worker_metrics_port + i,
-            model=s.model,
+            model=spec.model,
             # What OpenAI clients name as `model`: the model directory's name.
-            served_model_name=Path(s.model).name,
-            lora_modules=s.lora_modules,
+            served_model_name=Path(spec.model).name,
+            lora_modules=spec.lora_modules,
             kv_cache_space_gib=s.worker_kv_cache_space_gib,
             max_model_len=s.worker_max_model_len,
             max_num_seqs=s.worker_max_num_seqs,
             frontends=s.worker_frontends,
             dtype=s.worker_dtype,
             # vLLM pins its OpenMP threads: engines on one machine get their own cores, or they
-            # fight over the same ones.
-            cpu_threads_bind=str(i % cores) if self.workers <= cores else "auto",
+            # fight over the same ones. With more engines than cores, each still binds one
+            # (some share it) rather than each binding them all ("auto").
+            cpu_threads_bind=str(i % cores),
             # Compact JSON: the random tiny model would fill a structured answer's whitespace
             # until max_tokens.
             structured_outputs_backend="xgrammar",
@@ -188,16 +201,16 @@ class ProcessTable:
             # worker listener (the gateways' way to them), over TLS with mTLS on.
             handover_address=f"127.0.0.1:{s.worker_listener_port}",
             **({"handover_tls_ca_file": self.files.certs.ca_cert} if s.mtls else {}),
-            **self._tool_calling(),
+            **self._tool_calling(spec.model),
             **self._shared("worker"),
         )
-        return service_program(self.tools.python, "worker", settings, i)
+        return replace(service_program(self.tools.python, "worker", settings, i), pool=pool)
 
-    def _tool_calling(self) -> dict[str, Any]:
+    def _tool_calling(self, model: str) -> dict[str, Any]:
         """The mesh's own models (scripts/make_tiny_model.py marks them) have a chat template
         that writes tool calls as Hermes' do; another model's parser is the user's to name
         (TOKENMESH_WORKER_TOOL_CALL_PARSER)."""
-        if not (Path(self.settings.model) / "tokenmesh-tiny.json").exists():
+        if not (Path(model) / "tokenmesh-tiny.json").exists():
             return {}
         return {
             "tool_call_parser": "hermes",
@@ -231,6 +244,7 @@ class ProcessTable:
             port=s.gateway_port + i,
             metrics_port=s.gateway_metrics_port + i,
             worker_address=f"127.0.0.1:{s.worker_listener_port}",
+            worker_pools=tuple(s.pools),
             reranker_address=f"127.0.0.1:{s.reranker_listener_port}",
             openai_port=s.gateway_openai_port + i,
             keys_file=self.files.keys,

@@ -7,9 +7,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import psutil
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from tokenmesh.common.pools import pool_names
 from tokenmesh.localmesh.certs import EDGE, ENVOY_CLIENT, ENVOY_INTERNAL, CertPaths
 from tokenmesh.localmesh.environment import checked
 from tokenmesh.localmesh.probes import port_is_free
@@ -46,6 +47,17 @@ def free_port_block(size: int, attempts: int = 200) -> int:
     raise RuntimeError(f"no {size} consecutive free ports in {low}..{high}")
 
 
+class WorkerPool(BaseModel):
+    """A further pool of workers (MeshSettings.worker_pools): a base model of its own, its
+    workers and its adapters."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str
+    workers: int = Field(default=1, ge=1, le=16)
+    lora_modules: dict[str, str] = {}
+
+
 class LocalMeshSettings(BaseSettings):
     """Ports, replicas and model of the local mesh, from TOKENMESH_LOCALMESH_* variables."""
 
@@ -60,6 +72,10 @@ class LocalMeshSettings(BaseSettings):
     # lora_modules), e.g. {"tiny-llama-lora": "models/tiny-llama-lora"}, which `make setup`
     # generates. None by default: a worker with LoRA on refuses prompt logprobs (decision 0032).
     lora_modules: dict[str, str] = {}
+    # Further pools of workers, each serving a base model of its own beside `model`'s
+    # ({name: {"model": directory, "workers": n, "lora_modules": {...}}}): requests naming
+    # a pool's model or adapters go to its workers; the served name is the directory's name.
+    pools: dict[str, WorkerPool] = {}
     gateways: int = Field(default=2, ge=1, le=16)
     # 0 means: 2, or 1 when the machine has too little free memory for two.
     workers: int = Field(default=0, ge=0, le=16)
@@ -162,10 +178,24 @@ class LocalMeshSettings(BaseSettings):
         }
         return cls(**{**settings, **overrides})
 
+    @field_validator("pools")
+    @classmethod
+    def _pool_names(cls, pools: dict[str, WorkerPool]) -> dict[str, WorkerPool]:
+        pool_names(pools)
+        return pools
+
     def worker_count(self) -> int:
+        """The default pool's workers."""
         if self.workers:
             return self.workers
         return 2 if psutil.virtual_memory().available >= 2 * MEMORY_PER_WORKER else 1
+
+    def worker_pools(self) -> list[tuple[str, WorkerPool]]:
+        """Every pool's workers, the default pool ("") first."""
+        default = WorkerPool(
+            model=self.model, workers=self.worker_count(), lora_modules=self.lora_modules
+        )
+        return [("", default), *self.pools.items()]
 
     def mesh(self, certs: CertPaths | None = None) -> MeshSettings:
         """The mesh Envoy runs; with certs, TLS at the edge and mTLS to the services as the
@@ -192,5 +222,6 @@ class LocalMeshSettings(BaseSettings):
             direct_token_path=self.direct_token_path,
             worker_routing=self.worker_routing,
             stream_relay=self.stream_relay,
+            worker_pools=tuple(self.pools),
         )
         return MeshSettings(**checked(MeshSettings, values))

@@ -69,7 +69,7 @@ def render(
         "static_resources": {
             "listeners": [
                 edge_listener(mesh, services),
-                *(internal_listener(service, mesh) for service in services.internal),
+                *(internal_listener(service, services, mesh) for service in services.internal),
                 *stats_listener(mesh),
                 *relay_listener(mesh),
             ],

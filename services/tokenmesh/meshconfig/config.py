@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Literal, Self
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from tokenmesh.common.pools import pool_names
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -419,10 +421,26 @@ class MeshSettings(BaseSettings):
             "included); past it the caller gets an error."
         ),
     )
+    worker_pools: tuple[str, ...] = Field(
+        default=(),
+        description=(
+            "Further pools of workers, each serving a base model of its own beside the "
+            "default pool's (the cluster worker): a pool `name` is the cluster worker-name, "
+            "with the workers' balancing, checks and ejection, and a request the gateway "
+            "names it for (x-tokenmesh-pool) goes to it, on the direct path, through the "
+            "stream relay and from the gateways alike. The gateways' worker_pools name the "
+            "same pools. JSON in TOKENMESH_MESH_WORKER_POOLS."
+        ),
+    )
     cors_allowed_origins: list[str] = Field(
         default=[r"https?://(localhost|127\.0\.0\.1)(:[0-9]+)?"],
         description="CORS origins allowed to call the edge with gRPC-Web (regular expressions).",
     )
+
+    @field_validator("worker_pools")
+    @classmethod
+    def _pool_names(cls, names: tuple[str, ...]) -> tuple[str, ...]:
+        return pool_names(names)
 
     @model_validator(mode="after")
     def _tls_files_come_in_pairs(self) -> Self:

@@ -18,7 +18,7 @@ from tokenmesh.meshconfig.config import MeshSettings
 from tokenmesh.meshconfig.constants import GATEWAY, TYPE, Config, seconds
 from tokenmesh.meshconfig.policy import Services
 from tokenmesh.meshconfig.retries import RETRY_ON, retry_policy
-from tokenmesh.meshconfig.routes import service_route
+from tokenmesh.meshconfig.routes import pool_routes, service_route
 from tokenmesh.meshconfig.stream_relay import relayed
 
 EXT_PROC = "envoy.filters.http.ext_proc"
@@ -147,9 +147,14 @@ def direct_routes(mesh: MeshSettings, services: Services) -> list[Config]:
     # would have seen DEADLINE_EXCEEDED; there is no gateway here to answer first.
     del to_workers["route"]["max_stream_duration"]
     to_workers = relayed(to_workers, mesh)
+
+    def to_pools(route: Config) -> list[Config]:
+        # The relay picks the pool's cluster itself (by the same header); the router by route.
+        return [route] if mesh.relays else pool_routes(route, services)
+
     routes = [
         {**service_route(services.gateway, mesh), "match": {"path": LLM_GENERATE}, **processed()},
-        {**to_workers, "match": {"path": WORKER_GENERATE}, **processed()},
+        *to_pools({**to_workers, "match": {"path": WORKER_GENERATE}, **processed()}),
     ]
     if mesh.openai_api:
         # OpenAI's completions, as the transcoder made them calls: the processor rewrites each
@@ -169,5 +174,5 @@ def direct_routes(mesh: MeshSettings, services: Services) -> list[Config]:
             # The answer's HTTP headers are the worker's gRPC ones, less its gRPC encodings.
             "response_headers_to_remove": ["grpc-accept-encoding"],
         }
-        routes.append({**openai_to_workers, **processed()})
+        routes += to_pools({**openai_to_workers, **processed()})
     return routes

@@ -8,9 +8,9 @@ from tokenmesh.meshconfig.access_logs import access_log, relay_access_log
 from tokenmesh.meshconfig.config import MeshSettings
 from tokenmesh.meshconfig.constants import HCM, WORKER, Config, seconds
 from tokenmesh.meshconfig.filters import router_filter
-from tokenmesh.meshconfig.policy import ServicePolicy
+from tokenmesh.meshconfig.policy import ServicePolicy, Services
 from tokenmesh.meshconfig.protocols import http2_options
-from tokenmesh.meshconfig.routes import service_route
+from tokenmesh.meshconfig.routes import pool_routes, service_route
 from tokenmesh.meshconfig.stream_relay import RELAY, relay_filter
 from tokenmesh.meshconfig.tls import INTERNAL_CERTIFICATE, downstream_tls
 
@@ -82,13 +82,15 @@ def traffic_listener(
     }
 
 
-def internal_listener(service: ServicePolicy, mesh: MeshSettings) -> Config:
-    """The gateways' listener for a service: gRPC only, everything to its cluster."""
+def internal_listener(service: ServicePolicy, services: Services, mesh: MeshSettings) -> Config:
+    """The gateways' listener for a service: gRPC only, everything to its cluster (the workers'
+    to the pool a call's header names)."""
     assert service.listener_port is not None
+    route = service_route(service, mesh)
     virtual_host: Config = {
         "name": service.name,
         "domains": ["*"],
-        "routes": [service_route(service, mesh)],
+        "routes": pool_routes(route, services) if service is services.worker else [route],
     }
     manager = connection_manager(
         service.name,

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from tokenmesh.common.pools import pool_cluster
 from tokenmesh.meshconfig.balancing import worker_balancing
 from tokenmesh.meshconfig.config import MeshSettings
 from tokenmesh.meshconfig.constants import (
@@ -144,11 +145,14 @@ class Services:
     worker: ServicePolicy
     reranker: ServicePolicy
     openai: ServicePolicy | None  # with openai_api
+    # The further worker pools' (worker_pools), by pool name: the workers' policy, each its own
+    # cluster, reached through the workers' routes by the pool's header (pool_routes).
+    pools: tuple[tuple[str, ServicePolicy], ...] = ()
 
     @property
     def clusters(self) -> tuple[ServicePolicy, ...]:
         """Every service's, in the config's order."""
-        found = (self.gateway, self.worker, self.reranker)
+        found = (self.gateway, self.worker, *(pool for _, pool in self.pools), self.reranker)
         return found + ((self.openai,) if self.openai else ())
 
     @property
@@ -210,4 +214,9 @@ class Services:
             health_check=HealthCheck("http", OPENAI_HEALTH_PATH, checks),
             retry_on=NEVER_SENT,
         )
-        return cls(gateway, worker, reranker, openai if mesh.openai_api else None)
+        # A pool's workers are workers: the same certificate name, checks and balancing.
+        pools = tuple(
+            (pool, replace(worker, name=pool_cluster(pool), listener_port=None))
+            for pool in mesh.worker_pools
+        )
+        return cls(gateway, worker, reranker, openai if mesh.openai_api else None, pools)

@@ -3,9 +3,10 @@ edge's routes to the control plane's ops feed and page."""
 
 from __future__ import annotations
 
+from tokenmesh.common.pools import POOL_HEADER
 from tokenmesh.meshconfig.config import MeshSettings
 from tokenmesh.meshconfig.constants import OPS_CLUSTER, OPS_PAGE_CLUSTER, Config
-from tokenmesh.meshconfig.policy import ServicePolicy
+from tokenmesh.meshconfig.policy import ServicePolicy, Services
 from tokenmesh.meshconfig.retries import RETRY_ON, retry_policy
 from tokenmesh.v1 import ops_pb2
 
@@ -44,6 +45,22 @@ def service_route(service: ServicePolicy, mesh: MeshSettings, prefix: str = "/")
         retry_on=service.retry_on,
         grpc=service.protocol == "grpc",
     )
+
+
+def pool_routes(to_workers: Config, services: Services) -> list[Config]:
+    """A route to the workers, once for each further pool (the same match, and the pool's
+    header naming it, to the pool's cluster), then as it was: to the default pool, whatever
+    else the header says (the gateway, which sets it, names only pools it knows)."""
+    routes = []
+    for pool, policy in services.pools:
+        match = {
+            **to_workers["match"],
+            "headers": [{"name": POOL_HEADER, "string_match": {"exact": pool}}],
+        }
+        routes.append(
+            {**to_workers, "match": match, "route": {**to_workers["route"], "cluster": policy.name}}
+        )
+    return [*routes, to_workers]
 
 
 def ops_routes(mesh: MeshSettings) -> list[Config]:

@@ -10,6 +10,7 @@ listener keeps the caller's backpressure as on every other hop (decision 0031)."
 
 from __future__ import annotations
 
+from tokenmesh.common.pools import POOL_HEADER
 from tokenmesh.meshconfig.clusters import circuit_breakers
 from tokenmesh.meshconfig.config import MeshSettings
 from tokenmesh.meshconfig.constants import TYPE, WORKER, Config
@@ -31,6 +32,8 @@ def relay_config(mesh: MeshSettings) -> str:
     return ";".join(
         [
             f"cluster={WORKER}",
+            # A request naming a further pool goes to that pool's cluster (common/pools.py).
+            f"pool_header={POOL_HEADER}",
             f"max_resumptions={mesh.max_resumptions}",
             f"max_held_bytes={mesh.stream_window_bytes}",
             f"max_delivered_bytes={mesh.relay_max_delivered_bytes}",

@@ -32,6 +32,8 @@ class WorkerLoad:
     serving: bool
     queued: int
     computed: int = 0
+    # Its pool ("": the default): a request is placed among its pool's workers.
+    pool: str = ""
 
 
 # Why the picker named its first worker: the key's own (first in its ranking), a later one
@@ -99,8 +101,9 @@ class EndpointPicker:
         self._sent: dict[str, int] = {}
         # Each worker's (time, computed) reports spanning the work window, oldest first.
         self._computed: dict[str, deque[tuple[float, int]]] = {}
-        # The serving workers and those of them over the work bound, as of the last report.
-        self._serving: list[str] = []
+        # The serving workers by pool and those of them over the work bound, as of the last
+        # report.
+        self._serving: dict[str, list[str]] = {}
         self._overworked: set[str] = set()
         self._updated_at: float | None = None
 
@@ -120,8 +123,11 @@ class EndpointPicker:
             # Keep the newest report at or before the window's start: the window is spanned.
             while len(reports) > 1 and reports[1][0] <= now - self._policy.work_window_seconds:
                 reports.popleft()
-        self._serving = [address for address, worker in self._workers.items() if worker.serving]
-        self._overworked = self.overworked(self._serving)
+        self._serving = {}
+        for address, worker in self._workers.items():
+            if worker.serving:
+                self._serving.setdefault(worker.pool, []).append(address)
+        self._overworked = set().union(*map(self.overworked, self._serving.values()))
         self._updated_at = now
 
     def forget(self) -> None:
@@ -149,21 +155,21 @@ class EndpointPicker:
             if done * 100 * len(serving) > self._policy.work_bound_percent * total
         }
 
-    def pick(self, key: str) -> list[str]:
-        """The workers for a request with this affinity key, best first; empty when the
-        figures are missing or stale or no worker is serving."""
-        picked, choice = self._pick(key)
+    def pick(self, key: str, pool: str = "") -> list[str]:
+        """The workers of the pool for a request with this affinity key, best first; empty when
+        the figures are missing or stale or none of the pool's workers is serving."""
+        picked, choice = self._pick(key, pool)
         if self._metrics is not None:
             self._metrics.picks.labels(choice=choice).inc()
         return picked
 
-    def _pick(self, key: str) -> tuple[list[str], str]:
+    def _pick(self, key: str, pool: str) -> tuple[list[str], str]:
         if (
             self._updated_at is None
             or self._clock() - self._updated_at > self._policy.stale_seconds
         ):
             return [], "none"
-        serving = self._serving
+        serving = self._serving.get(pool, [])
         if not serving:
             return [], "none"
         least = min(self.load(address) for address in serving)
@@ -191,6 +197,7 @@ def loads(snapshot: ops_pb2.WorkersSnapshot) -> list[WorkerLoad]:
             worker.serving and not worker.error,
             worker.running_requests + worker.waiting_requests,
             worker.prefix_cache_queries - worker.prefix_cache_hits,
+            worker.pool,
         )
         for worker in snapshot.workers
     ]

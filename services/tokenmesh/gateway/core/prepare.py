@@ -15,7 +15,7 @@ from opentelemetry import trace
 from tokenmesh.common.tenants import tenant_models
 from tokenmesh.common.tokens import AFFINITY_HEADER, WORKER_HEADER
 from tokenmesh.gateway.config import GatewaySettings
-from tokenmesh.gateway.core.catalog import ModelCatalog
+from tokenmesh.gateway.core.catalog import ModelCatalog, Served, pool_metadata
 from tokenmesh.gateway.core.documents import ContextPrompt, DocumentSelector, Prompt
 from tokenmesh.gateway.core.picker import EndpointPicker, header_value
 from tokenmesh.gateway.core.prefix_key import affinity_key
@@ -25,6 +25,8 @@ from tokenmesh.v1 import inference_pb2
 
 # Where prompts go when GatewaySettings.log_prompts is on (and nowhere otherwise).
 PROMPT_LOGGER = "tokenmesh.gateway.prompts"
+# A call's model when it names none: the default pool's, without an adapter.
+DEFAULT_MODEL = Served("")
 
 
 @dataclass(frozen=True)
@@ -40,14 +42,17 @@ class PreparedCall:
     workers: tuple[str, ...] = ()
     # The caller's documents used as context, best first.
     used_document_indices: tuple[int, ...] = ()
+    # The pool of workers that serves its model ("": the default pool).
+    pool: str = ""
 
     @property
     def degraded(self) -> bool:
         return bool(self.request.degraded)
 
     def routing_headers(self) -> list[tuple[str, str]]:
-        """The headers Envoy chooses the worker by (x-tokenmesh-affinity, x-tokenmesh-worker)."""
-        headers = [(AFFINITY_HEADER, self.affinity_key)]
+        """The headers Envoy chooses the worker by (x-tokenmesh-pool, x-tokenmesh-affinity,
+        x-tokenmesh-worker)."""
+        headers = [*pool_metadata(self.pool), (AFFINITY_HEADER, self.affinity_key)]
         if self.workers:
             headers.append((WORKER_HEADER, header_value(list(self.workers))))
         return headers
@@ -89,10 +94,11 @@ class Preparer:
         """A gRPC question: its model (empty: the mesh's model) checked, for the tenant too,
         then prepared."""
         allowed = tenant_models()
-        named = question.model or allowed is not None  # else the mesh's model, for anyone
-        adapter = await self._catalog.adapter_of(question.model, allowed) if named else ""
+        # No model named, no limit: the mesh's model, for anyone, without asking the catalog.
+        named = question.model or allowed is not None
+        served = await self._catalog.resolve(question.model, allowed) if named else DEFAULT_MODEL
         context = await self.context(question, remaining)
-        return self.call(context.prompt, question.sampling, context, model=adapter)
+        return self.call(context.prompt, question.sampling, context, served=served)
 
     def call(
         self,
@@ -100,11 +106,12 @@ class Preparer:
         sampling: inference_pb2.SamplingParams,
         context: ContextPrompt | None = None,
         openai: inference_pb2.OpenAIAnswer | None = None,
-        model: str = "",
+        served: Served = DEFAULT_MODEL,
     ) -> PreparedCall:
         """The call for a prompt (or a conversation, which the worker renders with the model's
-        chat template) and its context's warnings, answered by the adapter `model` names (""
-        for the model itself); logged when log_prompts is on."""
+        chat template) and its context's warnings, to the pool that serves its model and
+        answered by its adapter, if it names one; logged when log_prompts is on."""
+        model = served.adapter
         request = inference_pb2.InferenceRequest(
             request_id=uuid.uuid4().hex[:16], sampling=sampling, openai=openai, model=model
         )
@@ -136,7 +143,9 @@ class Preparer:
         key = affinity_key(prompt, self._affinity_chars, model)
         span = trace.get_current_span()
         span.set_attribute("tokenmesh.affinity_key", key)
-        workers = () if self._picker is None else tuple(self._picker.pick(key))
+        if served.pool:
+            span.set_attribute("tokenmesh.pool", served.pool)
+        workers = () if self._picker is None else tuple(self._picker.pick(key, served.pool))
         if workers:
             span.set_attribute("tokenmesh.picked_workers", workers)
-        return PreparedCall(request, key, workers, used)
+        return PreparedCall(request, key, workers, used, served.pool)

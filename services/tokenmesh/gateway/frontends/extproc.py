@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from tokenmesh.common.errors import DependencyError, ServiceError
 from tokenmesh.common.metrics import RPC_BUCKETS
 from tokenmesh.common.openai_answers import error_response
+from tokenmesh.common.pools import POOL_HEADER
 from tokenmesh.common.tokens import (
     CALLER_CONTENT_TYPE,
     EDGE_METADATA,
@@ -324,10 +325,11 @@ def worker_headers(
 ) -> ext_proc.HeaderMutation:
     """The headers of a request rewritten for the workers' `path`, with the call's routing."""
     routing = [header(name, value) for name, value in call.routing_headers()]
-    # A caller's own worker choice never reaches Envoy's override-host policy: the header is
-    # set again after removal when the picker named workers.
+    # A caller's own worker or pool choice never reaches Envoy's routing (Envoy removes before
+    # it sets): each header is set again when the call names a worker or a further pool.
     return ext_proc.HeaderMutation(
-        set_headers=[header(":path", path), *routing, *extra], remove_headers=[WORKER_HEADER]
+        set_headers=[header(":path", path), *routing, *extra],
+        remove_headers=[WORKER_HEADER, POOL_HEADER],
     )
 
 

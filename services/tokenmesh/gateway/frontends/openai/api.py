@@ -174,26 +174,25 @@ class OpenAIApi:
     async def models(self, request: Request, outcome: Outcome) -> Response:
         release = await self._tenancy.admit(request_headers(request))
         try:
-            name = await self._catalog.name()
+            served = await self._catalog.cards(tenant_models())
         finally:
             if release is not None:
                 release()
-        card: dict[str, object] = {
-            "id": name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "tokenmesh",
-            "root": name,
-            "parent": None,
-        }
-        if self._catalog.max_model_len:
-            card["max_model_len"] = self._catalog.max_model_len
-        # Each LoRA adapter as vLLM's server lists one: its parent is the model it adapts. A
-        # tenant limited to some models sees those.
-        cards = [
-            card if served == name else {**card, "id": served, "root": served, "parent": name}
-            for served in self._catalog.visible(tenant_models())
-        ]
+        # Every pool's model, and each LoRA adapter as vLLM's server lists one: its parent is
+        # the model it adapts. A tenant limited to some models sees those.
+        cards: list[dict[str, object]] = []
+        for model in served:
+            card: dict[str, object] = {
+                "id": model.name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "tokenmesh",
+                "root": model.name,
+                "parent": model.parent,
+            }
+            if model.max_model_len:
+                card["max_model_len"] = model.max_model_len
+            cards.append(card)
         if self._pooling is not None and (embedding := await self._pooling.model_card()):
             cards.append(embedding)
         return JSONResponse({"object": "list", "data": cards})

@@ -198,13 +198,17 @@ class EmbeddingClient:
 
 
 async def unary_call(
-    dependency: Dependency, method: Callable[..., Awaitable[Any]], request: Any, seconds: float
+    dependency: Dependency,
+    method: Callable[..., Awaitable[Any]],
+    request: Any,
+    seconds: float,
+    metadata: tuple[tuple[str, str], ...] = (),
 ) -> Any:
-    """One call to a service of the mesh: its refusals as the caller's errors naming the field
-    (INVALID_ARGUMENT "field: reason") or the model (NOT_FOUND), anything else as the
-    dependency's failure."""
+    """One call to a service of the mesh (metadata: its routing): its refusals as the caller's
+    errors naming the field (INVALID_ARGUMENT "field: reason") or the model (NOT_FOUND),
+    anything else as the dependency's failure."""
     try:
-        return await method(request, timeout=seconds)
+        return await method(request, timeout=seconds, metadata=metadata)
     except aio.AioRpcError as err:
         details = err.details() or ""
         if err.code() is grpc.StatusCode.INVALID_ARGUMENT and ": " in details:

@@ -33,7 +33,7 @@ class OpenAIPreparer:
         model = body.model
         # Before the catalog, whose refusal would repeat the name.
         check_text("model", model, settings.max_model_name_bytes, required=False)
-        adapter = await self._catalog.adapter_of(model, tenant_models())
+        served = await self._catalog.resolve(model, tenant_models())
         generate = body.generate_request(settings.max_tokens_cap)
         if isinstance(body, ChatCompletionRequest):
             # Named as the caller wrote them, before the last user message is checked as the
@@ -63,7 +63,7 @@ class OpenAIPreparer:
             if batch.prompts:
                 check_batch(batch.prompts, sampling.n, settings, settings.max_prompt_bytes)
             return self._preparer.call(
-                batch, sampling, None, answer_of(body, model, limit), model=adapter
+                batch, sampling, None, answer_of(body, model, limit), served=served
             )
         asked = question(generate, settings)
         context = await self._preparer.context(asked, limit)
@@ -77,7 +77,7 @@ class OpenAIPreparer:
             # Without a limit, as vLLM's server: up to what the context leaves.
             asked.sampling.max_tokens_within_context = body.max_tokens_named is None
         return self._preparer.call(
-            prompt, asked.sampling, context, answer_of(body, model, limit), model=adapter
+            prompt, asked.sampling, context, answer_of(body, model, limit), served=served
         )
 
 

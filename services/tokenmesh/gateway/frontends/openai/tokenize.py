@@ -20,7 +20,7 @@ from tokenmesh.common.channels import Dependency
 from tokenmesh.common.errors import InvalidArgument
 from tokenmesh.common.sampling import ToolLimits, check_tools
 from tokenmesh.common.tenants import tenant_models
-from tokenmesh.gateway.core.catalog import ModelCatalog
+from tokenmesh.gateway.core.catalog import ModelCatalog, Served
 from tokenmesh.gateway.core.tenancy.http import HttpTenancy
 from tokenmesh.gateway.frontends.openai.http import Answer, Outcome
 from tokenmesh.gateway.frontends.openai.pooling import unary_answer, unary_call
@@ -76,7 +76,7 @@ class DetokenizeRequest(BaseModel):
 
 class TokenizeApi:
     """The two routes: admitted and parsed as every OpenAI route, the model checked, a worker's
-    tokenizer asked (through the mesh, any worker: they serve one model)."""
+    tokenizer asked (through the mesh, any worker of the pool that serves the model)."""
 
     def __init__(
         self,
@@ -103,8 +103,8 @@ class TokenizeApi:
         return await unary_answer(request, outcome, self._tenancy, DetokenizeRequest, self._text)
 
     async def _tokens(self, body: TokenizeRequest) -> dict[str, Any]:
-        await self._catalog.check(body.model, tenant_models())
-        reply = await self._call(self._stub.Tokenize, body.call(self._limits))
+        served = await self._catalog.resolve(body.model, tenant_models())
+        reply = await self._call(self._stub.Tokenize, body.call(self._limits), served)
         answer: dict[str, Any] = {
             "count": len(reply.tokens),
             "max_model_len": reply.max_model_len,
@@ -114,16 +114,18 @@ class TokenizeApi:
         return answer
 
     async def _text(self, body: DetokenizeRequest) -> dict[str, Any]:
-        await self._catalog.check(body.model, tenant_models())
+        served = await self._catalog.resolve(body.model, tenant_models())
         for position, token in enumerate(body.tokens):
             if not 0 <= token < 2**31:
                 raise InvalidArgument(
                     f"tokens[{position}]", f"must be a vocabulary id, got {token}"
                 )
         reply = await self._call(
-            self._stub.Detokenize, inference_pb2.DetokenizeRequest(tokens=body.tokens)
+            self._stub.Detokenize, inference_pb2.DetokenizeRequest(tokens=body.tokens), served
         )
         return {"prompt": reply.prompt}
 
-    async def _call(self, method: Callable[..., Awaitable[Any]], request: Any) -> Any:
-        return await unary_call(self._worker, method, request, self._timeout)
+    async def _call(
+        self, method: Callable[..., Awaitable[Any]], request: Any, served: Served
+    ) -> Any:
+        return await unary_call(self._worker, method, request, self._timeout, served.metadata())
