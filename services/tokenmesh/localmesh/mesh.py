@@ -21,7 +21,12 @@ from tokenmesh.localmesh.layout import ALERT_RULES, MeshFiles, Tools
 from tokenmesh.localmesh.probes import envoy_host_statuses, envoy_hosts, health, http_ok
 from tokenmesh.localmesh.programs import ProcessTable, Program, mesh_cores
 from tokenmesh.localmesh.relay_module import build_relay_module
-from tokenmesh.localmesh.settings import MAX_REPLICAS, REPLICATED_PORTS, LocalMeshSettings
+from tokenmesh.localmesh.settings import (
+    ADAPTER_POOL,
+    MAX_REPLICAS,
+    REPLICATED_PORTS,
+    LocalMeshSettings,
+)
 from tokenmesh.meshconfig.bootstrap import render, secret_files
 
 # Names other code imports from here.
@@ -41,7 +46,11 @@ class LocalMesh:
     """The supervisord-managed local mesh rooted at the repository."""
 
     def __init__(self, settings: LocalMeshSettings, root: Path, tools: Tools | None = None) -> None:
-        self.settings = settings
+        # Decided once for every process: the default pool's workers and the adapter's pool.
+        self.settings, why_not = settings.resolved()
+        # Why the adapter has no pool of its own, when one was asked for (adapter_pool).
+        self.adapter_note = why_not if settings.adapter_pool else ""
+        settings = self.settings
         self.root = root
         self.files = files = MeshFiles.of(settings, root)
         self.tools = tools or Tools.on_this_machine()
@@ -158,6 +167,11 @@ class LocalMesh:
             print("no consul binary on PATH: discovery is static (.run/endpoints.yaml)")
         if not self.tools.prometheus:
             print("no prometheus binary on PATH: no metrics storage or alerts (make setup)")
+        if ADAPTER_POOL in self.settings.pools:
+            adapters = ", ".join(self.settings.pools[ADAPTER_POOL].lora_modules)
+            print(f"serving the adapter {adapters} on a worker pool of its own ({ADAPTER_POOL})")
+        elif self.adapter_note:
+            print(f"no adapter pool: {self.adapter_note}")
         if self.tls:
             made = self.ensure_certs()
             print(f"{'made' if made else 'using'} TLS certificates in {self.certs.dir}")
@@ -263,8 +277,13 @@ class LocalMesh:
             f"  curl -N{curl_tls}{header} -H 'content-type: application/json' -d '{body}' "
             f"{scheme}://{edge}/v1/chat/completions"
         )
-        for adapter in s.lora_modules:
-            # The same through a LoRA adapter of the model: `model` names it.
+        # Every further pool's model and every adapter: `model` names it.
+        served = [
+            *s.lora_modules,
+            *(name for _, pool in s.worker_pools()[1:] for name in pool.lora_modules),
+            *{Path(pool.model).name for _, pool in s.worker_pools()[1:]} - {Path(s.model).name},
+        ]
+        for adapter in served:
             print(
                 f"  curl{curl_tls}{header} -H 'content-type: application/json' -d "
                 + shlex.quote(json.dumps({"model": adapter, "prompt": "hello", "max_tokens": 16}))

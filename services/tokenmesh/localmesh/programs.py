@@ -244,7 +244,7 @@ class ProcessTable:
             port=s.gateway_port + i,
             metrics_port=s.gateway_metrics_port + i,
             worker_address=f"127.0.0.1:{s.worker_listener_port}",
-            worker_pools=tuple(s.pools),
+            worker_pools=s.pool_names(),
             reranker_address=f"127.0.0.1:{s.reranker_listener_port}",
             openai_port=s.gateway_openai_port + i,
             keys_file=self.files.keys,

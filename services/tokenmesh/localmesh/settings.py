@@ -20,6 +20,9 @@ GIB = 1024**3
 # A tiny-model worker (vLLM, torch, 1 GiB KV cache) takes about 3 GiB; a second one is only
 # started when there is room for it with margin.
 MEMORY_PER_WORKER = 4 * GIB
+# make up's pool for the tiny model's generated adapter (adapter_pool), and that model's name.
+ADAPTER_POOL = "lora"
+TINY_MODEL_NAME = "tiny-llama"
 
 # Replica i of these listens on base + i, so each gets a block of MAX_REPLICAS ports.
 REPLICATED_PORTS = frozenset(
@@ -76,6 +79,12 @@ class LocalMeshSettings(BaseSettings):
     # ({name: {"model": directory, "workers": n, "lora_modules": {...}}}): requests naming
     # a pool's model or adapters go to its workers; the served name is the directory's name.
     pools: dict[str, WorkerPool] = {}
+    # `make up`'s default: the tiny model's generated adapter (`make setup`) served on a pool
+    # of one worker of its own (ADAPTER_POOL), so a new user can call both while the model's
+    # workers keep LoRA off and serve prompt logprobs (decisions 0032, 0035). Only with the
+    # tiny model, its adapter, no adapters or pool of that name set, and memory for one worker
+    # more; meshes made by on_free_ports (tests, benchmarks) leave it off unless asked.
+    adapter_pool: bool = True
     gateways: int = Field(default=2, ge=1, le=16)
     # 0 means: 2, or 1 when the machine has too little free memory for two.
     workers: int = Field(default=0, ge=0, le=16)
@@ -173,6 +182,7 @@ class LocalMeshSettings(BaseSettings):
             next_port += size
         settings: dict[str, Any] = {
             "run_dir": run_dir,
+            "adapter_pool": False,
             "envoy_base_id": random.randint(10_000, 60_000),
             **ports,
         }
@@ -191,11 +201,40 @@ class LocalMeshSettings(BaseSettings):
         return 2 if psutil.virtual_memory().available >= 2 * MEMORY_PER_WORKER else 1
 
     def worker_pools(self) -> list[tuple[str, WorkerPool]]:
-        """Every pool's workers, the default pool ("") first."""
+        """Every pool's workers, the default pool ("") first, then the further pools (with
+        adapter_pool, the adapter's last)."""
         default = WorkerPool(
             model=self.model, workers=self.worker_count(), lora_modules=self.lora_modules
         )
         return [("", default), *self.pools.items()]
+
+    def pool_names(self) -> tuple[str, ...]:
+        """The further pools' names, as Envoy and the gateways know them."""
+        return tuple(self.pools)
+
+    def resolved(self) -> tuple[LocalMeshSettings, str]:
+        """These settings with what depends on the machine decided once (the default pool's
+        workers, the adapter's pool), so every process of the mesh is made from the same;
+        and why the adapter has no pool, if it has none."""
+        adapter, why_not = self.adapter_pool_spec()
+        pools = {**self.pools, **({ADAPTER_POOL: adapter} if adapter else {})}
+        update = {"workers": self.worker_count(), "adapter_pool": False, "pools": pools}
+        return self.model_copy(update=update), why_not
+
+    def adapter_pool_spec(self) -> tuple[WorkerPool | None, str]:
+        """With adapter_pool: the tiny model's adapter on a pool of its own, or None and why not."""
+        if not self.adapter_pool:
+            return None, "adapter_pool is off"
+        model = Path(self.model)
+        adapter = model.parent / f"{model.name}-lora"
+        if model.name != TINY_MODEL_NAME or not (adapter / "adapter_config.json").exists():
+            return None, f"no generated adapter for {self.model} (make setup makes {adapter})"
+        if self.lora_modules or ADAPTER_POOL in self.pools:
+            return None, f"lora_modules or a pool named {ADAPTER_POOL!r} are set"
+        needed = (self.worker_count() + 1) * MEMORY_PER_WORKER
+        if psutil.virtual_memory().available < needed:
+            return None, f"less than {needed // GIB} GiB of memory free for one worker more"
+        return WorkerPool(model=self.model, lora_modules={adapter.name: str(adapter)}), ""
 
     def mesh(self, certs: CertPaths | None = None) -> MeshSettings:
         """The mesh Envoy runs; with certs, TLS at the edge and mTLS to the services as the
@@ -222,6 +261,6 @@ class LocalMeshSettings(BaseSettings):
             direct_token_path=self.direct_token_path,
             worker_routing=self.worker_routing,
             stream_relay=self.stream_relay,
-            worker_pools=tuple(self.pools),
+            worker_pools=self.pool_names(),
         )
         return MeshSettings(**checked(MeshSettings, values))
