@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 from tokenmesh.common.channels import Dependency
-from tokenmesh.common.errors import DependencyError, Internal, NotFound
+from tokenmesh.common.errors import DependencyError, Internal, InvalidArgument, NotFound
 from tokenmesh.common.pools import POOL_HEADER
 from tokenmesh.gateway.core.catalog import (
     MISS_REFRESH_SECONDS,
@@ -334,3 +334,17 @@ def test_a_keys_files_models_are_a_limit_a_tenant_overrides() -> None:
     assert keys.resolved("any").limits.models is None
     with pytest.raises(ValidationError, match="models"):
         KeysFile.model_validate({"defaults": {"models": []}})
+
+
+async def test_a_model_name_over_the_cap_is_refused_naming_the_field_not_repeating_it(
+    stats: tuple[Stats, Dependency],
+) -> None:
+    servicer, worker = stats
+    catalog = ModelCatalog(worker, timeout=5.0, max_name_bytes=32)
+    long = "m" * 33
+    with pytest.raises(InvalidArgument) as refused:
+        await catalog.resolve(long)
+    assert refused.value.field == "model" and "over the limit of 32" in str(refused.value)
+    assert long not in str(refused.value)
+    # Refused before any worker is asked.
+    assert servicer.asked == {}

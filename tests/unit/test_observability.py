@@ -333,7 +333,8 @@ def test_json_log_line_carries_the_rpc_fields_and_trace_id(
 
 def test_local_mesh_sends_the_otlp_endpoint_to_every_traced_service(tmp_path: Path) -> None:
     local_mesh = LocalMesh(
-        LocalMeshSettings(otlp_endpoint="127.0.0.1:4317", workers=1), root=tmp_path
+        LocalMeshSettings(otlp_endpoint="127.0.0.1:4317", workers=1, adapter_pool=False),
+        root=tmp_path,
     )
     traced = {
         program.name: value

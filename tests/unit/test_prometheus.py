@@ -38,7 +38,12 @@ def alert_rules() -> list[dict]:
 
 def local_mesh(tmp_path: Path) -> LocalMesh:
     settings = LocalMeshSettings(
-        run_dir=tmp_path, gateways=3, workers=2, gateway_metrics_port=7001, envoy_admin_port=7901
+        run_dir=tmp_path,
+        gateways=3,
+        workers=2,
+        gateway_metrics_port=7001,
+        envoy_admin_port=7901,
+        adapter_pool=False,
     )
     return LocalMesh(settings, root=ROOT)
 

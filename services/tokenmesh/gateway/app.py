@@ -120,7 +120,12 @@ async def serve(settings: GatewaySettings) -> int:
             "worker-feed",
         )
     # The model and adapters the workers serve, as requests name them.
-    catalog = ModelCatalog(worker, settings.connect_timeout_seconds, settings.worker_pools)
+    catalog = ModelCatalog(
+        worker,
+        settings.connect_timeout_seconds,
+        settings.worker_pools,
+        settings.max_model_name_bytes,
+    )
     preparer = Preparer(
         DocumentSelector(reranker, breaker, metrics, settings, host.tracing.tracer),
         settings,

@@ -13,6 +13,8 @@ import grpc
 from tokenmesh.common.channels import Dependency
 from tokenmesh.common.errors import DependencyError, NotFound, PermissionDenied
 from tokenmesh.common.pools import POOL_HEADER, pool_cluster
+from tokenmesh.common.sampling import SamplingLimits
+from tokenmesh.common.validation import check_text
 from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
 
 # How long what a pool serves is trusted before its workers are asked again.
@@ -80,9 +82,16 @@ class ModelCatalog:
     which an empty `model` means. A name served by two pools is the first's (the default,
     then worker_pools' order)."""
 
-    def __init__(self, worker: Dependency, timeout: float, pools: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        worker: Dependency,
+        timeout: float,
+        pools: Sequence[str] = (),
+        max_name_bytes: int = SamplingLimits().max_model_name_bytes,
+    ) -> None:
         self._stub = inference_pb2_grpc.InferenceServiceStub(worker.channel)
         self._timeout = timeout
+        self._max_name_bytes = max_name_bytes
         self._pools = [_Pool(name) for name in ("", *pools)]
         self._asking: asyncio.Future[None] | None = None
 
@@ -154,6 +163,9 @@ class ModelCatalog:
         to some models (allowed), it is one of them (ModelDenied naming those)."""
         if not requested and allowed is None:
             return Served("")  # the mesh's model, for anyone: nothing to check or ask
+        # Every path's model names come here: a name over the cap is refused naming the field,
+        # before a refusal below would repeat it.
+        check_text("model", requested, self._max_name_bytes, required=False)
         requested = requested or await self.name()
         await self._refresh(MODEL_NAME_TTL_SECONDS)
         served = self._find(requested)

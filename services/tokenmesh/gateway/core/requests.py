@@ -40,7 +40,6 @@ def question(
     request: llm_pb2.GenerateRequest | llm_pb2.Query, settings: GatewaySettings
 ) -> Question:
     check_text("prompt", request.prompt, settings.max_prompt_bytes)
-    check_text("model", request.model, settings.max_model_name_bytes, required=False)
     sampling = sampling_params(request, settings)
     check_count("documents", len(request.documents), settings.max_documents, "documents")
     for position, document in enumerate(request.documents):

@@ -7,7 +7,6 @@ from tokenmesh.common.errors import InvalidArgument
 from tokenmesh.common.openai_answers import Shape
 from tokenmesh.common.sampling import check_batch, check_tools
 from tokenmesh.common.tenants import tenant_models
-from tokenmesh.common.validation import check_text
 from tokenmesh.gateway.config import GatewaySettings
 from tokenmesh.gateway.core.catalog import ModelCatalog
 from tokenmesh.gateway.core.documents import Prompt
@@ -31,8 +30,6 @@ class OpenAIPreparer:
     async def prepare(self, body: CompletionRequest | ChatCompletionRequest) -> PreparedCall:
         settings = self._settings
         model = body.model
-        # Before the catalog, whose refusal would repeat the name.
-        check_text("model", model, settings.max_model_name_bytes, required=False)
         served = await self._catalog.resolve(model, tenant_models())
         generate = body.generate_request(settings.max_tokens_cap)
         if isinstance(body, ChatCompletionRequest):
