@@ -45,17 +45,21 @@ def test_prefix_routing_hashes_the_affinity_key_onto_workers_under_bounded_load(
         assert "consistent_hashing_lb_config" not in clusters(config)[name]["common_lb_config"]
 
 
-def test_edge_routes_the_ops_feed_and_page_to_the_control_plane() -> None:
+def test_edge_routes_the_ops_feed_admin_api_and_page_to_the_control_plane() -> None:
     mesh = MeshSettings(controlplane_port=18111, ops_page_port=19222, direct_token_path=False)
     config = render(mesh)
     routes = listeners(config)["edge"]["route_config"]["virtual_hosts"][0]["routes"]
-    ops_feed, redirect, page, envoys_own, openai, tokenize, detokenize, rest = routes
+    ops_feed, admin, redirect, page, envoys_own, openai, tokenize, detokenize, rest = routes
     # Envoy's interfaces on the gateways (external processor, access log) are not the callers'.
     assert envoys_own["match"] == {"prefix": "/envoy.service."}
     assert envoys_own["direct_response"]["status"] == 404
     assert ops_feed["match"] == {"prefix": "/tokenmesh.v1.OpsService/"}
     assert ops_feed["route"]["cluster"] == "ops"
     assert ops_feed["route"]["timeout"] == "0s"  # a subscription lasts as long as the page
+    # The adapter admin API (keyed by the control plane itself), the caller's deadline honoured.
+    assert admin["match"] == {"prefix": "/tokenmesh.v1.AdapterAdmin/"}
+    assert admin["route"]["cluster"] == "ops"
+    assert admin["route"]["max_stream_duration"] == {"grpc_timeout_header_max": "0s"}
     assert redirect == {"match": {"path": "/ops"}, "redirect": {"path_redirect": "/ops/"}}
     assert page["match"] == {"prefix": "/ops/"} and page["route"]["cluster"] == "ops_page"
     assert rest["match"] == {"prefix": "/"} and rest["route"]["cluster"] == "gateway"

@@ -1,5 +1,5 @@
 """Routes: to a service as its policy says (retries, the caller's deadline), and the
-edge's routes to the control plane's ops feed and page."""
+edge's routes to the control plane's ops feed and page and its adapter admin API."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from tokenmesh.meshconfig.config import MeshSettings
 from tokenmesh.meshconfig.constants import OPS_CLUSTER, OPS_PAGE_CLUSTER, Config
 from tokenmesh.meshconfig.policy import ServicePolicy
 from tokenmesh.meshconfig.retries import RETRY_ON, retry_policy
-from tokenmesh.v1 import ops_pb2
+from tokenmesh.v1 import admin_pb2, ops_pb2
 
 # Where the edge serves the ops page (from the control plane's page port).
 OPS_PAGE = "/ops/"
@@ -47,12 +47,18 @@ def service_route(service: ServicePolicy, mesh: MeshSettings, prefix: str = "/")
 
 
 def ops_routes(mesh: MeshSettings) -> list[Config]:
-    """The ops feed (gRPC and gRPC-Web) and page to the control plane."""
+    """The ops feed (gRPC and gRPC-Web), the adapter admin API (keyed by the control plane
+    itself, decision 0034) and the ops page to the control plane."""
     return [
         route_to(
             OPS_CLUSTER,
             mesh,
             prefix="/" + ops_pb2.DESCRIPTOR.services_by_name["OpsService"].full_name + "/",
+        ),
+        route_to(
+            OPS_CLUSTER,
+            mesh,
+            prefix="/" + admin_pb2.DESCRIPTOR.services_by_name["AdapterAdmin"].full_name + "/",
         ),
         {"match": {"path": OPS_PAGE.rstrip("/")}, "redirect": {"path_redirect": OPS_PAGE}},
         {"match": {"prefix": OPS_PAGE}, "route": {"cluster": OPS_PAGE_CLUSTER, "timeout": "10s"}},
