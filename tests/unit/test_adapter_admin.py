@@ -9,6 +9,7 @@ tests/integration/test_adapters.py runs it on a real mesh through the edge."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -410,3 +411,26 @@ async def test_a_worker_with_several_front_ends_refuses_adapters_at_run_time(
         await worker.server.stop(None)
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "frontends=2" in (refused.value.details() or "")
+
+
+async def test_a_discovery_change_reconciles_at_once_and_shutdown_ends_it(
+    control_plane: ControlPlane,
+) -> None:
+    directory = str(adapter_dir(control_plane.root, "live"))
+    await control_plane.stub.LoadAdapter(
+        admin_pb2.AdapterAdminRequest(name="live", directory=directory), metadata=AUTH
+    )
+    # The interval is an hour: only the discovery change can bring it.
+    reconciling = asyncio.create_task(control_plane.fleet.keep_reconciled(3600))
+    await asyncio.sleep(0.05)
+    joined = await serve_worker(lora_on(Adapters("base", {})))
+    control_plane.workers.append(joined)
+    control_plane.discover({"worker": control_plane.workers})
+    for _ in range(250):  # 5 s at most
+        if joined.engine.adapters.names == ("live",):
+            break
+        await asyncio.sleep(0.02)
+    assert joined.engine.adapters.names == ("live",)
+    control_plane.cache.close()
+    async with asyncio.timeout(5):
+        await reconciling

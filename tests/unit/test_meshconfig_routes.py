@@ -83,3 +83,17 @@ def test_edge_routes_the_ops_feed_admin_api_and_page_to_the_control_plane() -> N
     assert (port_of("ops"), port_of("xds_cluster"), port_of("ops_page")) == (18111, 18111, 19222)
     assert "typed_extension_protocol_options" in found["ops"]  # gRPC: HTTP/2 upstream
     assert "typed_extension_protocol_options" not in found["ops_page"]  # plain HTTP/1.1
+
+
+def test_no_listener_routes_the_workers_admin_interface() -> None:
+    """Only the control plane calls WorkerAdmin, on the workers' own ports: the gateways'
+    internal listeners refuse it (UNIMPLEMENTED) and the edge sends it to the gateways, which
+    do not serve it."""
+    config = render(MeshSettings())
+    found = listeners(config)
+    for name in ("worker", "reranker"):
+        routes = found[name]["route_config"]["virtual_hosts"][0]["routes"]
+        assert routes[0]["match"] == {"prefix": "/tokenmesh.v1.WorkerAdmin/"}
+        assert routes[0]["direct_response"]["status"] == 404
+    edge = found["edge"]["route_config"]["virtual_hosts"][0]["routes"]
+    assert not any("WorkerAdmin" in str(route["match"]) for route in edge)

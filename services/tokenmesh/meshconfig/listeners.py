@@ -10,7 +10,7 @@ from tokenmesh.meshconfig.constants import HCM, WORKER, Config, seconds
 from tokenmesh.meshconfig.filters import router_filter
 from tokenmesh.meshconfig.policy import ServicePolicy
 from tokenmesh.meshconfig.protocols import http2_options
-from tokenmesh.meshconfig.routes import service_route
+from tokenmesh.meshconfig.routes import WORKER_ADMIN_PREFIX, not_served, service_route
 from tokenmesh.meshconfig.stream_relay import RELAY, relay_filter
 from tokenmesh.meshconfig.tls import INTERNAL_CERTIFICATE, downstream_tls
 
@@ -83,12 +83,13 @@ def traffic_listener(
 
 
 def internal_listener(service: ServicePolicy, mesh: MeshSettings) -> Config:
-    """The gateways' listener for a service: gRPC only, everything to its cluster."""
+    """The gateways' listener for a service: gRPC only, everything to its cluster but the
+    workers' admin interface."""
     assert service.listener_port is not None
     virtual_host: Config = {
         "name": service.name,
         "domains": ["*"],
-        "routes": [service_route(service, mesh)],
+        "routes": [not_served(WORKER_ADMIN_PREFIX), service_route(service, mesh)],
     }
     manager = connection_manager(
         service.name,

@@ -46,6 +46,19 @@ def service_route(service: ServicePolicy, mesh: MeshSettings, prefix: str = "/")
     )
 
 
+def not_served(prefix: str) -> Config:
+    """A prefix refused at the listener: HTTP 404, which a gRPC caller sees as UNIMPLEMENTED."""
+    return {
+        "match": {"prefix": prefix},
+        "direct_response": {"status": 404, "body": {"inline_string": "not served here"}},
+    }
+
+
+# The workers' admin interface (adapters at run time): only the control plane, which dials the
+# workers directly, calls it; no listener of Envoy's routes it (decision 0034).
+WORKER_ADMIN_PREFIX = "/" + admin_pb2.DESCRIPTOR.services_by_name["WorkerAdmin"].full_name + "/"
+
+
 def ops_routes(mesh: MeshSettings) -> list[Config]:
     """The ops feed (gRPC and gRPC-Web), the adapter admin API (keyed by the control plane
     itself, decision 0034) and the ops page to the control plane."""
