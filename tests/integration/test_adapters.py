@@ -355,3 +355,16 @@ async def test_a_forgotten_adapter_is_not_found_and_remembered_as_forgotten(
     with pytest.raises(grpc.aio.AioRpcError) as again:
         await admin(mesh, "UnloadAdapter", name=LIVE)
     assert again.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_the_workers_admin_interface_is_not_reachable_through_envoy(mesh: LocalMesh) -> None:
+    """Only the control plane calls WorkerAdmin, on the workers' own ports: the gateways' worker
+    listener refuses it, and the edge does not route it to the workers."""
+    request = admin_pb2.WorkerAdapterRequest(name=ADAPTER)
+    for port in (mesh.settings.worker_listener_port, mesh.settings.edge_port):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await admin_pb2_grpc.WorkerAdminStub(channel).ForgetAdapter(request, timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED, (port, refused.value)
+    state = await admin(mesh, "ListAdapters")
+    assert all(ADAPTER in worker.adapters for worker in state.workers)
