@@ -1820,3 +1820,22 @@ def test_combinations_that_cannot_work_fail_with_the_reason(
         chart.validate_schema(values)  # refused by the templates, not the schema
     with pytest.raises(helm_python.HelmRenderError, match=message):
         render(values)
+
+
+def test_the_adapter_admin_api_takes_its_keys_from_an_existing_secret(
+    releases: dict[str, Release],
+) -> None:
+    assert "TOKENMESH_CONTROLPLANE_ADMIN_KEYS_FILE" not in releases["defaults"].env("controlplane")
+    values = {"controlplane": {"adminApi": {"existingSecret": "tokenmesh-admin"}}}
+    release = Release(render(values))
+    env = release.env("controlplane")
+    assert env["TOKENMESH_CONTROLPLANE_ADMIN_KEYS_FILE"] == "/etc/tokenmesh/admin/admin-keys"
+    pod = release.deployment("controlplane")["spec"]["template"]["spec"]
+    volume = next(v for v in pod["volumes"] if v["name"] == "admin-keys")
+    assert volume["secret"] == {
+        "secretName": "tokenmesh-admin",
+        "items": [{"key": "admin-keys", "path": "admin-keys"}],
+    }
+    # A directory mount (no subPath): a rotated key reaches the running control plane.
+    mounts = pod["containers"][0]["volumeMounts"]
+    assert {"name": "admin-keys", "mountPath": "/etc/tokenmesh/admin", "readOnly": True} in mounts
