@@ -180,7 +180,10 @@ VALUE_SETS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     ),
     "mtls-secret": ({"mtls": {"enabled": True, "existingSecret": "tokenmesh-mtls"}}, ()),
     "keys-secret": (
-        {"gateway": {"auth": {"existingSecret": "tenant-keys", "secretKey": "keys"}}},
+        {
+            "gateway": {"auth": {"existingSecret": "tenant-keys", "secretKey": "keys"}},
+            "controlplane": {"adminApi": {"existingSecret": "tokenmesh-admin"}},
+        },
         (),
     ),
     "hpa-monitoring": (
@@ -1826,8 +1829,7 @@ def test_the_adapter_admin_api_takes_its_keys_from_an_existing_secret(
     releases: dict[str, Release],
 ) -> None:
     assert "TOKENMESH_CONTROLPLANE_ADMIN_KEYS_FILE" not in releases["defaults"].env("controlplane")
-    values = {"controlplane": {"adminApi": {"existingSecret": "tokenmesh-admin"}}}
-    release = Release(render(values))
+    release = releases["keys-secret"]
     env = release.env("controlplane")
     assert env["TOKENMESH_CONTROLPLANE_ADMIN_KEYS_FILE"] == "/etc/tokenmesh/admin/admin-keys"
     pod = release.deployment("controlplane")["spec"]["template"]["spec"]
