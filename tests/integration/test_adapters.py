@@ -34,7 +34,14 @@ from tokenmesh.common.processes import stop_process
 from tokenmesh.localmesh.mesh import LocalMesh, LocalMeshSettings, Program
 from tokenmesh.localmesh.probes import fetch_text, free_port
 from tokenmesh.localmesh.settings import WorkerPool
-from tokenmesh.v1 import inference_pb2, inference_pb2_grpc, llm_pb2, llm_pb2_grpc
+from tokenmesh.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    inference_pb2,
+    inference_pb2_grpc,
+    llm_pb2,
+    llm_pb2_grpc,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -49,6 +56,10 @@ OTHER = OTHER_DIR.name
 POOL = "b"
 PROMPTS = ["The colour of the sky is", "def main():", "Once upon a time"]
 GREEDY: dict[str, Any] = {"temperature": 0.0, "max_tokens": 16}
+# The same weights again, under a name the admin API adds at run time.
+LIVE = f"{ADAPTER}-live"
+ADMIN_KEY = "lora-test-admin-key"
+KEYED = (("authorization", f"Bearer {ADMIN_KEY}"),)
 
 
 def sdk(port: int) -> openai.OpenAI:
@@ -62,12 +73,17 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalMesh]:
     for needed in (ADAPTER_DIR / "adapter_config.json", OTHER_DIR / "config.json"):
         if not needed.exists():
             pytest.skip(f"no {needed}: `make setup` generates it")
+    run_dir = tmp_path_factory.mktemp("lora")
+    # The control plane's adapter admin API, keyed (the last tests).
+    admin_keys = run_dir / "admin-keys"
+    admin_keys.write_text(f"{ADMIN_KEY}\n")
     settings = LocalMeshSettings.on_free_ports(
-        tmp_path_factory.mktemp("lora"),
+        run_dir,
         gateways=1,
         workers=2,
         lora_modules={ADAPTER: str(ADAPTER_DIR), SECOND: str(ADAPTER_DIR)},
         pools={POOL: WorkerPool(model=str(OTHER_DIR))},
+        admin_keys_file=admin_keys,
     )
     with running_mesh(settings) as local_mesh:
         yield local_mesh
@@ -333,3 +349,89 @@ def test_the_dashboards_adapter_panels_show_the_loads(mesh: LocalMesh) -> None:
         time.sleep(2)
         missing = [expr for expr in missing if not series(mesh, substitute(expr))]
     assert not missing, missing
+
+
+async def admin(mesh: LocalMesh, method: str, **fields: str) -> Any:
+    """One call of the control plane's adapter admin API through the edge, with the key."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{mesh.settings.edge_port}") as channel:
+        stub = admin_pb2_grpc.AdapterAdminStub(channel)
+        if method == "ListAdapters":
+            return await stub.ListAdapters(admin_pb2.ListAdaptersRequest(), metadata=KEYED)
+        request = admin_pb2.AdapterAdminRequest(**fields)
+        return await getattr(stub, method)(request, metadata=KEYED, timeout=120)
+
+
+def listed(client: openai.OpenAI) -> set[str]:
+    return {card.id for card in client.models.list().data}
+
+
+async def test_an_adapter_loaded_at_run_time_through_the_edge_is_listed_and_answers(
+    mesh: LocalMesh, edge: openai.OpenAI
+) -> None:
+    """LoadAdapter at the edge, keyed: every worker serves and holds it; the gateways' catalog
+    lists it within its TTL (30 s); its greedy answer is the settings adapter's (same weights)."""
+    workers = mesh.replicas("worker")
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{mesh.settings.edge_port}") as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as wrong:
+            await admin_pb2_grpc.AdapterAdminStub(channel).LoadAdapter(
+                admin_pb2.AdapterAdminRequest(name=LIVE, directory=str(ADAPTER_DIR)),
+                metadata=(("authorization", "Bearer not-the-key"),),
+            )
+    assert wrong.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    reply = await admin(mesh, "LoadAdapter", name=LIVE, directory=str(ADAPTER_DIR))
+    assert reply.cluster == "worker"
+    assert sorted((w.address, w.code, w.held) for w in reply.workers) == sorted(
+        (worker.address, "OK", True) for worker in workers
+    )
+    assert [LIVE in await held(worker) for worker in workers] == [True, True]
+    deadline = time.monotonic() + 40
+    while LIVE not in listed(edge):
+        assert time.monotonic() < deadline, "not in /v1/models within the catalog's TTL"
+        await asyncio.sleep(1)
+    live = edge.completions.create(model=LIVE, prompt=PROMPTS[0], **GREEDY)
+    assert live.model == LIVE
+    assert live.choices[0].text == completions(edge, ADAPTER)[0]
+
+
+async def test_an_unloaded_adapter_is_loaded_again_by_its_next_request(
+    mesh: LocalMesh, edge: openai.OpenAI
+) -> None:
+    workers = mesh.replicas("worker")
+    reply = await admin(mesh, "UnloadAdapter", name=LIVE)
+    assert [w.code for w in reply.workers] == ["OK", "OK"]
+    assert [LIVE in await held(worker) for worker in workers] == [False, False]
+    loads = [adapter_counts(worker, "loads", LIVE) for worker in workers]
+    before = [finished(worker) for worker in workers]
+    assert edge.completions.create(model=LIVE, prompt=PROMPTS[1], **GREEDY).choices[0].text
+    served = [finished(worker) - was for worker, was in zip(workers, before, strict=True)]
+    grew = [adapter_counts(w, "loads", LIVE) - n for w, n in zip(workers, loads, strict=True)]
+    assert grew == [1 if n else 0 for n in served], (grew, served)
+    assert [LIVE in await held(worker) for worker in workers] == [bool(n) for n in served]
+
+
+async def test_a_forgotten_adapter_is_not_found_and_remembered_as_forgotten(
+    mesh: LocalMesh, edge: openai.OpenAI
+) -> None:
+    reply = await admin(mesh, "ForgetAdapter", name=LIVE)
+    assert [w.code for w in reply.workers] == ["OK", "OK"]
+    with pytest.raises(openai.NotFoundError):
+        edge.completions.create(model=LIVE, prompt=PROMPTS[0], max_tokens=1)
+    state = await admin(mesh, "ListAdapters")
+    assert [(r.name, r.forgotten) for r in state.remembered] == [(LIVE, True)]
+    assert [sorted(w.adapters) for w in state.workers] == [sorted([ADAPTER, SECOND])] * 2
+    with pytest.raises(grpc.aio.AioRpcError) as again:
+        await admin(mesh, "UnloadAdapter", name=LIVE)
+    assert again.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_the_workers_admin_interface_is_not_reachable_through_envoy(mesh: LocalMesh) -> None:
+    """Only the control plane calls WorkerAdmin, on the workers' own ports: the gateways' worker
+    listener refuses it, and the edge does not route it to the workers."""
+    request = admin_pb2.WorkerAdapterRequest(name=ADAPTER)
+    for port in (mesh.settings.worker_listener_port, mesh.settings.edge_port):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await admin_pb2_grpc.WorkerAdminStub(channel).ForgetAdapter(request, timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED, (port, refused.value)
+    state = await admin(mesh, "ListAdapters")
+    assert all(ADAPTER in worker.adapters for worker in state.workers)

@@ -101,7 +101,8 @@ def test_bad_adapter_settings_stop_the_worker_naming_them(
 
 class AdapterCache:
     """vLLM's engine as adapters see it: add_lora loads one (after a moment), evicting the least
-    recently used past `capacity`, and says False for one it holds (touching it)."""
+    recently used past `capacity`, and says False for one it holds (touching it); remove_lora
+    drops one, saying whether it held it."""
 
     def __init__(self, capacity: int, broken: str = "") -> None:
         self.capacity, self.broken = capacity, broken
@@ -123,6 +124,9 @@ class AdapterCache:
             self.held.popitem(last=False)
         self.held[request.lora_int_id] = request.lora_name
         return True
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return self.held.pop(lora_id, None) is not None
 
 
 def counted(registry: CollectorRegistry, name: str, adapter: str) -> float:

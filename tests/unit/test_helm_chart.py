@@ -180,7 +180,10 @@ VALUE_SETS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     ),
     "mtls-secret": ({"mtls": {"enabled": True, "existingSecret": "tokenmesh-mtls"}}, ()),
     "keys-secret": (
-        {"gateway": {"auth": {"existingSecret": "tenant-keys", "secretKey": "keys"}}},
+        {
+            "gateway": {"auth": {"existingSecret": "tenant-keys", "secretKey": "keys"}},
+            "controlplane": {"adminApi": {"existingSecret": "tokenmesh-admin"}},
+        },
         (),
     ),
     "hpa-monitoring": (
@@ -1820,3 +1823,21 @@ def test_combinations_that_cannot_work_fail_with_the_reason(
         chart.validate_schema(values)  # refused by the templates, not the schema
     with pytest.raises(helm_python.HelmRenderError, match=message):
         render(values)
+
+
+def test_the_adapter_admin_api_takes_its_keys_from_an_existing_secret(
+    releases: dict[str, Release],
+) -> None:
+    assert "TOKENMESH_CONTROLPLANE_ADMIN_KEYS_FILE" not in releases["defaults"].env("controlplane")
+    release = releases["keys-secret"]
+    env = release.env("controlplane")
+    assert env["TOKENMESH_CONTROLPLANE_ADMIN_KEYS_FILE"] == "/etc/tokenmesh/admin/admin-keys"
+    pod = release.deployment("controlplane")["spec"]["template"]["spec"]
+    volume = next(v for v in pod["volumes"] if v["name"] == "admin-keys")
+    assert volume["secret"] == {
+        "secretName": "tokenmesh-admin",
+        "items": [{"key": "admin-keys", "path": "admin-keys"}],
+    }
+    # A directory mount (no subPath): a rotated key reaches the running control plane.
+    mounts = pod["containers"][0]["volumeMounts"]
+    assert {"name": "admin-keys", "mountPath": "/etc/tokenmesh/admin", "readOnly": True} in mounts

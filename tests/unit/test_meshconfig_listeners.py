@@ -16,7 +16,7 @@ def test_listeners_are_safe_for_long_streams_and_push_back() -> None:
     for manager in found.values():
         assert manager["stream_idle_timeout"] == "30s"
         assert manager["http2_protocol_options"]["initial_stream_window_size"] == 64 * 1024
-        route = manager["route_config"]["virtual_hosts"][0]["routes"][0]["route"]
+        route = manager["route_config"]["virtual_hosts"][0]["routes"][-1]["route"]  # the catch-all
         assert route["timeout"] == "0s"
         assert route["max_stream_duration"]["grpc_timeout_header_max"] == "0s"
         assert "refused-stream" in route["retry_policy"]["retry_on"]

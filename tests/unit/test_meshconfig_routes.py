@@ -45,17 +45,21 @@ def test_prefix_routing_hashes_the_affinity_key_onto_workers_under_bounded_load(
         assert "consistent_hashing_lb_config" not in clusters(config)[name]["common_lb_config"]
 
 
-def test_edge_routes_the_ops_feed_and_page_to_the_control_plane() -> None:
+def test_edge_routes_the_ops_feed_admin_api_and_page_to_the_control_plane() -> None:
     mesh = MeshSettings(controlplane_port=18111, ops_page_port=19222, direct_token_path=False)
     config = render(mesh)
     routes = listeners(config)["edge"]["route_config"]["virtual_hosts"][0]["routes"]
-    ops_feed, redirect, page, envoys_own, openai, tokenize, detokenize, rest = routes
+    ops_feed, admin, redirect, page, envoys_own, openai, tokenize, detokenize, rest = routes
     # Envoy's interfaces on the gateways (external processor, access log) are not the callers'.
     assert envoys_own["match"] == {"prefix": "/envoy.service."}
     assert envoys_own["direct_response"]["status"] == 404
     assert ops_feed["match"] == {"prefix": "/tokenmesh.v1.OpsService/"}
     assert ops_feed["route"]["cluster"] == "ops"
     assert ops_feed["route"]["timeout"] == "0s"  # a subscription lasts as long as the page
+    # The adapter admin API (keyed by the control plane itself), the caller's deadline honoured.
+    assert admin["match"] == {"prefix": "/tokenmesh.v1.AdapterAdmin/"}
+    assert admin["route"]["cluster"] == "ops"
+    assert admin["route"]["max_stream_duration"] == {"grpc_timeout_header_max": "0s"}
     assert redirect == {"match": {"path": "/ops"}, "redirect": {"path_redirect": "/ops/"}}
     assert page["match"] == {"prefix": "/ops/"} and page["route"]["cluster"] == "ops_page"
     assert rest["match"] == {"prefix": "/"} and rest["route"]["cluster"] == "gateway"
@@ -79,3 +83,17 @@ def test_edge_routes_the_ops_feed_and_page_to_the_control_plane() -> None:
     assert (port_of("ops"), port_of("xds_cluster"), port_of("ops_page")) == (18111, 18111, 19222)
     assert "typed_extension_protocol_options" in found["ops"]  # gRPC: HTTP/2 upstream
     assert "typed_extension_protocol_options" not in found["ops_page"]  # plain HTTP/1.1
+
+
+def test_no_listener_routes_the_workers_admin_interface() -> None:
+    """Only the control plane calls WorkerAdmin, on the workers' own ports: the gateways'
+    internal listeners refuse it (UNIMPLEMENTED) and the edge sends it to the gateways, which
+    do not serve it."""
+    config = render(MeshSettings())
+    found = listeners(config)
+    for name in ("worker", "reranker"):
+        routes = found[name]["route_config"]["virtual_hosts"][0]["routes"]
+        assert routes[0]["match"] == {"prefix": "/tokenmesh.v1.WorkerAdmin/"}
+        assert routes[0]["direct_response"]["status"] == 404
+    edge = found["edge"]["route_config"]["virtual_hosts"][0]["routes"]
+    assert not any("WorkerAdmin" in str(route["match"]) for route in edge)

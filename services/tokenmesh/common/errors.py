@@ -58,6 +58,16 @@ class PermissionDenied(ServiceError):
     code = grpc.StatusCode.PERMISSION_DENIED
 
 
+class FailedPrecondition(ServiceError):
+    """The service is not in a state to do this; the message says what would make it so."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class AlreadyExists(ServiceError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
 class Unavailable(ServiceError):
     code = grpc.StatusCode.UNAVAILABLE
 

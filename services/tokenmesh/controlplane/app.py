@@ -15,6 +15,7 @@ from tokenmesh.common.consul_http import consul_client
 from tokenmesh.common.credentials import ReloadingChannelCredentials
 from tokenmesh.common.host import ServiceHost
 from tokenmesh.common.pools import pool_of_cluster
+from tokenmesh.controlplane.admin import AdapterAdminServicer, AdapterFleet, AdminKeys
 from tokenmesh.controlplane.config import ControlPlaneSettings
 from tokenmesh.controlplane.consul_source import ConsulSource
 from tokenmesh.controlplane.dns_source import DnsSource
@@ -31,7 +32,7 @@ from tokenmesh.controlplane.page import PageServer
 from tokenmesh.controlplane.servicer import AggregatedDiscoveryServicer, EndpointDiscoveryServicer
 from tokenmesh.controlplane.snapshots import SnapshotCache
 from tokenmesh.controlplane.static_source import StaticFileSource
-from tokenmesh.v1 import ops_pb2, ops_pb2_grpc
+from tokenmesh.v1 import admin_pb2, admin_pb2_grpc, ops_pb2, ops_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ SERVICE_NAMES = (
     ads_pb2.DESCRIPTOR.services_by_name["AggregatedDiscoveryService"].full_name,
     eds_pb2.DESCRIPTOR.services_by_name["EndpointDiscoveryService"].full_name,
     ops_pb2.DESCRIPTOR.services_by_name["OpsService"].full_name,
+    admin_pb2.DESCRIPTOR.services_by_name["AdapterAdmin"].full_name,
 )
 # Consul answers a blocking query after wait plus up to wait/16 of jitter; a request gets
 # that and this much more before it counts as failed.
@@ -118,13 +120,16 @@ async def serve(settings: ControlPlaneSettings) -> int:
             settings.worker_tls_ca_file, settings.worker_tls_cert_file, settings.worker_tls_key_file
         )
     )
-    probe = GrpcWorkerProbe(
-        settings.worker_probe_timeout_seconds,
-        settings.max_message_bytes,
-        worker_tls,
-        settings.worker_tls_server_name,
-    )
-    host.on_stop(probe.close)
+
+    def worker_channels(timeout: float) -> GrpcWorkerProbe:
+        """Channels to the workers, with the TLS their ports want, closed at shutdown."""
+        made = GrpcWorkerProbe(
+            timeout, settings.max_message_bytes, worker_tls, settings.worker_tls_server_name
+        )
+        host.on_stop(made.close)
+        return made
+
+    probe = worker_channels(settings.worker_probe_timeout_seconds)
     dashboard = Dashboard(
         workers=lambda: worker_addresses(cache),
         probe=probe,
@@ -137,6 +142,14 @@ async def serve(settings: ControlPlaneSettings) -> int:
         prometheus_url=settings.prometheus_url or "",
     )
     ops_pb2_grpc.add_OpsServiceServicer_to_server(OpsServicer(dashboard), server)
+    # The adapter admin API, over channels of its own (the feed's drop workers it does not
+    # probe, and its timeouts are a probe's).
+    timeout = settings.admin_worker_timeout_seconds
+    fleet = AdapterFleet(cache, worker_channels(timeout), timeout)
+    admin_pb2_grpc.add_AdapterAdminServicer_to_server(
+        AdapterAdminServicer(AdminKeys(settings.admin_keys_file), fleet), server
+    )
+    host.keep_running(fleet.keep_reconciled(settings.admin_reconcile_seconds), "adapter-reconcile")
     page = PageServer(settings.ops_page_dir, settings.host, settings.ops_page_port)
     consul = None
     if settings.source == "consul":

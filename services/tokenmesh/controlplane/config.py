@@ -193,6 +193,36 @@ class ControlPlaneSettings(ServiceSettings):
         ),
     )
 
+    admin_keys_file: Path | None = Field(
+        default=None,
+        description=(
+            "The adapter admin API (tokenmesh.v1.AdapterAdmin on the gRPC port, which the edge "
+            "routes here; decision 0034): a file of admin keys, one a line (# comments), read "
+            "again when it changes; a call must carry `authorization: Bearer <key>` "
+            "(UNAUTHENTICATED otherwise). Unset: the API is off, every call PERMISSION_DENIED "
+            "saying so."
+        ),
+    )
+    admin_worker_timeout_seconds: float = Field(
+        default=120.0,
+        gt=0,
+        le=3600,
+        description=(
+            "Longest one worker's part of an admin call may take (loading an adapter reads its "
+            "weights: seconds from network storage for a large one); a slower worker is "
+            "reported DEADLINE_EXCEEDED."
+        ),
+    )
+    admin_reconcile_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        description=(
+            "How often the adapters loaded or forgotten through the admin API are applied again "
+            "to workers that lack them (one that restarted at the same address); a change in "
+            "discovery does it at once."
+        ),
+    )
+
     @model_validator(mode="after")
     def _source_is_configured(self) -> Self:
         if self.source == "static" and self.static_file is None:
@@ -207,4 +237,6 @@ class ControlPlaneSettings(ServiceSettings):
             raise ValueError("worker_tls_cert_file and worker_tls_key_file go together")
         if self.worker_tls_cert_file is not None and self.worker_tls_ca_file is None:
             raise ValueError("worker_tls_cert_file needs worker_tls_ca_file")
+        if self.admin_keys_file is not None and not self.admin_keys_file.is_file():
+            raise ValueError(f"admin_keys_file: {self.admin_keys_file} is not a file")
         return self

@@ -340,7 +340,8 @@ class GrpcWorkerProbe:
             return aio.insecure_channel(address, options=self._options)
         return aio.secure_channel(address, self._tls.credentials(), options=self._options)
 
-    def _channel(self, address: str) -> SwappableChannel:
+    def channel(self, address: str) -> SwappableChannel:
+        """The channel to one worker (opened on first use, kept until retain() drops it)."""
         channel = self._channels.get(address)
         if channel is None:
             channel = SwappableChannel(lambda: self._open(address))
@@ -360,7 +361,7 @@ class GrpcWorkerProbe:
             channel.swap(self._timeout)
 
     async def probe(self, address: str) -> WorkerFigures:
-        channel = self._channel(address)
+        channel = self.channel(address)
         health = health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest(service=WORKER_HEALTH_SERVICE), timeout=self._timeout
         )

@@ -30,6 +30,8 @@ class MeshFiles:
     certs: CertPaths
     # The gateways' keys file (None: authentication off).
     keys: Path | None
+    # The control plane's adapter admin keys (None: the admin API off).
+    admin_keys: Path | None
     supervisord_config: Path
     supervisord_pid: Path
     envoy_config: Path
@@ -47,13 +49,14 @@ class MeshFiles:
     @classmethod
     def of(cls, settings: LocalMeshSettings, root: Path) -> MeshFiles:
         run_dir = (root / settings.run_dir).resolve()
-        keys = settings.keys_file
+        keys, admin_keys = settings.keys_file, settings.admin_keys_file
         return cls(
             root=root,
             run_dir=run_dir,
             log_dir=run_dir / "logs",
             certs=CertPaths((root / (settings.certs_dir or settings.run_dir / "certs")).resolve()),
             keys=None if keys is None else (root / keys).resolve(),
+            admin_keys=None if admin_keys is None else (root / admin_keys).resolve(),
             supervisord_config=run_dir / "supervisord.conf",
             supervisord_pid=run_dir / "supervisord.pid",
             envoy_config=run_dir / "envoy.yaml",

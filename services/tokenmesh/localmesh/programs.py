@@ -159,6 +159,7 @@ class ProcessTable:
             ops_page_port=s.controlplane_ops_page_port,
             ops_page_dir=self.files.ops_page,
             prometheus_url=self.prometheus_url if self.tools.prometheus else None,
+            admin_keys_file=self.files.admin_keys,
             **source,
             **self._affinity(),
         )

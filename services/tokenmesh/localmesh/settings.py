@@ -152,6 +152,10 @@ class LocalMeshSettings(BaseSettings):
     # API keys and tenant limits for every gateway (a JSON keys file, see docs/security.md;
     # relative to the repository root); unset: no authentication, the local default.
     keys_file: Path | None = None
+    # Admin keys of the control plane's adapter admin API (a file, one key a line; relative to
+    # the repository root; ControlPlaneSettings.admin_keys_file, decision 0034); unset: the
+    # admin API is off.
+    admin_keys_file: Path | None = None
     # TLS at the edge (docs/security.md, TLS): the edge speaks only TLS (gRPC over h2,
     # REST and gRPC-Web over http/1.1 too, by ALPN), with a certificate from the local CA in
     # certs_dir, made when missing or about to expire (as `make certs` does).

@@ -11,7 +11,7 @@ from tokenmesh.meshconfig.filters import cors_policy, edge_filters
 from tokenmesh.meshconfig.listeners import connection_manager, traffic_listener
 from tokenmesh.meshconfig.local_replies import edge_local_replies
 from tokenmesh.meshconfig.policy import Services
-from tokenmesh.meshconfig.routes import ops_routes, service_route
+from tokenmesh.meshconfig.routes import not_served, ops_routes, service_route
 from tokenmesh.meshconfig.tls import EDGE_CERTIFICATE, downstream_tls
 
 EDGE = "edge"
@@ -24,10 +24,7 @@ def edge_routes(mesh: MeshSettings, services: Services) -> list[Config]:
         *ops_routes(mesh),
         # Envoy's own interfaces on the gateways (external processor, access log) are for the
         # mesh's Envoys, not callers: UNIMPLEMENTED (HTTP 404).
-        {
-            "match": {"prefix": "/envoy.service."},
-            "direct_response": {"status": 404, "body": {"inline_string": "not served here"}},
-        },
+        not_served("/envoy.service."),
         *direct_routes(mesh, services),
         *(openai_routes(mesh, services) if services.openai else []),
         service_route(services.gateway, mesh),

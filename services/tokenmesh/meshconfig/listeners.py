@@ -10,7 +10,12 @@ from tokenmesh.meshconfig.constants import HCM, WORKER, Config, seconds
 from tokenmesh.meshconfig.filters import router_filter
 from tokenmesh.meshconfig.policy import ServicePolicy, Services
 from tokenmesh.meshconfig.protocols import http2_options
-from tokenmesh.meshconfig.routes import pool_routes, service_route
+from tokenmesh.meshconfig.routes import (
+    WORKER_ADMIN_PREFIX,
+    not_served,
+    pool_routes,
+    service_route,
+)
 from tokenmesh.meshconfig.stream_relay import RELAY, relay_filter
 from tokenmesh.meshconfig.tls import INTERNAL_CERTIFICATE, downstream_tls
 
@@ -84,13 +89,16 @@ def traffic_listener(
 
 def internal_listener(service: ServicePolicy, services: Services, mesh: MeshSettings) -> Config:
     """The gateways' listener for a service: gRPC only, everything to its cluster (the workers'
-    to the pool a call's header names)."""
+    to the pool a call's header names) but the workers' admin interface."""
     assert service.listener_port is not None
     route = service_route(service, mesh)
     virtual_host: Config = {
         "name": service.name,
         "domains": ["*"],
-        "routes": pool_routes(route, services) if service is services.worker else [route],
+        "routes": [
+            not_served(WORKER_ADMIN_PREFIX),
+            *(pool_routes(route, services) if service is services.worker else [route]),
+        ],
     }
     manager = connection_manager(
         service.name,

@@ -1,5 +1,5 @@
 """Routes: to a service as its policy says (retries, the caller's deadline), and the
-edge's routes to the control plane's ops feed and page."""
+edge's routes to the control plane's ops feed and page and its adapter admin API."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from tokenmesh.meshconfig.config import MeshSettings
 from tokenmesh.meshconfig.constants import OPS_CLUSTER, OPS_PAGE_CLUSTER, Config
 from tokenmesh.meshconfig.policy import ServicePolicy, Services
 from tokenmesh.meshconfig.retries import RETRY_ON, retry_policy
-from tokenmesh.v1 import ops_pb2
+from tokenmesh.v1 import admin_pb2, ops_pb2
 
 # Where the edge serves the ops page (from the control plane's page port).
 OPS_PAGE = "/ops/"
@@ -63,13 +63,32 @@ def pool_routes(to_workers: Config, services: Services) -> list[Config]:
     return [*routes, to_workers]
 
 
+def not_served(prefix: str) -> Config:
+    """A prefix refused at the listener: HTTP 404, which a gRPC caller sees as UNIMPLEMENTED."""
+    return {
+        "match": {"prefix": prefix},
+        "direct_response": {"status": 404, "body": {"inline_string": "not served here"}},
+    }
+
+
+# The workers' admin interface (adapters at run time): only the control plane, which dials the
+# workers directly, calls it; no listener of Envoy's routes it (decision 0034).
+WORKER_ADMIN_PREFIX = "/" + admin_pb2.DESCRIPTOR.services_by_name["WorkerAdmin"].full_name + "/"
+
+
 def ops_routes(mesh: MeshSettings) -> list[Config]:
-    """The ops feed (gRPC and gRPC-Web) and page to the control plane."""
+    """The ops feed (gRPC and gRPC-Web), the adapter admin API (keyed by the control plane
+    itself, decision 0034) and the ops page to the control plane."""
     return [
         route_to(
             OPS_CLUSTER,
             mesh,
             prefix="/" + ops_pb2.DESCRIPTOR.services_by_name["OpsService"].full_name + "/",
+        ),
+        route_to(
+            OPS_CLUSTER,
+            mesh,
+            prefix="/" + admin_pb2.DESCRIPTOR.services_by_name["AdapterAdmin"].full_name + "/",
         ),
         {"match": {"path": OPS_PAGE.rstrip("/")}, "redirect": {"path_redirect": OPS_PAGE}},
         {"match": {"prefix": OPS_PAGE}, "route": {"cluster": OPS_PAGE_CLUSTER, "timeout": "10s"}},

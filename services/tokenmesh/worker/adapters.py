@@ -10,6 +10,10 @@ An adapter is loaded where it is used: at start the engine gets as many as its C
 cache then evicts its least recently used adapter. The engine's own list of the adapters it
 holds (list_loras, one answer for every front end) decides whether a request loads one, so the
 loads, evictions and load times the worker counts are the engine's, whichever front end asked.
+
+At run time (the worker's WorkerAdmin, decision 0034) an adapter can be added (the next id:
+ids are never reused, vLLM caches by id), unloaded from the engine (still served: the next
+request loads it again, unless load_on_use is off) or forgotten (no longer served).
 """
 
 from __future__ import annotations
@@ -25,7 +29,13 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from vllm.lora.request import LoRARequest
 
-from tokenmesh.common.errors import Internal, NotFound
+from tokenmesh.common.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    NotFound,
+)
 from tokenmesh.worker.config import WorkerSettings
 
 # vLLM's max_lora_rank choices (vllm/config/lora.py).
@@ -104,21 +114,31 @@ class Adapters:
         model: str,
         directories: Mapping[str, Path],
         metrics: AdapterMetrics | None = None,
+        load_on_use: bool = True,
     ) -> None:
         self.model = model
+        # Replaced, never changed in place: the server's loop reads them while the engine's
+        # loop adds or forgets adapters.
         self._requests = {
             name: LoRARequest(name, index, str(path), base_model_name=model)
             for index, (name, path) in enumerate(directories.items(), start=1)
         }
         self._names = {request.lora_int_id: name for name, request in self._requests.items()}
+        self._next_id = len(self._requests) + 1
         self._metrics = metrics
+        self._load_on_use = load_on_use
+        # The engine's LoRA limit (vLLM's max_lora_rank) once it has started with LoRA on;
+        # None: LoRA off, no adapter can be added.
+        self.max_rank: int | None = None
         # Loads under way on the engine's loop, by adapter id: requests for the same adapter
         # meanwhile wait for that one load.
         self._loading: dict[int, asyncio.Future[None]] = {}
 
     @classmethod
     def of(cls, settings: WorkerSettings, metrics: AdapterMetrics | None = None) -> Adapters:
-        return cls(settings.model_name, settings.lora_modules, metrics)
+        return cls(
+            settings.model_name, settings.lora_modules, metrics, settings.adapter_load_on_use
+        )
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -161,10 +181,21 @@ class Adapters:
         held = set(await llm.list_loras())
         if request.lora_int_id in held:
             return request
+        if not self._load_on_use:
+            raise FailedPrecondition(
+                f"model: adapter {request.lora_name!r} is not loaded on this worker, and "
+                "adapter_load_on_use is off: load it through the admin API "
+                "(tokenmesh.v1.AdapterAdmin/LoadAdapter)"
+            )
+        await self._load(llm, request, held)
+        return request
+
+    async def _load(self, llm: Any, request: LoRARequest, held: set[int]) -> None:
+        """Loads one adapter the engine does not hold, or waits for its load under way."""
         loading = self._loading.get(request.lora_int_id)
         if loading is not None:
             await asyncio.shield(loading)
-            return request
+            return
         done = asyncio.get_running_loop().create_future()
         self._loading[request.lora_int_id] = done
         try:
@@ -182,7 +213,6 @@ class Adapters:
             done.set_result(None)
         finally:
             del self._loading[request.lora_int_id]
-        return request
 
     async def _add(self, llm: Any, request: LoRARequest, held: set[int]) -> None:
         """Loads one adapter and counts what it cost: the load, its time, and the adapters the
@@ -198,3 +228,90 @@ class Adapters:
             for dropped in held - set(await llm.list_loras()):
                 if dropped in self._names:
                     self._metrics.evictions.labels(self._names[dropped]).inc()
+
+    def _check_new(self, name: str, directory: Path) -> int:
+        """An adapter that may be added (its rank, in adapter_config.json), or the error
+        naming the field and the limit."""
+        if self.max_rank is None:
+            raise FailedPrecondition(
+                "this worker's engine has LoRA off: start it with adapters (lora_modules) or "
+                'with TOKENMESH_WORKER_ENGINE_ARGS=\'{"enable_lora": true, "max_lora_rank": '
+                "<the largest rank to serve>}'"
+            )
+        if not name.strip() or name != name.strip():
+            raise InvalidArgument("name", f"{name!r} is not an adapter name (empty or spaced)")
+        if name == self.model:
+            raise AlreadyExists(f"name: {name!r} is the model's own name, not an adapter's")
+        if not directory.is_absolute():
+            raise InvalidArgument("directory", f"{directory} is not an absolute path")
+        if not (directory / "adapter_config.json").is_file():
+            raise InvalidArgument(
+                "directory",
+                f"{directory} has no adapter_config.json on this worker (a PEFT LoRA "
+                "adapter's directory)",
+            )
+        try:
+            rank = adapter_rank(directory)
+        except ValueError as error:
+            raise InvalidArgument("directory", str(error)) from None
+        if rank > self.max_rank:
+            raise InvalidArgument(
+                "directory",
+                f"the adapter's rank {rank} is over the engine's max_lora_rank {self.max_rank} "
+                "(TOKENMESH_WORKER_ENGINE_ARGS max_lora_rank, set as the worker starts)",
+            )
+        return rank
+
+    async def add(self, llm: Any, name: str, directory: Path) -> tuple[LoRARequest, bool]:
+        """Serves an adapter from now on and loads it into the engine (the load counted as
+        any other). The same name and directory again: it is made held, nothing else
+        changes. Returns it and whether it is new. Runs on the engine's loop."""
+        known = self._requests.get(name)
+        if known is not None:
+            if Path(known.lora_path) != directory:
+                raise AlreadyExists(
+                    f"name: adapter {name!r} is already served from {known.lora_path}, not "
+                    f"{directory}: forget it first"
+                )
+            held = set(await llm.list_loras())
+            if known.lora_int_id not in held:
+                await self._load(llm, known, held)
+            return known, False
+        self._check_new(name, directory)
+        request = LoRARequest(name, self._next_id, str(directory), base_model_name=self.model)
+        self._next_id += 1
+        # Served (and so named in the metrics) from the load on; forgotten again if it fails.
+        self._requests = {**self._requests, name: request}
+        self._names = {**self._names, request.lora_int_id: name}
+        try:
+            await self._load(llm, request, set(await llm.list_loras()))
+        except BaseException:
+            self._drop(request)
+            raise
+        return request, True
+
+    async def unload(self, llm: Any, name: str) -> bool:
+        """Drops an adapter from the engine's cache (vLLM's remove_lora); still served. True
+        if the engine held it. Runs on the engine's loop."""
+        request = self._served(name)
+        return bool(await llm.remove_lora(request.lora_int_id))
+
+    async def forget(self, llm: Any, name: str) -> bool:
+        """Stops serving an adapter (NOT_FOUND from now on) and drops it from the engine; its
+        id is not given to another. True if the engine held it. Runs on the engine's loop."""
+        request = self._served(name)
+        self._drop(request)
+        return bool(await llm.remove_lora(request.lora_int_id))
+
+    def _served(self, name: str) -> LoRARequest:
+        request = self._requests.get(name)
+        if request is None:
+            served = ", ".join(self._requests) or "none"
+            raise NotFound(f"name: adapter {name!r} is not served here; adapters: {served}")
+        return request
+
+    def _drop(self, request: LoRARequest) -> None:
+        self._requests = {
+            name: known for name, known in self._requests.items() if known is not request
+        }
+        self._names = {id_: name for id_, name in self._names.items() if name in self._requests}

@@ -16,8 +16,9 @@ from tokenmesh.common.credentials import ReloadingChannelCredentials
 from tokenmesh.common.host import ServiceHost
 from tokenmesh.common.metrics import StreamMetrics
 from tokenmesh.common.relay import Relay, ResumptionMetrics
-from tokenmesh.v1 import inference_pb2, inference_pb2_grpc
+from tokenmesh.v1 import admin_pb2_grpc, inference_pb2, inference_pb2_grpc
 from tokenmesh.worker.adapters import AdapterMetrics
+from tokenmesh.worker.admin import WorkerAdminServicer
 from tokenmesh.worker.admission import Admission
 from tokenmesh.worker.config import WorkerSettings
 from tokenmesh.worker.engine import EngineSlot, VllmEngine
@@ -185,6 +186,7 @@ async def serve(
         ),
         server,
     )
+    admin_pb2_grpc.add_WorkerAdminServicer_to_server(WorkerAdminServicer(slot, settings), server)
 
     async def start() -> None:
         if share is not None:

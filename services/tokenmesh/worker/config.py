@@ -45,6 +45,17 @@ class WorkerSettings(ServiceSettings, SamplingLimits, ToolLimits):
             "(decision 0032)."
         ),
     )
+    adapter_load_on_use: bool = Field(
+        default=True,
+        description=(
+            "A request naming an adapter the engine does not hold loads it (the engine then "
+            "dropping its least recently used). Off: such a request is FAILED_PRECONDITION "
+            "naming the adapter; adapters are loaded only as the worker starts and through the "
+            "admin API (tokenmesh.v1.AdapterAdmin, decision 0034). A worker with LoRA on and "
+            "no lora_modules (engine_args enable_lora and max_lora_rank) serves only the "
+            "adapters the admin API adds."
+        ),
+    )
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         default="auto",
         description=(

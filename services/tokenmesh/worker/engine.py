@@ -11,6 +11,7 @@ from collections import deque
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any, TypeVar
 
 from vllm.engine.arg_utils import AsyncEngineArgs
@@ -238,6 +239,7 @@ class VllmEngine:
             raise
         engine = cls(llm, load, settings, thread, activity, adapter_metrics)
         if llm.vllm_config.lora_config is not None:
+            engine.adapters.max_rank = llm.vllm_config.lora_config.max_lora_rank
             # vLLM sets max_cpu_loras (max_loras unless given) as it builds the engine.
             capacity = llm.vllm_config.lora_config.max_cpu_loras or 1
             await thread.call(engine.adapters.load(llm, capacity))
@@ -559,6 +561,19 @@ class VllmEngine:
         if not self.adapters.names:
             return ()
         return await self._thread.call(self.adapters.held(self._llm))
+
+    async def add_adapter(self, name: str, directory: Path) -> tuple[int, bool]:
+        """Serves an adapter and loads it into the engine now: its id and whether it is new."""
+        request, new = await self._thread.call(self.adapters.add(self._llm, name, directory))
+        return request.lora_int_id, new
+
+    async def unload_adapter(self, name: str) -> bool:
+        """Drops an adapter from the engine (still served): whether the engine held it."""
+        return await self._thread.call(self.adapters.unload(self._llm, name))
+
+    async def forget_adapter(self, name: str) -> bool:
+        """Stops serving an adapter: whether the engine held it."""
+        return await self._thread.call(self.adapters.forget(self._llm, name))
 
     async def stream(
         self, spec: EngineRequest, on_abort: Callable[[], None] | None = None
