@@ -21,6 +21,7 @@ from tests.unit.test_helm_chart import (
     CHART,
     DEFAULTS,
     KUBE_VERSION,
+    LONG_RELEASE,
     OPERATOR_APIS,
     PREFIX,
     Release,
@@ -241,6 +242,14 @@ def test_pools_leave_the_default_workers_as_they_were(releases: dict[str, Releas
     ):
         assert with_pools.get(kind, name) == without.get(kind, name), kind
     assert "TOKENMESH_GATEWAY_WORKER_POOLS" not in without.env("gateway")
+    assert "pool" not in without.manifests["tokenmesh/templates/NOTES.txt"]
+
+
+def test_the_notes_name_each_pool_and_its_model(releases: dict[str, Release]) -> None:
+    notes = releases["pools"].manifests["tokenmesh/templates/NOTES.txt"]
+    assert "Worker pools beside the workers' llama" in notes
+    assert f"  code: coder, Deployment {PREFIX}-worker-code\n" in notes
+    assert f"  cpu: small, Deployment {PREFIX}-worker-cpu\n" in notes
 
 
 # ---- Envoy, discovery, gateways
@@ -534,3 +543,16 @@ def test_a_pool_reaches_the_model_hub_by_its_own_model() -> None:
 
     assert hub in peers("worker-hub")
     assert hub not in peers("worker")
+
+
+def test_a_pool_name_too_long_for_the_release_is_refused_saying_how_long_it_may_be() -> None:
+    """Under the longest release name (a 40-character prefix) <prefix>-worker-<pool>-headless
+    fits 63 characters with a pool name of at most 6."""
+    pool = {"name": "x" * 8, "model": {"name": "m"}}
+    with pytest.raises(helm_python.HelmError, match="use a pool name of at most 6 characters"):
+        render({"worker": {"pools": [pool]}}, release=LONG_RELEASE)
+    release = Release(
+        render({"worker": {"pools": [{**pool, "name": "x" * 6}]}}, release=LONG_RELEASE)
+    )
+    names = [item["metadata"]["name"] for item in release.all("Service")]
+    assert max(len(name) for name in names) == 63

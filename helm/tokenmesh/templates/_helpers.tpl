@@ -923,7 +923,8 @@ pool's: "worker.pools[<name>]"). (dict "values" $values "key" where) */}}
 
 {{- /*
 worker.pools: names as the schema has them (a DNS label each, at most 32 characters), given
-once, each with a model; their workers and autoscalers checked as the default's; a claim
+once, each with a model, its Service's name within 63 characters; their workers and
+autoscalers checked as the default's; a claim
 every pool can mount; only with Kubernetes discovery (a worker registers in Consul as
 `worker`, whatever its pool).
 */}}
@@ -948,6 +949,10 @@ every pool can mount; only with Kubernetes discovery (a worker registers in Cons
 {{- end }}
 {{- range include "tokenmesh.workerPools" . | fromJsonArray }}
 {{- $key := printf "worker.pools[%s]" .name }}
+{{- $service := include "tokenmesh.headlessName" (dict "root" $ "component" .component) }}
+{{- if gt (len $service) 63 }}
+{{- fail (printf "%s: its headless Service would be named %s, %d characters, and Service names have at most 63: use a pool name of at most %d characters here (or a shorter release name or fullnameOverride)" $key $service (len $service) (sub 63 (sub (len $service) (len .name)))) }}
+{{- end }}
 {{- if not .values.model.name }}
 {{- fail (printf "%s.model.name is required: each pool serves a base model of its own" $key) }}
 {{- end }}
