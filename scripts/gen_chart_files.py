@@ -7,6 +7,10 @@ helm/tokenmesh/files/ (a chart cannot read files outside its directory), or chec
 - files/worker-balancing.yaml: the workers' load_balancing_policy for each envoy.workerRouting
   policy (meshconfig's balancing.worker_balancing); the ConfigMap puts the chosen one in place
   of the Envoy files' ${TOKENMESH_WORKER_BALANCING}.
+- files/worker-pools.yaml: where meshconfig routes a request to a further worker pool, for each
+  Envoy file: the header naming the pool and the listeners whose routes to the workers take it
+  to the pool's cluster (routes.pool_routes); tokenmesh.envoyConfig adds worker.pools' clusters
+  and routes as meshconfig's worker_pools would.
 - files/sds/*.yaml: the SDS files that deliver Envoy's certificates in those profiles (the
   ConfigMap ships the ones its bootstrap names, next to it).
 - files/dashboards/*.json: dashboards/ (scripts/gen_dashboards.py).
@@ -21,10 +25,16 @@ from pathlib import Path
 
 import yaml
 
+from tokenmesh.common.pools import POOL_HEADER, pool_cluster
 from tokenmesh.meshconfig.__main__ import PROFILES, render_profile, render_secret_files
 from tokenmesh.meshconfig.balancing import ROUTINGS, worker_balancing
+from tokenmesh.meshconfig.bootstrap import render
 from tokenmesh.meshconfig.config import kubernetes_profile
-from tokenmesh.meshconfig.policy import CHART_PREFIX_BALANCE_FACTOR
+from tokenmesh.meshconfig.policy import (
+    CHART_HEALTH_CHECKS,
+    CHART_PREFIX_BALANCE_FACTOR,
+    CHART_WORKER_BALANCING,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 FILES = ROOT / "helm" / "tokenmesh" / "files"
@@ -34,11 +44,43 @@ SDS_HEADER = (
 )
 
 
+def chart_file(profile: str) -> str:
+    """kubernetes-relay-tls -> envoy-relay-tls.yaml"""
+    return profile.replace("kubernetes", "envoy", 1) + ".yaml"
+
+
+def pool_listeners(profile: str) -> list[str]:
+    """The listeners of a kubernetes profile whose routes take a pool's requests to its
+    cluster, as meshconfig renders them for a pool."""
+    options = profile.split("-")[1:]
+    settings = kubernetes_profile(
+        tls="tls" in options, mtls="mtls" in options, relay="relay" in options
+    ).model_copy(update={"worker_pools": ("pool",)})
+    config = render(settings, CHART_HEALTH_CHECKS, CHART_WORKER_BALANCING)
+    cluster = pool_cluster("pool")
+    return [
+        listener["name"]
+        for listener in config["static_resources"]["listeners"]
+        if f"'cluster': '{cluster}'" in str(listener)
+    ]
+
+
+def worker_pools_file() -> str:
+    """files/worker-pools.yaml: the pool header, and each Envoy file's pool-routed listeners."""
+    kubernetes = [profile for profile in PROFILES if profile.startswith("kubernetes")]
+    content = {
+        "header": POOL_HEADER,
+        "listeners": {chart_file(profile): pool_listeners(profile) for profile in kubernetes},
+    }
+    return SDS_HEADER.replace(
+        "meshconfig's secret_files, kubernetes_profile", "meshconfig's pool_routes"
+    ) + str(yaml.safe_dump(content, sort_keys=False, width=100))
+
+
 def expected_files() -> dict[str, str]:
     """Path under files/ -> content."""
     files = {
-        # kubernetes -> envoy.yaml, kubernetes-relay-tls -> envoy-relay-tls.yaml, ...
-        profile.replace("kubernetes", "envoy", 1) + ".yaml": render_profile(profile)
+        chart_file(profile): render_profile(profile)
         for profile in PROFILES
         if profile.startswith("kubernetes")
     }
@@ -48,6 +90,7 @@ def expected_files() -> dict[str, str]:
     files["worker-balancing.yaml"] = SDS_HEADER.replace(
         "meshconfig's secret_files, kubernetes_profile", "meshconfig's balancing.worker_balancing"
     ) + str(yaml.safe_dump(balancing, sort_keys=False, width=100))
+    files["worker-pools.yaml"] = worker_pools_file()
     files["alerts.yml"] = (ROOT / "prometheus" / "alerts.yml").read_text()
     # Every profile's secrets are among the TLS and mTLS one's.
     secrets = render_secret_files(kubernetes_profile(tls=True, mtls=True), SDS_HEADER)

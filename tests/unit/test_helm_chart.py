@@ -417,8 +417,14 @@ def test_every_manifest_is_valid_for_the_kubernetes_version(
     release = releases[value_set]
     kinds = {o["kind"] for o in release.objects}
     assert {"Deployment", "Service", "ConfigMap", "PodDisruptionBudget", "NetworkPolicy"} <= kinds
+    assert_valid(release.objects)
+
+
+def assert_valid(objects: list[dict[str, Any]]) -> None:
+    """Built-in objects against Kubernetes KUBE_VERSION's schemas (strict), custom resources
+    against their CRDs'."""
     custom = []
-    for item in release.objects:
+    for item in objects:
         if item["kind"] in CUSTOM_KINDS:
             assert item["apiVersion"] in CUSTOM_APIS
             custom.append(item)

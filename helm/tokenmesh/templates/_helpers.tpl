@@ -196,11 +196,13 @@ topologySpreadConstraints:
 {{- end }}
 {{- end }}
 
-{{/* A component's ServiceAccount: its serviceAccount.name, or the chart's. */}}
+{{/* A component's ServiceAccount: its serviceAccount.name, or the chart's.
+(dict "root" $ "component" name "values" $values ["pool" name]) */}}
 {{- define "tokenmesh.serviceAccountName" -}}
 {{- $account := .values.serviceAccount }}
 {{- if $account.create }}
-{{- $account.name | default (include "tokenmesh.componentName" .) }}
+{{- /* A worker pool's pods run as the workers. */}}
+{{- $account.name | default (include "tokenmesh.componentName" (dict "root" .root "component" (ternary "worker" .component (not (empty .pool))))) }}
 {{- else }}
 {{- $account.name | default "default" }}
 {{- end }}
@@ -307,7 +309,7 @@ imagePullSecrets:
 {{- end }}
 securityContext:
   {{- include "tokenmesh.podSecurityContext" .root | nindent 2 }}
-  {{- if and (eq .component "worker") .root.Values.podSecurityContext.fsGroup }}
+  {{- if and (or (eq .component "worker") .pool) .root.Values.podSecurityContext.fsGroup }}
   # The kubelet chowns a volume to fsGroup only when its root is not already owned by it, not
   # every file of a model cache at every start.
   fsGroupChangePolicy: OnRootMismatch
@@ -315,9 +317,10 @@ securityContext:
 {{ include "tokenmesh.podExtensions" . }}
 {{- end }}
 
-{{/* A headless Service for a Python component: gRPC and metrics ports, ready pods only. */}}
+{{/* A headless Service for a Python component: gRPC and metrics ports, ready pods only.
+(dict "root" $ "component" name ["values" $values, a worker pool's]) */}}
 {{- define "tokenmesh.headlessService" -}}
-{{- $values := index .root.Values .component }}
+{{- $values := .values | default (index .root.Values .component) }}
 {{- if $values.enabled }}
 apiVersion: v1
 kind: Service
@@ -334,7 +337,7 @@ spec:
     {{- include "tokenmesh.selectorLabels" . | nindent 4 }}
   ports:
     - name: grpc
-      port: {{ include "tokenmesh.port" . }}
+      port: {{ include "tokenmesh.port" (dict "root" .root "component" (ternary "worker" .component (not (empty .pool)))) }}
       targetPort: grpc
       appProtocol: grpc
     - name: metrics
@@ -344,7 +347,7 @@ spec:
 {{- end }}
 
 {{- define "tokenmesh.pdb" -}}
-{{- $values := index .root.Values .component }}
+{{- $values := .values | default (index .root.Values .component) }}
 {{- if and $values.enabled $values.pdb.enabled }}
 apiVersion: policy/v1
 kind: PodDisruptionBudget
@@ -369,7 +372,7 @@ envoy.workerRouting.policy=picker the gateways reach the control plane's gRPC po
 workers' feed, OpsService.SubscribeWorkers).
 */}}
 {{- define "tokenmesh.serviceNetworkPolicy" -}}
-{{- $values := index .root.Values .component }}
+{{- $values := .values | default (index .root.Values .component) }}
 {{- if and $values.enabled .root.Values.networkPolicy.enabled }}
 apiVersion: networking.k8s.io/v1
 kind: NetworkPolicy
@@ -398,7 +401,7 @@ spec:
         # The OpenAI HTTP API (the edge's /v1/).
         - port: openai
         {{- end }}
-    {{- if and (eq .component "worker") .root.Values.controlplane.enabled }}
+    {{- if and (or (eq .component "worker") .pool) .root.Values.controlplane.enabled }}
     # The ops feed: the control plane probes every worker (health, engine stats).
     - from:
         - podSelector:
@@ -457,10 +460,11 @@ The port of an OTLP/gRPC endpoint as the services take it ("host:port", "http://
 A ServiceMonitor for a component, when enabled and the Prometheus Operator's CRD exists. The
 dashboards and alerts select on `service` (gateway, worker, ...) and `replica` (the pod), as
 the local stack labels them.
-(dict "root" $ "component" "worker" "service" name "port" portName "path" path)
+(dict "root" $ "component" "worker" "service" name "port" portName "path" path
+      ["values" $values "pool" name, a worker pool's])
 */}}
 {{- define "tokenmesh.serviceMonitor" -}}
-{{- $values := index .root.Values .component }}
+{{- $values := .values | default (index .root.Values .component) }}
 {{- $monitoring := .root.Values.monitoring.serviceMonitor }}
 {{- if and $values.enabled $monitoring.enabled (.root.Capabilities.APIVersions.Has "monitoring.coreos.com/v1/ServiceMonitor") }}
 apiVersion: monitoring.coreos.com/v1
@@ -482,10 +486,15 @@ spec:
       interval: {{ $monitoring.interval }}
       relabelings:
         - targetLabel: service
-          replacement: {{ .component }}
+          replacement: {{ ternary "worker" .component (not (empty .pool)) }}
         - sourceLabels: [__meta_kubernetes_pod_name]
           targetLabel: replica
-      {{- if eq .component "worker" }}
+        {{- with .pool }}
+        # A pool's workers are workers (the dashboards' service="worker"), of their pool.
+        - targetLabel: pool
+          replacement: {{ . }}
+        {{- end }}
+      {{- if or (eq .component "worker") .pool }}
       # prometheus_client writes vLLM's `vllm:*` names as `vllm_*` for OpenMetrics scrapes: put
       # back the names vLLM documents and the dashboards use (as the local stack does).
       metricRelabelings:
@@ -523,13 +532,72 @@ and admin ports are read from it, never repeated in values.
 {{- end }}
 {{- $indent := len (regexFind "^ *" $line) }}
 {{- $text = replace $line (printf "%sload_balancing_policy:%s" (repeat $indent " ") (get $policies $routing.policy | toYaml | nindent (add $indent 2 | int))) $text }}
-{{- $text | replace "${TOKENMESH_CONTROLPLANE_HOST}" $host
+{{- $text = $text | replace "${TOKENMESH_CONTROLPLANE_HOST}" $host
   | replace "${TOKENMESH_HEALTH_CHECK_TIMEOUT}" (include "tokenmesh.duration" $checks.timeoutSeconds)
   | replace "${TOKENMESH_HEALTH_CHECK_INTERVAL}" (include "tokenmesh.duration" $checks.intervalSeconds)
   | replace "${TOKENMESH_HEALTH_CHECK_UNHEALTHY_THRESHOLD}" (printf "%d" (int $checks.unhealthyThreshold))
   | replace "${TOKENMESH_HEALTH_CHECK_HEALTHY_THRESHOLD}" (printf "%d" (int $checks.healthyThreshold))
   | replace "${TOKENMESH_HEALTHY_PANIC_THRESHOLD_PERCENT}" (printf "%g" (float64 $checks.panicThresholdPercent))
   | replace "${TOKENMESH_PREFIX_BALANCE_FACTOR}" (printf "%d" (int $routing.prefixBalanceFactorPercent)) }}
+{{- if and .Values.worker.enabled .Values.worker.pools }}
+{{- include "tokenmesh.envoyPools" (dict "root" . "text" $text "file" (base $file)) }}
+{{- else }}
+{{- $text }}
+{{- end }}
+{{- end }}
+
+{{/*
+Envoy's configuration with worker.pools' clusters and routes, as meshconfig's worker_pools
+renders them (files/worker-pools.yaml, from meshconfig: the header naming a request's pool,
+and the listeners whose routes to the workers it applies to): after the cluster `worker`, a
+copy named worker-<pool> per pool; before each route of those listeners to the cluster
+`worker`, a copy per pool whose match also takes the header naming the pool, to its
+cluster (meshconfig's routes.pool_routes).
+(dict "root" $ "text" config "file" "envoy[-relay][-tls][-mtls].yaml")
+*/}}
+{{- define "tokenmesh.envoyPools" -}}
+{{- $config := .text | fromYaml }}
+{{- $spec := .root.Files.Get "files/worker-pools.yaml" | fromYaml }}
+{{- $listeners := get ($spec.listeners | default dict) .file }}
+{{- if not $listeners }}
+{{- fail (printf "files/worker-pools.yaml names no pool listeners for %s: regenerate the chart files (make chart)" .file) }}
+{{- end }}
+{{- $pools := include "tokenmesh.poolNames" .root | fromJsonArray }}
+{{- $clusters := list }}
+{{- range $cluster := $config.static_resources.clusters }}
+{{- $clusters = append $clusters $cluster }}
+{{- if eq $cluster.name "worker" }}
+{{- range $pool := $pools }}
+{{- $clusters = append $clusters (set (deepCopy $cluster) "name" (printf "worker-%s" $pool)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- $_ := set $config.static_resources "clusters" $clusters }}
+{{- range $listener := $config.static_resources.listeners }}
+{{- if has $listener.name $listeners }}
+{{- range $chain := $listener.filter_chains }}
+{{- range $filter := $chain.filters }}
+{{- range $host := dig "typed_config" "route_config" "virtual_hosts" list $filter }}
+{{- $routes := list }}
+{{- range $route := $host.routes }}
+{{- if eq (dig "route" "cluster" "" $route) "worker" }}
+{{- range $pool := $pools }}
+{{- $copy := deepCopy $route }}
+{{- $header := dict "name" $spec.header "string_match" (dict "exact" $pool) }}
+{{- $_ := set $copy.match "headers" (list $header) }}
+{{- $_ := set $copy.route "cluster" (printf "worker-%s" $pool) }}
+{{- $routes = append $routes $copy }}
+{{- end }}
+{{- end }}
+{{- $routes = append $routes $route }}
+{{- end }}
+{{- $_ := set $host "routes" $routes }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- toYaml $config }}
 {{- end }}
 
 {{/* Seconds as an Envoy duration, as meshconfig writes them: 0.5 -> 0.5s, 1 -> 1s. */}}
@@ -733,29 +801,8 @@ Value combinations that can never work, refused at render time with the reason.
 {{- fail (printf "worker.model.storage.pvc.accessMode=%s mounts the claim %s, but worker.%s allows %d workers: those that cannot mount it would wait in ContainerCreating (Multi-Attach error); use ReadWriteMany, or one worker" $storage.pvc.accessMode $where $source $most) }}
 {{- end }}
 {{- end }}
-{{- $memory := dig "limits" "memory" "" (include "tokenmesh.workerResources" . | fromJson) }}
-{{- $shm := include "tokenmesh.workerShm" . }}
-{{- if ge (float64 (include "tokenmesh.bytes" $shm)) (float64 (include "tokenmesh.bytes" $memory)) }}
-{{- fail (printf "worker.shmSize (%s) must be below the worker's memory limit (%s): /dev/shm is memory-backed and counts against the limit" $shm $memory) }}
-{{- end }}
-{{- $gpus := int $worker.gpu.count }}
-{{- if gt $gpus (int $worker.gpu.maxPerNode) }}
-{{- fail (printf "worker.gpu.count (%d) is more GPUs than one node offers (worker.gpu.maxPerNode, %d): a worker is one engine in one pod, and multi-node serving is not supported; use fewer GPUs per worker and more replicas" $gpus (int $worker.gpu.maxPerNode)) }}
-{{- end }}
-{{- $args := include "tokenmesh.workerEngineArgs" . | fromJson }}
-{{- range $name := list "data_parallel_size" "nnodes" }}
-{{- if gt (int (get $args $name | default 1)) 1 }}
-{{- fail (printf "worker.engineArgs.%s: a worker is one engine in one pod on one node; scale with worker.replicas (each pod an engine) instead" $name) }}
-{{- end }}
-{{- end }}
-{{- $pipeline := int (get $args "pipeline_parallel_size" | default 1) }}
-{{- if and (gt $pipeline 1) (or (eq $gpus 0) (ne (mod $gpus $pipeline) 0)) }}
-{{- fail (printf "worker.engineArgs.pipeline_parallel_size (%d) must divide worker.gpu.count (%d): the pod's GPUs are split into that many stages" $pipeline $gpus) }}
-{{- end }}
-{{- $parallel := include "tokenmesh.workerParallelism" . | fromJson }}
-{{- if and (hasKey $args "tensor_parallel_size") (ne (int (get $args "tensor_parallel_size")) (int $parallel.tensor)) }}
-{{- fail (printf "worker.engineArgs.tensor_parallel_size (%d) disagrees with worker.gpu.count (%d GPUs, pipeline parallel %d: tensor parallel %d); leave it out, the chart sets it" (int (get $args "tensor_parallel_size")) $gpus $pipeline (int $parallel.tensor)) }}
-{{- end }}
+{{- include "tokenmesh.workerChecks" (dict "values" $worker "key" "worker") }}
+{{- include "tokenmesh.poolChecks" . }}
 {{- /* Envoy runs its health checks' timers in whole milliseconds and drops the rest (a 0.4 ms
 timeout would fail every check); the schema bounds the values themselves. */}}
 {{- range $key := list "intervalSeconds" "timeoutSeconds" }}
@@ -800,10 +847,10 @@ timeout would fail every check); the schema bounds the values themselves. */}}
 {{- end }}
 
 {{- /* The worker's engine arguments by vLLM's names, dashes read as underscores (as the
-worker reads them). */}}
+worker reads them). (dict "values" $values: worker's or a pool's) */}}
 {{- define "tokenmesh.workerEngineArgs" -}}
 {{- $args := dict }}
-{{- range $name, $value := (.Values.worker.engineArgs | default dict) }}
+{{- range $name, $value := (.values.engineArgs | default dict) }}
 {{- $_ := set $args (replace "-" "_" $name) $value }}
 {{- end }}
 {{- toJson $args }}
@@ -813,7 +860,7 @@ worker reads them). */}}
 pipeline parallel size (engineArgs.pipeline_parallel_size, 1 unset). */}}
 {{- define "tokenmesh.workerParallelism" -}}
 {{- $args := include "tokenmesh.workerEngineArgs" . | fromJson }}
-{{- $gpus := int .Values.worker.gpu.count }}
+{{- $gpus := int .values.gpu.count }}
 {{- $pipeline := int (get $args "pipeline_parallel_size" | default 1) }}
 {{- $tensor := ternary (div $gpus $pipeline) 1 (gt $gpus 0) }}
 {{- toJson (dict "tensor" $tensor "pipeline" $pipeline) }}
@@ -823,7 +870,7 @@ pipeline parallel size (engineArgs.pipeline_parallel_size, 1 unset). */}}
 (gpu.perGpu times gpu.count, at least one GPU's worth), and a core per front end beyond the
 first. */}}
 {{- define "tokenmesh.workerResources" -}}
-{{- $worker := .Values.worker }}
+{{- $worker := .values }}
 {{- $per := $worker.gpu.perGpu }}
 {{- $n := max 1 (int $worker.gpu.count) }}
 {{- $resources := deepCopy ($worker.resources | default dict) }}
@@ -840,6 +887,129 @@ first. */}}
 
 {{- /* The worker's /dev/shm: shmSize, or gpu.perGpu.shmGi per GPU. */}}
 {{- define "tokenmesh.workerShm" -}}
-{{- $worker := .Values.worker }}
+{{- $worker := .values }}
 {{- $worker.shmSize | default (printf "%dGi" (mul (max 1 (int $worker.gpu.count)) (int $worker.gpu.perGpu.shmGi))) }}
+{{- end }}
+
+{{- /* What one pool's worker values can never do (the default pool's: key "worker", a further
+pool's: "worker.pools[<name>]"). (dict "values" $values "key" where) */}}
+{{- define "tokenmesh.workerChecks" -}}
+{{- $worker := .values }}
+{{- $key := .key }}
+{{- $memory := dig "limits" "memory" "" (include "tokenmesh.workerResources" . | fromJson) }}
+{{- $shm := include "tokenmesh.workerShm" . }}
+{{- if ge (float64 (include "tokenmesh.bytes" $shm)) (float64 (include "tokenmesh.bytes" $memory)) }}
+{{- fail (printf "%s.shmSize (%s) must be below the worker's memory limit (%s): /dev/shm is memory-backed and counts against the limit" $key $shm $memory) }}
+{{- end }}
+{{- $gpus := int $worker.gpu.count }}
+{{- if gt $gpus (int $worker.gpu.maxPerNode) }}
+{{- fail (printf "%s.gpu.count (%d) is more GPUs than one node offers (%s.gpu.maxPerNode, %d): a worker is one engine in one pod, and multi-node serving is not supported; use fewer GPUs per worker and more replicas" $key $gpus $key (int $worker.gpu.maxPerNode)) }}
+{{- end }}
+{{- $args := include "tokenmesh.workerEngineArgs" . | fromJson }}
+{{- range $name := list "data_parallel_size" "nnodes" }}
+{{- if gt (int (get $args $name | default 1)) 1 }}
+{{- fail (printf "%s.engineArgs.%s: a worker is one engine in one pod on one node; scale with %s.replicas (each pod an engine) instead" $key $name $key) }}
+{{- end }}
+{{- end }}
+{{- $pipeline := int (get $args "pipeline_parallel_size" | default 1) }}
+{{- if and (gt $pipeline 1) (or (eq $gpus 0) (ne (mod $gpus $pipeline) 0)) }}
+{{- fail (printf "%s.engineArgs.pipeline_parallel_size (%d) must divide %s.gpu.count (%d): the pod's GPUs are split into that many stages" $key $pipeline $key $gpus) }}
+{{- end }}
+{{- $parallel := include "tokenmesh.workerParallelism" . | fromJson }}
+{{- if and (hasKey $args "tensor_parallel_size") (ne (int (get $args "tensor_parallel_size")) (int $parallel.tensor)) }}
+{{- fail (printf "%s.engineArgs.tensor_parallel_size (%d) disagrees with %s.gpu.count (%d GPUs, pipeline parallel %d: tensor parallel %d); leave it out, the chart sets it" $key (int (get $args "tensor_parallel_size")) $key $gpus $pipeline (int $parallel.tensor)) }}
+{{- end }}
+{{- end }}
+
+{{- /*
+worker.pools: names as the schema has them (a DNS label each, at most 32 characters), given
+once, each with a model, its Service's name within 63 characters; their workers and
+autoscalers checked as the default's; a claim
+every pool can mount; only with Kubernetes discovery (a worker registers in Consul as
+`worker`, whatever its pool).
+*/}}
+{{- define "tokenmesh.poolChecks" -}}
+{{- $seen := dict }}
+{{- range $pool := .Values.worker.pools | default list }}
+{{- $name := toString $pool.name }}
+{{- if not (regexMatch "^[a-z0-9]([a-z0-9-]{0,30}[a-z0-9])?$" $name) }}
+{{- fail (printf "worker.pools: pool name %q must be a DNS label of 1 to 32 characters (lower-case letters, digits and '-', starting and ending with a letter or digit): it names the pool's Envoy cluster worker-<name> and its objects" $name) }}
+{{- end }}
+{{- if hasKey $seen $name }}
+{{- fail (printf "worker.pools: pool name %q is given twice" $name) }}
+{{- end }}
+{{- $_ := set $seen $name true }}
+{{- end }}
+{{- if and .Values.worker.pools (eq .Values.discovery.mode "consul") }}
+{{- fail "worker.pools needs discovery.mode=kubernetes: a worker registers in Consul as `worker` whatever its pool, so Consul could not tell the pools' workers apart" }}
+{{- end }}
+{{- $storage := .Values.worker.model.storage }}
+{{- if and .Values.worker.pools (eq $storage.type "pvc") (has $storage.pvc.accessMode (list "ReadWriteOnce" "ReadWriteOncePod")) }}
+{{- fail (printf "worker.pools share the workers' claim, and worker.model.storage.pvc.accessMode=%s mounts it for one node or pod only: use ReadWriteMany with pools" $storage.pvc.accessMode) }}
+{{- end }}
+{{- range include "tokenmesh.workerPools" . | fromJsonArray }}
+{{- $key := printf "worker.pools[%s]" .name }}
+{{- $service := include "tokenmesh.headlessName" (dict "root" $ "component" .component) }}
+{{- if gt (len $service) 63 }}
+{{- fail (printf "%s: its headless Service would be named %s, %d characters, and Service names have at most 63: use a pool name of at most %d characters here (or a shorter release name or fullnameOverride)" $key $service (len $service) (sub 63 (sub (len $service) (len .name)))) }}
+{{- end }}
+{{- if not .values.model.name }}
+{{- fail (printf "%s.model.name is required: each pool serves a base model of its own" $key) }}
+{{- end }}
+{{- include "tokenmesh.workerChecks" (dict "values" .values "key" $key) }}
+{{- $scaling := .values.autoscaling }}
+{{- if and $scaling.enabled .values.keda.enabled }}
+{{- fail (printf "%s.autoscaling.enabled and worker.keda.enabled cannot both be on: KEDA makes its own HorizontalPodAutoscaler, and two autoscalers would fight over the replica count" $key) }}
+{{- end }}
+{{- if and $scaling.enabled (gt (int $scaling.minReplicas) (int $scaling.maxReplicas)) }}
+{{- fail (printf "%s.autoscaling.minReplicas (%d) is above maxReplicas (%d)" $key (int $scaling.minReplicas) (int $scaling.maxReplicas)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- /*
+worker.pools, each as the workers' values with the pool's own on top (JSON list of
+{"name", "component": "worker-<name>", "values"}): maps merge key by key, except that a pool's
+engineArgs, nodeSelector, tolerations and affinity replace the workers' whole, and model.name,
+servedName and loraModules are the pool's only (model.storage and hfToken are the workers').
+Its pods carry the label tokenmesh.io/pool.
+*/}}
+{{- define "tokenmesh.workerPools" -}}
+{{- $worker := omit .Values.worker "pools" }}
+{{- $replaced := list "engineArgs" "nodeSelector" "tolerations" "affinity" }}
+{{- $found := list }}
+{{- range $pool := .Values.worker.pools | default list }}
+{{- $values := deepCopy $worker }}
+{{- $_ := set $values "model" (omit $values.model "name" "servedName" "loraModules") }}
+{{- range $key, $value := omit $pool "name" }}
+{{- if and (kindIs "map" $value) (kindIs "map" (get $values $key)) (not (has $key $replaced)) }}
+{{- include "tokenmesh.mergeInto" (dict "into" (get $values $key) "from" $value) }}
+{{- else }}
+{{- $_ := set $values $key (deepCopy $value) }}
+{{- end }}
+{{- end }}
+{{- $_ := set $values "podLabels" (merge (dict "tokenmesh.io/pool" (toString $pool.name)) ($values.podLabels | default dict)) }}
+{{- $found = append $found (dict "name" (toString $pool.name) "component" (printf "worker-%s" $pool.name) "values" $values) }}
+{{- end }}
+{{- toJson $found }}
+{{- end }}
+
+{{- /* worker.pools' names, in order (JSON list). */}}
+{{- define "tokenmesh.poolNames" -}}
+{{- $names := list }}
+{{- range .Values.worker.pools | default list }}{{ $names = append $names (toString .name) }}{{ end }}
+{{- toJson $names }}
+{{- end }}
+
+{{- /* Sets each key of from in into, maps merged key by key (zeros and empties too, which
+sprig's merge skips). (dict "into" map "from" map) */}}
+{{- define "tokenmesh.mergeInto" -}}
+{{- $into := .into }}
+{{- range $key, $value := .from }}
+{{- if and (kindIs "map" $value) (kindIs "map" (get $into $key)) }}
+{{- include "tokenmesh.mergeInto" (dict "into" (get $into $key) "from" $value) }}
+{{- else }}
+{{- $_ := set $into $key (deepCopy $value) }}
+{{- end }}
+{{- end }}
 {{- end }}
