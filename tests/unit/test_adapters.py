@@ -295,7 +295,7 @@ async def test_a_pool_that_never_answered_makes_an_unknown_name_unavailable_not_
     with pytest.raises(DependencyError) as unknown:
         await catalog.resolve("other")
     assert unknown.value.code == grpc.StatusCode.UNAVAILABLE
-    assert "no worker of worker-down answered" in str(unknown.value)
+    assert "no worker answered for the models the pool worker-down serves" in str(unknown.value)
     assert [card.name for card in await catalog.cards(None)] == ["base", "sql", "chat"]
 
 

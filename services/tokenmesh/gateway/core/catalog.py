@@ -133,8 +133,8 @@ class ModelCatalog:
             if pool.model is None:
                 return DependencyError(
                     pool.code,
-                    f"no worker of {pool_cluster(pool.name)} answered for the models it serves: "
-                    + (pool.error or "not asked yet"),
+                    f"no worker answered for the models the pool {pool_cluster(pool.name)} "
+                    f"serves: {pool.error or 'not asked yet'}",
                 )
         return None
 
