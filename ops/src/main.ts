@@ -162,6 +162,25 @@ function render(snapshot: DashboardSnapshot): void {
     cell(row, worker.error, "error");
   }
 
+  // Each model's and adapter's streams, whatever their path (the workers' `model` label).
+  const models = byId<HTMLTableElement>("models").tBodies[0];
+  models.replaceChildren();
+  for (const model of snapshot.models) {
+    const row = models.insertRow();
+    cell(row, model.model, "model", model.model);
+    cell(row, fixed(model.tokensPerSecond, 1), "tokens", String(model.tokensPerSecond));
+    cell(row, fixed(model.streamsPerSecond, 2), "streams", String(model.streamsPerSecond));
+    cell(
+      row,
+      fixed(model.failedStreamsPerSecond, 2),
+      "failed",
+      String(model.failedStreamsPerSecond),
+    );
+    cell(row, duration(model.ttftP50Seconds), "ttft-p50", String(model.ttftP50Seconds));
+    cell(row, duration(model.ttftP99Seconds), "ttft-p99", String(model.ttftP99Seconds));
+  }
+  byId("no-models").hidden = snapshot.models.length > 0;
+
   const errors = byId<HTMLTableElement>("errors").tBodies[0];
   errors.replaceChildren();
   for (const error of snapshot.recentErrors) {

@@ -216,6 +216,10 @@ async def test_ops_page_follows_load_and_shows_the_circuit_opening(
                     assert await models.evaluate_all(
                         "c => c.map(e => [e.dataset.value, e.dataset.pool])"
                     ) == [[TINY_MODEL.name, ""]] * len(workers)
+                    # The model's own row: its streams' tokens/s, from the workers' series.
+                    await poll(
+                        lambda: model_tokens(page, TINY_MODEL.name), 45, "the model's tokens/s"
+                    )
 
                     # The reranker stopped: reranked answers fail over to degraded ones until
                     # the gateways' breakers open, and the page shows it.
@@ -282,6 +286,18 @@ async def prefix_hits_shown(page: Page, workers: int) -> bool:
     texts = await page.locator('#workers tbody td[data-name="prefix-hits"]').all_inner_texts()
     assert all(re.fullmatch(r"\d{1,3}\.\d %", text) for text in texts), texts
     return max(ratios) > 0
+
+
+async def model_tokens(page: Page, model: str) -> bool:
+    """The models table has the model's row, with tokens/s above 0 and a TTFT."""
+    row = page.locator("#models tbody tr").filter(
+        has=page.locator(f'td[data-name="model"][data-value="{model}"]')
+    )
+    if await row.count() != 1:
+        return False
+    tokens = await row.locator('td[data-name="tokens"]').get_attribute("data-value")
+    ttft = await row.locator('td[data-name="ttft-p50"]').get_attribute("data-value")
+    return float(tokens or 0) > 0 and math.isfinite(float(ttft or "nan"))
 
 
 async def idle(page: Page) -> bool:

@@ -135,6 +135,19 @@ class FakePrometheus:
 
 # Markers are checked in order: the more specific ones first.
 PROMETHEUS_ANSWERS = {
+    "sum by (model) (rate(tokenmesh_tokens_generated_total": [
+        Sample({"model": "tiny"}, 9.0),
+        Sample({"model": "tiny-lora"}, 3.0),
+    ],
+    'sum by (model) (rate(tokenmesh_request_duration_seconds_count{service="worker",grpc_code': [
+        Sample({"model": "tiny-lora"}, 0.5)
+    ],
+    "sum by (model) (rate(tokenmesh_request_duration_seconds_count": [
+        Sample({"model": "tiny"}, 2.0),
+        Sample({"model": "tiny-lora"}, 1.0),
+    ],
+    "histogram_quantile(0.5, sum by (le, model)": [Sample({"model": "tiny"}, 0.03)],
+    "histogram_quantile(0.99, sum by (le, model)": [Sample({"model": "tiny"}, 0.2)],
     "sum by (address)": [
         Sample({"address": W0}, 12.5),
         Sample({"address": W1}, 7.5),
@@ -670,3 +683,17 @@ def test_the_workers_are_every_worker_pools_endpoints_and_no_other_clusters() ->
         }
     )
     assert worker_addresses(cache) == {"10.0.0.1:50061": "", "10.0.0.2:50061": "b"}
+
+
+async def test_each_model_and_adapter_has_its_streams_figures() -> None:
+    dashboard = Dashboard(lambda: {}, FakeProbe({}), FakePrometheus(PROMETHEUS_ANSWERS), QUERIES)
+    snapshot = await dashboard.snapshot()
+    figures = {m.model: m for m in snapshot.models}
+    assert list(figures) == ["tiny", "tiny-lora"]
+    tiny, lora = figures["tiny"], figures["tiny-lora"]
+    assert (tiny.tokens_per_second, tiny.streams_per_second) == (9.0, 2.0)
+    assert tiny.failed_streams_per_second == 0.0
+    assert (tiny.ttft_p50_seconds, tiny.ttft_p99_seconds) == (0.03, 0.2)
+    assert (lora.tokens_per_second, lora.failed_streams_per_second) == (3.0, 0.5)
+    # No stream started in the window: no TTFT, not zero.
+    assert math.isnan(lora.ttft_p50_seconds) and math.isnan(lora.ttft_p99_seconds)

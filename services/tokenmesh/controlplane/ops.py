@@ -141,6 +141,21 @@ class FleetQueries:
         buckets = f'tokenmesh_ttft_seconds_bucket{{service="gateway"}}[{self.window}]'
         return f"histogram_quantile({quantile}, sum by (le) (rate({buckets})))"
 
+    # Per model or adapter: the workers' series, which every stream reaches whatever its path,
+    # labelled with the name it gave (the Serving load dashboard's panels).
+    def model_tokens_per_second(self) -> str:
+        rate = f'rate(tokenmesh_tokens_generated_total{{service="worker"}}[{self.rate_window}])'
+        return f"sum by (model) ({rate})"
+
+    def model_streams_per_second(self, failed: bool = False) -> str:
+        selector = 'service="worker"' + (',grpc_code!="OK"' if failed else "")
+        rate = f"rate(tokenmesh_request_duration_seconds_count{{{selector}}}[{self.rate_window}])"
+        return f"sum by (model) ({rate})"
+
+    def model_ttft(self, quantile: float) -> str:
+        buckets = f'tokenmesh_ttft_seconds_bucket{{service="worker"}}[{self.window}]'
+        return f"histogram_quantile({quantile}, sum by (le, model) (rate({buckets})))"
+
     def circuits(self) -> str:
         return "max by (replica) (tokenmesh_reranker_circuit_state)"
 
@@ -179,6 +194,7 @@ class Fleet:
     degraded_responses_total: int = 0
     resumptions_total: int = 0
     errors: list[ops_pb2.ErrorCount] = field(default_factory=list)
+    models: list[ops_pb2.ModelFigures] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
 
@@ -205,6 +221,11 @@ async def query_fleet(prometheus: Prometheus | None, queries: FleetQueries, url:
         "degraded": queries.degraded_total(),
         "resumptions": queries.resumptions_total(),
         "errors": queries.recent_errors(),
+        "model_tokens": queries.model_tokens_per_second(),
+        "model_streams": queries.model_streams_per_second(),
+        "model_failed": queries.model_streams_per_second(failed=True),
+        "model_p50": queries.model_ttft(0.5),
+        "model_p99": queries.model_ttft(0.99),
     }
     answers = await asyncio.gather(
         *(prometheus.query(expr) for expr in exprs.values()), return_exceptions=True
@@ -249,7 +270,34 @@ async def query_fleet(prometheus: Prometheus | None, queries: FleetQueries, url:
         for s in results.get("errors", [])
     ]
     fleet.errors = sorted(errors, key=lambda e: (-e.count, e.service, e.method, e.code))
+    fleet.models = model_figures(results)
     return fleet
+
+
+def model_figures(results: Mapping[str, list[Sample]]) -> list[ops_pb2.ModelFigures]:
+    """Each model's figures from the per-model queries, by name (a model with no stream in
+    the window has its rates 0 and its TTFT NaN)."""
+
+    def by_model(name: str) -> dict[str, float]:
+        return {s.labels["model"]: s.value for s in results.get(name, []) if "model" in s.labels}
+
+    tokens, streams, failed = (
+        by_model("model_tokens"),
+        by_model("model_streams"),
+        by_model("model_failed"),
+    )
+    p50, p99 = by_model("model_p50"), by_model("model_p99")
+    return [
+        ops_pb2.ModelFigures(
+            model=model,
+            tokens_per_second=tokens.get(model, 0.0),
+            streams_per_second=streams.get(model, 0.0),
+            failed_streams_per_second=failed.get(model, 0.0),
+            ttft_p50_seconds=p50.get(model, math.nan),
+            ttft_p99_seconds=p99.get(model, math.nan),
+        )
+        for model in sorted({*tokens, *streams, *failed, *p50, *p99})
+    ]
 
 
 @dataclass(frozen=True)
@@ -522,6 +570,7 @@ class Dashboard:
                 for gateway, value in sorted(fleet.circuits.items())
             ],
             recent_errors=fleet.errors,
+            models=fleet.models,
             warnings=warnings,
         )
 

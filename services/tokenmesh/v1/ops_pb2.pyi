@@ -73,7 +73,7 @@ class ErrorCount(_message.Message):
     def __init__(self, service: _Optional[str] = ..., method: _Optional[str] = ..., code: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
 
 class DashboardSnapshot(_message.Message):
-    __slots__ = ("taken_unix_millis", "workers", "reranker_circuit", "requests_per_second", "tokens_per_second", "ttft_p50_seconds", "ttft_p99_seconds", "degraded_responses_total", "gateway_circuits", "recent_errors", "warnings", "resumptions_total")
+    __slots__ = ("taken_unix_millis", "workers", "reranker_circuit", "requests_per_second", "tokens_per_second", "ttft_p50_seconds", "ttft_p99_seconds", "degraded_responses_total", "gateway_circuits", "recent_errors", "warnings", "resumptions_total", "models")
     TAKEN_UNIX_MILLIS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     RERANKER_CIRCUIT_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class DashboardSnapshot(_message.Message):
     RECENT_ERRORS_FIELD_NUMBER: _ClassVar[int]
     WARNINGS_FIELD_NUMBER: _ClassVar[int]
     RESUMPTIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
     taken_unix_millis: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerSnapshot]
     reranker_circuit: CircuitState
@@ -98,7 +99,24 @@ class DashboardSnapshot(_message.Message):
     recent_errors: _containers.RepeatedCompositeFieldContainer[ErrorCount]
     warnings: _containers.RepeatedScalarFieldContainer[str]
     resumptions_total: int
-    def __init__(self, taken_unix_millis: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerSnapshot, _Mapping]]] = ..., reranker_circuit: _Optional[_Union[CircuitState, str]] = ..., requests_per_second: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., ttft_p50_seconds: _Optional[float] = ..., ttft_p99_seconds: _Optional[float] = ..., degraded_responses_total: _Optional[int] = ..., gateway_circuits: _Optional[_Iterable[_Union[GatewayCircuit, _Mapping]]] = ..., recent_errors: _Optional[_Iterable[_Union[ErrorCount, _Mapping]]] = ..., warnings: _Optional[_Iterable[str]] = ..., resumptions_total: _Optional[int] = ...) -> None: ...
+    models: _containers.RepeatedCompositeFieldContainer[ModelFigures]
+    def __init__(self, taken_unix_millis: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerSnapshot, _Mapping]]] = ..., reranker_circuit: _Optional[_Union[CircuitState, str]] = ..., requests_per_second: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., ttft_p50_seconds: _Optional[float] = ..., ttft_p99_seconds: _Optional[float] = ..., degraded_responses_total: _Optional[int] = ..., gateway_circuits: _Optional[_Iterable[_Union[GatewayCircuit, _Mapping]]] = ..., recent_errors: _Optional[_Iterable[_Union[ErrorCount, _Mapping]]] = ..., warnings: _Optional[_Iterable[str]] = ..., resumptions_total: _Optional[int] = ..., models: _Optional[_Iterable[_Union[ModelFigures, _Mapping]]] = ...) -> None: ...
+
+class ModelFigures(_message.Message):
+    __slots__ = ("model", "tokens_per_second", "streams_per_second", "failed_streams_per_second", "ttft_p50_seconds", "ttft_p99_seconds")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    FAILED_STREAMS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    TTFT_P50_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_P99_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    tokens_per_second: float
+    streams_per_second: float
+    failed_streams_per_second: float
+    ttft_p50_seconds: float
+    ttft_p99_seconds: float
+    def __init__(self, model: _Optional[str] = ..., tokens_per_second: _Optional[float] = ..., streams_per_second: _Optional[float] = ..., failed_streams_per_second: _Optional[float] = ..., ttft_p50_seconds: _Optional[float] = ..., ttft_p99_seconds: _Optional[float] = ...) -> None: ...
 
 class WorkersRequest(_message.Message):
     __slots__ = ("interval_ms",)
