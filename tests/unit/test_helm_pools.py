@@ -38,6 +38,7 @@ from tokenmesh.gateway.config import GatewaySettings
 from tokenmesh.meshconfig.__main__ import KUBERNETES_HEADER, render_yaml
 from tokenmesh.meshconfig.config import kubernetes_profile
 from tokenmesh.meshconfig.policy import CHART_HEALTH_CHECKS, CHART_WORKER_BALANCING
+from tokenmesh.worker.config import WorkerSettings
 
 # A GPU pool (two GPUs a worker on L4 nodes, a model with an adapter) and a CPU pool (the CPU
 # image, no GPU, none of the GPU nodes' tolerations).
@@ -421,13 +422,6 @@ def test_a_bad_pool_name_is_refused_at_render_naming_it(name: str, tmp_path: Pat
             'pool name "a" is given twice',
         ),
         (
-            {
-                "worker": {"pools": [{"name": "a", "model": {"name": "m"}}]},
-                "discovery": {"mode": "consul"},
-            },
-            "worker.pools needs discovery.mode=kubernetes",
-        ),
-        (
             {"worker": {"pools": [{"name": "big", "model": {"name": "m"}, "gpu": {"count": 9}}]}},
             r"worker.pools\[big\].gpu.count \(9\) is more GPUs than one node offers",
         ),
@@ -479,7 +473,7 @@ def test_a_bad_pool_name_is_refused_at_render_naming_it(name: str, tmp_path: Pat
             r"worker.pools\[a\].autoscaling.enabled and worker.keda.enabled cannot both be on",
         ),
     ],
-    ids=["twice", "consul", "gpus", "shm", "nnodes", "rwo-claim", "hpa-range", "two-scalers"],
+    ids=["twice", "gpus", "shm", "nnodes", "rwo-claim", "hpa-range", "two-scalers"],
 )
 def test_pools_that_cannot_work_are_refused_naming_the_pool(
     values: dict[str, Any], message: str
@@ -558,3 +552,29 @@ def test_a_pool_name_too_long_for_the_release_is_refused_saying_how_long_it_may_
     )
     names = [item["metadata"]["name"] for item in release.all("Service")]
     assert max(len(name) for name in names) == 63
+
+
+def test_with_consul_each_pools_workers_register_as_its_cluster(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    release = Release(render({"worker": {"pools": POOLS}, "discovery": {"mode": "consul"}}))
+    env = release.env("controlplane")
+    assert env["TOKENMESH_CONTROLPLANE_SOURCE"] == "consul"
+    monkeypatch.setenv("TOKENMESH_CONTROLPLANE_SOURCE", "consul")
+    monkeypatch.setenv("CONSUL_HTTP_ADDR", "127.0.0.1:8500")
+    monkeypatch.setenv(
+        "TOKENMESH_CONTROLPLANE_CONSUL_SERVICES", env["TOKENMESH_CONTROLPLANE_CONSUL_SERVICES"]
+    )
+    assert ControlPlaneSettings().consul_services == [
+        "gateway", "worker", "reranker", "worker-code", "worker-cpu"
+    ]  # fmt: skip
+    for pool in ("code", "cpu"):
+        (container,) = pool_deployment(release, pool)["spec"]["template"]["spec"]["containers"]
+        pool_env = {e["name"]: e.get("value") for e in container["env"]}
+        monkeypatch.setenv("TOKENMESH_WORKER_POOL", pool_env["TOKENMESH_WORKER_POOL"])
+        assert WorkerSettings().pool == pool
+    # The default pool's workers name none: they register as `worker`.
+    assert "TOKENMESH_WORKER_POOL" not in release.env("worker")
+    # Without pools, the control plane watches its default services.
+    plain = Release(render({"discovery": {"mode": "consul"}}))
+    assert "TOKENMESH_CONTROLPLANE_CONSUL_SERVICES" not in plain.env("controlplane")

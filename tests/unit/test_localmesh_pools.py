@@ -9,11 +9,13 @@ from types import SimpleNamespace
 
 import pytest
 
+from tokenmesh.common.registration import instance_for
 from tokenmesh.localmesh import settings as localmesh_settings
 from tokenmesh.localmesh.configs import endpoints
 from tokenmesh.localmesh.layout import MeshFiles, Tools
 from tokenmesh.localmesh.programs import ProcessTable
 from tokenmesh.localmesh.settings import GIB, LocalMeshSettings, WorkerPool
+from tokenmesh.worker.config import WorkerSettings
 
 TOOLS = Tools(python="python", consul=None, prometheus=None, taskset=False, cores=2)
 
@@ -87,3 +89,23 @@ def test_make_up_serves_the_generated_adapter_on_a_pool_of_its_own(
     # Nor for another model.
     other = LocalMeshSettings(model=str(tmp_path / "other")).resolved()
     assert other[0].pools == {} and "no generated adapter" in other[1]
+
+
+def test_with_consul_a_pools_workers_register_as_its_cluster(tmp_path: Path) -> None:
+    settings = LocalMeshSettings.on_free_ports(
+        tmp_path, workers=1, pools={"b": WorkerPool(model="models/other")}
+    )
+    resolved, _ = settings.resolved()
+    tools = Tools(python="python", consul="consul", prometheus=None, taskset=False, cores=2)
+    programs = ProcessTable(resolved, MeshFiles.of(resolved, tmp_path), tools).programs()
+    controlplane = next(p.settings for p in programs if p.name == "controlplane")
+    assert controlplane.consul_services[-1] == "worker-b"  # type: ignore[union-attr]
+    pools = [p.settings.pool for p in programs if p.service == "worker"]  # type: ignore[union-attr]
+    assert pools == ["", "b"]
+    # The instance each registers: its pool's cluster, tagged with its pool.
+    worker = instance_for(
+        WorkerSettings(pool="b"), "worker", 50061, extra={"pool": "b"}, name="worker-b"
+    )
+    assert worker.name == "worker-b" and "pool=b" in worker.tags and "role=worker" in worker.tags
+    with pytest.raises(ValueError, match="pool name"):
+        WorkerSettings(pool="B")

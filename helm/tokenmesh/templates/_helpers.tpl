@@ -940,9 +940,6 @@ every pool can mount; only with Kubernetes discovery (a worker registers in Cons
 {{- end }}
 {{- $_ := set $seen $name true }}
 {{- end }}
-{{- if and .Values.worker.pools (eq .Values.discovery.mode "consul") }}
-{{- fail "worker.pools needs discovery.mode=kubernetes: a worker registers in Consul as `worker` whatever its pool, so Consul could not tell the pools' workers apart" }}
-{{- end }}
 {{- $storage := .Values.worker.model.storage }}
 {{- if and .Values.worker.pools (eq $storage.type "pvc") (has $storage.pvc.accessMode (list "ReadWriteOnce" "ReadWriteOncePod")) }}
 {{- fail (printf "worker.pools share the workers' claim, and worker.model.storage.pvc.accessMode=%s mounts it for one node or pod only: use ReadWriteMany with pools" $storage.pvc.accessMode) }}

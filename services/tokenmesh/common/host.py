@@ -60,10 +60,13 @@ class ServiceHost:
         register: bool = True,
         consul_meta: Mapping[str, str] | None = None,
         reuse_port: bool = False,
+        cluster: str | None = None,
     ) -> None:
         if pin_now:
             pin_threads(settings.cores)  # before any thread starts: they inherit it
         self.role = role
+        # The Envoy cluster it registers as in Consul (its role's by default).
+        self._cluster = cluster
         self.settings = settings
         self.registry = CollectorRegistry()
         # grpc_server_*: the RPCs this process's server handled, recorded by its interceptors.
@@ -170,7 +173,10 @@ class ServiceHost:
         metrics_port = metrics.start()
         consul = self.settings.consul_http_addr if self._register else None
         self.registration = ConsulRegistration(
-            consul, instance_for(self.settings, self.role, port, metrics_port, self._consul_meta)
+            consul,
+            instance_for(
+                self.settings, self.role, port, metrics_port, self._consul_meta, self._cluster
+            ),
         )
         self.ports = {"port": port, "metrics_port": metrics_port}
         if health_port is not None:

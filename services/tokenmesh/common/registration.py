@@ -79,16 +79,18 @@ def instance_for(
     port: int,
     metrics_port: int = -1,
     extra: Mapping[str, str] | None = None,
+    name: str | None = None,
 ) -> ServiceInstance:
-    """The instance of a tokenmesh service: named after its role (the Envoy cluster name),
-    tagged role=<role> plus extra (e.g. model=<model> for workers), the same in meta."""
+    """The instance of a tokenmesh service: named after its Envoy cluster (name; its role by
+    default), tagged role=<role> plus extra (e.g. model=<model> for workers), the same in
+    meta."""
     meta = {"role": role, **(extra or {})}
     if metrics_port >= 0:
         meta["metrics_port"] = str(metrics_port)
     tags = tuple(f"{key}={value}" for key, value in meta.items() if key != "metrics_port")
     # Only resolved when it will be registered: a service without Consul never looks it up.
     address = advertised_host(settings) if settings.consul_http_addr else settings.host
-    return ServiceInstance(name=role, address=address, port=port, tags=tags, meta=meta)
+    return ServiceInstance(name=name or role, address=address, port=port, tags=tags, meta=meta)
 
 
 class ConsulRegistration:

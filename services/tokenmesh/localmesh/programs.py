@@ -140,7 +140,15 @@ class ProcessTable:
     def _controlplane(self) -> Program:
         s, certs = self.settings, self.files.certs
         source: dict[str, Any] = (
-            {"source": "consul", "consul_http_addr": self.consul_address}
+            {
+                "source": "consul",
+                "consul_http_addr": self.consul_address,
+                # Every pool's workers register as their pool's cluster.
+                "consul_services": [
+                    *ControlPlaneSettings.model_fields["consul_services"].default,
+                    *(pool_cluster(pool) for pool in s.pool_names()),
+                ],
+            }
             if self.tools.consul
             else {"source": "static", "static_file": self.files.endpoints}
         )
@@ -185,6 +193,7 @@ class ProcessTable:
             # What OpenAI clients name as `model`: the model directory's name.
             served_model_name=Path(spec.model).name,
             lora_modules=spec.lora_modules,
+            pool=pool,
             kv_cache_space_gib=s.worker_kv_cache_space_gib,
             max_model_len=s.worker_max_model_len,
             max_num_seqs=s.worker_max_num_seqs,

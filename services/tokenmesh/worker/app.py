@@ -15,6 +15,7 @@ from tokenmesh.common.cpu_pinning import pin_threads
 from tokenmesh.common.credentials import ReloadingChannelCredentials
 from tokenmesh.common.host import ServiceHost
 from tokenmesh.common.metrics import StreamMetrics
+from tokenmesh.common.pools import pool_cluster
 from tokenmesh.common.relay import Relay, ResumptionMetrics
 from tokenmesh.v1 import admin_pb2_grpc, inference_pb2, inference_pb2_grpc
 from tokenmesh.worker.adapters import AdapterMetrics
@@ -162,8 +163,13 @@ async def serve(
         SERVICE_NAMES,
         pin_now=False,
         register=share is None,
-        consul_meta={"model": settings.model_name},
+        consul_meta={
+            "model": settings.model_name,
+            **({"pool": settings.pool} if settings.pool else {}),
+        },
         reuse_port=share is not None,
+        # Its pool's cluster: discovery places it in the pool.
+        cluster=pool_cluster(settings.pool),
     )
     host.add_collector(VllmMetricsCollector())
     # With tracing on, each stream's queue_prefill and decode spans too.

@@ -9,6 +9,7 @@ from pydantic import Field, TypeAdapter, ValidationError, field_validator, model
 from pydantic_settings import SettingsConfigDict
 
 from tokenmesh.common.cpu_pinning import known_cores
+from tokenmesh.common.pools import pool_names
 from tokenmesh.common.sampling import SamplingLimits, ToolLimits
 from tokenmesh.common.settings import ServiceSettings
 
@@ -43,6 +44,15 @@ class WorkerSettings(ServiceSettings, SamplingLimits, ToolLimits):
             "default max_loras) are engine_args. A worker with LoRA on refuses prompt "
             "logprobs (prompt_logprobs, echo with logprobs): vLLM's engine fails them "
             "(decision 0032)."
+        ),
+    )
+    pool: str = Field(
+        default="",
+        description=(
+            "The worker pool it belongs to (MeshSettings.worker_pools; empty: the default "
+            "pool): with Consul it registers as the pool's Envoy cluster, worker-<pool> "
+            "(worker for the default pool), with a pool tag, so the control plane's discovery "
+            "places it in its pool (consul_services names worker-<pool>)."
         ),
     )
     adapter_load_on_use: bool = Field(
@@ -430,6 +440,11 @@ class WorkerSettings(ServiceSettings, SamplingLimits, ToolLimits):
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
+
+    @field_validator("pool")
+    @classmethod
+    def _pool_name(cls, pool: str) -> str:
+        return pool_names([pool])[0] if pool else pool
 
     @field_validator("engine_affinity")
     @classmethod
