@@ -74,7 +74,7 @@ class Picker:
     def __init__(self, picked: tuple[str, ...]) -> None:
         self.picked = picked
 
-    def pick(self, key: str, pool: str = "") -> list[str]:
+    def pick(self, key: str, pool: str = "", adapter: str = "") -> list[str]:
         return list(self.picked)
 
 

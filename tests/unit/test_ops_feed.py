@@ -659,7 +659,10 @@ async def test_page_server_serves_the_built_page_and_says_how_to_build_it(tmp_pa
 
 async def test_every_pools_workers_are_probed_and_named_with_their_pool_and_model() -> None:
     probe = FakeProbe(
-        {W0: WorkerFigures(W0, True, model="tiny"), W1: WorkerFigures(W1, True, model="other")}
+        {
+            W0: WorkerFigures(W0, True, model="tiny", held_adapters=("sql",)),
+            W1: WorkerFigures(W1, True, model="other"),
+        }
     )
     dashboard = Dashboard(lambda: {W1: "b", W0: ""}, probe, None, QUERIES)
     snapshot = await dashboard.snapshot()
@@ -670,6 +673,8 @@ async def test_every_pools_workers_are_probed_and_named_with_their_pool_and_mode
     ]
     feed = await dashboard.workers_snapshot()
     assert [(w.address, w.pool) for w in feed.workers] == [(W0, ""), (W1, "b")]
+    # What each engine holds, for the picker.
+    assert [list(w.held_adapters) for w in feed.workers] == [["sql"], []]
 
 
 def test_the_workers_are_every_worker_pools_endpoints_and_no_other_clusters() -> None:

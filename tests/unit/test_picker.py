@@ -166,6 +166,29 @@ def test_a_request_is_placed_among_its_pools_workers_only() -> None:
     assert loads(snapshot) == [WorkerLoad(C, True, 0, pool="b")]
 
 
+def test_an_adapters_request_prefers_a_worker_holding_it_within_the_slack() -> None:
+    chooser = picker(slack_streams=2)
+    key = "adapter key"
+    first, second, third = ranking(key, [A, B, C])
+    # The key's last worker alone holds the adapter: it is chosen, a load spared.
+    held = frozenset({"sql"})
+    fleet = [WorkerLoad(first, True, 0), WorkerLoad(second, True, 0), WorkerLoad(third, True, 0)]
+    fleet[2] = WorkerLoad(third, True, 0, held=held)
+    chooser.update(fleet)
+    assert chooser.pick(key, adapter="sql")[0] == third
+    # Another adapter, or none: the key's own order.
+    assert chooser.pick(key, adapter="chat")[0] == first
+    assert chooser.pick(key)[0] == first
+    # Past the slack, the holder spills to the key's first, which loads it.
+    fleet[2] = WorkerLoad(third, True, 9, held=held)
+    chooser.update(fleet)
+    assert chooser.pick(key, adapter="sql")[0] == first
+    snapshot = ops_pb2.WorkersSnapshot(
+        workers=[ops_pb2.WorkerSnapshot(address=A, serving=True, held_adapters=["sql"])]
+    )
+    assert loads(snapshot) == [WorkerLoad(A, True, 0, held=held)]
+
+
 class Worker:
     """A WorkerClient that records the metadata of each call and streams nothing."""
 

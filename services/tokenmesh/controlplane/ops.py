@@ -314,6 +314,7 @@ class WorkerFigures:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     model: str = ""
+    held_adapters: tuple[str, ...] = ()
     error: str = ""
 
 
@@ -437,6 +438,7 @@ class GrpcWorkerProbe:
             prefix_cache_queries=stats_reply.prefix_cache_queries,
             prefix_cache_hits=stats_reply.prefix_cache_hits,
             model=stats_reply.model,
+            held_adapters=tuple(stats_reply.held_adapters),
         )
 
     async def retain(self, addresses: Sequence[str]) -> None:
@@ -503,6 +505,7 @@ class Dashboard:
             prefix_cache_hits=worker.prefix_cache_hits,
             pool=pool,
             model=worker.model,
+            held_adapters=worker.held_adapters,
         )
 
     async def _probe_workers(

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tokenmesh/v1/ops.proto\x12\x0ctokenmesh.v1\"\'\n\x10\x44\x61shboardRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\x05\"\x9e\x02\n\x0eWorkerSnapshot\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07serving\x18\x02 \x01(\x08\x12\x18\n\x10running_requests\x18\x03 \x01(\x05\x12\x18\n\x10waiting_requests\x18\x04 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x05 \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x06 \x01(\x01\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x1e\n\x16prefix_cache_hit_ratio\x18\x08 \x01(\x01\x12\x1c\n\x14prefix_cache_queries\x18\t \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\n \x01(\x03\x12\x0c\n\x04pool\x18\x0b \x01(\t\x12\r\n\x05model\x18\x0c \x01(\t\"L\n\x0eGatewayCircuit\x12\x0f\n\x07gateway\x18\x01 \x01(\t\x12)\n\x05state\x18\x02 \x01(\x0e\x32\x1a.tokenmesh.v1.CircuitState\"J\n\nErrorCount\x12\x0f\n\x07service\x18\x01 \x01(\t\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x0c\n\x04\x63ode\x18\x03 \x01(\t\x12\r\n\x05\x63ount\x18\x04 \x01(\x03\"\xe3\x03\n\x11\x44\x61shboardSnapshot\x12\x19\n\x11taken_unix_millis\x18\x01 \x01(\x03\x12-\n\x07workers\x18\x02 \x03(\x0b\x32\x1c.tokenmesh.v1.WorkerSnapshot\x12\x34\n\x10reranker_circuit\x18\x03 \x01(\x0e\x32\x1a.tokenmesh.v1.CircuitState\x12\x1b\n\x13requests_per_second\x18\x04 \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x05 \x01(\x01\x12\x18\n\x10ttft_p50_seconds\x18\x06 \x01(\x01\x12\x18\n\x10ttft_p99_seconds\x18\x07 \x01(\x01\x12 \n\x18\x64\x65graded_responses_total\x18\x08 \x01(\x03\x12\x36\n\x10gateway_circuits\x18\t \x03(\x0b\x32\x1c.tokenmesh.v1.GatewayCircuit\x12/\n\rrecent_errors\x18\n \x03(\x0b\x32\x18.tokenmesh.v1.ErrorCount\x12\x10\n\x08warnings\x18\x0b \x03(\t\x12\x19\n\x11resumptions_total\x18\x0c \x01(\x03\x12*\n\x06models\x18\r \x03(\x0b\x32\x1a.tokenmesh.v1.ModelFigures\"\xab\x01\n\x0cModelFigures\x12\r\n\x05model\x18\x01 \x01(\t\x12\x19\n\x11tokens_per_second\x18\x02 \x01(\x01\x12\x1a\n\x12streams_per_second\x18\x03 \x01(\x01\x12!\n\x19\x66\x61iled_streams_per_second\x18\x04 \x01(\x01\x12\x18\n\x10ttft_p50_seconds\x18\x05 \x01(\x01\x12\x18\n\x10ttft_p99_seconds\x18\x06 \x01(\x01\"%\n\x0eWorkersRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\x05\"[\n\x0fWorkersSnapshot\x12\x19\n\x11taken_unix_millis\x18\x01 \x01(\x03\x12-\n\x07workers\x18\x02 \x03(\x0b\x32\x1c.tokenmesh.v1.WorkerSnapshot*|\n\x0c\x43ircuitState\x12\x1d\n\x19\x43IRCUIT_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x43IRCUIT_STATE_CLOSED\x10\x01\x12\x1b\n\x17\x43IRCUIT_STATE_HALF_OPEN\x10\x02\x12\x16\n\x12\x43IRCUIT_STATE_OPEN\x10\x03\x32\xb8\x01\n\nOpsService\x12W\n\x12SubscribeDashboard\x12\x1e.tokenmesh.v1.DashboardRequest\x1a\x1f.tokenmesh.v1.DashboardSnapshot0\x01\x12Q\n\x10SubscribeWorkers\x12\x1c.tokenmesh.v1.WorkersRequest\x1a\x1d.tokenmesh.v1.WorkersSnapshot0\x01\x42@Z>github.com/tokenmesh/tokenmesh/gen/go/tokenmesh/v1;tokenmeshv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tokenmesh/v1/ops.proto\x12\x0ctokenmesh.v1\"\'\n\x10\x44\x61shboardRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\x05\"\xb5\x02\n\x0eWorkerSnapshot\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07serving\x18\x02 \x01(\x08\x12\x18\n\x10running_requests\x18\x03 \x01(\x05\x12\x18\n\x10waiting_requests\x18\x04 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x05 \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x06 \x01(\x01\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x1e\n\x16prefix_cache_hit_ratio\x18\x08 \x01(\x01\x12\x1c\n\x14prefix_cache_queries\x18\t \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\n \x01(\x03\x12\x0c\n\x04pool\x18\x0b \x01(\t\x12\r\n\x05model\x18\x0c \x01(\t\x12\x15\n\rheld_adapters\x18\r \x03(\t\"L\n\x0eGatewayCircuit\x12\x0f\n\x07gateway\x18\x01 \x01(\t\x12)\n\x05state\x18\x02 \x01(\x0e\x32\x1a.tokenmesh.v1.CircuitState\"J\n\nErrorCount\x12\x0f\n\x07service\x18\x01 \x01(\t\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x0c\n\x04\x63ode\x18\x03 \x01(\t\x12\r\n\x05\x63ount\x18\x04 \x01(\x03\"\xe3\x03\n\x11\x44\x61shboardSnapshot\x12\x19\n\x11taken_unix_millis\x18\x01 \x01(\x03\x12-\n\x07workers\x18\x02 \x03(\x0b\x32\x1c.tokenmesh.v1.WorkerSnapshot\x12\x34\n\x10reranker_circuit\x18\x03 \x01(\x0e\x32\x1a.tokenmesh.v1.CircuitState\x12\x1b\n\x13requests_per_second\x18\x04 \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x05 \x01(\x01\x12\x18\n\x10ttft_p50_seconds\x18\x06 \x01(\x01\x12\x18\n\x10ttft_p99_seconds\x18\x07 \x01(\x01\x12 \n\x18\x64\x65graded_responses_total\x18\x08 \x01(\x03\x12\x36\n\x10gateway_circuits\x18\t \x03(\x0b\x32\x1c.tokenmesh.v1.GatewayCircuit\x12/\n\rrecent_errors\x18\n \x03(\x0b\x32\x18.tokenmesh.v1.ErrorCount\x12\x10\n\x08warnings\x18\x0b \x03(\t\x12\x19\n\x11resumptions_total\x18\x0c \x01(\x03\x12*\n\x06models\x18\r \x03(\x0b\x32\x1a.tokenmesh.v1.ModelFigures\"\xab\x01\n\x0cModelFigures\x12\r\n\x05model\x18\x01 \x01(\t\x12\x19\n\x11tokens_per_second\x18\x02 \x01(\x01\x12\x1a\n\x12streams_per_second\x18\x03 \x01(\x01\x12!\n\x19\x66\x61iled_streams_per_second\x18\x04 \x01(\x01\x12\x18\n\x10ttft_p50_seconds\x18\x05 \x01(\x01\x12\x18\n\x10ttft_p99_seconds\x18\x06 \x01(\x01\"%\n\x0eWorkersRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\x05\"[\n\x0fWorkersSnapshot\x12\x19\n\x11taken_unix_millis\x18\x01 \x01(\x03\x12-\n\x07workers\x18\x02 \x03(\x0b\x32\x1c.tokenmesh.v1.WorkerSnapshot*|\n\x0c\x43ircuitState\x12\x1d\n\x19\x43IRCUIT_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x43IRCUIT_STATE_CLOSED\x10\x01\x12\x1b\n\x17\x43IRCUIT_STATE_HALF_OPEN\x10\x02\x12\x16\n\x12\x43IRCUIT_STATE_OPEN\x10\x03\x32\xb8\x01\n\nOpsService\x12W\n\x12SubscribeDashboard\x12\x1e.tokenmesh.v1.DashboardRequest\x1a\x1f.tokenmesh.v1.DashboardSnapshot0\x01\x12Q\n\x10SubscribeWorkers\x12\x1c.tokenmesh.v1.WorkersRequest\x1a\x1d.tokenmesh.v1.WorkersSnapshot0\x01\x42@Z>github.com/tokenmesh/tokenmesh/gen/go/tokenmesh/v1;tokenmeshv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,24 +32,24 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tokenmesh.v1.ops_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'Z>github.com/tokenmesh/tokenmesh/gen/go/tokenmesh/v1;tokenmeshv1'
-  _globals['_CIRCUITSTATE']._serialized_start=1316
-  _globals['_CIRCUITSTATE']._serialized_end=1440
+  _globals['_CIRCUITSTATE']._serialized_start=1339
+  _globals['_CIRCUITSTATE']._serialized_end=1463
   _globals['_DASHBOARDREQUEST']._serialized_start=40
   _globals['_DASHBOARDREQUEST']._serialized_end=79
   _globals['_WORKERSNAPSHOT']._serialized_start=82
-  _globals['_WORKERSNAPSHOT']._serialized_end=368
-  _globals['_GATEWAYCIRCUIT']._serialized_start=370
-  _globals['_GATEWAYCIRCUIT']._serialized_end=446
-  _globals['_ERRORCOUNT']._serialized_start=448
-  _globals['_ERRORCOUNT']._serialized_end=522
-  _globals['_DASHBOARDSNAPSHOT']._serialized_start=525
-  _globals['_DASHBOARDSNAPSHOT']._serialized_end=1008
-  _globals['_MODELFIGURES']._serialized_start=1011
-  _globals['_MODELFIGURES']._serialized_end=1182
-  _globals['_WORKERSREQUEST']._serialized_start=1184
-  _globals['_WORKERSREQUEST']._serialized_end=1221
-  _globals['_WORKERSSNAPSHOT']._serialized_start=1223
-  _globals['_WORKERSSNAPSHOT']._serialized_end=1314
-  _globals['_OPSSERVICE']._serialized_start=1443
-  _globals['_OPSSERVICE']._serialized_end=1627
+  _globals['_WORKERSNAPSHOT']._serialized_end=391
+  _globals['_GATEWAYCIRCUIT']._serialized_start=393
+  _globals['_GATEWAYCIRCUIT']._serialized_end=469
+  _globals['_ERRORCOUNT']._serialized_start=471
+  _globals['_ERRORCOUNT']._serialized_end=545
+  _globals['_DASHBOARDSNAPSHOT']._serialized_start=548
+  _globals['_DASHBOARDSNAPSHOT']._serialized_end=1031
+  _globals['_MODELFIGURES']._serialized_start=1034
+  _globals['_MODELFIGURES']._serialized_end=1205
+  _globals['_WORKERSREQUEST']._serialized_start=1207
+  _globals['_WORKERSREQUEST']._serialized_end=1244
+  _globals['_WORKERSSNAPSHOT']._serialized_start=1246
+  _globals['_WORKERSSNAPSHOT']._serialized_end=1337
+  _globals['_OPSSERVICE']._serialized_start=1466
+  _globals['_OPSSERVICE']._serialized_end=1650
 # @@protoc_insertion_point(module_scope)

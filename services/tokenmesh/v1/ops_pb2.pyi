@@ -25,7 +25,7 @@ class DashboardRequest(_message.Message):
     def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
 
 class WorkerSnapshot(_message.Message):
-    __slots__ = ("address", "serving", "running_requests", "waiting_requests", "kv_cache_usage", "tokens_per_second", "error", "prefix_cache_hit_ratio", "prefix_cache_queries", "prefix_cache_hits", "pool", "model")
+    __slots__ = ("address", "serving", "running_requests", "waiting_requests", "kv_cache_usage", "tokens_per_second", "error", "prefix_cache_hit_ratio", "prefix_cache_queries", "prefix_cache_hits", "pool", "model", "held_adapters")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class WorkerSnapshot(_message.Message):
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    HELD_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     address: str
     serving: bool
     running_requests: int
@@ -50,7 +51,8 @@ class WorkerSnapshot(_message.Message):
     prefix_cache_hits: int
     pool: str
     model: str
-    def __init__(self, address: _Optional[str] = ..., serving: _Optional[bool] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., error: _Optional[str] = ..., prefix_cache_hit_ratio: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., pool: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    held_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, address: _Optional[str] = ..., serving: _Optional[bool] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., error: _Optional[str] = ..., prefix_cache_hit_ratio: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., pool: _Optional[str] = ..., model: _Optional[str] = ..., held_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GatewayCircuit(_message.Message):
     __slots__ = ("gateway", "state")

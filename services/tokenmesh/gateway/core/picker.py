@@ -34,6 +34,8 @@ class WorkerLoad:
     computed: int = 0
     # Its pool ("": the default): a request is placed among its pool's workers.
     pool: str = ""
+    # The LoRA adapters its engine holds: an adapter's request prefers a worker holding it.
+    held: frozenset[str] = frozenset()
 
 
 # Why the picker named its first worker: the key's own (first in its ranking), a later one
@@ -155,15 +157,16 @@ class EndpointPicker:
             if done * 100 * len(serving) > self._policy.work_bound_percent * total
         }
 
-    def pick(self, key: str, pool: str = "") -> list[str]:
-        """The workers of the pool for a request with this affinity key, best first; empty when
-        the figures are missing or stale or none of the pool's workers is serving."""
-        picked, choice = self._pick(key, pool)
+    def pick(self, key: str, pool: str = "", adapter: str = "") -> list[str]:
+        """The workers of the pool for a request with this affinity key (and LoRA adapter, if
+        it names one), best first; empty when the figures are missing or stale or none of the
+        pool's workers is serving."""
+        picked, choice = self._pick(key, pool, adapter)
         if self._metrics is not None:
             self._metrics.picks.labels(choice=choice).inc()
         return picked
 
-    def _pick(self, key: str, pool: str) -> tuple[list[str], str]:
+    def _pick(self, key: str, pool: str, adapter: str) -> tuple[list[str], str]:
         if (
             self._updated_at is None
             or self._clock() - self._updated_at > self._policy.stale_seconds
@@ -176,6 +179,10 @@ class EndpointPicker:
         bound = least + max(self._policy.slack_streams, least * self._policy.slack_percent // 100)
         overworked = self._overworked
         ranked = ranking(key, serving)
+        if adapter:
+            # The workers holding the adapter first (a load spared), each group in the key's
+            # order; the load bound below still spills a hot adapter to one that must load it.
+            ranked.sort(key=lambda address: adapter not in self._workers[address].held)
         # The least-loaded worker is within either bound: there is always one.
         chosen = next(
             address
@@ -198,6 +205,7 @@ def loads(snapshot: ops_pb2.WorkersSnapshot) -> list[WorkerLoad]:
             worker.running_requests + worker.waiting_requests,
             worker.prefix_cache_queries - worker.prefix_cache_hits,
             worker.pool,
+            frozenset(worker.held_adapters),
         )
         for worker in snapshot.workers
     ]

@@ -145,7 +145,11 @@ class Preparer:
         span.set_attribute("tokenmesh.affinity_key", key)
         if served.pool:
             span.set_attribute("tokenmesh.pool", served.pool)
-        workers = () if self._picker is None else tuple(self._picker.pick(key, served.pool))
+        workers = (
+            ()
+            if self._picker is None
+            else tuple(self._picker.pick(key, served.pool, served.adapter))
+        )
         if workers:
             span.set_attribute("tokenmesh.picked_workers", workers)
         return PreparedCall(request, key, workers, used, served.pool)
