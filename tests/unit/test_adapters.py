@@ -25,6 +25,7 @@ from tokenmesh.common.errors import DependencyError, Internal, InvalidArgument, 
 from tokenmesh.common.pools import POOL_HEADER
 from tokenmesh.gateway.core.catalog import (
     MISS_REFRESH_SECONDS,
+    MODEL_NAME_TTL_SECONDS,
     ModelCard,
     ModelCatalog,
     ModelDenied,
@@ -352,3 +353,35 @@ async def test_a_model_name_over_the_cap_is_refused_naming_the_field_not_repeati
     assert long not in str(refused.value)
     # Refused before any worker is asked.
     assert servicer.asked == {}
+
+
+async def test_a_silent_pool_is_asked_again_at_most_once_a_second_not_by_every_request(
+    stats: tuple[Stats, Dependency],
+) -> None:
+    servicer, worker = stats
+    catalog = ModelCatalog(worker, timeout=5.0, pools=("down",))
+    for _ in range(5):
+        assert await catalog.resolve("base") == Served("base")
+    # The other pools' requests do not wait on the silent pool's workers each time.
+    assert servicer.asked == {"": 1, "down": 1}
+    await asyncio.sleep(MISS_REFRESH_SECONDS)
+    with pytest.raises(DependencyError):
+        await catalog.resolve("other")
+    assert servicer.asked["down"] == 2
+
+
+async def test_a_miss_during_a_longer_ask_asks_again_for_what_it_needs(
+    stats: tuple[Stats, Dependency],
+) -> None:
+    servicer, worker = stats
+    catalog = ModelCatalog(worker, timeout=5.0, pools=("code",))
+    await catalog.resolve("base")
+    await asyncio.sleep(MISS_REFRESH_SECONDS)
+    # The default pool is due for the TTL's ask, which starts; a miss's ask (every pool over a
+    # second old) meanwhile waits on it, then asks the pool it left out.
+    catalog._pools[0].asked -= MODEL_NAME_TTL_SECONDS
+    ttl = asyncio.ensure_future(catalog._refresh(MODEL_NAME_TTL_SECONDS))
+    await asyncio.sleep(0)
+    await catalog._refresh(MISS_REFRESH_SECONDS)
+    await ttl
+    assert servicer.asked == {"": 2, "code": 2}

@@ -71,6 +71,12 @@ class _Pool:
     # Why its workers did not answer the last time, if they did not.
     error: str = ""
     code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE
+    failed: float = -1e18
+
+    def due(self, now: float, older_than: float) -> bool:
+        """Its answer is older than `older_than`, and its workers did not just fail to answer
+        (a silent pool is asked again at most once a second, not by every request)."""
+        return now - self.asked > older_than and now - self.failed > MISS_REFRESH_SECONDS
 
     def serves(self) -> tuple[str, ...]:
         return () if self.model is None else (self.model, *self.adapters)
@@ -97,19 +103,24 @@ class ModelCatalog:
 
     async def _refresh(self, older_than: float) -> None:
         """Ask every pool whose answer is older than `older_than` seconds, once for all who
-        wait (the asks in flight are shared)."""
-        now = time.monotonic()
-        if all(now - pool.asked <= older_than for pool in self._pools):
-            return
-        if self._asking is None:
-            self._asking = asyncio.ensure_future(self._ask_all(older_than))
-            self._asking.add_done_callback(lambda _: setattr(self, "_asking", None))
-        await asyncio.shield(self._asking)
+        wait: asks in flight are shared, and one made for a longer age is followed by one of
+        our own if it left a pool we need asked."""
+        for _ in range(2):
+            now = time.monotonic()
+            if not any(pool.due(now, older_than) for pool in self._pools):
+                return
+            asking, ours = self._asking, self._asking is None
+            if asking is None:
+                asking = self._asking = asyncio.ensure_future(self._ask_all(older_than))
+                asking.add_done_callback(lambda _: setattr(self, "_asking", None))
+            await asyncio.shield(asking)
+            if ours:
+                return
 
     async def _ask_all(self, older_than: float) -> None:
         now = time.monotonic()
         await asyncio.gather(
-            *(self._ask(pool) for pool in self._pools if now - pool.asked > older_than)
+            *(self._ask(pool) for pool in self._pools if pool.due(now, older_than))
         )
 
     async def _ask(self, pool: _Pool) -> None:
@@ -122,7 +133,7 @@ class ModelCatalog:
         except grpc.aio.AioRpcError as exc:
             # The last answer stands while no worker answers; the next request asks again.
             pool.error = exc.details() or exc.code().name
-            pool.code = exc.code()
+            pool.code, pool.failed = exc.code(), time.monotonic()
             return
         pool.model, pool.adapters = stats.model, tuple(stats.adapters)
         pool.max_model_len, pool.asked, pool.error = stats.max_model_len, time.monotonic(), ""
