@@ -12,6 +12,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from prometheus_client import CollectorRegistry
 
+from tokenmesh.common.channels import Dependency
 from tokenmesh.common.tokens import (
     AFFINITY_HEADER,
     CALLER_CONTENT_TYPE,
@@ -22,6 +23,7 @@ from tokenmesh.common.tokens import (
     WORKER_HEADER,
 )
 from tokenmesh.gateway.config import GatewaySettings
+from tokenmesh.gateway.core.catalog import ModelCatalog
 from tokenmesh.gateway.core.documents import Selection
 from tokenmesh.gateway.core.prefix_key import affinity_key
 from tokenmesh.gateway.core.prepare import Preparer
@@ -88,8 +90,9 @@ class Prepared:
         self.selector = Selector(warnings)
         self.metered = metered
         picker = Picker(picked) if picked else None
-        # No catalog: these requests name no model.
-        self.preparer = Preparer(self.selector, GatewaySettings(), None, picker)  # type: ignore[arg-type]
+        # A catalog with no worker behind it: these requests name no model, so it asks none.
+        catalog = ModelCatalog(Dependency("worker", "127.0.0.1:1", 1 << 20), timeout=1.0)
+        self.preparer = Preparer(self.selector, GatewaySettings(), catalog, picker)
 
     @property
     def remaining(self) -> list[float | None]:

@@ -21,9 +21,9 @@ from tokenmesh.common.errors import (
     Unauthenticated,
     Unavailable,
 )
-from tokenmesh.common.pools import POOL_NAME, pool_cluster, pool_of_cluster
+from tokenmesh.common.pools import pool_cluster, pool_names
 from tokenmesh.controlplane.ops import GrpcWorkerProbe
-from tokenmesh.controlplane.snapshots import SnapshotCache
+from tokenmesh.controlplane.snapshots import SnapshotCache, worker_addresses
 from tokenmesh.v1 import admin_pb2, admin_pb2_grpc, inference_pb2, inference_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -34,10 +34,10 @@ KEYS_SETTING = "TOKENMESH_CONTROLPLANE_ADMIN_KEYS_FILE"
 def cluster_of(pool: str) -> str:
     """The Envoy cluster of a worker pool ("" is the default workers'), InvalidArgument naming
     the field for a name no pool can have."""
-    if pool and not POOL_NAME.fullmatch(pool):
-        raise InvalidArgument(
-            "pool", f"{pool!r} is not a pool name (a-z, 0-9 and '-', 1 to 32 characters)"
-        )
+    try:
+        pool_names([pool] if pool else [])
+    except ValueError as error:
+        raise InvalidArgument("pool", str(error)) from None
     return pool_cluster(pool)
 
 
@@ -118,16 +118,7 @@ class AdapterFleet:
 
     async def _retain(self) -> None:
         """Channels to the workers of every worker cluster only."""
-        current = self._cache.current
-        clusters = current.clusters if current else {}
-        await self._workers.retain(
-            [
-                str(endpoint)
-                for name, endpoints in clusters.items()
-                if pool_of_cluster(name) is not None
-                for endpoint in endpoints
-            ]
-        )
+        await self._workers.retain(list(worker_addresses(self._cache)))
 
     async def _call(
         self, address: str, method: str, name: str, directory: str = ""

@@ -14,7 +14,6 @@ from tokenmesh.common.backoff import Backoff
 from tokenmesh.common.consul_http import consul_client
 from tokenmesh.common.credentials import ReloadingChannelCredentials
 from tokenmesh.common.host import ServiceHost
-from tokenmesh.common.pools import pool_of_cluster
 from tokenmesh.controlplane.admin import AdapterAdminServicer, AdapterFleet, AdminKeys
 from tokenmesh.controlplane.config import ControlPlaneSettings
 from tokenmesh.controlplane.consul_source import ConsulSource
@@ -30,7 +29,7 @@ from tokenmesh.controlplane.ops import (
 )
 from tokenmesh.controlplane.page import PageServer
 from tokenmesh.controlplane.servicer import AggregatedDiscoveryServicer, EndpointDiscoveryServicer
-from tokenmesh.controlplane.snapshots import SnapshotCache
+from tokenmesh.controlplane.snapshots import SnapshotCache, worker_addresses
 from tokenmesh.controlplane.static_source import StaticFileSource
 from tokenmesh.v1 import admin_pb2, admin_pb2_grpc, ops_pb2, ops_pb2_grpc
 
@@ -84,20 +83,6 @@ async def feed(source: EndpointSource, cache: SnapshotCache, first: asyncio.Even
             log.info("first endpoint snapshot", extra={"clusters": sorted(snapshot)})
 
 
-def worker_addresses(cache: SnapshotCache) -> dict[str, str]:
-    """Every worker pool's addresses in the current endpoint snapshot, each with its pool ("":
-    the default pool's cluster `worker`); none before the first snapshot."""
-    current = cache.current
-    if current is None:
-        return {}
-    return {
-        str(endpoint): pool
-        for cluster, endpoints in current.clusters.items()
-        if (pool := pool_of_cluster(cluster)) is not None
-        for endpoint in endpoints
-    }
-
-
 async def serve(settings: ControlPlaneSettings) -> int:
     """Run until SIGTERM/SIGINT (exit 0); exit 1 if the endpoint source fails for good. SERVING
     (and registered, with register_self) from the first endpoint snapshot."""
@@ -142,8 +127,7 @@ async def serve(settings: ControlPlaneSettings) -> int:
         prometheus_url=settings.prometheus_url or "",
     )
     ops_pb2_grpc.add_OpsServiceServicer_to_server(OpsServicer(dashboard), server)
-    # The adapter admin API, over channels of its own (the feed's drop workers it does not
-    # probe, and its timeouts are a probe's).
+    # The adapter admin API, over channels of its own (the feed's have a probe's timeouts).
     timeout = settings.admin_worker_timeout_seconds
     fleet = AdapterFleet(cache, worker_channels(timeout), timeout)
     admin_pb2_grpc.add_AdapterAdminServicer_to_server(

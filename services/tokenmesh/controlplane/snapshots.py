@@ -13,6 +13,7 @@ from envoy.config.core.v3 import address_pb2, health_check_pb2
 from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from google.protobuf import any_pb2
 
+from tokenmesh.common.pools import pool_of_cluster
 from tokenmesh.controlplane.endpoints import Endpoint, Snapshot, normalized
 
 log = logging.getLogger(__name__)
@@ -166,3 +167,17 @@ class SnapshotCache:
         self._closed = True
         for mailbox in self._mailboxes:
             mailbox.close()
+
+
+def worker_addresses(cache: SnapshotCache) -> dict[str, str]:
+    """Every worker pool's addresses in the current endpoint snapshot, each with its pool ("":
+    the default pool's cluster `worker`); none before the first snapshot."""
+    current = cache.current
+    if current is None:
+        return {}
+    return {
+        str(endpoint): pool
+        for cluster, endpoints in current.clusters.items()
+        if (pool := pool_of_cluster(cluster)) is not None
+        for endpoint in endpoints
+    }

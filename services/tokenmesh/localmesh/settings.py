@@ -205,8 +205,8 @@ class LocalMeshSettings(BaseSettings):
         return 2 if psutil.virtual_memory().available >= 2 * MEMORY_PER_WORKER else 1
 
     def worker_pools(self) -> list[tuple[str, WorkerPool]]:
-        """Every pool's workers, the default pool ("") first, then the further pools (with
-        adapter_pool, the adapter's last)."""
+        """Every pool's workers, the default pool ("") first, then the further pools (the
+        adapter's among them once resolved)."""
         default = WorkerPool(
             model=self.model, workers=self.worker_count(), lora_modules=self.lora_modules
         )

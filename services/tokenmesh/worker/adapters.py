@@ -178,17 +178,22 @@ class Adapters:
         request = self.for_model(model)
         if request is None:
             return None
+        await self._make_held(llm, request, on_use=True)
+        return request
+
+    async def _make_held(self, llm: Any, request: LoRARequest, on_use: bool) -> None:
+        """The adapter held by the engine once this returns: loaded now unless the engine's
+        own list has it. A request's use (on_use) loads it only with load_on_use."""
         held = set(await llm.list_loras())
         if request.lora_int_id in held:
-            return request
-        if not self._load_on_use:
+            return
+        if on_use and not self._load_on_use:
             raise FailedPrecondition(
                 f"model: adapter {request.lora_name!r} is not loaded on this worker, and "
                 "adapter_load_on_use is off: load it through the admin API "
                 "(tokenmesh.v1.AdapterAdmin/LoadAdapter)"
             )
         await self._load(llm, request, held)
-        return request
 
     async def _load(self, llm: Any, request: LoRARequest, held: set[int]) -> None:
         """Loads one adapter the engine does not hold, or waits for its load under way."""
@@ -273,9 +278,7 @@ class Adapters:
                     f"name: adapter {name!r} is already served from {known.lora_path}, not "
                     f"{directory}: forget it first"
                 )
-            held = set(await llm.list_loras())
-            if known.lora_int_id not in held:
-                await self._load(llm, known, held)
+            await self._make_held(llm, known, on_use=False)
             return known, False
         self._check_new(name, directory)
         request = LoRARequest(name, self._next_id, str(directory), base_model_name=self.model)
@@ -284,7 +287,7 @@ class Adapters:
         self._requests = {**self._requests, name: request}
         self._names = {**self._names, request.lora_int_id: name}
         try:
-            await self._load(llm, request, set(await llm.list_loras()))
+            await self._make_held(llm, request, on_use=False)
         except BaseException:
             self._drop(request)
             raise

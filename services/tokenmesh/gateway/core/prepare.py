@@ -93,10 +93,7 @@ class Preparer:
     async def question(self, question: Question, remaining: float | None) -> PreparedCall:
         """A gRPC question: its model (empty: the mesh's model) checked, for the tenant too,
         then prepared."""
-        allowed = tenant_models()
-        # No model named, no limit: the mesh's model, for anyone, without asking the catalog.
-        named = question.model or allowed is not None
-        served = await self._catalog.resolve(question.model, allowed) if named else DEFAULT_MODEL
+        served = await self._catalog.resolve(question.model, tenant_models())
         context = await self.context(question, remaining)
         return self.call(context.prompt, question.sampling, context, served=served)
 
