@@ -14,7 +14,16 @@ from grpc import aio
 from tests.consul_fake import FakeConsul
 from tests.otlp_collector import OtlpCollector
 from tests.stalls import StallWatch, describe, earns_rerun
-from tests.support import TINY_MODEL, ServiceProcess, reranker_process, worker_process
+from tests.support import (
+    MESH_KEY,
+    TINY_MODEL,
+    ServiceProcess,
+    ready_mesh,
+    reranker_process,
+    started_mesh,
+    worker_process,
+)
+from tokenmesh.localmesh.mesh import LocalMesh, LocalMeshSettings
 from tokenmesh.v1 import inference_pb2_grpc
 
 LOG_DIR = Path(__file__).resolve().parent.parent / ".run" / "test-logs"
@@ -28,19 +37,35 @@ RERANKER_START_TIMEOUT = 120.0
 
 
 STALL_WATCH = pytest.StashKey[StallWatch]()
+# The session's heavy processes (fixtures that start them and return at once), started before
+# the first test when any test of the run uses them: they load while the unit tests run.
+EARLY_STARTS = ("mesh_started", "worker_started", "reranker_started")
+EARLY = pytest.StashKey[list[str]]()
 TEST_BEGUN = pytest.StashKey[float]()
 ATTEMPT_FAILED = pytest.StashKey[bool]()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests that stop the shared worker run after all others, in their file order, and those
-    that end the shared mesh's workers right after its other tests (the mesh then stops); an
-    integration test that fails while the machine itself stalled (stolen CPU time, a kernel
-    lockup) runs once more (pytest-rerunfailures, reported as a rerun)."""
-    items.sort(key=lambda item: item.get_closest_marker("stops_worker") is not None)
+    """Unit tests run first, while the session's heavy processes the integration tests use
+    start (early_starts); tests that stop the shared worker run after all others, in their
+    file order, and those that end the shared mesh's workers right after its other tests (the
+    mesh then stops); an integration test that fails while the machine itself stalled (stolen
+    CPU time, a kernel lockup) runs once more (pytest-rerunfailures, reported as a rerun)."""
+    # Then the shared mesh's tests, so that it stops early (its engines, health checks and
+    # scrapes would slow every later test).
+    items.sort(
+        key=lambda item: (
+            item.get_closest_marker("integration") is not None,
+            "mesh_started" not in item.fixturenames,
+            item.get_closest_marker("stops_worker") is not None,
+        )
+    )
+    config.stash[EARLY] = [
+        name for name in EARLY_STARTS if any(name in item.fixturenames for item in items)
+    ]
     ending = [item for item in items if item.get_closest_marker("ends_mesh") is not None]
     rest = [item for item in items if item.get_closest_marker("ends_mesh") is None]
-    users = [i for i, item in enumerate(rest) if "mesh" in getattr(item, "fixturenames", ())]
+    users = [i for i, item in enumerate(rest) if "mesh_started" in item.fixturenames]
     after = users[-1] + 1 if users else len(rest)
     items[:] = rest[:after] + ending + rest[after:]
     for item in items:
@@ -92,6 +117,15 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         item.add_report_section(call.when, "machine stalls", describe(stalls))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def early_starts(request: pytest.FixtureRequest) -> None:
+    """Starts the session's heavy processes this run uses (EARLY_STARTS) before its first
+    test: each loads (vLLM takes ~40 s on 2 cores) while the tests before its first user run,
+    and each fixture that hands one to a test waits for it to serve."""
+    for name in request.config.stash.get(EARLY, []):
+        request.getfixturevalue(name)
+
+
 # Spans leave a service 100 ms after they end, so tests see them soon (the default is 5 s).
 OTLP_ENV = {"OTEL_BSP_SCHEDULE_DELAY": "100"}
 
@@ -108,7 +142,33 @@ def otlp_collector() -> Iterator[OtlpCollector]:
 
 
 @pytest.fixture(scope="session")
-def worker(otlp_collector: OtlpCollector) -> Iterator[ServiceProcess]:
+def mesh_started(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalMesh]:
+    """supervisord, control plane, Envoy, 2 gateways (their endpoint picker on), 2 workers, the
+    reranker, and Prometheus when its binary is on PATH, on free ports with their own run
+    directory: started (still loading: `mesh` waits for it)."""
+    settings = LocalMeshSettings.on_free_ports(
+        tmp_path_factory.mktemp("mesh"),
+        gateways=2,
+        workers=2,
+        ready_timeout_seconds=600,
+        # For test_prefix_routing's Envoy with worker_routing picker.
+        picker_feed=True,
+    )
+    with started_mesh(settings) as local_mesh:
+        request.config.stash[MESH_KEY] = local_mesh
+        yield local_mesh
+
+
+@pytest.fixture(scope="session")
+def mesh(mesh_started: LocalMesh) -> LocalMesh:
+    return ready_mesh(mesh_started)
+
+
+@pytest.fixture(scope="session")
+def worker_started(otlp_collector: OtlpCollector) -> Iterator[ServiceProcess]:
+    """The session's worker, started (still loading: `worker` waits for it)."""
     if not (TINY_MODEL / "config.json").exists():
         pytest.fail(f"no tiny model at {TINY_MODEL}: run `make setup` first")
     # Traced, so its spans join the traces of tests/integration/test_tracing.py; an engine
@@ -121,10 +181,15 @@ def worker(otlp_collector: OtlpCollector) -> Iterator[ServiceProcess]:
     process.env.update(OTLP_ENV)
     process.start()
     try:
-        process.wait_serving(WORKER_START_TIMEOUT)
         yield process
     finally:
         process.stop()
+
+
+@pytest.fixture(scope="session")
+def worker(worker_started: ServiceProcess) -> ServiceProcess:
+    worker_started.wait_serving(WORKER_START_TIMEOUT)
+    return worker_started
 
 
 @pytest.fixture(scope="session")
@@ -139,15 +204,20 @@ def inference(worker_channel: aio.Channel) -> inference_pb2_grpc.InferenceServic
 
 
 @pytest.fixture(scope="session")
-def reranker(otlp_collector: OtlpCollector) -> Iterator[ServiceProcess]:
+def reranker_started(otlp_collector: OtlpCollector) -> Iterator[ServiceProcess]:
     process = reranker_process(LOG_DIR, otlp_endpoint=otlp_collector.address)
     process.env.update(OTLP_ENV)
     process.start()
     try:
-        process.wait_serving(RERANKER_START_TIMEOUT)
         yield process
     finally:
         process.stop()
+
+
+@pytest.fixture(scope="session")
+def reranker(reranker_started: ServiceProcess) -> ServiceProcess:
+    reranker_started.wait_serving(RERANKER_START_TIMEOUT)
+    return reranker_started
 
 
 @pytest.fixture

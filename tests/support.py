@@ -486,15 +486,36 @@ def grpcurl(*args: str, plaintext: bool = True) -> subprocess.CompletedProcess[s
     )
 
 
+# The session's shared mesh (tests/conftest.py), while it runs.
+MESH_KEY = pytest.StashKey[LocalMesh]()
+
+
 @contextlib.contextmanager
-def running_mesh(settings: LocalMeshSettings) -> Iterator[LocalMesh]:
-    """A mesh of its own, up for the block's duration (a test module's or the session's)."""
+def started_mesh(settings: LocalMeshSettings) -> Iterator[LocalMesh]:
+    """A mesh of its own, started (its programs still loading: ready_mesh waits for them) for
+    the block's duration; once stopped, every program must have ended on SIGTERM within its
+    stop wait (a program supervisord had to SIGKILL fails the block)."""
     local_mesh = LocalMesh(settings, root=ROOT)
     try:
-        assert local_mesh.up() == 0, "the mesh did not come up (see the logs above)"
+        local_mesh.start()
         yield local_mesh
     finally:
         local_mesh.down()
+    log = local_mesh.log_dir / "supervisord.log"
+    killed = [line for line in log.read_text().splitlines() if "with SIGKILL" in line]
+    assert not killed, f"programs that did not stop on SIGTERM in time: {killed}"
+
+
+def ready_mesh(local_mesh: LocalMesh) -> LocalMesh:
+    assert local_mesh.wait_ready() == 0, "the mesh did not come up (see the logs above)"
+    return local_mesh
+
+
+@contextlib.contextmanager
+def running_mesh(settings: LocalMeshSettings) -> Iterator[LocalMesh]:
+    """A mesh of its own, up for the block's duration (a test module's or the session's)."""
+    with started_mesh(settings) as local_mesh:
+        yield ready_mesh(local_mesh)
 
 
 def grpcurl_messages(stdout: str) -> list[dict[str, Any]]:

@@ -1,19 +1,16 @@
-"""The whole local mesh as `make up` runs it, shared by every module that needs it (starting it
-takes about a minute), and stopped as soon as the last test using it is done."""
+"""The shared mesh (tests/conftest.py) stops as soon as the last test using it is done, and a
+failed test's report shows what it logged."""
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.support import running_mesh
-from tokenmesh.localmesh.mesh import LocalMesh, LocalMeshSettings
+from tests.support import MESH_KEY
 
-MESH_KEY = pytest.StashKey[LocalMesh]()
 LOG_OFFSETS = pytest.StashKey[tuple[Path, dict[Path, int]]]()
 # What a failed test's report shows of each mesh log: its notable lines written during the test.
 NOTABLE_LINES = 40
@@ -22,34 +19,14 @@ QUIET_LEVELS = {"DEBUG", "INFO", "info", "debug"}
 QUIET = re.compile(r"\]\[(info|debug)\]\[| (INFO|DEBUG) |level=(info|debug)")
 
 
-@pytest.fixture(scope="session")
-def mesh(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[LocalMesh]:
-    """supervisord, control plane, Envoy, 2 gateways (their endpoint picker on), 2 workers, the
-    reranker, and Prometheus when its binary is on PATH, on free ports with their own run
-    directory."""
-    settings = LocalMeshSettings.on_free_ports(
-        tmp_path_factory.mktemp("mesh"),
-        gateways=2,
-        workers=2,
-        ready_timeout_seconds=600,
-        # For test_prefix_routing's Envoy with worker_routing picker.
-        picker_feed=True,
-    )
-    with running_mesh(settings) as local_mesh:
-        request.config.stash[MESH_KEY] = local_mesh
-        yield local_mesh
-
-
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     """Stop the mesh right after the last test that uses it: its two vLLM engines, Envoy health
     checks and Prometheus scrapes would otherwise slow every later test on a small machine."""
     local_mesh = item.config.stash.get(MESH_KEY, None)
-    if local_mesh is None or "mesh" not in getattr(item, "fixturenames", ()):
+    if local_mesh is None or "mesh_started" not in item.fixturenames:
         return
     later = item.session.items[item.session.items.index(item) + 1 :]
-    if not any("mesh" in getattr(other, "fixturenames", ()) for other in later):
+    if not any("mesh_started" in other.fixturenames for other in later):
         local_mesh.down()
         del item.config.stash[MESH_KEY]
 
@@ -72,7 +49,7 @@ def notable(line: str) -> bool:
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_call(item: pytest.Item) -> None:
     local_mesh = item.config.stash.get(MESH_KEY, None)
-    if local_mesh is not None and "mesh" in getattr(item, "fixturenames", ()):
+    if local_mesh is not None and "mesh_started" in item.fixturenames:
         logs = local_mesh.log_dir
         item.stash[LOG_OFFSETS] = (logs, {log: log.stat().st_size for log in logs.glob("*.log")})
 

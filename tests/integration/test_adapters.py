@@ -21,6 +21,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -94,10 +95,13 @@ def edge(mesh: LocalMesh) -> openai.OpenAI:
     return sdk(mesh.settings.edge_port)
 
 
-@pytest.fixture(scope="module")
-def vllm_server(edge: openai.OpenAI, tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
-    """vLLM's own OpenAI server on the tiny model with the same adapter (`--lora-modules`):
-    its port. Its engine binds no core (the mesh's engines bind theirs)."""
+@pytest.fixture(scope="module", autouse=True)
+def vllm_started(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[subprocess.Popen[bytes], int, Path]]:
+    """vLLM's own OpenAI server on the tiny model with the same adapter (`--lora-modules`),
+    started before the mesh so the two load at once (`vllm_server` waits for it): the process,
+    its port and its log. Its engine binds no core (the mesh's engines bind theirs)."""
     port = free_port()
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     command = [
@@ -110,18 +114,24 @@ def vllm_server(edge: openai.OpenAI, tmp_path_factory: pytest.TempPathFactory) -
     with log.open("w") as output:
         process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=output, stderr=output)
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert process.poll() is None, log.read_text()[-4000:]
-            assert time.monotonic() < deadline, "vLLM's server not up in 600 s"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                    break
-            except OSError:
-                time.sleep(1)
-        yield port
+        yield process, port, log
     finally:
         stop_process(process, 60)
+
+
+@pytest.fixture(scope="module")
+def vllm_server(vllm_started: tuple[subprocess.Popen[bytes], int, Path]) -> int:
+    """vLLM's own server, serving: its port."""
+    process, port, log = vllm_started
+    deadline = time.monotonic() + 600
+    while True:
+        assert process.poll() is None, log.read_text()[-4000:]
+        assert time.monotonic() < deadline, "vLLM's server not up in 600 s"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return port
+        except OSError:
+            time.sleep(1)
 
 
 def completions(client: openai.OpenAI, model: str) -> list[str]:

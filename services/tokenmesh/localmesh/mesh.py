@@ -60,6 +60,8 @@ class LocalMesh:
         self.run_dir, self.log_dir, self.certs = files.run_dir, files.log_dir, files.certs
         self.envoy_config_path, self.endpoints_path = files.envoy_config, files.endpoints
         self.settings_path = files.settings
+        # When start() started supervisord (ready_timeout_seconds counts from it).
+        self._started = time.monotonic()
 
     @property
     def prometheus_url(self) -> str:
@@ -161,6 +163,12 @@ class LocalMesh:
         if self.supervisord_pid() is not None:
             print("the local mesh is already running (make status / make down)")
             return self.status()
+        self.start()
+        return self.wait_ready()
+
+    def start(self) -> None:
+        """Write the mesh's files and start supervisord, which starts every program; returns
+        at once (wait_ready waits for them)."""
         if self.tools.consul:
             print(f"consul found at {self.tools.consul}: dev agent on {self.table.consul_address}")
         else:
@@ -182,7 +190,12 @@ class LocalMesh:
             cwd=self.root,
         )
         print(f"started under supervisord; logs in {self.log_dir} (make logs)")
-        started = time.monotonic()
+        self._started = time.monotonic()
+
+    def wait_ready(self) -> int:
+        """Wait until every program serves and Envoy sees every replica healthy (at most
+        ready_timeout_seconds from the start): 0, or 1 with the log of the one that is not."""
+        started = self._started
         deadline = started + self.settings.ready_timeout_seconds
         for program in self.programs:
             if program.port is not None:

@@ -234,6 +234,11 @@ class VllmEngine:
 
         try:
             llm = await thread.call(build())
+        except asyncio.CancelledError:
+            # Stopped while loading: the worker exits now, not when the load returns (minutes
+            # on a GPU); the engine's processes end with it (lifetime.py).
+            thread.abandon()
+            raise
         except BaseException:
             thread.stop()
             raise

@@ -47,6 +47,11 @@ class EngineThread:
         self._thread.join()
         self._loop.close()
 
+    def abandon(self) -> None:
+        """Stop the loop once what runs on it returns, without waiting: work in the thread (a
+        model load) cannot be interrupted, and a daemon thread ends with the process."""
+        self._loop.call_soon_threadsafe(self._loop.stop)
+
 
 Item = Tokens | Exception | None
 
