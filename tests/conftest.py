@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import time
@@ -16,11 +17,13 @@ from tests.otlp_collector import OtlpCollector
 from tests.stalls import StallWatch, describe, earns_rerun
 from tests.support import (
     MESH_KEY,
+    STOPS,
     TINY_MODEL,
     ServiceProcess,
     ready_mesh,
     reranker_process,
     started_mesh,
+    stop_after_last_user,
     worker_process,
 )
 from tokenmesh.localmesh.mesh import LocalMesh, LocalMeshSettings
@@ -36,10 +39,18 @@ WORKER_START_TIMEOUT = 300.0
 RERANKER_START_TIMEOUT = 120.0
 
 
+# The adapters' mesh and vLLM's own server with the adapter: session fixtures, started early.
+pytest_plugins = ["tests.harness.adapter_meshes"]
+
 STALL_WATCH = pytest.StashKey[StallWatch]()
 # The session's heavy processes (fixtures that start them and return at once), started before
 # the first test when any test of the run uses them: they load while the unit tests run.
-EARLY_STARTS = ("mesh_started", "worker_started", "reranker_started")
+EARLY_STARTS = (
+    "adapters_mesh_started",
+    "mesh_started",
+    "worker_started",
+    "reranker_started",
+)
 EARLY = pytest.StashKey[list[str]]()
 TEST_BEGUN = pytest.StashKey[float]()
 ATTEMPT_FAILED = pytest.StashKey[bool]()
@@ -51,12 +62,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     file order, and those that end the shared mesh's workers right after its other tests (the
     mesh then stops); an integration test that fails while the machine itself stalled (stolen
     CPU time, a kernel lockup) runs once more (pytest-rerunfailures, reported as a rerun)."""
-    # Then the shared mesh's tests, so that it stops early (its engines, health checks and
-    # scrapes would slow every later test).
     items.sort(
         key=lambda item: (
             item.get_closest_marker("integration") is not None,
-            "mesh_started" not in item.fixturenames,
             item.get_closest_marker("stops_worker") is not None,
         )
     )
@@ -99,6 +107,19 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         watch.stop()
 
 
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Stop each heavy session resource right after the last test that uses it
+    (stop_after_last_user)."""
+    stops = item.config.stash.get(STOPS, {})
+    used = [name for name in stops if name in item.fixturenames]
+    if not used:
+        return
+    later = item.session.items[item.session.items.index(item) + 1 :]
+    for name in used:
+        if not any(name in other.fixturenames for other in later):
+            stops.pop(name)()
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     item.stash[TEST_BEGUN] = time.monotonic()
@@ -123,7 +144,9 @@ def early_starts(request: pytest.FixtureRequest) -> None:
     test: each loads (vLLM takes ~40 s on 2 cores) while the tests before its first user run,
     and each fixture that hands one to a test waits for it to serve."""
     for name in request.config.stash.get(EARLY, []):
-        request.getfixturevalue(name)
+        # One that skips (a model `make setup` makes is missing) skips its own tests alone.
+        with contextlib.suppress(pytest.skip.Exception):
+            request.getfixturevalue(name)
 
 
 # Spans leave a service 100 ms after they end, so tests see them soon (the default is 5 s).
@@ -158,6 +181,12 @@ def mesh_started(
     )
     with started_mesh(settings) as local_mesh:
         request.config.stash[MESH_KEY] = local_mesh
+
+        def stop() -> None:
+            local_mesh.down()
+            del request.config.stash[MESH_KEY]
+
+        stop_after_last_user(request.config, "mesh_started", stop)
         yield local_mesh
 
 

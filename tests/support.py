@@ -488,6 +488,16 @@ def grpcurl(*args: str, plaintext: bool = True) -> subprocess.CompletedProcess[s
 
 # The session's shared mesh (tests/conftest.py), while it runs.
 MESH_KEY = pytest.StashKey[LocalMesh]()
+# How to stop each heavy session resource, by the fixture that starts it (tests/conftest.py
+# stops it right after the last test that uses it).
+STOPS = pytest.StashKey[dict[str, Callable[[], object]]]()
+
+
+def stop_after_last_user(config: pytest.Config, fixture: str, stop: Callable[[], object]) -> None:
+    """Stop a session resource right after the last test whose fixtures include `fixture`:
+    its engines, health checks and scrapes would otherwise slow every later test on a small
+    machine."""
+    config.stash.setdefault(STOPS, {})[fixture] = stop
 
 
 @contextlib.contextmanager

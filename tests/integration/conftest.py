@@ -19,18 +19,6 @@ QUIET_LEVELS = {"DEBUG", "INFO", "info", "debug"}
 QUIET = re.compile(r"\]\[(info|debug)\]\[| (INFO|DEBUG) |level=(info|debug)")
 
 
-def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    """Stop the mesh right after the last test that uses it: its two vLLM engines, Envoy health
-    checks and Prometheus scrapes would otherwise slow every later test on a small machine."""
-    local_mesh = item.config.stash.get(MESH_KEY, None)
-    if local_mesh is None or "mesh_started" not in item.fixturenames:
-        return
-    later = item.session.items[item.session.items.index(item) + 1 :]
-    if not any("mesh_started" in other.fixturenames for other in later):
-        local_mesh.down()
-        del item.config.stash[MESH_KEY]
-
-
 def notable(line: str) -> bool:
     """An access log line of a stream that did not end OK, a service's warning or error, or
     anything else a process printed that is not an info line (Envoy's own warnings,
