@@ -10,22 +10,24 @@ Envoy's START_TIME and the worker's Token.emitted_unix_nanos):
                   headers and body (the external processor's logging info: prepare_headers_us
                   + prepare_body_us), the gRPC hop to the gateway included
     to_worker     prepared → sent to the worker: upstream_sent_us less the preparation (the
-                  other filters, routing, a stream on a worker connection)
-    worker_first  sent → the worker built its first message (emitted_unix_nanos): the
+                  other filters, routing, a stream on a connection)
+    worker_first  sent → the worker built its first message (emitted_unix_nanos): with the
+                  stream relay (the default) the relay opening the worker's stream, then the
                   worker's receive and checks, vLLM's queue, prefill and first step, output
                   processing
-    to_envoy      → its first byte at Envoy (first_byte_us; the worker sends its headers with
-                  its first message)
+    to_envoy      → its first byte at the edge's router (first_byte_us; the worker sends its
+                  headers with its first message; with the relay, through it)
     to_caller     → Envoy's first byte to the caller (first_sent_us)
     to_client     → the client read the first message
     ttft          the client's TTFT: the sum of the above, per request
 
 The per-request joins are exact where a histogram is not; beside them, three services'
 histograms read around each run (quantiles estimated within their buckets, which is all a
-histogram allows): the gateway's own preparation (tokenmesh_gateway_direct_prepare_seconds,
-headers in → prepared answer, without the hop), the worker's TTFT (tokenmesh_ttft_seconds,
-request in → first token out) and vLLM's (vllm:time_to_first_token_seconds: the engine's
-arrival → first token), the last also for vLLM's own server.
+histogram allows; they count the warm-up's requests too): the gateway's own preparation
+(tokenmesh_gateway_direct_prepare_seconds, headers in → prepared answer, without the hop), the
+worker's TTFT (tokenmesh_ttft_seconds, its handler's start → first message sent) and vLLM's
+(vllm:time_to_first_token_seconds: the engine's arrival → first token), the last also for
+vLLM's own server.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ STAGES = (
     ("to_client", "→ client reads it"),
     ("ttft", "client TTFT"),
 )
+# The parts of "prepare" also summed up (in the JSON report).
+PARTS = ("prepare_headers", "prepare_body")
 VLLM_TTFT = "vllm:time_to_first_token_seconds"
 # What each histogram is called in the report: (service, metric).
 HISTOGRAMS = {
@@ -67,13 +71,19 @@ EDGE = "edge"
 @dataclass(frozen=True)
 class EdgeTimes:
     """One stream's line in the edge's access log: its start (µs since the epoch) and the
-    waits after it, µs (prepare: None without the external processor)."""
+    waits after it, µs (the processor's: None without the external processor)."""
 
     start_us: int
-    prepare_us: int | None
+    prepare_headers_us: int | None
+    prepare_body_us: int | None
     upstream_sent_us: int
     first_byte_us: int
     first_sent_us: int
+
+    @property
+    def prepare_us(self) -> int:
+        """The edge's waits on the gateway: its answers to the headers and to the body."""
+        return (self.prepare_headers_us or 0) + (self.prepare_body_us or 0)
 
 
 def number(value: Any) -> int | None:
@@ -102,9 +112,8 @@ def edge_times(lines: Iterable[bytes | str], ids: set[str] | None = None) -> dic
         start, sent, first_byte, first_sent = times
         if start is None or sent is None or first_byte is None or first_sent is None:
             continue  # no answer from upstream: no first token to place
-        parts = [number(row.get(key)) for key in ("prepare_headers_us", "prepare_body_us")]
-        prepare = None if parts[0] is None else parts[0] + (parts[1] or 0)
-        found[request_id] = EdgeTimes(start, prepare, sent, first_byte, first_sent)
+        headers, body = (number(row.get(key)) for key in ("prepare_headers_us", "prepare_body_us"))
+        found[request_id] = EdgeTimes(start, headers, body, sent, first_byte, first_sent)
     return found
 
 
@@ -113,7 +122,7 @@ def stages(sent_ns: int, first_ns: int, emitted_ns: int, edge: EdgeTimes) -> dic
     first message's emitted time (wall clock, ns) placed around the edge's line."""
     start = edge.start_us * 1000
     upstream_sent = start + edge.upstream_sent_us * 1000
-    prepared = start + (edge.prepare_us or 0) * 1000
+    prepared = start + edge.prepare_us * 1000
     first_byte = start + edge.first_byte_us * 1000
     first_sent = start + edge.first_sent_us * 1000
     ns = {
@@ -125,6 +134,10 @@ def stages(sent_ns: int, first_ns: int, emitted_ns: int, edge: EdgeTimes) -> dic
         "to_caller": first_sent - first_byte,
         "to_client": first_ns - first_sent,
         "ttft": first_ns - sent_ns,
+        # The preparation's two round trips to the gateway (not stages of their own: they
+        # make up "prepare").
+        "prepare_headers": (edge.prepare_headers_us or 0) * 1000,
+        "prepare_body": (edge.prepare_body_us or 0) * 1000,
     }
     return {key: round(value / 1e6, 3) for key, value in ns.items()}
 
@@ -151,7 +164,7 @@ def percentile(ordered: list[float], q: float) -> float:
 def summary(rows: list[dict[str, float]], requests: int) -> dict[str, Any]:
     """p50 and p99 of every stage over the joined requests, and how many joined."""
     figures: dict[str, Any] = {"requests": requests, "joined": len(rows)}
-    for key, _ in STAGES:
+    for key in [key for key, _ in STAGES] + list(PARTS):
         values = sorted(row[key] for row in rows)
         if values:
             figures[key] = {

@@ -9,7 +9,11 @@ gateways prepare, Envoy streams from the workers; the second one the gateway pat
 and 64 streams the edge with stream_interval 8, and a second vLLM server placed as the mesh
 places a worker (its engine's processes on the engine's core, the server's threads on the
 others; --no-placed-baseline leaves it out). With --profile, py-spy samples the worker and
-the gateway during an extra gRPC round, and the report lists where their time goes.
+the gateway during an extra gRPC round, and the report lists where their time goes. On the
+edge's own path (the direct token path) each request carries its own x-request-id, and the
+report splits its first token's wait by stage, p50 and p99 (loadtests/first_token_stages.py):
+arrival at the edge → prepared → sent to the worker → the worker's first message → first byte
+at Envoy → first byte to the caller, beside the client's TTFT and vLLM's own.
 
     python -m loadtests.token_cost [--quick] [--rounds 3] [--profile] [--relay] [--out DIR]
     python -m loadtests bench --scenarios cost

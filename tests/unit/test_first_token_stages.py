@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from loadtests.first_token_stages import (
+    PARTS,
     STAGES,
     EdgeLog,
     bucket_quantile,
@@ -20,35 +21,54 @@ from loadtests.first_token_stages import (
 )
 from tokenmesh.meshconfig.access_logs import ACCESS_LOG_FIELDS, EDGE_FIELDS
 
-# Lines as the edge Envoy of a local mesh writes them (direct token path): a stream the
-# gateway prepared and a worker answered, a worker listener's line of the same id (another
-# hop: not the edge's), an Envoy log line, and a stream refused before any upstream.
-EDGE_LINE = {
-    "listener": "edge", "path": "/tokenmesh.v1.LLMService/Generate", "protocol": "HTTP/2",
-    "response_code": 200, "grpc_status": "OK", "flags": "-", "details": "via_upstream",
-    "upstream_cluster": "worker", "upstream_host": "127.0.0.1:40123", "duration_ms": 412,
-    "upstream_sent_ms": 3, "upstream_request_end_ms": 3, "attempts": 1, "first_byte_ms": 31,
-    "first_sent_ms": 31, "bytes_sent": 4410, "request_id": "7f0c2a", "time":
-    "2026-12-07T05:52:01.123Z", "start_unix_us": "1796622721123456", "upstream_sent_us": 3210,
-    "first_byte_us": 31044, "first_sent_us": 31102, "worker": "127.0.0.1:40123",
-    "prepare_headers_us": 611, "prepare_body_us": 1874,
-}  # fmt: skip
-SENT_NS = 1796622721123456000 - 140_000  # the client sent 0.14 ms before Envoy's arrival
-EMITTED_NS = 1796622721123456000 + 29_500_000  # the worker built the first message at 29.5 ms
-FIRST_NS = 1796622721123456000 + 31_800_000  # the client read it at 31.8 ms
+# One stream's lines as the edge Envoy of a local mesh wrote them (the direct token path through
+# the stream relay, 32 streams): the relay listener's, then the edge's, whose external
+# processor took 12.9 and 6.3 ms and whose first byte came at 266 ms.
+RELAY_LINE = (
+    '{"attempts":0,"bytes_sent":1815,"details":"","duration_ms":678,"first_byte_ms":null,'
+    '"first_byte_us":null,"first_sent_ms":246,"first_sent_us":246227,"flags":"-",'
+    '"grpc_status":"OK","listener":"worker_relay","moves":0,"parks":0,'
+    '"path":"/tokenmesh.v1.InferenceService/Generate","protocol":"HTTP/2",'
+    '"request_id":"444f4a6cf059467d897635421e5dd9a4","response_code":200,'
+    '"start_unix_us":"1796623179879219","time":"2026-12-07T05:59:39.879Z",'
+    '"upstream_cluster":"worker","upstream_host":"127.0.0.1:25576",'
+    '"upstream_request_end_ms":null,"upstream_sent_ms":null,"upstream_sent_us":null}'
+)
+EDGE_LINE = (
+    '{"attempts":1,"bytes_sent":1815,"details":"via_upstream","duration_ms":698,'
+    '"first_byte_ms":266,"first_byte_us":266016,"first_sent_ms":266,"first_sent_us":266058,'
+    '"flags":"-","grpc_status":"OK","listener":"edge",'
+    '"path":"/tokenmesh.v1.InferenceService/Generate","prepare_body_us":"6309",'
+    '"prepare_headers_us":"12948","protocol":"HTTP/2",'
+    '"request_id":"444f4a6cf059467d897635421e5dd9a4","response_code":200,'
+    '"start_unix_us":"1796623179859684","time":"2026-12-07T05:59:39.859Z",'
+    '"upstream_cluster":"worker_relay","upstream_host":"envoy://worker_relay/",'
+    '"upstream_request_end_ms":19,"upstream_sent_ms":19,"upstream_sent_us":19503,'
+    '"worker":"127.0.0.1:25576"}'
+)
+ID = "444f4a6cf059467d897635421e5dd9a4"
+START_NS = 1796623179859684000
+SENT_NS = START_NS - 180_000  # the client sent 0.18 ms before Envoy's arrival
+EMITTED_NS = START_NS + 262_400_000  # the worker built the first message at 262.4 ms
+FIRST_NS = START_NS + 266_900_000  # the client read it at 266.9 ms
+
+
+def edge_line(**changes: object) -> str:
+    return json.dumps({**json.loads(EDGE_LINE), **changes})
 
 
 def lines() -> list[bytes]:
-    worker_hop = {**EDGE_LINE, "listener": "worker", "start_unix_us": "1796622721125000"}
-    refused = {
-        **EDGE_LINE, "request_id": "9d11", "response_code": 503, "upstream_sent_us": None,
-        "first_byte_us": None, "first_sent_us": 250, "prepare_body_us": None,
-    }  # fmt: skip
+    # Beside the stream's two lines: an Envoy log line, and a stream Envoy answered itself
+    # (no upstream, no first byte from one).
+    refused = edge_line(
+        request_id="9d11", response_code=503, upstream_sent_us=None, first_byte_us=None,
+        first_sent_us=250, prepare_body_us=None,
+    )  # fmt: skip
     return [
-        json.dumps(EDGE_LINE).encode(),
-        json.dumps(worker_hop).encode(),
-        b"[2026-12-07 05:52:01.200][41][warning][main] something Envoy said",
-        json.dumps(refused).encode(),
+        RELAY_LINE.encode(),
+        b"[2026-12-07 05:59:40.200][41][warning][main] something Envoy said",
+        EDGE_LINE.encode(),
+        refused.encode(),
     ]
 
 
@@ -64,63 +84,66 @@ def test_the_parser_reads_fields_the_access_log_writes() -> None:
 
 def test_only_the_edges_lines_of_answered_streams_are_kept() -> None:
     found = edge_times(lines())
-    assert set(found) == {"7f0c2a"}
-    times = found["7f0c2a"]
-    assert times.start_us == 1796622721123456
-    assert times.prepare_us == 611 + 1874
+    assert set(found) == {ID}
+    times = found[ID]
+    assert times.start_us == START_NS // 1000
+    assert (times.prepare_headers_us, times.prepare_body_us) == (12948, 6309)
+    assert times.prepare_us == 12948 + 6309
     assert (times.upstream_sent_us, times.first_byte_us, times.first_sent_us) == (
-        3210,
-        31044,
-        31102,
+        19503,
+        266016,
+        266058,
     )
     assert edge_times(lines(), {"someone-else"}) == {}
 
 
 def test_without_the_external_processor_there_is_no_preparation() -> None:
-    line = {**EDGE_LINE, "prepare_headers_us": "-", "prepare_body_us": "-"}
-    assert edge_times([json.dumps(line)])["7f0c2a"].prepare_us is None
+    times = edge_times([edge_line(prepare_headers_us=None, prepare_body_us="-")])[ID]
+    assert (times.prepare_headers_us, times.prepare_body_us, times.prepare_us) == (None, None, 0)
 
 
 def test_stages_place_the_first_token_between_the_clocks_and_sum_to_the_ttft() -> None:
-    [row] = joined([("7f0c2a", SENT_NS, FIRST_NS, EMITTED_NS)], edge_times(lines()))
+    [row] = joined([(ID, SENT_NS, FIRST_NS, EMITTED_NS)], edge_times(lines()))
     assert row == {
-        "to_edge": 0.14,
-        "prepare": 2.485,
-        "to_worker": 0.725,
-        "worker_first": 26.29,
-        "to_envoy": 1.544,
-        "to_caller": 0.058,
-        "to_client": 0.698,
-        "ttft": 31.94,
+        "to_edge": 0.18,
+        "prepare": 19.257,
+        "to_worker": 0.246,
+        "worker_first": 242.897,
+        "to_envoy": 3.616,
+        "to_caller": 0.042,
+        "to_client": 0.842,
+        "ttft": 267.08,
+        "prepare_headers": 12.948,
+        "prepare_body": 6.309,
     }
-    parts = sum(value for key, value in row.items() if key != "ttft")
+    parts = sum(row[key] for key, _ in STAGES if key != "ttft")
     assert parts == pytest.approx(row["ttft"], abs=1e-6)
 
 
 def test_requests_without_a_line_or_an_emitted_time_are_left_out() -> None:
     firsts = [
-        ("7f0c2a", SENT_NS, FIRST_NS, 0),
+        (ID, SENT_NS, FIRST_NS, 0),
         ("not-logged", SENT_NS, FIRST_NS, EMITTED_NS),
     ]
     assert joined(firsts, edge_times(lines())) == []
 
 
 def test_summary_gives_each_stages_p50_and_p99_over_the_joined() -> None:
-    rows = [{key: float(n) for key, _ in STAGES} for n in range(1, 101)]
+    rows = [{key: float(n) for key in [k for k, _ in STAGES] + list(PARTS)} for n in range(1, 101)]
     figures = summary(rows, requests=104)
     assert (figures["requests"], figures["joined"]) == (104, 100)
     assert figures["worker_first"] == {"p50_ms": 50.0, "p99_ms": 99.0}
+    assert figures["prepare_body"] == {"p50_ms": 50.0, "p99_ms": 99.0}
     assert "ttft" not in summary([], 3)
 
 
 def test_the_log_is_read_from_where_it_stood_when_opened(tmp_path: Path) -> None:
     log = tmp_path / "envoy.log"
-    log.write_bytes(json.dumps(EDGE_LINE).encode() + b"\n")
+    log.write_bytes(EDGE_LINE.encode() + b"\n")
     opened = EdgeLog(log)
-    later = {**EDGE_LINE, "request_id": "b2"}
     with log.open("ab") as text:
-        text.write(json.dumps(later).encode() + b"\n")
-    assert set(opened.times({"7f0c2a", "b2"}, within=0)) == {"b2"}
+        text.write(edge_line(request_id="b2").encode() + b"\n")
+    assert set(opened.times({ID, "b2"}, within=0)) == {"b2"}
 
 
 METRICS = """\
@@ -158,7 +181,7 @@ def test_the_table_lists_stages_and_the_clients_ttft_where_nothing_joined() -> N
     mesh = {
         "path": "edge gRPC", "streams": 32, "ttft_ms": {"p50_ms": 40.0, "p99_ms": 90.0},
         "first_token_stages": {
-            **summary([{key: 2.0 for key, _ in STAGES}], 1),
+            **summary([{key: 2.0 for key in [k for k, _ in STAGES] + list(PARTS)}], 1),
             "histograms": {"engine_ttft": {"p50_ms": 17.5, "p99_ms": 39.5, "count": 10}},
         },
     }  # fmt: skip
