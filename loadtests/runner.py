@@ -11,6 +11,7 @@ import multiprocessing
 import os
 import resource
 import time
+import uuid
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -71,6 +72,10 @@ class RunConfig:
     # gRPC targets: connections each generator process spreads its streams over (a server's
     # processes that share a port, SO_REUSEPORT, are spread by connection).
     connections: int = 1
+    # llm target: each request carries an x-request-id of its own, and the result lists each
+    # measured request's first message as (request id, sent, first message read, the worker's
+    # emitted_unix_nanos), in wall-clock ns (loadtests/first_token_stages.py).
+    request_ids: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in ("closed", "open"):
@@ -125,6 +130,9 @@ class Recorder:
     all_tokens: int = 0
     # Every message that carried tokens, likewise (a message may carry several).
     all_messages: int = 0
+    # (request id, sent ns, first message ns, its emitted ns) per measured request that
+    # carried its own id (RunConfig.request_ids), wall clock.
+    firsts: list[tuple[str, int, int, int]] = field(default_factory=list)
 
     def record(
         self,
@@ -160,11 +168,13 @@ async def one_request(
     limit: float,
     slow_interval: float = 0.0,
     server_gaps: list[float] | None = None,
+    first_message: list[Message] | None = None,
 ) -> tuple[float | None, list[float], float, int, str, str, int]:
     """Stream one request: (first message time, gaps between messages, end time, tokens,
     status, first warning, messages that carried tokens). Times are time.perf_counter()
     values. server_gaps, when given, gets the gaps between the worker's emission times
-    (tokenmesh targets): what the client's gaps would be with no transport in between."""
+    (tokenmesh targets): what the client's gaps would be with no transport in between.
+    first_message, when given, gets the first message that carried tokens."""
     first: float | None = None
     emitted = 0
     previous = 0.0
@@ -184,6 +194,8 @@ async def one_request(
                 now = time.perf_counter()
                 if first is None:
                     first, warning = now, message.warning
+                    if first_message is not None:
+                        first_message.append(message)
                 else:
                     gaps.append(now - previous)
                 # A message of several tokens: the ones after its first came at no gap.
@@ -233,8 +245,14 @@ async def run_shard(
 
     async def run(spec: RequestSpec, start: float, counted: bool) -> None:
         server_gaps: list[float] = []
+        first_message: list[Message] = []
+        if config.request_ids:
+            spec = replace(spec, request_id=uuid.uuid4().hex)
+        # The wall clock beside the monotonic one: the first message's time joins Envoy's
+        # and the worker's (request_ids).
+        sent_ns, sent = time.time_ns(), time.perf_counter()
         first, gaps, end, tokens, status, warning, messages = await one_request(
-            target, spec, config.timeout, server_gaps=server_gaps
+            target, spec, config.timeout, server_gaps=server_gaps, first_message=first_message
         )
         recorder.all_tokens += tokens
         recorder.all_messages += messages
@@ -243,6 +261,17 @@ async def run_shard(
             if status == "OK":
                 for gap in server_gaps:
                     recorder.server_itl.record(gap)
+            if (
+                spec.request_id
+                and status == "OK"
+                and first is not None
+                and first_message
+                and len(recorder.firsts) < TIMELINE_LIMIT
+            ):
+                first_ns = sent_ns + round((first - sent) * 1e9)
+                recorder.firsts.append(
+                    (spec.request_id, sent_ns, first_ns, first_message[0].emitted_ns)
+                )
             if progress is not None:
                 with progress.get_lock():
                     progress.value += 1
@@ -323,6 +352,7 @@ async def run_shard(
         "bytes_received": counter.received if counter else None,
         "all_tokens": recorder.all_tokens,
         "all_messages": recorder.all_messages,
+        "firsts": recorder.firsts,
         # Shards start within a second or so of each other; offsets are per shard.
         "started_unix": time.time() - wall,
     }
@@ -438,6 +468,7 @@ def merge(config: RunConfig, shards: list[dict[str, Any]], started: datetime) ->
             name: histograms[name].encode() for name in ("ttft", "itl", "e2e", "server_itl")
         },
         "timeline": sorted(row for shard in shards for row in shard["timeline"]),
+        "firsts": [row for shard in shards for row in shard["firsts"]],
     }
 
 
@@ -543,4 +574,5 @@ def combine(results: list[dict[str, Any]]) -> dict[str, Any]:
         "wire_bytes": wire,
         "histograms": {name: latencies.encode() for name, latencies in histograms.items()},
         "timeline": [row for r in results for row in r["timeline"]][:TIMELINE_LIMIT],
+        "firsts": [row for r in results for row in r.get("firsts", [])],
     }

@@ -141,7 +141,9 @@ class LLMTarget(_Grpc):
             top_k_documents=2 if self.documents else 0,
         )
         stub = llm_pb2_grpc.LLMServiceStub(self.channel)
-        async for token in stub.Generate(request, timeout=limit):
+        # The caller's own request id finds the stream's lines in Envoy's access log.
+        metadata = (("x-request-id", spec.request_id),) if spec.request_id else None
+        async for token in stub.Generate(request, timeout=limit, metadata=metadata):
             warning = token.warnings[0] if token.warnings else ""
             yield Message(token_count(token), warning, emitted_ns=token.emitted_unix_nanos)
 

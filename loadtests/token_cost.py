@@ -9,7 +9,11 @@ gateways prepare, Envoy streams from the workers; the second one the gateway pat
 and 64 streams the edge with stream_interval 8, and a second vLLM server placed as the mesh
 places a worker (its engine's processes on the engine's core, the server's threads on the
 others; --no-placed-baseline leaves it out). With --profile, py-spy samples the worker and
-the gateway during an extra gRPC round, and the report lists where their time goes.
+the gateway during an extra gRPC round, and the report lists where their time goes. On the
+edge's own path (the direct token path) each request carries its own x-request-id, and the
+report splits its first token's wait by stage, p50 and p99 (loadtests/first_token_stages.py):
+arrival at the edge → prepared → sent to the worker → the worker's first message → first byte
+at Envoy → first byte to the caller, beside the client's TTFT and vLLM's own.
 
     python -m loadtests.token_cost [--quick] [--rounds 3] [--profile] [--relay] [--out DIR]
     python -m loadtests bench --scenarios cost
@@ -23,13 +27,10 @@ import argparse
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -37,7 +38,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtests import report
+from loadtests import first_token_stages, report
+from loadtests.profiles import profile_services
 from loadtests.runner import RunConfig, combine, run
 from loadtests.scenarios import (
     RESULTS,
@@ -46,7 +48,6 @@ from loadtests.scenarios import (
     private_mesh,
 )
 from tests.harness.meshes import second_envoy
-from tokenmesh.common.processes import stop_process
 from tokenmesh.localmesh.mesh import LocalMesh
 from tokenmesh.meshconfig.config import MeshSettings
 from tokenmesh.worker.placement import descendants
@@ -70,20 +71,6 @@ STRUCTURED_SCHEMA = {
 }
 STRUCTURED_CONCURRENCY = (8, 32)
 TICKS = os.sysconf("SC_CLK_TCK")
-# Only frames of these packages are listed as where a service's time goes (the rest is the
-# interpreter, asyncio and the standard library, shown by their callers).
-PROFILED_PACKAGES = ("tokenmesh", "grpc", "google/protobuf", "prometheus_client", "opentelemetry")
-# Each sample is put down to the innermost frame that names one of these (first match wins
-# per frame; py-spy --native shows gRPC's C core and Cython, upb and uvloop by library name).
-CATEGORIES = (
-    ("gRPC (C core, Cython, grpc.aio)", ("grpc", "cygrpc", "libgrpc")),
-    ("protobuf (upb)", ("protobuf", "upb")),
-    ("vLLM", ("vllm/",)),
-    ("metrics, logs, traces", ("prometheus_client", "opentelemetry", "logging/")),
-    ("event loop (uvloop, asyncio)", ("uvloop", "asyncio/", "selectors")),
-    ("tokenmesh", ("tokenmesh/",)),
-    ("interpreter, libc, kernel", ("libpython", "libc", "python3", "_PyEval", "syscall")),
-)
 
 
 def cpu_seconds(pids: list[int]) -> float:
@@ -116,6 +103,12 @@ class Route:
     interval: int = 0
     # The JSON schema every answer follows (openai targets; "": plain text).
     structured_json: str = ""
+    # Histograms read around each run (first_token_stages.HISTOGRAMS' names): metrics port
+    # and metric.
+    histograms: dict[str, tuple[int, str]] = field(default_factory=dict)
+    # The edge Envoy's access log, on the direct token path: each request carries its own
+    # x-request-id, and its line places the first token's stages (first_token_stages).
+    access_log: Path | None = None
 
 
 # The mesh's own edge (its token path as configured) and a second Envoy on the other path.
@@ -149,6 +142,14 @@ def mesh_path(local_mesh: LocalMesh) -> Route:
             )
             if program.metrics_port is not None
         },
+        histograms={
+            name: (program.metrics_port, metric)
+            for name, (service, metric) in first_token_stages.HISTOGRAMS.items()
+            if (program := local_mesh.program(f"{service}-0")).metrics_port is not None
+        },
+        access_log=(
+            local_mesh.log_dir / "envoy.log" if local_mesh.settings.direct_token_path else None
+        ),
     )
 
 
@@ -169,6 +170,7 @@ def other_path(mesh: Route, envoy: MeshSettings, envoy_pid: int) -> Route:
         address=f"127.0.0.1:{envoy.edge_port}",
         processes={**mesh.processes, "envoy": [envoy_pid]},
         hops={"envoy": 1 if envoy.direct_token_path else 2},
+        access_log=None,
     )
 
 
@@ -192,6 +194,8 @@ def sse_path(address: str, server: int, placed: bool = False) -> Route:
         model="tiny",
         processes={"api_server": [server], "engine": descendants(server)},
         hops={},
+        # vLLM's own TTFT (its engine's arrival to first token), from its server's /metrics.
+        histograms={"engine_ttft": (int(address.rsplit(":", 1)[1]), first_token_stages.VLLM_TTFT)},
     )
 
 
@@ -217,14 +221,32 @@ def measured_run(config: RunConfig, path: Route) -> dict[str, Any]:
     service measured itself (request in to first token out)."""
     before = {name: cpu_seconds(pids) for name, pids in path.processes.items()}
     ttft_before = {name: ttft_totals(port) for name, port in path.metrics.items()}
+    histograms_before = histogram_buckets(path)
+    log = first_token_stages.EdgeLog(path.access_log) if path.access_log else None
     result = run(config, show_progress=False)
     after = {name: cpu_seconds(pids) for name, pids in path.processes.items()}
+    histograms = histogram_buckets(path)
+    result["histogram_buckets"] = {
+        name: first_token_stages.difference(histograms[name], histograms_before[name])
+        for name in histograms
+    }
+    if log is not None:
+        lines = log.times({row[0] for row in result["firsts"]})
+        result["stage_rows"] = first_token_stages.joined(result["firsts"], lines)
     result["cpu_seconds"] = {name: after[name] - before[name] for name in before}
     result["server_ttft_totals"] = {
         name: [a - b for a, b in zip(ttft_totals(port), ttft_before[name], strict=True)]
         for name, port in path.metrics.items()
     }
     return result
+
+
+def histogram_buckets(path: Route) -> dict[str, dict[float, float]]:
+    """The cumulative bucket counts of the route's histograms, by their names."""
+    return {
+        name: first_token_stages.buckets(port, [metric])[metric]
+        for name, (port, metric) in path.histograms.items()
+    }
 
 
 def per_token(result: dict[str, Any], path: Route) -> dict[str, Any]:
@@ -257,6 +279,8 @@ def summary_row(result: dict[str, Any], path: Route, concurrency: int) -> dict[s
         "cpu_us_per_token": per_token(result, path),
         "generator_cpu_fraction": result["generator"]["cpu_fraction_per_process"],
         "load_average_per_round": result.get("load_average_per_round"),
+        # Where the first token waited, by stage (first_token_stages), p50 and p99.
+        "first_token_stages": result.get("first_token_stages"),
     }
 
 
@@ -408,6 +432,7 @@ def cost(
                     structured_json=path.structured_json,
                     cpus=generator_cores,
                     label=f"{path.label} c={c}",
+                    request_ids=path.access_log is not None,
                 )
                 for path in routes
             ]
@@ -420,6 +445,7 @@ def cost(
             rows.extend(group)
             comparisons[str(c)] = compare(group)
             print(markdown(group, {str(c): comparisons[str(c)]}), file=sys.stderr, flush=True)
+            print(first_token_stages.markdown(group), file=sys.stderr, flush=True)
         report_: dict[str, Any] = {
             # The path of the mesh's own edge ("edge gRPC"); the second Envoy has the other.
             "mesh_token_path": "direct" if local_mesh.settings.direct_token_path else "gateway",
@@ -428,10 +454,21 @@ def cost(
             "profiles": None,
         }
         (bench.out / name).mkdir(parents=True, exist_ok=True)
-        (bench.out / name / "cost.md").write_text(markdown(rows, comparisons))
+        (bench.out / name / "cost.md").write_text(
+            markdown(rows, comparisons)
+            + "\nWhere the first token waits, by stage (p50 / p99 ms):\n\n"
+            + first_token_stages.markdown(rows)
+        )
         report.write_json(report_, bench.out / name / "summary.json")
         if profile:
-            report_["profiles"] = profile_services(bench, local_mesh, mesh)
+            config = bench.config(
+                target=mesh.target, address=mesh.address, concurrency=32, processes=2,
+                duration=bench.round_seconds, output_tokens=OUTPUT_TOKENS, label="profiled c=32",
+            )  # fmt: skip
+            services = {name: mesh.processes[name][0] for name in ("worker", "gateway")}
+            report_["profiles"] = profile_services(
+                config, services, bench.round_seconds + 4, bench.out / "cost" / "profiles"
+            )
             report.write_json(report_, bench.out / name / "summary.json")
     return report_
 
@@ -469,95 +506,24 @@ def combined_run(results: list[dict[str, Any]]) -> dict[str, Any]:
     # First tokens that took a service over 1 s, beside the client's own count.
     combined["ttft_over_1s"] = {name: int(over) for name, (_, _, over) in ttft.items()}
     combined["ttft_over_1s"]["client"] = sum(1 for row in combined["timeline"] if row[1] > 1.0)
+    # The first token's stages over every round's joined requests, and the histograms'.
+    counts: dict[str, Counter[float]] = {}
+    for result in results:
+        for metric, buckets in result.get("histogram_buckets", {}).items():
+            counts.setdefault(metric, Counter()).update(buckets)
+    stage_rows = [row for result in results for row in result.get("stage_rows", [])]
+    if stage_rows or counts:
+        firsts = sum(len(result.get("firsts", [])) for result in results)
+        combined["first_token_stages"] = {
+            **first_token_stages.summary(stage_rows, firsts),
+            "histograms": first_token_stages.histogram_summary(counts),
+        }
+    for key in ("firsts", "stage_rows", "histogram_buckets"):
+        combined.pop(key, None)
     messages = sum(r.get("messages_received", 0) for r in results)
     if messages:
         combined["tokens_per_message"] = round(combined["tokens_received"] / messages, 2)
     return combined
-
-
-@contextmanager
-def sampling(name: str, process: int, seconds: float, out: Path) -> Iterator[Path]:
-    """py-spy records one process (every thread, on-CPU samples only, without pausing it)
-    while the block runs. Python frames only: --native needs py-spy to pause the process, and
-    then it samples idle threads as if they ran (tried: each of the worker's six threads got
-    the same 16 %)."""
-    raw = out / f"{name}.txt"
-    log = raw.with_suffix(".py-spy.log")
-    spy = Path(sys.executable).parent / "py-spy"
-    command = [str(spy), "record", "--pid", str(process), "--duration", str(int(seconds)),
-               "--rate", "200", "--format", "raw", "--threads", "--nonblocking",
-               "--output", str(raw)]  # fmt: skip
-    with log.open("w") as output:
-        recorder = subprocess.Popen(command, stdout=output, stderr=output)
-        try:
-            yield raw
-        finally:
-            # py-spy ends on its own after `seconds` and writes its profile then.
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                recorder.wait(seconds + 30)
-            stop_process(recorder, 10)
-
-
-def where_time_goes(raw: Path, top: int = 25) -> dict[str, Any]:
-    """From py-spy's collapsed stacks: each thread's share of the samples, and the share of the
-    frames of PROFILED_PACKAGES (inclusive: a frame and what it calls), largest first."""
-    if not raw.exists():
-        log = raw.with_suffix(".py-spy.log")
-        return {"error": log.read_text().strip() if log.exists() else "py-spy wrote nothing"}
-    threads: Counter[str] = Counter()
-    inclusive: Counter[str] = Counter()
-    categories: Counter[str] = Counter()
-    total = 0
-    for line in raw.read_text().splitlines():
-        stack, _, count_text = line.rpartition(" ")
-        if not stack:
-            continue
-        count = int(count_text)
-        frames = stack.split(";")
-        total += count
-        threads[frames[0]] += count
-        categories[category(frames[1:])] += count
-        seen = set()
-        for frame in frames[1:]:
-            if any(package in frame for package in PROFILED_PACKAGES) and frame not in seen:
-                seen.add(frame)
-                inclusive[frame] += count
-    share = {frame: round(100 * n / total, 1) for frame, n in inclusive.most_common(top)}
-    return {
-        "samples": total,
-        "threads_percent": {t: round(100 * n / total, 1) for t, n in threads.most_common(8)},
-        "innermost_library_percent": {
-            name: round(100 * n / total, 1) for name, n in categories.most_common()
-        },
-        "frames_percent": share,
-    }
-
-
-def category(frames: list[str]) -> str:
-    """What the innermost frame of a sample that names a known library belongs to."""
-    for frame in reversed(frames):
-        for name, marks in CATEGORIES:
-            if any(mark in frame for mark in marks):
-                return name
-    return "other"
-
-
-def profile_services(bench: Bench, local_mesh: LocalMesh, path: Route) -> dict[str, Any]:
-    """py-spy on the worker and the gateway during one gRPC run at 32 streams."""
-    seconds = bench.round_seconds + 4
-    out = bench.out / "cost" / "profiles"
-    out.mkdir(parents=True, exist_ok=True)
-    config = bench.config(
-        target=path.target, address=path.address, concurrency=32, processes=2,
-        duration=bench.round_seconds, output_tokens=OUTPUT_TOKENS, label="profiled c=32",
-    )  # fmt: skip
-    with (
-        sampling("worker", path.processes["worker"][0], seconds, out) as worker,
-        sampling("gateway", path.processes["gateway"][0], seconds, out) as gateway,
-    ):
-        print("[cost] py-spy on the worker and the gateway, c=32", file=sys.stderr, flush=True)
-        run(config, show_progress=False)
-    return {"worker": where_time_goes(worker), "gateway": where_time_goes(gateway)}
 
 
 def main() -> None:

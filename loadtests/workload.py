@@ -56,6 +56,8 @@ class RequestSpec:
     max_tokens: int
     # The shared prefix the prompt starts with (Workload.prefixes), -1: none.
     prefix: int = -1
+    # The x-request-id the request carries (llm target; "": none, Envoy makes one).
+    request_id: str = ""
 
 
 @dataclass(frozen=True)

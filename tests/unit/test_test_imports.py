@@ -13,6 +13,7 @@ TESTS = ROOT / "tests"
 TOOL_TESTS = {
     "tests/unit/test_loadgen.py",
     "tests/unit/test_token_cost.py",
+    "tests/unit/test_first_token_stages.py",
     "tests/unit/test_prefix_workload.py",
     "tests/unit/test_auth_bench.py",
     "tests/integration/test_loadgen.py",

@@ -7,7 +7,8 @@ import time
 from pathlib import Path
 
 from loadtests import report
-from loadtests.token_cost import Route, cpu_seconds, per_token, where_time_goes
+from loadtests.profiles import where_time_goes
+from loadtests.token_cost import Route, cpu_seconds, per_token
 
 
 def test_cpu_seconds_count_this_process_busy_work() -> None:

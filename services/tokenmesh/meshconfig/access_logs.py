@@ -14,6 +14,7 @@ from tokenmesh.common.tokens import (
 )
 from tokenmesh.meshconfig.config import MeshSettings
 from tokenmesh.meshconfig.constants import GATEWAY, TYPE, WORKER, Config, seconds
+from tokenmesh.meshconfig.direct_path import EXT_PROC
 
 ACCESS_LOG_FIELDS = {
     "time": "%START_TIME%",
@@ -39,6 +40,13 @@ ACCESS_LOG_FIELDS = {
     "first_sent_ms": "%COMMON_DURATION(DS_RX_BEG:DS_TX_BEG:ms)%",
     "bytes_sent": "%BYTES_SENT%",
     "request_id": "%REQ(X-REQUEST-ID)%",
+    # The stream's start and the first response's waits again in µs (a first token's stages
+    # take a few ms or less): loadtests/first_token_stages.py places them between the
+    # client's clock and the worker's (Token.emitted_unix_nanos), all the wall clock.
+    "start_unix_us": "%START_TIME(%s%6f)%",
+    "upstream_sent_us": "%COMMON_DURATION(DS_RX_BEG:US_TX_BEG:us)%",
+    "first_byte_us": "%COMMON_DURATION(DS_RX_BEG:US_RX_BEG:us)%",
+    "first_sent_us": "%COMMON_DURATION(DS_RX_BEG:DS_TX_BEG:us)%",
 }
 # How often each Envoy thread sends the direct streams' access-log entries it holds.
 DIRECT_LOG_FLUSH_SECONDS = 0.5
@@ -46,7 +54,14 @@ DIRECT_LOG_FLUSH_SECONDS = 0.5
 
 # The edge's line also names the worker a direct stream ended on (its answer's UPSTREAM_HEADER,
 # which the edge keeps in its metadata: direct_path.caller_content_type), relayed or not.
-EDGE_FIELDS = {"worker": f"%DYNAMIC_METADATA({EDGE_METADATA}:{EDGE_WORKER})%"}
+# With the direct token path, how long the edge waited on the gateway's answers to the
+# request's headers and to its body (the external processor's logging info): the request's
+# preparation, the gRPC hop to the gateway included.
+EDGE_FIELDS = {
+    "worker": f"%DYNAMIC_METADATA({EDGE_METADATA}:{EDGE_WORKER})%",
+    "prepare_headers_us": f"%FILTER_STATE({EXT_PROC}:FIELD:request_header_latency_us)%",
+    "prepare_body_us": f"%FILTER_STATE({EXT_PROC}:FIELD:request_body_total_latency_us)%",
+}
 # The edge's stream relay's dynamic metadata (envoy/relay): the worker a stream ended on, and
 # how often it moved to another worker and was parked while its caller did not read.
 RELAY_METADATA = "tokenmesh.relay"
