@@ -6,9 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from loadtests import report
 from loadtests.runner import RunConfig, run
 from tests.support import ServiceProcess
+
+pytestmark = pytest.mark.integration
 
 
 def test_closed_loop_against_a_real_worker_completes_without_errors(

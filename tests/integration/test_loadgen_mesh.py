@@ -12,6 +12,8 @@ import pytest
 from loadtests.runner import RunConfig, run
 from tokenmesh.localmesh.mesh import LocalMesh
 
+pytestmark = pytest.mark.integration
+
 BRIEF = {"duration": 1.5, "warmup": 0.5, "requests": 60, "output_tokens": "8"}
 
 

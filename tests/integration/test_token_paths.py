@@ -19,6 +19,8 @@ from tests.support import positions
 from tokenmesh.localmesh.mesh import LocalMesh
 from tokenmesh.v1 import llm_pb2, llm_pb2_grpc, token_pb2
 
+pytestmark = pytest.mark.integration
+
 PATHS = ("direct", "gateway")
 
 
