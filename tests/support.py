@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -103,8 +104,10 @@ class ServiceProcess:
     port: int
     metrics_port: int
     process: subprocess.Popen[bytes] | None = None
-    # Every distinct health status seen while waiting for readiness, in order.
+    # Every distinct health status seen from the start until SERVING, in order.
     health_history: list[str] = field(default_factory=list)
+    # Polls health from the start (start()), however late a test waits (wait_serving).
+    _watch: threading.Thread | None = field(default=None, repr=False, compare=False)
 
     @property
     def address(self) -> str:
@@ -130,23 +133,33 @@ class ServiceProcess:
                 cwd=ROOT,
                 start_new_session=True,
             )
+        # From the start, so the history holds the load's NOT_SERVING however late a test
+        # waits (a session's heavy processes start long before their first test).
+        self._watch = threading.Thread(
+            target=self._watch_health, args=(self.process,), name="health-watch", daemon=True
+        )
+        self._watch.start()
 
-    def wait_serving(self, timeout: float) -> None:
-        """Poll health until SERVING, recording the statuses seen; fail on exit or timeout."""
-        assert self.process is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"{self.module} exited with {self.process.returncode}:\n{self.log_tail()}"
-                )
+    def _watch_health(self, process: subprocess.Popen[bytes]) -> None:
+        """Poll health until SERVING or the process's exit, recording the statuses seen."""
+        while process.poll() is None:
             status = health_status(self.address)
             if not self.health_history or self.health_history[-1] != status:
                 self.health_history.append(status)
             if status == "SERVING":
                 return
             time.sleep(0.2)
-        raise TimeoutError(f"{self.module} not SERVING after {timeout}s:\n{self.log_tail()}")
+
+    def wait_serving(self, timeout: float) -> None:
+        """Wait until health answers SERVING; fail on exit or timeout."""
+        assert self.process is not None and self._watch is not None
+        self._watch.join(timeout)
+        if self._watch.is_alive():
+            raise TimeoutError(f"{self.module} not SERVING after {timeout}s:\n{self.log_tail()}")
+        if self.process.poll() is not None:
+            raise RuntimeError(
+                f"{self.module} exited with {self.process.returncode}:\n{self.log_tail()}"
+            )
 
     def log_tail(self, lines: int = 40) -> str:
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
