@@ -279,13 +279,16 @@ class WorkerCount:
         )
 
 
-def envoy_sees_streams(streams: dict[str, int], received: int, sent: int | None) -> bool:
-    """Envoy has streams open to every worker, and more than a token's bytes per open stream
-    came from the workers (and, with `sent`, a few tokens' bytes per stream left the edge)."""
+def envoy_sees_streams(
+    streams: dict[str, int], received: int, sent: int | None, every: bool = True
+) -> bool:
+    """Envoy has streams open to every worker (every=False: to one at least), and more than a
+    token's bytes per open stream came from the workers (and, with `sent`, a few tokens' bytes
+    per stream left the edge)."""
     total = sum(streams.values())
     return (
         bool(streams)
-        and all(streams.values())
+        and (all(streams.values()) if every else any(streams.values()))
         and received >= TOKEN_BYTES * total
         and (sent is None or sent >= CLIENT_BYTES * total)
     )
@@ -417,6 +420,7 @@ class ScenarioMesh:
         before: dict[str, WorkerCount],
         to_clients: bool = False,
         in_flight: bool = False,
+        busiest_only: bool = False,
     ) -> tuple[dict[str, int] | None, dict[str, Any]]:
         """Once every worker has streams open at Envoy and tokens are coming from the workers
         (Envoy has received more than a token's bytes per open stream since this began), call
@@ -432,7 +436,9 @@ class ScenarioMesh:
         Generate streams it has not finished (see workers_generating): Envoy's bytes are the
         cluster's, and a worker whose engine has not started yet has streams open but none
         answered, which Envoy retries elsewhere when it dies, so its kill would test nothing
-        (docs/failure-behaviour.md). A busy worker that does not answer within
+        (docs/failure-behaviour.md). busiest_only: only the worker with the most streams open
+        must have them, and be generating (a scenario that kills that one, wherever the
+        streams went). A busy worker that does not answer within
         WATCH_CALL_TIMEOUT_SECONDS is asked again on the next look.
 
         Blocking, for a thread of its own, so that neither the polling nor the kill waits for
@@ -469,7 +475,7 @@ class ScenarioMesh:
                 sent_bytes=sent or 0,
                 looks=seen["looks"] + 1,
             )
-            if envoy_sees_streams(streams, received, sent):
+            if envoy_sees_streams(streams, received, sent, every=not busiest_only):
                 asked = time.monotonic()
                 counts = self.worker_counts(WATCH_CALL_TIMEOUT_SECONDS)
                 seen["slowest_worker_metrics_s"] = round(
@@ -481,7 +487,8 @@ class ScenarioMesh:
                     if name in before
                 }
                 seen["worker_unfinished"] = {n: c.unfinished for n, c in counts.items()}
-                if workers_generating(workers, before, counts, in_flight):
+                generating = [max(workers, key=streams.__getitem__)] if busiest_only else workers
+                if workers_generating(generating, before, counts, in_flight):
                     kill(streams)
                     seen["after_s"] = round(time.monotonic() - begun, 2)
                     return streams, seen
