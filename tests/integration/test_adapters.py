@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import urllib.request
 from typing import Any
 
 import grpc
@@ -39,7 +38,7 @@ from tests.harness.adapter_meshes import (
 from tests.integration.test_mesh_dashboards import ADAPTER_ONLY, panel_targets, series, substitute
 from tests.support import metric_value, ready_mesh, scrape_metrics
 from tokenmesh.localmesh.mesh import LocalMesh, Program
-from tokenmesh.localmesh.probes import fetch_text
+from tokenmesh.localmesh.probes import fetch_text, http_ok
 from tokenmesh.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -83,14 +82,11 @@ def vllm_server(lora_server_started: LoraServer) -> int:
     """vLLM's own server, serving: its port."""
     process, port, log = lora_server_started
     deadline = time.monotonic() + 600
-    while True:
+    while not http_ok(f"http://127.0.0.1:{port}/health"):
         assert process.poll() is None, log.read_text()[-4000:]
         assert time.monotonic() < deadline, "vLLM's server not up in 600 s"
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                return port
-        except OSError:
-            time.sleep(1)
+        time.sleep(1)
+    return port
 
 
 def completions(client: openai.OpenAI, model: str) -> list[str]:
