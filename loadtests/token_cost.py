@@ -31,6 +31,7 @@ import sys
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -47,9 +48,10 @@ from loadtests.scenarios import (
     openai_server,
     private_mesh,
 )
-from tests.harness.meshes import second_envoy
+from tests.harness.meshes import environment, second_envoy
 from tokenmesh.localmesh.mesh import LocalMesh
 from tokenmesh.meshconfig.config import MeshSettings
+from tokenmesh.worker.config import WorkerSettings
 from tokenmesh.worker.placement import descendants
 
 CONCURRENCY = (1, 32, 64)
@@ -181,6 +183,22 @@ def structured(path: Route) -> Route:
     )
 
 
+@contextlib.contextmanager
+def variant_mesh(worker_settings: dict[str, str]) -> Iterator[LocalMesh]:
+    """A private mesh whose worker has these settings (TOKENMESH_WORKER_*, in the environment
+    its supervisord starts with; the rest of the run keeps its own)."""
+    stack = contextlib.ExitStack()
+    with environment({f"TOKENMESH_WORKER_{k.upper()}": v for k, v in worker_settings.items()}):
+        local_mesh = stack.enter_context(private_mesh())
+    with stack:
+        yield local_mesh
+
+
+def variant_path(local_mesh: LocalMesh, worker_settings: dict[str, str]) -> Route:
+    settings = ", ".join(f"{k}={v}" for k, v in worker_settings.items())
+    return replace(mesh_path(local_mesh), label=f"{MESH_LABEL}, worker {settings}")
+
+
 def interval_path(mesh: Route, interval: int) -> Route:
     """The same mesh, each request asking for messages of `interval` tokens (stream_interval)."""
     return replace(mesh, label=f"edge gRPC stream_interval={interval}", interval=interval)
@@ -299,6 +317,10 @@ def compare(rows: list[dict[str, Any]]) -> dict[str, Any]:
         if sse["tokens_per_second"]
     }
     for row in rows[2:]:
+        if sse_ttft is not None and row["ttft_ms"]["p50_ms"] is not None:
+            interval[f"{row['path']} ttft_p50_difference_ms"] = round(
+                row["ttft_ms"]["p50_ms"] - sse_ttft, 1
+            )
         if row["path"] == PLACED_SSE and row["tokens_per_second"]:
             # The mesh against vLLM's server placed as the mesh is.
             interval["tokens_per_second_ratio_vs_placed_sse"] = round(
@@ -353,11 +375,14 @@ def cost(
     placed_baseline: bool = True,
     structured_outputs: bool = False,
     relay: bool = False,
+    worker_variant: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Both servers up; each concurrency's runs interleaved, mesh then SSE, `rounds` times.
     With openai: the edge's OpenAI SSE first, then vLLM's, then the edge's gRPC, at 8, 32 and
     64 streams (results under openai/). With structured_outputs: the edge's OpenAI SSE and
-    vLLM's, each plain and with STRUCTURED_SCHEMA, at 8 and 32 streams (under structured/)."""
+    vLLM's, each plain and with STRUCTURED_SCHEMA, at 8 and 32 streams (under structured/).
+    With worker_variant (worker settings, e.g. {"gil_switch_interval_ms": "0.5"}): a second
+    private mesh whose worker has them, its edge a path of its own beside the first's."""
     openai = openai or structured_outputs
     if concurrency is None:
         concurrency = OPENAI_CONCURRENCY if openai else CONCURRENCY
@@ -391,6 +416,7 @@ def cost(
             if relay and not openai
             else contextlib.nullcontext((None, 0))
         ) as (router, router_pid),
+        variant_mesh(worker_variant) if worker_variant else contextlib.nullcontext(None) as variant,
         openai_server() as (address, server),
         openai_server(placed=True) if placed_baseline else contextlib.nullcontext(("", 0)) as (
             placed_address,
@@ -412,6 +438,8 @@ def cost(
         else:
             assert other is not None
             paths = [mesh, sse, other_path(mesh, other, other_pid)]
+            if variant is not None and worker_variant:
+                paths.insert(2, variant_path(variant, worker_variant))
             if router is not None:
                 paths.append(replace(other_path(mesh, router, router_pid), label=ROUTER_LABEL))
         if placed_baseline and not structured_outputs:
@@ -552,7 +580,18 @@ def main() -> None:
         action="store_true",
         help="skip the second vLLM server placed as the mesh (engine core pinned)",
     )
+    parser.add_argument(
+        "--worker-variant",
+        action="append",
+        default=[],
+        metavar="SETTING=VALUE",
+        help="a second mesh whose worker has this setting (WorkerSettings' name), its edge "
+        "measured beside the first's in the same rounds; repeatable",
+    )
     args = parser.parse_args()
+    variant = dict(item.split("=", 1) for item in args.worker_variant)
+    if unknown := set(variant) - set(WorkerSettings.model_fields):
+        parser.error(f"--worker-variant: {sorted(unknown)} are not worker settings")
     streams = tuple(int(n) for n in args.streams.split(",")) if args.streams else None
     stamp = datetime.now(UTC).strftime("%Y-%m-%d")
     bench = Bench(args.out or RESULTS / (stamp + ("-quick" if args.quick else "")), args.quick)
@@ -566,6 +605,7 @@ def main() -> None:
         not args.no_placed_baseline,
         args.structured,
         args.relay,
+        variant or None,
     )
     name = "structured" if args.structured else "openai" if args.openai else "cost"
     result["machine"] = {

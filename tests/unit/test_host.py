@@ -8,6 +8,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 from typing import Any
 
 import pytest
@@ -15,9 +16,11 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.consul_fake import FakeConsul
-from tests.support import eventually
+from tests.support import eventually, switch_interval_kept  # noqa: F401 (a fixture)
 from tokenmesh.common.host import ServiceHost
 from tokenmesh.common.settings import ServiceSettings
+
+pytestmark = pytest.mark.usefixtures("switch_interval_kept")
 
 PROMPTLY = 5.0
 NAMES = ("tokenmesh.v1.TestService",)
@@ -168,3 +171,11 @@ async def test_a_signal_during_start_cancels_it_and_exits_0() -> None:
     os.kill(os.getpid(), signal.SIGTERM)
     assert await asyncio.wait_for(running, PROMPTLY) == 0
     assert cancelled.is_set()
+
+
+def test_the_host_sets_its_processs_gil_switch_interval() -> None:
+    # A worker's gRPC loop shares the GIL with its engine's thread (decision 0036).
+    ServiceHost("test", settings(gil_switch_interval_ms=0.25), NAMES)
+    assert sys.getswitchinterval() == pytest.approx(0.00025)
+    ServiceHost("test", settings(), NAMES)
+    assert sys.getswitchinterval() == pytest.approx(0.005)

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import sys
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
@@ -64,6 +65,7 @@ class ServiceHost:
     ) -> None:
         if pin_now:
             pin_threads(settings.cores)  # before any thread starts: they inherit it
+        sys.setswitchinterval(settings.gil_switch_interval_ms / 1000)
         self.role = role
         # The Envoy cluster it registers as in Consul (its role's by default).
         self._cluster = cluster

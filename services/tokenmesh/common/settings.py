@@ -62,6 +62,21 @@ class ServiceSettings(BaseSettings):
             "not use. A worker's own engine keeps the cores it binds (cpu_threads_bind)."
         ),
     )
+    gil_switch_interval_ms: float = Field(
+        default=5.0,
+        gt=0,
+        le=100,
+        description=(
+            "Milliseconds a thread of this process may hold Python's GIL while another waits "
+            "for it (sys.setswitchinterval; 5 is Python's own default). A worker runs its "
+            "engine's output handling and its gRPC server on two threads of one process, so "
+            "each turn of the server's loop (accepting a call, reading a request, writing a "
+            "token) can wait this long behind the engine's thread. Shorter is not better on "
+            "a machine whose cores are busy: 0.5 made a worker's first tokens later on the "
+            "2-core benchmark mesh; measure on yours (loadtests.token_cost --worker-variant, "
+            "docs/decisions/0036)."
+        ),
+    )
     log_level: str = Field(
         default="INFO", description="Python logging level: DEBUG, INFO, WARNING, ERROR."
     )
