@@ -14,7 +14,10 @@ Envoy's START_TIME and the worker's Token.emitted_unix_nanos):
     worker_first  sent → the worker built its first message (emitted_unix_nanos): with the
                   stream relay (the default) the relay opening the worker's stream, then the
                   worker's receive and checks, vLLM's queue, prefill and first step, output
-                  processing
+                  processing. Split in two by the worker's own RPC log line of the request
+                  (its request_id and start_unix_us, when the handler began):
+      to_handler     sent → the worker's handler began (the hop, gRPC taking the call in)
+      handler_first  → the first message built (the worker's intake, vLLM, its output)
     to_envoy      → its first byte at the edge's router (first_byte_us; the worker sends its
                   headers with its first message; with the relay, through it)
     to_caller     → Envoy's first byte to the caller (first_sent_us)
@@ -54,8 +57,11 @@ STAGES = (
     ("to_client", "→ client reads it"),
     ("ttft", "client TTFT"),
 )
-# The parts of "prepare" also summed up (in the JSON report).
-PARTS = ("prepare_headers", "prepare_body")
+# The parts of "prepare" and of "worker_first" also summed up (in the JSON report; the
+# worker's parts only where its log line was found).
+PARTS = ("prepare_headers", "prepare_body", "to_handler", "handler_first")
+# The worker's RPC log line of a token stream (common/interceptors.py).
+WORKER_GENERATE_LOG = "/tokenmesh.v1.InferenceService/Generate"
 VLLM_TTFT = "vllm:time_to_first_token_seconds"
 # What each histogram is called in the report: (service, metric).
 HISTOGRAMS = {
@@ -117,9 +123,27 @@ def edge_times(lines: Iterable[bytes | str], ids: set[str] | None = None) -> dic
     return found
 
 
-def stages(sent_ns: int, first_ns: int, emitted_ns: int, edge: EdgeTimes) -> dict[str, float]:
+def handler_starts(lines: Iterable[bytes | str], ids: set[str]) -> dict[str, int]:
+    """When the worker's handler began each of these requests (µs since the epoch), by request
+    id, from the worker's JSON log (its RPC log lines of Generate)."""
+    found: dict[str, int] = {}
+    for line in lines:
+        text = line.decode() if isinstance(line, bytes) else line
+        if not text.startswith("{") or WORKER_GENERATE_LOG not in text:
+            continue
+        row = json.loads(text)
+        request_id, start = row.get("request_id"), row.get("start_unix_us")
+        if row.get("method") == WORKER_GENERATE_LOG and request_id in ids and start:
+            found[request_id] = int(start)
+    return found
+
+
+def stages(
+    sent_ns: int, first_ns: int, emitted_ns: int, edge: EdgeTimes, handler_us: int | None = None
+) -> dict[str, float]:
     """One request's stages, ms: the client's send and first-message times and the worker's
-    first message's emitted time (wall clock, ns) placed around the edge's line."""
+    first message's emitted time (wall clock, ns) placed around the edge's line; with the
+    worker's handler start (µs), worker_first's two parts too."""
     start = edge.start_us * 1000
     upstream_sent = start + edge.upstream_sent_us * 1000
     prepared = start + edge.prepare_us * 1000
@@ -139,20 +163,27 @@ def stages(sent_ns: int, first_ns: int, emitted_ns: int, edge: EdgeTimes) -> dic
         "prepare_headers": (edge.prepare_headers_us or 0) * 1000,
         "prepare_body": (edge.prepare_body_us or 0) * 1000,
     }
+    if handler_us is not None:
+        ns["to_handler"] = handler_us * 1000 - upstream_sent
+        ns["handler_first"] = emitted_ns - handler_us * 1000
     return {key: round(value / 1e6, 3) for key, value in ns.items()}
 
 
 def joined(
-    firsts: Iterable[Iterable[Any]], lines: Mapping[str, EdgeTimes]
+    firsts: Iterable[Iterable[Any]],
+    lines: Mapping[str, EdgeTimes],
+    handlers: Mapping[str, int] | None = None,
 ) -> list[dict[str, float]]:
     """Each measured request's stages (RunConfig.request_ids' rows: request id, sent ns,
     first message ns, emitted ns) whose edge line was found; requests without one (or without
-    the worker's emitted time) are left out."""
+    the worker's emitted time) are left out. handlers: the worker's handler starts (µs) by
+    request id."""
     rows = []
     for request_id, sent_ns, first_ns, emitted_ns in firsts:
         edge = lines.get(request_id)
         if edge is not None and emitted_ns:
-            rows.append(stages(sent_ns, first_ns, emitted_ns, edge))
+            handler = (handlers or {}).get(request_id)
+            rows.append(stages(sent_ns, first_ns, emitted_ns, edge, handler))
     return rows
 
 
@@ -165,7 +196,7 @@ def summary(rows: list[dict[str, float]], requests: int) -> dict[str, Any]:
     """p50 and p99 of every stage over the joined requests, and how many joined."""
     figures: dict[str, Any] = {"requests": requests, "joined": len(rows)}
     for key in [key for key, _ in STAGES] + list(PARTS):
-        values = sorted(row[key] for row in rows)
+        values = sorted(row[key] for row in rows if key in row)
         if values:
             figures[key] = {
                 "p50_ms": round(percentile(values, 0.5), 2),
@@ -174,21 +205,27 @@ def summary(rows: list[dict[str, float]], requests: int) -> dict[str, Any]:
     return figures
 
 
-class EdgeLog:
-    """The edge Envoy's access log (its stdout, the mesh's log_dir/envoy.log): the lines
-    written after it was opened."""
+class LogTail:
+    """A log file's lines written after it was opened."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.offset = path.stat().st_size if path.exists() else 0
 
+    def lines(self) -> list[bytes]:
+        with self.path.open("rb") as log:
+            log.seek(self.offset)
+            return log.read().splitlines()
+
+
+class EdgeLog(LogTail):
+    """The edge Envoy's access log (its stdout, the mesh's log_dir/envoy.log)."""
+
     def times(self, ids: set[str], within: float = LOG_WAIT_SECONDS) -> dict[str, EdgeTimes]:
         """The lines of `ids`, waiting up to `within` seconds for Envoy to write them all."""
         deadline = time.monotonic() + within
         while True:
-            with self.path.open("rb") as log:
-                log.seek(self.offset)
-                found = edge_times(log.read().splitlines(), ids)
+            found = edge_times(self.lines(), ids)
             if len(found) >= len(ids) or time.monotonic() > deadline:
                 return found
             time.sleep(0.5)
@@ -258,7 +295,14 @@ def cell(figures: Mapping[str, Any] | None) -> str:
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     """The stages of each row that has them (and the histograms' figures), p50 / p99 ms."""
-    headings = [title for _, title in STAGES] + [
+    keys = [key for key, _ in STAGES]
+    split = keys.index("worker_first") + 1
+    keys[split:split] = ["to_handler", "handler_first"]
+    titles = dict(STAGES) | {
+        "to_handler": "of it: sent → worker's handler",
+        "handler_first": "of it: handler → first message",
+    }
+    headings = [titles[key] for key in keys] + [
         "gateway's preparation (histogram)",
         "worker TTFT (histogram)",
         "vLLM TTFT (histogram)",
@@ -272,7 +316,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         histograms = found.get("histograms", {})
         if not found.get("joined") and not any(cell(h) for h in histograms.values()):
             continue
-        cells = [cell(found.get(key)) for key, _ in STAGES]
+        cells = [cell(found.get(key)) for key in keys]
         # Without joined lines (vLLM's server), the client's TTFT of the run.
         cells[-1] = cells[-1] or cell(row.get("ttft_ms"))
         cells += [cell(histograms.get(name)) for name in HISTOGRAMS]

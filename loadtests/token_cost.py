@@ -111,6 +111,8 @@ class Route:
     # The edge Envoy's access log, on the direct token path: each request carries its own
     # x-request-id, and its line places the first token's stages (first_token_stages).
     access_log: Path | None = None
+    # The worker's log: its RPC log line of each request places its handler's start.
+    worker_log: Path | None = None
 
 
 # The mesh's own edge (its token path as configured) and a second Envoy on the other path.
@@ -152,6 +154,7 @@ def mesh_path(local_mesh: LocalMesh) -> Route:
         access_log=(
             local_mesh.log_dir / "envoy.log" if local_mesh.settings.direct_token_path else None
         ),
+        worker_log=local_mesh.log_dir / "worker-0.log",
     )
 
 
@@ -241,6 +244,7 @@ def measured_run(config: RunConfig, path: Route) -> dict[str, Any]:
     ttft_before = {name: ttft_totals(port) for name, port in path.metrics.items()}
     histograms_before = histogram_buckets(path)
     log = first_token_stages.EdgeLog(path.access_log) if path.access_log else None
+    worker_log = first_token_stages.LogTail(path.worker_log) if path.worker_log else None
     result = run(config, show_progress=False)
     after = {name: cpu_seconds(pids) for name, pids in path.processes.items()}
     histograms = histogram_buckets(path)
@@ -249,8 +253,12 @@ def measured_run(config: RunConfig, path: Route) -> dict[str, Any]:
         for name in histograms
     }
     if log is not None:
-        lines = log.times({row[0] for row in result["firsts"]})
-        result["stage_rows"] = first_token_stages.joined(result["firsts"], lines)
+        ids = {row[0] for row in result["firsts"]}
+        lines = log.times(ids)
+        handlers = (
+            first_token_stages.handler_starts(worker_log.lines(), ids) if worker_log else None
+        )
+        result["stage_rows"] = first_token_stages.joined(result["firsts"], lines, handlers)
     result["cpu_seconds"] = {name: after[name] - before[name] for name in before}
     result["server_ttft_totals"] = {
         name: [a - b for a, b in zip(ttft_totals(port), ttft_before[name], strict=True)]

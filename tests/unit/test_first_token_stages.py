@@ -14,6 +14,7 @@ from loadtests.first_token_stages import (
     EdgeLog,
     bucket_quantile,
     edge_times,
+    handler_starts,
     joined,
     markdown,
     parse_buckets,
@@ -118,6 +119,37 @@ def test_stages_place_the_first_token_between_the_clocks_and_sum_to_the_ttft() -
     }
     parts = sum(row[key] for key, _ in STAGES if key != "ttft")
     assert parts == pytest.approx(row["ttft"], abs=1e-6)
+
+
+def worker_line(method: str = "/tokenmesh.v1.InferenceService/Generate", **changes: object) -> str:
+    """The worker's RPC log line (common/interceptors.py) as its JSON formatter writes it."""
+    row = {
+        "time": "2026-12-07 05:59:40,560", "level": "INFO",
+        "logger": "tokenmesh.common.interceptors", "message": f"rpc {method} OK 670.2 ms",
+        "method": method, "grpc_code": "OK", "duration_ms": 670.2, "messages_sent": 129,
+        "peer": "ipv4:127.0.0.1:41234", "start_unix_us": START_NS // 1000 + 30_000,
+        "request_id": ID,
+    }  # fmt: skip
+    return json.dumps({**row, **changes})
+
+
+def test_the_workers_handler_start_splits_its_part_of_the_first_tokens_wait() -> None:
+    log = [
+        b"(EngineCore pid=4242) INFO 12-07 05:59:39 [core.py:1] a vLLM line",
+        worker_line("/tokenmesh.v1.InferenceService/Tokenize", start_unix_us=1).encode(),
+        worker_line(request_id="other").encode(),
+        worker_line().encode(),
+    ]
+    starts = handler_starts(log, {ID})
+    assert starts == {ID: START_NS // 1000 + 30_000}
+    [row] = joined([(ID, SENT_NS, FIRST_NS, EMITTED_NS)], edge_times(lines()), starts)
+    # Envoy sent the request on at 19.503 ms, the handler began at 30 ms, the first message
+    # was built at 262.4 ms.
+    assert (row["to_handler"], row["handler_first"]) == (10.497, 232.4)
+    assert row["to_handler"] + row["handler_first"] == pytest.approx(row["worker_first"])
+    # Without the worker's line, no parts.
+    [alone] = joined([(ID, SENT_NS, FIRST_NS, EMITTED_NS)], edge_times(lines()), {})
+    assert "to_handler" not in alone and summary([alone], 1).get("to_handler") is None
 
 
 def test_requests_without_a_line_or_an_emitted_time_are_left_out() -> None:

@@ -258,7 +258,9 @@ async def test_one_log_line_per_rpc_with_code_duration_tokens_and_trace_id(
     async with aio.insecure_channel(address) as channel:
         stub = inference_pb2_grpc.InferenceServiceStub(channel)
         request = inference_pb2.InferenceRequest(prompt="ok")
-        async for _ in stub.Generate(request, metadata=(("traceparent", TRACEPARENT),)):
+        metadata = (("traceparent", TRACEPARENT), ("x-request-id", "req-1"))
+        began = time.time_ns() // 1000
+        async for _ in stub.Generate(request, metadata=metadata):
             pass
         with pytest.raises(aio.AioRpcError):
             await stub.Generate(inference_pb2.InferenceRequest(prompt="invalid")).read()
@@ -273,6 +275,9 @@ async def test_one_log_line_per_rpc_with_code_duration_tokens_and_trace_id(
     assert (ok.prompt_tokens, ok.completion_tokens) == (5, 3)
     assert ok.trace_id == TRACE_ID
     assert not hasattr(invalid, "completion_tokens")
+    # Envoy's request id, and when the handler began: the line joins Envoy's of the request.
+    assert ok.request_id == "req-1" and not hasattr(invalid, "request_id")
+    assert began <= ok.start_unix_us <= invalid.start_unix_us
 
 
 async def test_per_token_debug_lines_when_log_tokens_is_on(

@@ -23,6 +23,7 @@ from tokenmesh.common.errors import InvalidArgument, ServiceError
 from tokenmesh.common.metrics import GrpcServerMetrics, MethodMetrics
 from tokenmesh.common.outcome import INTERRUPTED, Deadline, final_code
 from tokenmesh.common.tenants import Tenant, current_tenant, enter_tenant
+from tokenmesh.common.tokens import REQUEST_ID_HEADER
 from tokenmesh.common.tracing import extract, trace_id_hex
 
 log = logging.getLogger(__name__)
@@ -372,11 +373,26 @@ def end_server_span(span: Span, code: str, end_time: int | None = None) -> None:
 
 
 class _RpcLogLine(_RpcObserver):
-    __slots__ = ("_level", "_method", "_peer", "_sent", "_trace_id", "_usage")
+    __slots__ = (
+        "_level",
+        "_method",
+        "_peer",
+        "_request_id",
+        "_sent",
+        "_start_unix_us",
+        "_trace_id",
+        "_usage",
+    )
 
     def __init__(self, method: str, level: int, context: aio.ServicerContext[Any, Any]) -> None:
         self._method = method
         self._level = level
+        # When the handler began (after gRPC took the call in), and the request id Envoy gave
+        # the request: the line joins Envoy's access-log line of the same request, whose
+        # times place this start (loadtests/first_token_stages.py).
+        self._start_unix_us = time.time_ns() // 1000
+        metadata = context.invocation_metadata() or ()
+        self._request_id = next((v for k, v in metadata if k == REQUEST_ID_HEADER), None)
         self._peer = context.peer()
         self._trace_id = trace_id_hex()
         self._sent = 0
@@ -401,7 +417,10 @@ class _RpcLogLine(_RpcObserver):
             "duration_ms": round(seconds * 1000, 3),
             "messages_sent": self._sent,
             "peer": self._peer,
+            "start_unix_us": self._start_unix_us,
         }
+        if self._request_id is not None:
+            fields["request_id"] = self._request_id
         if self._trace_id is not None:
             fields["trace_id"] = self._trace_id
         if self._usage is not None:

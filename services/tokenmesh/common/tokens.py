@@ -47,6 +47,9 @@ AFFINITY_HEADER = "x-tokenmesh-affinity"
 # IP:port"): with worker_routing picker, Envoy's override-host policy sends each attempt to the
 # next of them, then falls back to least request.
 WORKER_HEADER = "x-tokenmesh-worker"
+# Envoy's id of a request (its access log's request_id), passed on upstream: each service's RPC
+# log line carries it, so a request's lines join across Envoy and the services.
+REQUEST_ID_HEADER = "x-request-id"
 # The worker that answered (IP:port), in the answer's headers, set by the workers' Envoy
 # cluster: a gateway records its routing decision on its span; the edge keeps it in its
 # metadata (EDGE_WORKER) for its access logs and removes it.
