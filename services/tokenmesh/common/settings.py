@@ -71,9 +71,8 @@ class ServiceSettings(BaseSettings):
             "for it (sys.setswitchinterval; 5 is Python's own default). A worker runs its "
             "engine's output handling and its gRPC server on two threads of one process, so "
             "each turn of the server's loop (accepting a call, reading a request, writing a "
-            "token) can wait this long behind the engine's thread. Shorter is not better on "
-            "a machine whose cores are busy: 0.5 made a worker's first tokens later on the "
-            "2-core benchmark mesh; measure on yours (loadtests.token_cost --worker-variant, "
+            "token) can wait this long behind the engine's thread. Whether shorter helps is "
+            "not settled: measure on your machine (loadtests.token_cost --worker-variant, "
             "docs/decisions/0036)."
         ),
     )
