@@ -46,6 +46,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from tokenmesh.common.tokens import WORKER_GENERATE
+
 # (key, the markdown table's heading) in the order a first token passes them.
 STAGES = (
     ("to_edge", "client → edge"),
@@ -60,8 +62,6 @@ STAGES = (
 # The parts of "prepare" and of "worker_first" also summed up (in the JSON report; the
 # worker's parts only where its log line was found).
 PARTS = ("prepare_headers", "prepare_body", "to_handler", "handler_first")
-# The worker's RPC log line of a token stream (common/interceptors.py).
-WORKER_GENERATE_LOG = "/tokenmesh.v1.InferenceService/Generate"
 VLLM_TTFT = "vllm:time_to_first_token_seconds"
 # What each histogram is called in the report: (service, metric).
 HISTOGRAMS = {
@@ -125,15 +125,15 @@ def edge_times(lines: Iterable[bytes | str], ids: set[str] | None = None) -> dic
 
 def handler_starts(lines: Iterable[bytes | str], ids: set[str]) -> dict[str, int]:
     """When the worker's handler began each of these requests (µs since the epoch), by request
-    id, from the worker's JSON log (its RPC log lines of Generate)."""
+    id, from the worker's JSON log (its RPC log lines of Generate, common/interceptors.py)."""
     found: dict[str, int] = {}
     for line in lines:
         text = line.decode() if isinstance(line, bytes) else line
-        if not text.startswith("{") or WORKER_GENERATE_LOG not in text:
+        if not text.startswith("{") or WORKER_GENERATE not in text:
             continue
         row = json.loads(text)
         request_id, start = row.get("request_id"), row.get("start_unix_us")
-        if row.get("method") == WORKER_GENERATE_LOG and request_id in ids and start:
+        if row.get("method") == WORKER_GENERATE and request_id in ids and start:
             found[request_id] = int(start)
     return found
 

@@ -75,15 +75,6 @@ def envoy_env(modules: Path | None = None) -> dict[str, str]:
     return {**os.environ, SEARCH_PATH: str(modules or relay_modules())}
 
 
-@pytest.fixture
-def switch_interval_kept() -> Iterator[None]:
-    """The test process's GIL switch interval as it was, after a test that builds a ServiceHost
-    (which sets its process's: gil_switch_interval_ms)."""
-    kept = sys.getswitchinterval()
-    yield
-    sys.setswitchinterval(kept)
-
-
 def relay_metric(admin_port: int, name: str, **labels: str) -> float:
     """The sum of the stream relay's series `name` (without RELAY_SERIES) with those labels, on
     the Prometheus page of the Envoy whose admin listens on admin_port (0 where absent)."""

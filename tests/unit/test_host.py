@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -16,11 +17,9 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.consul_fake import FakeConsul
-from tests.support import eventually, switch_interval_kept  # noqa: F401 (a fixture)
+from tests.support import eventually
 from tokenmesh.common.host import ServiceHost
 from tokenmesh.common.settings import ServiceSettings
-
-pytestmark = pytest.mark.usefixtures("switch_interval_kept")
 
 PROMPTLY = 5.0
 NAMES = ("tokenmesh.v1.TestService",)
@@ -173,6 +172,15 @@ async def test_a_signal_during_start_cancels_it_and_exits_0() -> None:
     assert cancelled.is_set()
 
 
+@pytest.fixture
+def switch_interval_kept() -> Iterator[None]:
+    """The test process's GIL switch interval as it was, after the test sets it."""
+    kept = sys.getswitchinterval()
+    yield
+    sys.setswitchinterval(kept)
+
+
+@pytest.mark.usefixtures("switch_interval_kept")
 def test_the_host_sets_its_processs_gil_switch_interval() -> None:
     # A worker's gRPC loop shares the GIL with its engine's thread (decision 0036).
     ServiceHost("test", settings(gil_switch_interval_ms=0.25), NAMES)

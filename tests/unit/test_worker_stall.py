@@ -17,7 +17,7 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
-from tests.support import eventually, switch_interval_kept  # noqa: F401 (a fixture)
+from tests.support import eventually
 from tests.unit.test_helm_chart import Release, render
 from tokenmesh.common.host import ServiceHost
 from tokenmesh.common.settings import ServiceSettings
@@ -25,8 +25,6 @@ from tokenmesh.worker.app import SERVICE_NAMES, register_stall_gauges
 from tokenmesh.worker.config import WorkerSettings
 from tokenmesh.worker.engine import EngineLoad, _LoadStatLogger
 from tokenmesh.worker.watchdog import EngineActivity, StallWatchdog
-
-pytestmark = pytest.mark.usefixtures("switch_interval_kept")
 
 LIMIT = 60.0
 PROMPTLY = 5.0
