@@ -10,6 +10,7 @@ import contextlib
 import multiprocessing
 import os
 import resource
+import threading
 import time
 import uuid
 from collections import Counter
@@ -18,6 +19,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from multiprocessing.sharedctypes import Synchronized
+from multiprocessing.synchronize import Barrier as BarrierType
 from typing import Any
 
 from loadtests.stats import Latencies
@@ -27,6 +29,9 @@ from loadtests.workload import Lengths, RequestSpec, Workload, poisson_arrivals
 
 # A generator process busier than this (share of one core) may be what limits the figures.
 SATURATED_CPU = 0.9
+# The longest a generator process waits for the others to be ready to send (spawning and
+# importing on a saturated core takes seconds).
+START_BARRIER_SECONDS = 120.0
 # Per-request records kept for the timeline (plots, phases); percentiles never come from it.
 TIMELINE_LIMIT = 20_000
 # The generator's scheduling priority (a nice value), for its session's group and itself.
@@ -215,9 +220,15 @@ async def one_request(
 
 
 async def run_shard(
-    config: RunConfig, index: int, progress: Synchronized[int] | None = None
+    config: RunConfig,
+    index: int,
+    progress: Synchronized[int] | None = None,
+    start: BarrierType | threading.Barrier | None = None,
 ) -> dict[str, Any]:
-    """One process's part of the run; its histograms come back encoded."""
+    """One process's part of the run; its histograms come back encoded. start: the barrier
+    every process of the run passes before its clock starts, so that all of them send their
+    load at once (a process spawned late on a busy core would otherwise run part of its load
+    alone, at a lower concurrency than the run's)."""
     concurrency, rate, budget = config.shard(index)
     requests: Iterator[RequestSpec] = config.workload().requests(index)
     recorder = Recorder()
@@ -226,8 +237,11 @@ async def run_shard(
     if counter is not None:
         await counter.start()
         address = counter.address
+    if start is not None:
+        await asyncio.to_thread(start.wait, START_BARRIER_SECONDS)
     usage_before = resource.getrusage(resource.RUSAGE_SELF)
     origin = time.perf_counter()
+    origin_unix = time.time()
     measure_from = origin + config.warmup
     stop_at = measure_from + config.duration
     measured = 0
@@ -353,17 +367,20 @@ async def run_shard(
         "all_tokens": recorder.all_tokens,
         "all_messages": recorder.all_messages,
         "firsts": recorder.firsts,
-        # Shards start within a second or so of each other; offsets are per shard.
-        "started_unix": time.time() - wall,
+        # Offsets (window, timeline) count from this shard's start; shards start together
+        # (run's barrier), and merge places their windows by it.
+        "started_unix": origin_unix,
     }
 
 
 _progress: Synchronized[int] | None = None
+_start: BarrierType | None = None
 
 
-def _init_shard(progress: Synchronized[int], cpus: str) -> None:
-    global _progress
+def _init_shard(progress: Synchronized[int], start: BarrierType, cpus: str) -> None:
+    global _progress, _start
     _progress = progress
+    _start = start
     stand_apart(cpus)
 
 
@@ -408,7 +425,7 @@ def shard_main(config: RunConfig, index: int) -> dict[str, Any]:
     """Entry point of a generator process."""
     import uvloop
 
-    return uvloop.run(run_shard(config, index, _progress))
+    return uvloop.run(run_shard(config, index, _progress, _start))
 
 
 def merge(config: RunConfig, shards: list[dict[str, Any]], started: datetime) -> dict[str, Any]:
@@ -422,8 +439,15 @@ def merge(config: RunConfig, shards: list[dict[str, Any]], started: datetime) ->
         status.update(shard["status"])
         slow_status.update(shard["slow_status"])
     tokens = sum(shard["tokens"] for shard in shards)
-    windows = [shard["window"] for shard in shards if shard["window"][1] > 0]
+    # Each shard's window on the wall clock: from the first measured request's start to the
+    # last one's end over every shard.
+    windows = [
+        [shard["started_unix"] + offset for offset in shard["window"]]
+        for shard in shards
+        if shard["window"][1] > 0
+    ]
     seconds = max(w[1] for w in windows) - min(w[0] for w in windows) if windows else 0.0
+    starts = [shard["started_unix"] for shard in shards]
     cpu = [shard["cpu_fraction"] for shard in shards]
     sent = [shard["bytes_sent"] for shard in shards if shard["bytes_sent"] is not None]
     received = [shard["bytes_received"] for shard in shards if shard["bytes_received"] is not None]
@@ -451,6 +475,8 @@ def merge(config: RunConfig, shards: list[dict[str, Any]], started: datetime) ->
             "max_rss_bytes": max(shard["rss_bytes"] for shard in shards),
             "placement": shards[0]["placement"],
             "send_lag_ms": histograms["send_lag"].percentiles(),
+            # How far apart the processes began sending (run's start barrier: milliseconds).
+            "start_spread_ms": round((max(starts) - min(starts)) * 1000, 1),
         },
         **figures(status, tokens, seconds, histograms),
         "warmup_requests": sum(shard["warmup_requests"] for shard in shards),
@@ -501,11 +527,12 @@ def run(config: RunConfig, show_progress: bool = True) -> dict[str, Any]:
     load_before = [round(v, 2) for v in os.getloadavg()]
     context = multiprocessing.get_context("spawn")
     progress: Synchronized[int] = context.Value("q", 0)
+    start = context.Barrier(config.processes)
     with ProcessPoolExecutor(
         config.processes,
         mp_context=context,
         initializer=_init_shard,
-        initargs=(progress, config.cpus),
+        initargs=(progress, start, config.cpus),
     ) as pool:
         futures = [pool.submit(shard_main, config, i) for i in range(config.processes)]
         bar = tqdm(

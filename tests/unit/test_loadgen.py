@@ -11,6 +11,7 @@ import random
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -164,6 +165,35 @@ async def test_closed_loop_records_every_token_and_gap(fake_worker: str) -> None
         assert values == sorted(values) and values[0] > 0
     assert result["tokens_per_second"] > 0
     assert result["generator"]["cpu_fraction_per_process"][0] >= 0
+
+
+async def test_a_process_starts_its_clock_when_every_process_of_the_run_is_ready(
+    fake_worker: str,
+) -> None:
+    # A generator process spawned late must not leave the others to run part of the load
+    # alone: each waits at the run's barrier, and its clock starts when the last arrives.
+    cfg = config(fake_worker, duration=0.5, warmup=0.0)
+    start = threading.Barrier(2)
+    shard = asyncio.create_task(run_shard(cfg, 0, start=start))
+    await asyncio.sleep(0.3)
+    assert not shard.done()
+    arrived = time.time()
+    await asyncio.to_thread(start.wait, 5.0)
+    result = await shard
+    assert result["started_unix"] >= arrived
+    assert result["window"][0] >= 0
+
+
+async def test_shards_windows_are_merged_on_the_wall_clock(fake_worker: str) -> None:
+    cfg = config(fake_worker, duration=0.5, warmup=0.0)
+    shard = await run_shard(cfg, 0)
+    late = {**shard, "started_unix": shard["started_unix"] + 10.0}
+    alone = merge(cfg, [shard], started=_now())
+    both = merge(cfg, [shard, late], started=_now())
+    # Two shards 10 s apart cover their two windows and the gap, not one window.
+    assert both["seconds"] == pytest.approx(alone["seconds"] + 10.0, abs=0.01)
+    assert both["generator"]["start_spread_ms"] == pytest.approx(10_000, abs=1)
+    assert alone["generator"]["start_spread_ms"] == 0
 
 
 async def test_open_loop_sends_on_schedule_and_stops_at_the_request_bound(
