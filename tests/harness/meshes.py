@@ -96,8 +96,9 @@ def second_envoy(
     modules = run_dir / "envoy-modules"
     if settings.relays:
         build_relay_module(local_mesh.files.relay_source, modules)
-    # A session of its own, as the mesh's programs have under supervisord: scheduled apart
-    # from the benchmark or test that started it (Linux's autogroups are per session).
+    # A session of its own: scheduled apart from the benchmark or test that started it
+    # (Linux's autogroups are per session). Not alike the mesh's own Envoy, which shares
+    # supervisord's group with the mesh's other programs (decision 0038).
     process = subprocess.Popen(
         [*pinned, envoy, "-c", str(config), "--base-id", str(ports[0]), "--log-level", "warn"],
         stdout=log,
