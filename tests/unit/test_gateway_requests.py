@@ -156,3 +156,8 @@ def test_prompts_are_logged_only_when_log_prompts_is_on(
     logged = [getattr(record, "prompt", "") for record in caplog.records]
     assert ("the secret prompt" in logged) is enabled
     assert all(record.name == PROMPT_LOGGER for record in caplog.records)
+    # Named apart from the RPC log line's request_id (Envoy's id of the call).
+    assert all(
+        len(getattr(record, "engine_request_id", "")) == 16 and not hasattr(record, "request_id")
+        for record in caplog.records
+    )

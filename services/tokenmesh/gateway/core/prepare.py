@@ -133,8 +133,9 @@ class Preparer:
                 logged = [(m.role, m.content) for m in prompt.messages]
             elif isinstance(prompt, PromptBatch):
                 logged = [item.text or list(item.token_ids) for item in prompt.items]
+            # The engine's id of the request, not the RPC line's request_id (Envoy's).
             self._prompt_log.info(
-                "prompt", extra={"request_id": request.request_id, "prompt": logged}
+                "prompt", extra={"engine_request_id": request.request_id, "prompt": logged}
             )
         # An adapter's prefix cache is its own in vLLM: its key differs from the model's.
         key = affinity_key(prompt, self._affinity_chars, model)
