@@ -25,6 +25,7 @@ from tokenmesh.worker.config import WorkerSettings
 from tokenmesh.worker.engine import EngineSlot, VllmEngine
 from tokenmesh.worker.engine_state import EngineLoad, EngineShare
 from tokenmesh.worker.handover import Handover
+from tokenmesh.worker.pacing import StreamPacing
 from tokenmesh.worker.placement import place_engine
 from tokenmesh.worker.servicer import InferenceServicer
 from tokenmesh.worker.tenant import TenantMetadataInterceptor
@@ -79,6 +80,22 @@ def register_stall_gauges(
         "requests; 0 while it holds none.",
         registry=registry,
     ).set_function(activity.stalled_seconds)
+
+
+def register_pacing_gauges(registry: CollectorRegistry, pacing: StreamPacing) -> None:
+    """Gauges of the streams' pacing (decision 0039), read at scrape time."""
+    Gauge(
+        "tokenmesh_worker_stream_hold_seconds",
+        "How long each stream's later tokens now gather into one message (0: every engine "
+        "output goes at once; more while the server loop is behind).",
+        registry=registry,
+    ).set_function(lambda: pacing.hold)
+    Gauge(
+        "tokenmesh_worker_loop_lag_seconds",
+        "The server loop's mean lag in taking the engine's outputs over the last 50 ms while "
+        "the engine made them.",
+        registry=registry,
+    ).set_function(lambda: pacing.lag)
 
 
 def aborted_counter(registry: CollectorRegistry) -> Counter:
@@ -210,6 +227,7 @@ async def serve(
         slot.set(engine)
         watchdog = StallWatchdog(engine.activity, settings.engine_stall_seconds, host.set_healthy)
         register_stall_gauges(host.registry, engine.activity, watchdog)
+        register_pacing_gauges(host.registry, engine.pacing)
         host.keep_running(
             watch_engine(
                 engine,

@@ -359,6 +359,23 @@ class WorkerSettings(ServiceSettings, SamplingLimits, ToolLimits):
             "go out together, at most this many tokens a message (one output is never split)."
         ),
     )
+    stream_hold_max_ms: float = Field(
+        default=50,
+        ge=0,
+        description=(
+            "While the server loop is behind (stream_hold_lag_ms), each stream sends at most "
+            "one message per hold, up to this many ms: its later tokens gather, its first and "
+            "its end go at once (decision 0039). 0: every output goes the moment it exists."
+        ),
+    )
+    stream_hold_lag_ms: float = Field(
+        default=2,
+        gt=0,
+        description=(
+            "The server loop's mean lag in taking the engine's outputs above which the hold "
+            "doubles each 50 ms; under half of it the hold shrinks, to 0."
+        ),
+    )
     default_temperature: float = Field(
         default=1.0, ge=0, le=2, description="Temperature when a request leaves it unset."
     )

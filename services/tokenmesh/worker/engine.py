@@ -34,6 +34,7 @@ from tokenmesh.worker.continuation import ContinuedText, continue_choice
 from tokenmesh.worker.engine_state import EngineLoad, EngineShare
 from tokenmesh.worker.engine_thread import EngineThread, Handoff, Inbox, Item
 from tokenmesh.worker.outputs import PromptPart, Tokens, output_tokens, prompt_part
+from tokenmesh.worker.pacing import StreamPacing
 from tokenmesh.worker.parsing import OutputParsers
 from tokenmesh.worker.requests import (
     Continuation,
@@ -151,7 +152,11 @@ class VllmEngine:
         self._llm = llm
         self._thread = thread
         self._server_loop = asyncio.get_running_loop()
-        self._handoff = Handoff(self._server_loop)
+        # While the server's loop is behind, a stream's later tokens gather (decision 0039).
+        self.pacing = StreamPacing(
+            settings.stream_hold_lag_ms / 1000, settings.stream_hold_max_ms / 1000
+        )
+        self._handoff = Handoff(self._server_loop, self.pacing)
         # Outputs merged into one message hold at most this many tokens together (one output is
         # never split).
         self._per_message = settings.max_message_tokens
@@ -585,16 +590,19 @@ class VllmEngine:
     ) -> AsyncGenerator[Tokens, None]:
         """Yield the engine's tokens the moment they exist: each output alone while the caller
         keeps up, and the outputs that arrived while it was busy (writing the last message)
-        merged, up to max_message_tokens a message. Closing or cancelling the iterator before
-        the end aborts the engine request, and calls on_abort once."""
+        merged, up to max_message_tokens a message. While the server's loop is behind, a
+        message waits the pacing's hold after the last (the first and the end never wait).
+        Closing or cancelling the iterator before the end aborts the engine request, and calls
+        on_abort once."""
         self.adapters.for_model(spec.model)  # an unknown name is NOT_FOUND before the engine
         inbox = Inbox(self._server_loop)
         producer = self._thread.submit(self._produce(spec, partial(self._handoff.post, inbox)))
         pending: deque[Item] = deque()
+        not_before = 0.0  # the server loop's time the next message waits for
         try:
             while True:
                 if not pending:
-                    pending.extend(await inbox.take())
+                    pending.extend(await inbox.take(not_before))
                 merged: Tokens | None = None
                 while pending and isinstance(pending[0], Tokens):
                     tokens = pending[0]
@@ -611,6 +619,8 @@ class VllmEngine:
                     pending.popleft()
                 if merged is not None:
                     yield merged
+                    hold = self.pacing.hold
+                    not_before = self._server_loop.time() + hold if hold else 0.0
                     continue
                 end = pending.popleft()
                 if isinstance(end, Exception):

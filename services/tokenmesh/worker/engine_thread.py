@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import time
 from collections import deque
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -12,6 +13,7 @@ from typing import Any, TypeVar
 import uvloop
 
 from tokenmesh.worker.outputs import Tokens
+from tokenmesh.worker.pacing import StreamPacing
 
 T = TypeVar("T")
 
@@ -60,25 +62,50 @@ class Inbox:
     """One stream's engine outputs, on the server's loop: the stream takes everything that
     arrived since it last looked, at once."""
 
-    __slots__ = ("_items", "_loop", "_waiter")
+    __slots__ = ("_holding", "_items", "_loop", "_waiter")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._items: deque[Item] = deque()
         self._waiter: asyncio.Future[None] | None = None
+        # While a take holds tokens back (not_before): only the stream's end wakes it.
+        self._holding = False
 
     def put(self, item: Item) -> None:
         self._items.append(item)
+        if self._holding and isinstance(item, Tokens) and not item.last:
+            return
+        self._wake()
+
+    def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    async def take(self) -> list[Item]:
-        while not self._items:
-            self._waiter = self._loop.create_future()
+    async def _wait(self) -> None:
+        self._waiter = self._loop.create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    def _ended(self) -> bool:
+        return any(not isinstance(item, Tokens) or item.last for item in self._items)
+
+    async def take(self, not_before: float = 0.0) -> list[Item]:
+        """Everything that arrived since the last take, once there is something. Tokens that
+        arrive before not_before (the loop's time) wait for it, to go out together; the
+        stream's end (its last tokens, an error, None) goes at once, with what came before."""
+        delay = not_before - self._loop.time()
+        if delay > 0 and not self._ended():
+            self._holding = True
+            timer = self._loop.call_later(delay, self._wake)
             try:
-                await self._waiter
+                await self._wait()
             finally:
-                self._waiter = None
+                self._holding = False
+                timer.cancel()
+        while not self._items:
+            await self._wait()
         items = list(self._items)
         self._items.clear()
         return items
@@ -87,12 +114,15 @@ class Inbox:
 class Handoff:
     """Hands items from the engine's loop to inboxes on the server's loop: one wake-up of the
     server's loop carries everything posted since the last (an engine step's outputs for every
-    stream), instead of one cross-thread call per output."""
+    stream), instead of one cross-thread call per output. How late each wake-up runs (the
+    server loop's lag) sets the streams' pacing."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, pacing: StreamPacing | None = None) -> None:
         self._loop = loop
         self._lock = threading.Lock()
         self._posted: list[tuple[Inbox, Item]] = []
+        self._pacing = pacing
+        self._since = 0.0  # when the first item of the coming delivery was posted
 
     def post(self, inbox: Inbox, item: Item) -> None:
         """On the engine's loop."""
@@ -100,10 +130,15 @@ class Handoff:
             self._posted.append((inbox, item))
             if len(self._posted) > 1:
                 return  # a delivery is already on its way
+            self._since = time.perf_counter()
         self._loop.call_soon_threadsafe(self._deliver)
 
     def _deliver(self) -> None:
+        now = time.perf_counter()
         with self._lock:
             posted, self._posted = self._posted, []
+            since = self._since
+        if self._pacing is not None:
+            self._pacing.observe(now - since, now)
         for inbox, item in posted:
             inbox.put(item)
