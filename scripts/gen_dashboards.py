@@ -406,6 +406,23 @@ SERVING = Dashboard(
             quantiles(f"{ADAPTER_SERIES}load_seconds", "adapter", ""),
             unit="s",
         ),
+        Panel(
+            "Stream pacing: hold and loop lag",
+            "How long each stream's later tokens gather into one message (0 while the worker's "
+            "server loop keeps up), and that loop's lag in taking the engine's outputs "
+            "(decision 0039), by worker.",
+            (
+                Query(
+                    'max by (replica) (tokenmesh_worker_stream_hold_seconds{replica=~"$worker"})',
+                    "{{replica}} hold",
+                ),
+                Query(
+                    'max by (replica) (tokenmesh_worker_loop_lag_seconds{replica=~"$worker"})',
+                    "{{replica}} loop lag",
+                ),
+            ),
+            unit="s",
+        ),
     ),
 )
 
