@@ -58,6 +58,11 @@ class EngineThread:
 Item = Tokens | Exception | None
 
 
+def ends_stream(item: Item) -> bool:
+    """The stream's end: its last tokens, the error that ended it, or None (the engine's end)."""
+    return not isinstance(item, Tokens) or item.last
+
+
 class Inbox:
     """One stream's engine outputs, on the server's loop: the stream takes everything that
     arrived since it last looked, at once."""
@@ -73,7 +78,7 @@ class Inbox:
 
     def put(self, item: Item) -> None:
         self._items.append(item)
-        if self._holding and isinstance(item, Tokens) and not item.last:
+        if self._holding and not ends_stream(item):
             return
         self._wake()
 
@@ -89,7 +94,7 @@ class Inbox:
             self._waiter = None
 
     def _ended(self) -> bool:
-        return any(not isinstance(item, Tokens) or item.last for item in self._items)
+        return any(ends_stream(item) for item in self._items)
 
     async def take(self, not_before: float = 0.0) -> list[Item]:
         """Everything that arrived since the last take, once there is something. Tokens that
