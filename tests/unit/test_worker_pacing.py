@@ -74,6 +74,20 @@ def test_a_quiet_spell_ends_the_hold() -> None:
     assert pacing.hold == 0
 
 
+def test_the_gauges_read_nothing_through_a_quiet_spell() -> None:
+    """Between bursts the loop has nothing of the engine's to send: the gauges fall to 0 at
+    once, not at the next delivery."""
+    pacing = StreamPacing(TARGET, 0.05, PERIOD)
+    now = run_periods(pacing, 0.01, 10, 0.0)
+    assert pacing.hold_at(now) == 0.05
+    assert pacing.lag_at(now) == pytest.approx(0.01)
+    later = now + 3 * PERIOD
+    assert pacing.quiet(later)
+    assert (pacing.hold_at(later), pacing.lag_at(later)) == (0, 0)
+    pacing.observe(0.0001, later)  # the next burst measures afresh
+    assert pacing.lag == 0
+
+
 def test_a_cap_of_zero_never_holds_but_still_reports_the_lag() -> None:
     pacing = StreamPacing(TARGET, 0.0, PERIOD)
     run_periods(pacing, 0.02, 10, 0.0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
@@ -89,13 +90,13 @@ def register_pacing_gauges(registry: CollectorRegistry, pacing: StreamPacing) ->
         "How long each stream's later tokens now gather into one message (0: every engine "
         "output goes at once; more while the server loop is behind).",
         registry=registry,
-    ).set_function(lambda: pacing.hold)
+    ).set_function(lambda: pacing.hold_at(time.monotonic()))
     Gauge(
         "tokenmesh_worker_loop_lag_seconds",
         "The server loop's mean lag in taking the engine's outputs over the last 50 ms while "
         "the engine made them.",
         registry=registry,
-    ).set_function(lambda: pacing.lag)
+    ).set_function(lambda: pacing.lag_at(time.monotonic()))
 
 
 def aborted_counter(registry: CollectorRegistry) -> Counter:

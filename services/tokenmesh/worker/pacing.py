@@ -37,12 +37,23 @@ class StreamPacing:
         self._sum = 0.0
         self._count = 0
 
+    def quiet(self, now: float) -> bool:
+        """No delivery for more than two periods by monotonic time `now`: nothing holds, and
+        no lag is being measured (the gauges read 0, not the last busy period's figures)."""
+        return self._since is None or now - self._since > 2 * self._period
+
+    def hold_at(self, now: float) -> float:
+        return 0.0 if self.quiet(now) else self.hold
+
+    def lag_at(self, now: float) -> float:
+        return 0.0 if self.quiet(now) else self.lag
+
     def observe(self, lag: float, now: float) -> None:
         """One delivery, `lag` seconds late, at monotonic time `now`."""
         if self._since is None or now - self._since > 2 * self._period:
             # The first delivery, or the first after a quiet spell: the loop had nothing of
             # the engine's to send meanwhile.
-            self.hold = 0.0
+            self.hold = self.lag = 0.0
             self._since, self._sum, self._count = now, lag, 1
             return
         self._sum += lag
