@@ -186,20 +186,42 @@ def structured(path: Route) -> Route:
     )
 
 
+# A variant's mesh settings are named "mesh.<MeshSettings' name>"; the others are the worker's.
+MESH_SETTING = "mesh."
+
+
+def variant_environment(settings: dict[str, str]) -> dict[str, str]:
+    """The variables that set a variant's settings: TOKENMESH_MESH_* for "mesh.<name>",
+    TOKENMESH_WORKER_* for a worker setting's name."""
+    return {
+        (
+            f"TOKENMESH_MESH_{k.removeprefix(MESH_SETTING).upper()}"
+            if k.startswith(MESH_SETTING)
+            else f"TOKENMESH_WORKER_{k.upper()}"
+        ): v
+        for k, v in settings.items()
+    }
+
+
 @contextlib.contextmanager
-def variant_mesh(worker_settings: dict[str, str]) -> Iterator[LocalMesh]:
-    """A private mesh whose worker has these settings (TOKENMESH_WORKER_*, in the environment
-    its supervisord starts with; the rest of the run keeps its own)."""
+def variant_mesh(settings: dict[str, str]) -> Iterator[LocalMesh]:
+    """A private mesh with these worker or mesh settings (in the environment its supervisord
+    and its Envoy config start with; the rest of the run keeps its own)."""
     stack = contextlib.ExitStack()
-    with environment({f"TOKENMESH_WORKER_{k.upper()}": v for k, v in worker_settings.items()}):
+    with environment(variant_environment(settings)):
         local_mesh = stack.enter_context(private_mesh())
     with stack:
         yield local_mesh
 
 
-def variant_path(local_mesh: LocalMesh, worker_settings: dict[str, str]) -> Route:
-    settings = ", ".join(f"{k}={v}" for k, v in worker_settings.items())
-    return replace(mesh_path(local_mesh), label=f"{MESH_LABEL}, worker {settings}")
+def variant_path(local_mesh: LocalMesh, settings: dict[str, str]) -> Route:
+    named = ", ".join(
+        f"mesh {k.removeprefix(MESH_SETTING)}={v}"
+        if k.startswith(MESH_SETTING)
+        else f"worker {k}={v}"
+        for k, v in settings.items()
+    )
+    return replace(mesh_path(local_mesh), label=f"{MESH_LABEL}, {named}")
 
 
 def interval_path(mesh: Route, interval: int) -> Route:
@@ -389,8 +411,9 @@ def cost(
     With openai: the edge's OpenAI SSE first, then vLLM's, then the edge's gRPC, at 8, 32 and
     64 streams (results under openai/). With structured_outputs: the edge's OpenAI SSE and
     vLLM's, each plain and with STRUCTURED_SCHEMA, at 8 and 32 streams (under structured/).
-    With worker_variant (worker settings, e.g. {"gil_switch_interval_ms": "0.5"}): a second
-    private mesh whose worker has them, its edge a path of its own beside the first's."""
+    With worker_variant (worker settings by name, mesh settings as "mesh.<name>", e.g.
+    {"gil_switch_interval_ms": "0.5"}): a second private mesh with them, its edge a path of its
+    own beside the first's."""
     openai = openai or structured_outputs
     if concurrency is None:
         concurrency = OPENAI_CONCURRENCY if openai else CONCURRENCY
@@ -596,10 +619,22 @@ def main() -> None:
         help="a second mesh whose worker has this setting (WorkerSettings' name), its edge "
         "measured beside the first's in the same rounds; repeatable",
     )
+    parser.add_argument(
+        "--mesh-variant",
+        action="append",
+        default=[],
+        metavar="SETTING=VALUE",
+        help="the second mesh with this mesh setting (MeshSettings' name, e.g. "
+        "stream_relay=false), beside or with --worker-variant; repeatable",
+    )
     args = parser.parse_args()
     variant = dict(item.split("=", 1) for item in args.worker_variant)
     if unknown := set(variant) - set(WorkerSettings.model_fields):
         parser.error(f"--worker-variant: {sorted(unknown)} are not worker settings")
+    mesh_variant = dict(item.split("=", 1) for item in args.mesh_variant)
+    if unknown := set(mesh_variant) - set(MeshSettings.model_fields):
+        parser.error(f"--mesh-variant: {sorted(unknown)} are not mesh settings")
+    variant |= {MESH_SETTING + k: v for k, v in mesh_variant.items()}
     streams = tuple(int(n) for n in args.streams.split(",")) if args.streams else None
     stamp = datetime.now(UTC).strftime("%Y-%m-%d")
     bench = Bench(args.out or RESULTS / (stamp + ("-quick" if args.quick else "")), args.quick)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from loadtests import report
 from loadtests.profiles import where_time_goes
-from loadtests.token_cost import Route, cpu_seconds, per_token
+from loadtests.token_cost import Route, cpu_seconds, per_token, variant_environment
 
 
 def test_cpu_seconds_count_this_process_busy_work() -> None:
@@ -26,6 +26,13 @@ def test_cpu_per_token_is_split_over_envoys_hops() -> None:
     result = {"tokens_received": 1000, "cpu_seconds": {"worker": 0.1, "envoy": 0.04}}
     assert per_token(result, route) == {"worker": 100.0, "envoy": 40.0, "envoy_per_hop": 20.0}
     assert per_token({"tokens_received": 0, "cpu_seconds": {}}, route) == {}
+
+
+def test_a_variants_settings_go_to_the_worker_or_the_mesh() -> None:
+    assert variant_environment({"stream_hold_max_ms": "0", "mesh.stream_relay": "false"}) == {
+        "TOKENMESH_WORKER_STREAM_HOLD_MAX_MS": "0",
+        "TOKENMESH_MESH_STREAM_RELAY": "false",
+    }
 
 
 def test_profile_summary_shares_threads_frames_and_libraries(tmp_path: Path) -> None:
