@@ -41,6 +41,9 @@ from tokenmesh.reranker.config import RerankerSettings
 from tokenmesh.worker.config import WorkerSettings
 
 CHART = ROOT / "helm" / "tokenmesh"
+# libyaml's safe loader: the rendered objects, and the Envoy config in a ConfigMap (80 KB),
+# parse ten times faster than with PyYAML's own.
+LOADER = yaml.CSafeLoader
 KUBE_VERSION = "1.33.0"
 RELEASE = "tm"
 NAMESPACE = "llm"
@@ -302,7 +305,7 @@ class Release:
             document
             for path, text in sorted(manifests.items())
             if path.endswith(".yaml")
-            for document in yaml.safe_load_all(text)
+            for document in yaml.load_all(text, Loader=LOADER)
             if document
         ]
 
@@ -333,7 +336,7 @@ class Release:
 
     def envoy_config(self) -> dict[str, Any]:
         config = self.get("ConfigMap", f"{PREFIX}-envoy")["data"]["envoy.yaml"]
-        return dict(yaml.safe_load(config))
+        return dict(yaml.load(config, Loader=LOADER))
 
     def envoy_secret(self, reference: dict[str, Any]) -> dict[str, Any]:
         """The secret an SDS reference of the Envoy config names, from the ConfigMap's file
@@ -341,7 +344,9 @@ class Release:
         path = reference["sds_config"]["path_config_source"]["path"]
         assert path.startswith("/etc/envoy/config/")
         data = self.get("ConfigMap", f"{PREFIX}-envoy")["data"]
-        (secret,) = yaml.safe_load(data[path.removeprefix("/etc/envoy/config/")])["resources"]
+        (secret,) = yaml.load(data[path.removeprefix("/etc/envoy/config/")], Loader=LOADER)[
+            "resources"
+        ]
         assert secret["name"] == reference["name"]
         return dict(secret)
 
