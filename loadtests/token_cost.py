@@ -190,17 +190,21 @@ def structured(path: Route) -> Route:
 MESH_SETTING = "mesh."
 
 
+def variant_setting(name: str) -> tuple[str, str]:
+    """Whose setting a variant's name is ("mesh" or "worker"), and its own name there."""
+    if name.startswith(MESH_SETTING):
+        return "mesh", name.removeprefix(MESH_SETTING)
+    return "worker", name
+
+
 def variant_environment(settings: dict[str, str]) -> dict[str, str]:
     """The variables that set a variant's settings: TOKENMESH_MESH_* for "mesh.<name>",
     TOKENMESH_WORKER_* for a worker setting's name."""
-    return {
-        (
-            f"TOKENMESH_MESH_{k.removeprefix(MESH_SETTING).upper()}"
-            if k.startswith(MESH_SETTING)
-            else f"TOKENMESH_WORKER_{k.upper()}"
-        ): v
-        for k, v in settings.items()
-    }
+    environment = {}
+    for name, value in settings.items():
+        service, setting = variant_setting(name)
+        environment[f"TOKENMESH_{service.upper()}_{setting.upper()}"] = value
+    return environment
 
 
 @contextlib.contextmanager
@@ -215,12 +219,7 @@ def variant_mesh(settings: dict[str, str]) -> Iterator[LocalMesh]:
 
 
 def variant_path(local_mesh: LocalMesh, settings: dict[str, str]) -> Route:
-    named = ", ".join(
-        f"mesh {k.removeprefix(MESH_SETTING)}={v}"
-        if k.startswith(MESH_SETTING)
-        else f"worker {k}={v}"
-        for k, v in settings.items()
-    )
+    named = ", ".join("{} {}={}".format(*variant_setting(k), v) for k, v in settings.items())
     return replace(mesh_path(local_mesh), label=f"{MESH_LABEL}, {named}")
 
 

@@ -50,12 +50,13 @@ class StreamPacing:
 
     def observe(self, lag: float, now: float) -> None:
         """One delivery, `lag` seconds late, at monotonic time `now`."""
-        if self._since is None or now - self._since > 2 * self._period:
+        if self.quiet(now):
             # The first delivery, or the first after a quiet spell: the loop had nothing of
             # the engine's to send meanwhile.
             self.hold = self.lag = 0.0
             self._since, self._sum, self._count = now, lag, 1
             return
+        assert self._since is not None  # not quiet: a period has begun
         self._sum += lag
         self._count += 1
         if now - self._since < self._period:
