@@ -19,9 +19,10 @@
 
    Config (the filter's StringValue): "cluster=worker;pool_header=x-tokenmesh-pool;
    max_resumptions=2;max_retries=100;retry_ms=2000;max_held_bytes=4194304;
-   max_delivered_bytes=16777216;timeout_ms=600000", each optional. A request whose pool_header
-   names a pool goes to the cluster "<cluster>-<pool>" (common/pools.py), any other to cluster. A stream whose messages outgrow max_delivered_bytes is relayed on but no longer
-   kept: it cannot move. */
+   send_batch_bytes=16384;max_delivered_bytes=16777216;timeout_ms=600000", each optional. A
+   request whose pool_header names a pool goes to the cluster "<cluster>-<pool>"
+   (common/pools.py), any other to cluster. A stream whose messages outgrow
+   max_delivered_bytes is relayed on but no longer kept: it cannot move. */
 #include "abi.h"
 #include <stdio.h>
 #include <stdlib.h>
@@ -170,6 +171,7 @@ typedef struct {
   int max_retries;
   uint64_t retry_ms;
   size_t max_held_bytes;
+  size_t send_batch_bytes; /* the most sent on before the caller's watermark is read again */
   size_t max_delivered_bytes;
   uint64_t timeout_ms;
   int metrics; /* Envoy defined the metrics below */
@@ -240,6 +242,7 @@ static void parse_config(config *c, const char *s, size_t n) {
   c->max_retries = 100;
   c->retry_ms = 2000;
   c->max_held_bytes = 4u << 20;
+  c->send_batch_bytes = 16384;
   c->max_delivered_bytes = 16u << 20;
   c->timeout_ms = 600000;
   char *save = NULL;
@@ -255,6 +258,7 @@ static void parse_config(config *c, const char *s, size_t n) {
     else if (!strcmp(item, "max_retries")) c->max_retries = atoi(value);
     else if (!strcmp(item, "retry_ms")) c->retry_ms = strtoull(value, NULL, 10);
     else if (!strcmp(item, "max_held_bytes")) c->max_held_bytes = strtoull(value, NULL, 10);
+    else if (!strcmp(item, "send_batch_bytes")) c->send_batch_bytes = strtoull(value, NULL, 10);
     else if (!strcmp(item, "max_delivered_bytes"))
       c->max_delivered_bytes = strtoull(value, NULL, 10);
     else if (!strcmp(item, "timeout_ms")) c->timeout_ms = strtoull(value, NULL, 10);
@@ -745,9 +749,10 @@ void envoy_dynamic_module_on_http_filter_http_stream_data(dm_envoy envoy, const 
   filter *f = (filter *)p;
   if (id != f->stream || !f->live || f->done) return;
   for (size_t i = 0; i < count; i++) bytes_add(&f->partial, data[i].ptr, data[i].length);
-  /* Whole gRPC messages only: 1 byte flags, 4 bytes big-endian length, the message. */
-  size_t whole = 0, passed = 0; /* bytes of whole messages read, and of those passed on */
-  int holding = f->above_watermark || f->held.n > 0;
+  /* Whole gRPC messages only: 1 byte flags, 4 bytes big-endian length, the message. Bytes of
+     whole messages read; of those, the ones for the caller (a prefix: what a park drops comes
+     after), and of those the ones already sent or held. */
+  size_t whole = 0, passed = 0, routed = 0;
   while (f->partial.n - whole >= 5) {
     const unsigned char *q = (const unsigned char *)f->partial.p + whole;
     size_t len = ((size_t)q[1] << 24) | ((size_t)q[2] << 16) | ((size_t)q[3] << 8) | q[4];
@@ -763,7 +768,17 @@ void envoy_dynamic_module_on_http_filter_http_stream_data(dm_envoy envoy, const 
     keep(f, q + 5, len);
     f->messages++;
     passed = whole;
-    if (holding && f->held.n + passed > f->cfg->max_held_bytes && !f->parking &&
+    if (passed - routed >= f->cfg->send_batch_bytes) {
+      /* Envoy can hand over hundreds of kilobytes of a stream at once (what it had buffered
+         for it: 262 KB seen). They go on a batch at a time: Envoy raises the caller's
+         watermark while a batch goes in, so what follows is held, and past max_held_bytes
+         dropped, instead of passing whole a caller that cannot take it. */
+      send_or_hold(f, f->partial.p + routed, passed - routed);
+      routed = passed;
+      if (f->done || !f->live) return; /* the send ended the caller's stream */
+    }
+    if ((f->above_watermark || f->held.n) &&
+        f->held.n + (passed - routed) > f->cfg->max_held_bytes && !f->parking &&
         !f->last_seen && !f->unresumable) {
       /* The caller reads too slowly: cancel the worker's stream, continue once it has read.
          Not once the last message came: the engine is done, and a stream continued with
@@ -779,8 +794,8 @@ void envoy_dynamic_module_on_http_filter_http_stream_data(dm_envoy envoy, const 
           envoy, f->cfg->gap_ms, NULL, 0, now - f->last_message_ms);
     f->gap_pending = 0;
     f->last_message_ms = now;
-    send_or_hold(f, f->partial.p, passed);
   }
+  if (passed > routed) send_or_hold(f, f->partial.p + routed, passed - routed);
   bytes_consume(&f->partial, whole);
   if (end && f->discarded) {
     park(f); /* the worker is done, but what it made last never reached the caller */
