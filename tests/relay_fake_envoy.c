@@ -38,6 +38,9 @@ static struct {
   size_t sent, read;    /* its bytes, and how many of them the caller has read */
   int above;            /* the codec is over its high watermark */
   size_t max_waiting;   /* the most that ever waited in the codec */
+  size_t sends;         /* the relay's sends of data */
+  size_t sliced;        /* of those, the ones Envoy would keep as a slice of their own with
+                           room to spare: 512 bytes or more, not whole 4 KiB pages */
   uint64_t streams;     /* worker streams started */
   uint64_t resets;      /* worker streams reset */
   char *request;        /* the body of the last worker stream started */
@@ -105,6 +108,8 @@ void fake_caller_reads(size_t n) {
 
 size_t fake_sent(void) { return fake.sent; }
 size_t fake_max_waiting(void) { return fake.max_waiting; }
+size_t fake_sends(void) { return fake.sends; }
+size_t fake_sliced(void) { return fake.sliced; }
 uint64_t fake_streams(void) { return fake.streams; }
 uint64_t fake_resets(void) { return fake.resets; }
 const char *fake_caller_bytes(void) { return fake.caller; }
@@ -159,6 +164,8 @@ void envoy_dynamic_module_callback_http_send_response_data(dm_envoy f, dm_buf da
   fake.caller = grown;
   memcpy(fake.caller + fake.sent, data.ptr, data.length);
   fake.sent += data.length;
+  fake.sends++;
+  if (data.length >= 512 && data.length % 4096) fake.sliced++;
   if (waiting() > fake.max_waiting) fake.max_waiting = waiting();
   if (!fake.above && waiting() > fake.high) {
     fake.above = 1;

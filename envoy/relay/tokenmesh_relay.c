@@ -361,11 +361,35 @@ static void park(filter *f) {
 
 /* ---- towards the caller ----------------------------------------------------------------- */
 
+/* Envoy keeps each piece a filter sends as a slice of whole 4 KiB pages, and moves it whole
+   into the HTTP/2 codec's buffer, which copies only pieces under 512 bytes into the slice
+   before them (Buffer::OwnedImpl); the frames the edge takes from the relay's listener are
+   kept the same way. A stalled caller's window of 1 KB messages so cost 4 KiB a message in
+   each of those buffers (16 streams of 64 KiB stalled: Envoy grew 6.5 MB with 1 KB messages
+   against 3.2 MB with 0.3 KB ones, the same 1.05 MB waiting to be sent). So whole pages go
+   whole, and the rest in pieces under 512 bytes, which every buffer on the way copies. */
+#define PAGE 4096
+#define COPIED 511
+
+static void send_data(filter *f, const char *p, size_t n, bool end) {
+  size_t pages = n / PAGE * PAGE;
+  if (pages) {
+    envoy_dynamic_module_callback_http_send_response_data(f->envoy, (dm_buf){p, pages},
+                                                          end && pages == n);
+  }
+  for (size_t at = pages; at < n;) {
+    size_t piece = n - at > COPIED && n - pages >= 512 ? COPIED : n - at;
+    envoy_dynamic_module_callback_http_send_response_data(f->envoy, (dm_buf){p + at, piece},
+                                                          end && at + piece == n);
+    at += piece;
+  }
+  if (!n && end)
+    envoy_dynamic_module_callback_http_send_response_data(f->envoy, (dm_buf){p, 0}, true);
+}
+
 /* Sends the caller what was held (end: and ends its body), and frees it. */
 static void send_held(filter *f, bool end) {
-  if (f->held.n || end)
-    envoy_dynamic_module_callback_http_send_response_data(f->envoy, (dm_buf){f->held.p, f->held.n},
-                                                          end);
+  if (f->held.n || end) send_data(f, f->held.p, f->held.n, end);
   bytes_free(&f->held);
 }
 
@@ -391,7 +415,7 @@ static void send_or_hold(filter *f, const char *p, size_t n) {
     bytes_add(&f->held, p, n);
     return;
   }
-  envoy_dynamic_module_callback_http_send_response_data(f->envoy, (dm_buf){p, n}, false);
+  send_data(f, p, n, false);
 }
 
 /* ---- towards the workers ---------------------------------------------------------------- */

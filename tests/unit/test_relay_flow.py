@@ -28,11 +28,12 @@ def framed(message: bytes) -> bytes:
     return b"\0" + len(message).to_bytes(4, "big") + message
 
 
-def token(i: int) -> bytes:
-    """Token i of a stream: ~330 bytes framed, as a token with its logprobs is."""
+def token(i: int, pad: int = 300) -> bytes:
+    """Token i of a stream: ~330 bytes framed, as a token with its logprobs is (pad: the
+    bytes of its text)."""
     return framed(
         token_pb2.Token(
-            text=f"t{i} " + "x" * 300, index=i, token_id=1000 + i, token_ids=[1000 + i]
+            text=f"t{i} " + "x" * pad, index=i, token_id=1000 + i, token_ids=[1000 + i]
         ).SerializeToString()
     )
 
@@ -53,7 +54,13 @@ class FakeEnvoy:
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._lib = library
-        for name in ("fake_sent", "fake_max_waiting", "fake_request_size"):
+        for name in (
+            "fake_sent",
+            "fake_max_waiting",
+            "fake_request_size",
+            "fake_sends",
+            "fake_sliced",
+        ):
             getattr(library, name).restype = ctypes.c_size_t
         for name in ("fake_streams", "fake_resets"):
             getattr(library, name).restype = ctypes.c_uint64
@@ -93,6 +100,14 @@ class FakeEnvoy:
     @property
     def sent(self) -> int:
         return int(self._lib.fake_sent())
+
+    @property
+    def sends(self) -> int:
+        return int(self._lib.fake_sends())
+
+    @property
+    def sliced(self) -> int:
+        return int(self._lib.fake_sliced())
 
     @property
     def max_waiting(self) -> int:
@@ -179,3 +194,29 @@ def test_a_burst_handed_over_at_once_passes_a_stalled_caller_only_a_batch(
     assert WINDOW < len(envoy.caller_bytes()) < len(burst)
     # The next worker is told every message the caller got, and goes on after the last.
     assert len(envoy.last_request().delivered_messages) == len(delivered)
+
+
+@pytest.mark.parametrize("pad", [300, 1000, 5000, 9000])
+def test_what_the_relay_sends_envoy_copies_or_keeps_in_whole_pages(
+    envoy: FakeEnvoy, pad: int
+) -> None:
+    """Envoy keeps a piece of 512 bytes or more a filter sends as a slice of whole 4 KiB pages
+    (a 1 KB message: 4 KiB while it waits for a stalled caller): the relay sends whole pages
+    whole and the rest in pieces under 512 bytes, messages one at a time, a burst, or what it
+    held, and the caller gets the same bytes."""
+    sent = b""
+    for i in range(50):
+        envoy.worker_sends(token(i, pad))
+        sent += token(i, pad)
+        envoy.caller_reads_everything()
+        envoy.run_posted()
+    burst = b"".join(token(i, pad) for i in range(50, 150))
+    envoy.worker_sends(burst)
+    for _ in range(10):
+        envoy.caller_reads_everything()
+        envoy.run_posted()
+    assert envoy.sends > 50
+    assert envoy.sliced == 0
+    delivered = messages(envoy.caller_bytes())
+    assert envoy.caller_bytes().startswith(sent)
+    assert [t.index for t in delivered] == list(range(len(delivered)))
