@@ -793,10 +793,10 @@ void envoy_dynamic_module_on_http_filter_http_stream_data(dm_envoy envoy, const 
     f->messages++;
     passed = whole;
     if (passed - routed >= f->cfg->send_batch_bytes) {
-      /* Envoy can hand over hundreds of kilobytes of a stream at once (what it had buffered
-         for it: 262 KB seen). They go on a batch at a time: Envoy raises the caller's
-         watermark while a batch goes in, so what follows is held, and past max_held_bytes
-         dropped, instead of passing whole a caller that cannot take it. */
+      /* What Envoy hands over at once (a frame, or what it buffered for the stream) goes on
+         a batch at a time: Envoy raises the caller's watermark while a batch goes in, so
+         what follows is held, and past max_held_bytes dropped, instead of passing whole a
+         caller that cannot take it. */
       send_or_hold(f, f->partial.p + routed, passed - routed);
       routed = passed;
       if (f->done || !f->live) return; /* the send ended the caller's stream */

@@ -215,3 +215,38 @@ def test_a_prompts_logprobs_keep_its_tokens_ranks_and_the_asked_alternatives() -
     assert made.logprobs[2][:2] == (-0.1, 1)
     # Echo without logprobs: the text and ids only.
     assert prompt_part("Hi", [7], None, 0, str).token_texts == ()
+
+
+def test_an_output_longer_than_a_message_goes_in_pieces_each_with_its_tokens_text() -> None:
+    """vLLM merges a request's outputs while its reader is behind (hundreds of tokens in one
+    output were seen): such an output goes out in pieces of at most max_message_tokens, each
+    with its tokens, their logprobs and their own text; the end and usage on the last."""
+    decoded = ["Hé", "llo", " wö", "rld", "!", " 日", "本"]
+    merged = output_tokens(
+        engine_output(list(range(1, 8)), "".join(decoded), decoded, finished=True).outputs[0],
+        10,
+        prompt_tokens=4,
+        top_logprobs=1,
+    )
+    merged.last, merged.completion_tokens = True, 17
+    pieces = merged.split(3)
+    assert [piece.index for piece in pieces] == [10, 13, 16]
+    assert [piece.token_ids for piece in pieces] == [[1, 2, 3], [4, 5, 6], [7]]
+    assert [piece.text for piece in pieces] == ["Héllo wö", "rld! 日", "本"]
+    assert [len(piece.logprobs) for piece in pieces] == [3, 3, 1]
+    messages = [token_message(piece) for piece in pieces]
+    assert [text for message in messages for text in texts(message)] == decoded
+    assert [message.finish_reason for message in messages] == [0, 0, token_pb2.FINISH_REASON_STOP]
+    assert [piece.last for piece in pieces] == [False, False, True]
+    assert pieces[-1].completion_tokens == 17
+    assert merged.split(7) == [merged]
+
+
+def test_an_output_without_per_token_text_puts_its_text_on_its_last_piece() -> None:
+    tokens = output_tokens(
+        engine_output([1, 2, 3, 4, 5], "abçde").outputs[0], 0, prompt_tokens=4, top_logprobs=0
+    )
+    pieces = tokens.split(2)
+    assert [piece.token_ids for piece in pieces] == [[1, 2], [3, 4], [5]]
+    assert [piece.text for piece in pieces] == ["", "", "abçde"]
+    assert [piece.lengths() for piece in pieces] == [[0, 0], [0, 0], [6]]

@@ -1,7 +1,7 @@
 """The edge's stream relay (envoy/relay/tokenmesh_relay.c) towards a caller that reads slower
 than its worker writes, with Envoy's side of the module ABI faked (tests/relay_fake_envoy.c):
-the test hands the relay the worker's bytes in the pieces it chooses, as Envoy may (it was
-seen to hand over 262 KB of one stream at once), and plays the caller's HTTP/2 codec, whose
+the test hands the relay the worker's bytes in the pieces it chooses (Envoy hands over a
+frame, or what it buffered for the stream, at once), and plays the caller's HTTP/2 codec, whose
 watermarks reach the relay from inside its sends as Envoy's do. Inside a real Envoy, with
 real streams, the relay is tests/unit/test_relay_module.py."""
 

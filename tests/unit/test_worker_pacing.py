@@ -267,3 +267,18 @@ async def test_without_a_hold_each_output_goes_alone() -> None:
     outputs: list[Item] = [tokens(i) for i in range(6)] + [tokens(6, last=True), None]
     messages = await asyncio.wait_for(received(engine_posting(outputs, 0.05, 0.0)), 10)
     assert [len(message.token_ids) for _, message in messages] == [1] * 7
+
+
+async def test_an_output_longer_than_a_message_goes_out_in_pieces() -> None:
+    """An engine output of 150 tokens (vLLM merged them while the worker's reader was behind)
+    goes out as messages of at most max_message_tokens, in order, the end on the last."""
+    long = Tokens(1, list(range(1, 151)), "x" * 150, text_lengths=[1] * 150)
+    outputs: list[Item] = [tokens(0), long, tokens(151, last=True), None]
+    messages = await asyncio.wait_for(received(engine_posting(outputs, 0.01, 0.0)), 10)
+    per_message = WorkerSettings().max_message_tokens
+    counts = [len(message.token_ids) for _, message in messages]
+    assert max(counts) <= per_message and sum(counts) == 152
+    assert [i for _, message in messages for i in message.token_ids] == list(range(152))
+    assert [message.last for _, message in messages][-1] and not any(
+        message.last for _, message in messages[:-1]
+    )

@@ -356,7 +356,8 @@ class WorkerSettings(ServiceSettings, SamplingLimits, ToolLimits):
         ge=1,
         description=(
             "Engine outputs that arrive while a stream's last message is still being written "
-            "go out together, at most this many tokens a message (one output is never split)."
+            "go out together, at most this many tokens a message (an engine output of more, "
+            "which vLLM makes while its reader is behind, goes out in several)."
         ),
     )
     stream_hold_max_ms: float = Field(

@@ -157,8 +157,7 @@ class VllmEngine:
             settings.stream_hold_lag_ms / 1000, settings.stream_hold_max_ms / 1000
         )
         self._handoff = Handoff(self._server_loop, self.pacing)
-        # Outputs merged into one message hold at most this many tokens together (one output is
-        # never split).
+        # A message holds at most this many tokens (merged outputs, or a piece of a longer one).
         self._per_message = settings.max_message_tokens
         self.load = load
         # The requests the engine holds, and its steps (marked by the stat logger given the
@@ -590,8 +589,9 @@ class VllmEngine:
     ) -> AsyncGenerator[Tokens, None]:
         """Yield the engine's tokens the moment they exist: each output alone while the caller
         keeps up, and the outputs that arrived while it was busy (writing the last message)
-        merged, up to max_message_tokens a message. While the server's loop is behind, a
-        message waits the pacing's hold after the last (the first and the end never wait).
+        merged; at most max_message_tokens a message (a longer output in several). While the
+        server's loop is behind, a message waits the pacing's hold after the last (the first
+        and the end never wait).
         Closing or cancelling the iterator before the end aborts the engine request, and calls
         on_abort once."""
         self.adapters.for_model(spec.model)  # an unknown name is NOT_FOUND before the engine
@@ -618,7 +618,11 @@ class VllmEngine:
                         merged = tokens
                     pending.popleft()
                 if merged is not None:
-                    yield merged
+                    # One engine output can hold hundreds of tokens (vLLM merges a request's
+                    # outputs while its reader is behind): 145 KB in one message with 20
+                    # logprobs a token, which the edge passes or holds whole.
+                    for piece in merged.split(self._per_message):
+                        yield piece
                     hold = self.pacing.hold
                     not_before = self._server_loop.time() + hold if hold else 0.0
                     continue

@@ -123,6 +123,53 @@ class Tokens:
         if later.last:
             self.last, self.completion_tokens = True, later.completion_tokens
 
+    def split(self, most: int) -> list[Tokens]:
+        """These tokens as consecutive pieces of at most `most` tokens each (themselves when
+        they fit): each piece has its tokens, their logprobs and the text they add (by their
+        text lengths, cut at whole characters; without lengths the whole text counts with the
+        last token, so it goes with the last piece); the prompt goes with the first piece, the
+        finish, the stream's end, reasoning and tool-call pieces with the last."""
+        if len(self.token_ids) <= most:
+            return [self]
+        lengths = self.lengths()
+        text = self.text.encode()
+        pieces: list[Tokens] = []
+        offset = 0
+        for start in range(0, len(self.token_ids), most):
+            end = min(start + most, len(self.token_ids))
+            final = end == len(self.token_ids)
+            cut = len(text) if final else whole_characters(text, offset + sum(lengths[start:end]))
+            head = sum(lengths[start : end - 1])
+            piece = Tokens(
+                self.index + start,
+                self.token_ids[start:end],
+                text[offset:cut].decode(),
+                prompt_tokens=self.prompt_tokens,
+                logprobs=self.logprobs[start:end],
+                # Each token's bytes, the last token's what the cut leaves it (all of the
+                # piece's text when the cut came before the others' end).
+                text_lengths=[*lengths[start : end - 1], cut - offset - head]
+                if cut - offset >= head
+                else None,
+                choice=self.choice,
+            )
+            offset = cut
+            if start == 0:
+                piece.prompt = self.prompt
+            if final:
+                piece.finish_reason = self.finish_reason
+                piece.last, piece.completion_tokens = self.last, self.completion_tokens
+                piece.reasoning, piece.tool_calls = self.reasoning, self.tool_calls
+            pieces.append(piece)
+        return pieces
+
+
+def whole_characters(text: bytes, at: int) -> int:
+    """`at`, or the nearest position before it that starts a UTF-8 character of text."""
+    while 0 < at < len(text) and (text[at] & 0xC0) == 0x80:
+        at -= 1
+    return at
+
 
 def join_pieces(earlier: list[ToolCallPiece], later: list[ToolCallPiece]) -> list[ToolCallPiece]:
     """Tool-call pieces of two consecutive outputs as one message's: a later piece of the call
