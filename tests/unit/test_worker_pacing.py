@@ -102,8 +102,7 @@ def test_pacing_refuses_meaningless_settings(target: float, cap: float, period: 
 
 
 def test_the_worker_settings_make_the_pacing() -> None:
-    assert WorkerSettings().stream_hold_max_ms == 0  # off until decision 0039's open point
-    assert WorkerSettings(stream_hold_max_ms=50).stream_hold_max_ms == 50
+    assert WorkerSettings().stream_hold_max_ms == 50
     with pytest.raises(ValueError, match="stream_hold_lag_ms"):
         WorkerSettings(stream_hold_lag_ms=0)
 

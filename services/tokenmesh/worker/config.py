@@ -361,14 +361,12 @@ class WorkerSettings(ServiceSettings, SamplingLimits, ToolLimits):
         ),
     )
     stream_hold_max_ms: float = Field(
-        default=0,
+        default=50,
         ge=0,
         description=(
             "While the server loop is behind (stream_hold_lag_ms), each stream sends at most "
             "one message per hold, up to this many ms: its later tokens gather, its first and "
-            "its end go at once (decision 0039, measured at 50). 0 (the default until a "
-            "stalled caller's cost through the stream relay with it is understood): every "
-            "output goes the moment it exists."
+            "its end go at once (decision 0039). 0: every output goes the moment it exists."
         ),
     )
     stream_hold_lag_ms: float = Field(

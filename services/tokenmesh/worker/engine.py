@@ -621,8 +621,11 @@ class VllmEngine:
                     # One engine output can hold hundreds of tokens (vLLM merges a request's
                     # outputs while its reader is behind): 145 KB in one message with 20
                     # logprobs a token, which the edge passes or holds whole.
-                    for piece in merged.split(self._per_message):
-                        yield piece
+                    if len(merged.token_ids) <= self._per_message:
+                        yield merged
+                    else:
+                        for piece in merged.split(self._per_message):
+                            yield piece
                     hold = self.pacing.hold
                     not_before = self._server_loop.time() + hold if hold else 0.0
                     continue

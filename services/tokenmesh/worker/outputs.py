@@ -124,51 +124,36 @@ class Tokens:
             self.last, self.completion_tokens = True, later.completion_tokens
 
     def split(self, most: int) -> list[Tokens]:
-        """These tokens as consecutive pieces of at most `most` tokens each (themselves when
-        they fit): each piece has its tokens, their logprobs and the text they add (by their
-        text lengths, cut at whole characters; without lengths the whole text counts with the
-        last token, so it goes with the last piece); the prompt goes with the first piece, the
-        finish, the stream's end, reasoning and tool-call pieces with the last."""
-        if len(self.token_ids) <= most:
-            return [self]
+        """These tokens (more than `most`) as consecutive pieces of at most `most` tokens each:
+        each piece has its tokens, their logprobs and the text they add by their text lengths
+        (without lengths the whole text counts with the last token, so it goes with the last
+        piece); the prompt goes with the first piece, the finish, the stream's end, reasoning
+        and tool-call pieces with the last. Text lengths always end at whole characters: they
+        come from the tokens' decoded strings (split_text), or put all the text on the last."""
         lengths = self.lengths()
         text = self.text.encode()
         pieces: list[Tokens] = []
         offset = 0
         for start in range(0, len(self.token_ids), most):
-            end = min(start + most, len(self.token_ids))
-            final = end == len(self.token_ids)
-            cut = len(text) if final else whole_characters(text, offset + sum(lengths[start:end]))
-            head = sum(lengths[start : end - 1])
+            end = start + most
+            size = sum(lengths[start:end])
             piece = Tokens(
                 self.index + start,
                 self.token_ids[start:end],
-                text[offset:cut].decode(),
+                text[offset : offset + size].decode(),
                 prompt_tokens=self.prompt_tokens,
                 logprobs=self.logprobs[start:end],
-                # Each token's bytes, the last token's what the cut leaves it (all of the
-                # piece's text when the cut came before the others' end).
-                text_lengths=[*lengths[start : end - 1], cut - offset - head]
-                if cut - offset >= head
-                else None,
+                text_lengths=lengths[start:end],
                 choice=self.choice,
             )
-            offset = cut
-            if start == 0:
-                piece.prompt = self.prompt
-            if final:
-                piece.finish_reason = self.finish_reason
-                piece.last, piece.completion_tokens = self.last, self.completion_tokens
-                piece.reasoning, piece.tool_calls = self.reasoning, self.tool_calls
+            offset += size
             pieces.append(piece)
+        pieces[0].prompt = self.prompt
+        last = pieces[-1]
+        last.finish_reason = self.finish_reason
+        last.last, last.completion_tokens = self.last, self.completion_tokens
+        last.reasoning, last.tool_calls = self.reasoning, self.tool_calls
         return pieces
-
-
-def whole_characters(text: bytes, at: int) -> int:
-    """`at`, or the nearest position before it that starts a UTF-8 character of text."""
-    while 0 < at < len(text) and (text[at] & 0xC0) == 0x80:
-        at -= 1
-    return at
 
 
 def join_pieces(earlier: list[ToolCallPiece], later: list[ToolCallPiece]) -> list[ToolCallPiece]:
