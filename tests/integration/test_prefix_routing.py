@@ -243,7 +243,10 @@ async def test_the_picker_spreads_a_hot_prefix_by_load(
     picker_edge: MeshSettings, picked: llm_pb2_grpc.LLMServiceStub
 ) -> None:
     """16 streams of one prefix at once: its worker takes them while it is at most a couple of
-    streams ahead of the other, which then takes its share."""
+    streams ahead of the other, which then takes its share. How the 16 split is not asserted:
+    the mesh's two gateways each count only their own picks between the control plane's
+    reports, so the split follows where the reports fall in the burst (9/7 either way seen);
+    the one picker's bounded-load rule is test_picker.py's."""
     hot = prefix("heat")
     before = requests_by_host(picker_edge)
     await generate(picked, f"{hot} alone")
@@ -255,9 +258,7 @@ async def test_the_picker_spreads_a_hot_prefix_by_load(
     assert counts == [64] * 16
     spread = requests_by_host(picker_edge) - before
     assert sum(spread.values()) == 16
-    assert len(spread) == 2, spread
-    # Its own worker still takes the larger share.
-    assert spread[home] >= 8, spread
+    assert len(spread) == 2 and spread[home] > 0, spread
 
 
 async def worker_reported(mesh: LocalMesh, address: str, serving: bool, within: float) -> None:

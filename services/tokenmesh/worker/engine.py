@@ -14,6 +14,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
+from vllm import envs as vllm_envs
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMValidationError
 from vllm.lora.request import LoRARequest
@@ -257,6 +258,11 @@ class VllmEngine:
         # model's Python objects) leaves the collector's view, so a full collection no longer
         # walks it and stops both loops for a second.
         freeze_gc_heap()
+        # As vLLM's engine processes do once started: each read of a vLLM variable (one per
+        # engine output, in the output processing this process runs) is then a cached value,
+        # not a parse of the environment (0.4 against 2.4 µs measured). The worker sets
+        # vLLM's variables before the engine starts (configure_vllm_environment), never after.
+        vllm_envs.enable_envs_cache()
         return engine
 
     async def warm_up(self) -> None:
