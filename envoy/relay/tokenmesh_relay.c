@@ -378,7 +378,7 @@ static void send_data(filter *f, const char *p, size_t n, bool end) {
                                                           end && pages == n);
   }
   for (size_t at = pages; at < n;) {
-    size_t piece = n - at > COPIED && n - pages >= 512 ? COPIED : n - at;
+    size_t piece = n - at > COPIED ? COPIED : n - at;
     envoy_dynamic_module_callback_http_send_response_data(f->envoy, (dm_buf){p + at, piece},
                                                           end && at + piece == n);
     at += piece;
